@@ -1,0 +1,447 @@
+"""Tokenizers: a character vocabulary and SentencePiece (BPE or unigram), both cached on disk.
+
+All tokenizers share the special ids pad=0, bos=1, eos=2, unk=3 so models and losses never
+need to know which tokenizer produced a batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "PAD_ID",
+    "TOKENIZER_KINDS",
+    "UNK_ID",
+    "CharTokenizer",
+    "SentencePieceTokenizer",
+    "Tokenizer",
+    "build_tokenizer",
+]
+
+log = logging.getLogger(__name__)
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+TOKENIZER_KINDS = ("char", "bpe", "unigram")
+
+# Bump when the on-disk format or the training recipe changes so old caches are not reused.
+_CACHE_VERSION = 1
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What every posenc tokenizer provides."""
+
+    vocab_size: int
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    unk_id: int
+
+    def encode(self, text: str) -> list[int]:
+        """Map text to token ids (no bos/eos added)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Map token ids back to text, dropping pad/bos/eos."""
+        ...
+
+
+class CharTokenizer:
+    """Character-level tokenizer: ids 0-3 are pad/bos/eos/unk, then the sorted characters.
+
+    Args:
+        chars: Characters of the vocabulary; duplicates are removed and the rest sorted so the
+            same character set always yields the same ids.
+
+    Raises:
+        ValueError: ``chars`` holds a string that is not exactly one character.
+    """
+
+    pad_id = PAD_ID
+    bos_id = BOS_ID
+    eos_id = EOS_ID
+    unk_id = UNK_ID
+    # What an unknown id decodes to: visible in samples, but never confused with real text.
+    unk_text = "\ufffd"
+
+    def __init__(self, chars: Iterable[str]) -> None:
+        unique = sorted(set(chars))
+        bad = [c for c in unique if len(c) != 1]
+        if bad:
+            raise ValueError(
+                f"CharTokenizer vocabulary entries must be single characters, got {bad[:5]!r}."
+            )
+        self.chars: list[str] = unique
+        self._offset = UNK_ID + 1
+        self._to_id = {c: i + self._offset for i, c in enumerate(unique)}
+        self.vocab_size: int = len(unique) + self._offset
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str]) -> CharTokenizer:
+        """Build the vocabulary from every character that occurs in ``texts``.
+
+        Args:
+            texts: Training texts.
+
+        Returns:
+            The tokenizer.
+        """
+        seen: set[str] = set()
+        for text in texts:
+            seen.update(text)
+        return cls(seen)
+
+    def encode(self, text: str) -> list[int]:
+        """Map each character to its id; characters outside the vocabulary map to ``unk_id``.
+
+        Args:
+            text: Any string, including megabyte-long ones.
+
+        Returns:
+            One id per character, ``len(text)`` ids.
+        """
+        get = self._to_id.get
+        return [get(c, UNK_ID) for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Map ids back to characters, dropping pad/bos/eos; unk becomes U+FFFD.
+
+        Args:
+            ids: Token ids in ``[0, vocab_size)``.
+
+        Returns:
+            The decoded string.
+
+        Raises:
+            ValueError: An id is outside ``[0, vocab_size)``.
+        """
+        out: list[str] = []
+        for i in ids:
+            i = int(i)
+            if i >= self._offset and i < self.vocab_size:
+                out.append(self.chars[i - self._offset])
+            elif i == UNK_ID:
+                out.append(self.unk_text)
+            elif i not in (PAD_ID, BOS_ID, EOS_ID):
+                raise ValueError(
+                    f"token id {i} is outside this CharTokenizer's vocabulary "
+                    f"[0, {self.vocab_size}); was it produced by another tokenizer?"
+                )
+        return "".join(out)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the vocabulary as JSON, atomically (temp file then rename).
+
+        Args:
+            path: Destination ``.json`` file; parent folders are created.
+        """
+        payload = {"kind": "char", "version": _CACHE_VERSION, "chars": self.chars}
+        _atomic_write_text(Path(path), json.dumps(payload, ensure_ascii=False))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CharTokenizer:
+        """Read a vocabulary written by :meth:`save`.
+
+        Args:
+            path: JSON file.
+
+        Returns:
+            The tokenizer.
+
+        Raises:
+            ValueError: The file is not a CharTokenizer JSON file.
+        """
+        try:
+            payload = json.loads(Path(path).read_text(encoding="utf-8"))
+            chars = payload["chars"]
+            if payload.get("kind") != "char" or not isinstance(chars, list):
+                raise TypeError("not a char tokenizer payload")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"{path} is not a valid CharTokenizer file ({err}); delete it to rebuild it."
+            ) from err
+        return cls(chars)
+
+
+class SentencePieceTokenizer:
+    """Wrapper around a trained SentencePiece model with posenc's special ids.
+
+    Newlines are handled outside SentencePiece (which would normalise them to spaces): text is
+    split at ``"\\n"``, each line is encoded, and the reserved control symbol ``<nl>`` is put
+    between lines, so multi-line text (e.g. a whole LM corpus) round-trips its line structure.
+
+    Args:
+        model_file: Path of a ``.model`` file trained by :meth:`train`.
+
+    Raises:
+        ValueError: The file cannot be loaded as a SentencePiece model or lacks posenc's ids.
+    """
+
+    NEWLINE = "<nl>"
+
+    def __init__(self, model_file: str | os.PathLike[str]) -> None:
+        import sentencepiece as spm
+
+        self.model_file = Path(model_file)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(self.model_file))
+        except (OSError, RuntimeError) as err:
+            raise ValueError(
+                f"cannot load SentencePiece model {self.model_file} ({err}); delete it so it is "
+                "retrained."
+            ) from err
+        sp = self._sp
+        self.vocab_size: int = sp.get_piece_size()
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (
+            sp.pad_id(), sp.bos_id(), sp.eos_id(), sp.unk_id()
+        )
+        if (self.pad_id, self.bos_id, self.eos_id, self.unk_id) != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
+            raise ValueError(
+                f"SentencePiece model {self.model_file} has pad/bos/eos/unk ids "
+                f"{(self.pad_id, self.bos_id, self.eos_id, self.unk_id)}, posenc needs "
+                f"{(PAD_ID, BOS_ID, EOS_ID, UNK_ID)}; train it with SentencePieceTokenizer.train."
+            )
+        nl = sp.piece_to_id(self.NEWLINE)
+        # piece_to_id answers unk for absent pieces; then newlines fall back to spaces.
+        self.newline_id: int | None = None if nl == UNK_ID else nl
+
+    @staticmethod
+    def train(
+        texts: Sequence[str],
+        model_file: str | os.PathLike[str],
+        *,
+        model_type: str = "bpe",
+        vocab_size: int = 8000,
+        character_coverage: float = 1.0,
+        input_sentence_size: int = 200_000,
+        num_threads: int = 2,
+    ) -> SentencePieceTokenizer:
+        """Train a model on ``texts`` and write it atomically to ``model_file``.
+
+        Args:
+            texts: Training texts; each is split into lines and empty lines are dropped, so a
+                1 MB single-string corpus trains as ordinary sentences.
+            model_file: Destination ``.model`` path; parent folders are created.
+            model_type: ``"bpe"`` or ``"unigram"``.
+            vocab_size: Number of pieces including the 4 specials and ``<nl>``.
+            character_coverage: Fraction of characters covered by the vocabulary; 1.0 keeps
+                every character (right for small alphabets), ~0.9995 suits CJK.
+            input_sentence_size: At most this many lines are sampled (shuffled) for training,
+                which bounds training time on large corpora.
+            num_threads: Trainer threads.
+
+        Returns:
+            The trained tokenizer, loaded from ``model_file``.
+
+        Raises:
+            ValueError: Bad settings, no non-empty training line, or SentencePiece rejected the
+                settings (e.g. ``vocab_size`` larger than the corpus supports).
+        """
+        import sentencepiece as spm
+
+        if model_type not in ("bpe", "unigram"):
+            raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}.")
+        if not isinstance(vocab_size, int) or vocab_size < 8:
+            raise ValueError(f"vocab_size must be an int >= 8, got {vocab_size!r}.")
+        if not 0.0 < character_coverage <= 1.0:
+            raise ValueError(
+                f"character_coverage must be in (0, 1], got {character_coverage!r}."
+            )
+        model_file = Path(model_file)
+        model_file.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=model_file.parent, prefix=".spm-train-") as tmp:
+            corpus = Path(tmp) / "corpus.txt"
+            n_lines = 0
+            with corpus.open("w", encoding="utf-8") as f:
+                for text in texts:
+                    for line in text.splitlines():
+                        if line.strip():
+                            f.write(line)
+                            f.write("\n")
+                            n_lines += 1
+            if n_lines == 0:
+                raise ValueError("cannot train SentencePiece: the training texts hold no text.")
+            prefix = Path(tmp) / "model"
+            try:
+                spm.SentencePieceTrainer.train(
+                    input=str(corpus),
+                    model_prefix=str(prefix),
+                    model_type=model_type,
+                    vocab_size=vocab_size,
+                    character_coverage=character_coverage,
+                    pad_id=PAD_ID,
+                    bos_id=BOS_ID,
+                    eos_id=EOS_ID,
+                    unk_id=UNK_ID,
+                    control_symbols=[SentencePieceTokenizer.NEWLINE],
+                    input_sentence_size=input_sentence_size,
+                    shuffle_input_sentence=True,
+                    num_threads=num_threads,
+                    minloglevel=2,
+                )
+            except RuntimeError as err:
+                raise ValueError(
+                    f"SentencePiece training ({model_type}, vocab_size={vocab_size}) on "
+                    f"{n_lines} lines failed: {err}. Lower vocab_size or supply more text."
+                ) from err
+            # Rename from the same folder tree: readers never see a partially written model.
+            os.replace(prefix.with_suffix(".model"), model_file)
+        return SentencePieceTokenizer(model_file)
+
+    def encode(self, text: str) -> list[int]:
+        """Encode text; newlines become the ``<nl>`` id.
+
+        Args:
+            text: Any string; long texts are encoded line by line in one batched call.
+
+        Returns:
+            Token ids (no bos/eos added).
+        """
+        lines = text.split("\n")
+        if self.newline_id is None:
+            return list(self._sp.encode(" ".join(lines)))
+        pieces = self._sp.encode(lines)
+        out: list[int] = list(pieces[0])
+        for piece in pieces[1:]:
+            out.append(self.newline_id)
+            out.extend(piece)
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decode ids, dropping pad/bos/eos; ``<nl>`` becomes ``"\\n"``.
+
+        Args:
+            ids: Token ids in ``[0, vocab_size)``.
+
+        Returns:
+            The decoded text.
+
+        Raises:
+            ValueError: An id is outside ``[0, vocab_size)``.
+        """
+        drop = (PAD_ID, BOS_ID, EOS_ID)
+        lines: list[list[int]] = [[]]
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(
+                    f"token id {i} is outside this SentencePiece vocabulary [0, {self.vocab_size})."
+                )
+            if i == self.newline_id:
+                lines.append([])
+            elif i not in drop:
+                lines[-1].append(i)
+        return "\n".join(self._sp.decode(line) for line in lines)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _cache_key(kind: str, texts: Sequence[str], settings: dict[str, Any]) -> str:
+    """sha256 over the kind, settings and every training text (length-prefixed, unambiguous)."""
+    h = hashlib.sha256()
+    header = {"kind": kind, "settings": settings, "version": _CACHE_VERSION}
+    h.update(json.dumps(header, sort_keys=True).encode())
+    for text in texts:
+        data = text.encode("utf-8", errors="surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+_SP_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 8000,
+    "character_coverage": 1.0,
+    "input_sentence_size": 200_000,
+    "num_threads": 2,
+}
+
+
+def build_tokenizer(
+    kind: str, texts: Sequence[str], cache_dir: str | os.PathLike[str], **settings: Any
+) -> Tokenizer:
+    """Build (or load from cache) a tokenizer trained on ``texts`` only.
+
+    The cache file is ``cache_dir/<key>.json`` (char) or ``cache_dir/<key>.model``
+    (SentencePiece), where ``key`` is a sha256 over the kind, the settings and the training
+    texts: changed data or settings retrain, unchanged ones reuse the file. A cached file that
+    fails to load, or whose vocabulary size disagrees with ``vocab_size``, is logged as a
+    warning and rebuilt.
+
+    Args:
+        kind: ``"char"``, ``"bpe"`` or ``"unigram"``.
+        texts: Training texts (e.g. ``[train_split]``); never pass validation or test text.
+        cache_dir: Folder for cached tokenizers; created if missing.
+        **settings: For ``"bpe"``/``"unigram"``: ``vocab_size`` (8000),
+            ``character_coverage`` (1.0), ``input_sentence_size`` (200000), ``num_threads`` (2).
+            ``"char"`` takes none.
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        ValueError: Unknown ``kind`` or setting, or empty ``texts``.
+    """
+    if kind not in TOKENIZER_KINDS:
+        raise ValueError(
+            f"unknown tokenizer kind {kind!r}; allowed kinds are {list(TOKENIZER_KINDS)}."
+        )
+    if isinstance(texts, str):
+        # A bare string would be hashed and trained on character by character by accident.
+        texts = [texts]
+    if not any(texts):
+        raise ValueError(f"cannot build a {kind!r} tokenizer from empty training texts.")
+    cache_dir = Path(cache_dir).expanduser()
+    allowed = {} if kind == "char" else _SP_DEFAULTS
+    unknown = sorted(set(settings) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"unknown settings {unknown} for tokenizer kind {kind!r}; allowed settings are "
+            f"{sorted(allowed) or 'none'}."
+        )
+    resolved = {**allowed, **settings}
+    key = _cache_key(kind, texts, resolved)
+
+    if kind == "char":
+        path = cache_dir / f"{key}.json"
+        if path.exists():
+            try:
+                return CharTokenizer.load(path)
+            except ValueError as err:
+                log.warning("rebuilding corrupt cached char tokenizer %s: %s", path, err)
+        tok = CharTokenizer.from_texts(texts)
+        tok.save(path)
+        return tok
+
+    path = cache_dir / f"{key}.model"
+    if path.exists():
+        try:
+            sp_tok = SentencePieceTokenizer(path)
+        except ValueError as err:
+            log.warning("rebuilding corrupt cached SentencePiece model %s: %s", path, err)
+        else:
+            if sp_tok.vocab_size == resolved["vocab_size"]:
+                return sp_tok
+            log.warning(
+                "rebuilding cached SentencePiece model %s: vocab size %d, expected %d",
+                path, sp_tok.vocab_size, resolved["vocab_size"],
+            )
+    return SentencePieceTokenizer.train(texts, path, model_type=kind, **resolved)

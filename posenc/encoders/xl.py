@@ -1,0 +1,92 @@
+"""Transformer-XL relative attention (Dai et al. 2019, section 3.3).
+
+Notation: B batch, H heads, T queries, S keys, D head dim, C d_model, L distances.
+
+The score of query i on key j is
+
+    (q_i + u) . k_j  +  (q_i + v) . W_r R_{i-j}
+
+with R the sinusoid of the distance ``i - j``, ``W_r`` a per-layer projection and
+``u, v`` global per-head vectors shared by all layers. Instead of the paper's
+"relative shift" (which fills the upper triangle with wrong values and is only
+right under a causal mask) we score each query against the L distinct distances
+present, ``(B, H, T, L)``, and gather the pair each (i, j) needs. That is exact for
+causal, bidirectional and arbitrary (offset, windowed) positions.
+
+Cross-attention: nothing (no relative distance between two sequences).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from posenc.encoders.base import (
+    AttentionContext,
+    AttentionPositional,
+    AttnKind,
+    PositionalEncoder,
+    gather_rel,
+)
+from posenc.encoders.registry import register
+from posenc.encoders.sinusoidal import sinusoid
+
+
+class _XLAttention(AttentionPositional):
+    def __init__(self, *, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.w_r = nn.Linear(d_model, d_model, bias=False)  # per-layer W_{k,R}
+
+    def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
+        x = ctx.extra
+        r = self.w_r(x["R"].to(q.dtype))  # (L, H*D)
+        r = r.unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, L, D)
+        per_dist = (q + x["v"][:, None].to(q.dtype)) @ r.transpose(-1, -2)  # (B, H, T, L)
+        return gather_rel(per_dist, x["slot"]) * self.scale(q.shape[-1])
+
+    def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+        return q + ctx.extra["u"][:, None].to(q.dtype), k  # (H, 1, D) over (B, H, T, D)
+
+
+@register("xl")
+class TransformerXL(PositionalEncoder):
+    """Transformer-XL relative positional attention (without segment recurrence).
+
+    Args:
+        base: Wavelength base of the sinusoid R.
+    """
+
+    relative = True
+
+    def __init__(self, *, d_model: int, n_heads: int, n_layers: int,
+                 base: float = 10000.0) -> None:
+        super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
+        if d_model % 2:
+            raise ValueError(f"xl: d_model must be even for the sinusoid R, got {d_model}")
+        self.base = base
+        self.u = nn.Parameter(torch.randn(n_heads, self.head_dim) * 0.02)
+        self.v = nn.Parameter(torch.randn(n_heads, self.head_dim) * 0.02)
+
+    def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
+        ctx = super().context(q_pos, k_pos, kind)
+        if kind is AttnKind.CROSS:
+            return ctx
+        rel = ctx.rel()  # (B|1, T, S), i - j
+        if kind is AttnKind.CAUSAL:
+            # Keys after the query are masked out anyway; don't build their distances.
+            rel = rel.clamp(min=0)
+        lo, hi = int(rel.min()), int(rel.max())
+        dist = torch.arange(lo, hi + 1, device=rel.device)
+        ctx.extra.update(
+            R=sinusoid(dist, self.d_model, base=self.base),  # (L, C) float32
+            slot=rel - lo,
+            u=self.u,
+            v=self.v,
+        )
+        return ctx
+
+    def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
+        if kind is AttnKind.CROSS:
+            return AttentionPositional()
+        return _XLAttention(d_model=self.d_model, n_heads=self.n_heads)

@@ -1,0 +1,126 @@
+"""Multi-head attention with one straight path for every positional scheme.
+
+Notation: B batch, H heads, T queries, S keys, D head dim, C d_model.
+
+The module knows nothing of any scheme: it calls the hooks of its
+:class:`~posenc.encoders.base.AttentionPositional` in a fixed order and runs
+``scaled_dot_product_attention`` with the score terms as the additive mask. It
+takes an explicit-softmax path only when the scheme declares ``needs_probs``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind
+
+
+def attention_mask(*, bias: Tensor | None, causal: bool, key_valid: Tensor | None,
+                   t: int, s: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+    """Combine score bias, causal mask and key padding into one additive mask.
+
+    Causality is by index: with S >= T keys (a cache), query i sees keys
+    ``j <= i + S - T``.
+
+    Args:
+        bias: ``(B|1, H|1, T, S)`` additive logits or None.
+        causal: Mask keys after each query.
+        key_valid: ``(B, S)`` bool, True for real (non-padding) keys, or None.
+        t: Query length T.
+        s: Key length S.
+        dtype: Mask dtype (must match the queries for SDPA).
+        device: Mask device.
+
+    Returns:
+        ``(B|1, H|1, T, S)`` additive mask with ``-inf`` where attention is not
+        allowed, or None when nothing is masked or added.
+    """
+    mask = None if bias is None else bias.to(dtype)
+    neg = float("-inf")
+    if causal:
+        i = torch.arange(t, device=device)[:, None]
+        j = torch.arange(s, device=device)[None, :]
+        blocked = torch.zeros(t, s, dtype=dtype, device=device).masked_fill(j > i + (s - t), neg)
+        mask = blocked if mask is None else mask + blocked
+    if key_valid is not None:
+        pad = torch.zeros(key_valid.shape, dtype=dtype, device=device)
+        pad = pad.masked_fill(~key_valid, neg)[:, None, None, :]  # (B, 1, 1, S)
+        mask = pad if mask is None else mask + pad
+    return mask
+
+
+class Attention(nn.Module):
+    """Multi-head self- or cross-attention.
+
+    Args:
+        d_model: Model width C.
+        n_heads: Number of heads H (must divide C).
+        dropout: Dropout on the attention probabilities.
+        pos: The positional hooks for this module (from ``encoder.for_attention``).
+    """
+
+    def __init__(self, *, d_model: int, n_heads: int, dropout: float,
+                 pos: AttentionPositional) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.pos = pos
+
+    def _heads(self, x: Tensor, proj: nn.Linear) -> Tensor:
+        return proj(x).unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2)  # (B,H,*,D)
+
+    def forward(self, x: Tensor, ctx: AttentionContext, *, memory: Tensor | None = None,
+                key_valid: Tensor | None = None) -> Tensor:
+        """Attend from ``x (B, T, C)`` to itself or to ``memory (B, S, C)``.
+
+        Args:
+            x: Queries' input.
+            ctx: The stack's shared positional context for this attention kind.
+            memory: Keys' and values' input for cross-attention; None for self.
+            key_valid: ``(B, S)`` True for real keys.
+
+        Returns:
+            ``(B, T, C)``.
+        """
+        src = x if memory is None else memory
+        q = self._heads(x, self.q_proj)  # (B, H, T, D)
+        k = self._heads(src, self.k_proj)  # (B, H, S, D)
+        v = self._heads(src, self.v_proj)  # (B, H, S, D)
+        t, s = q.shape[-2], k.shape[-2]
+
+        bias = self.pos.score_bias(q, k, ctx)
+        q, k = self.pos.transform_qk(q, k, ctx)
+        causal = ctx.kind is AttnKind.CAUSAL
+        scale = self.pos.scale(self.head_dim)
+        p_drop = self.dropout if self.training else 0.0
+
+        if self.pos.needs_probs:
+            mask = attention_mask(bias=bias, causal=causal, key_valid=key_valid, t=t, s=s,
+                                  dtype=q.dtype, device=q.device)
+            scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, T, S)
+            if mask is not None:
+                scores = scores + mask
+            probs = F.dropout(scores.float().softmax(-1).to(q.dtype), p_drop, self.training)
+            out = probs @ v
+            extra = self.pos.value_term(probs, ctx)
+            if extra is not None:
+                out = out + extra
+        elif bias is None and key_valid is None and causal and t == s:
+            # Nothing to add: let SDPA pick its fused causal kernel.
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop, is_causal=True,
+                                                 scale=scale)
+        else:
+            mask = attention_mask(bias=bias, causal=causal, key_valid=key_valid, t=t, s=s,
+                                  dtype=q.dtype, device=q.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p_drop,
+                                                 scale=scale)
+        return self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, T, C)

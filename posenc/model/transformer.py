@@ -1,0 +1,234 @@
+"""The one shared transformer: a decoder-only LM and an encoder-decoder translator.
+
+Notation: B batch, T target/query length, S source length, C d_model, V vocabulary.
+
+Both are built from :class:`Stack`, which owns one positional encoder, builds its
+shared context once per forward pass and hands it to every layer. Positions are
+explicit ``(B|1, T)`` integer tensors; by default ``0 .. T-1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from posenc.encoders import registry
+from posenc.encoders.base import AttnKind, PositionalEncoder, positions_like
+from posenc.model.layers import Block
+
+EncoderFactory = Callable[..., PositionalEncoder]
+
+
+def encoder_factory(encoder: str | EncoderFactory) -> EncoderFactory:
+    """Accept a registered name (``"rope"``) or a factory (a Hydra ``_partial_``)."""
+    return functools.partial(registry.get(encoder)) if isinstance(encoder, str) else encoder
+
+
+class Stack(nn.Module):
+    """Embedding hook, then ``n_layers`` pre-LN blocks, then a final LayerNorm.
+
+    Args:
+        encoder: Positional encoder of this stack.
+        n_layers: Number of blocks.
+        d_model: Width C.
+        n_heads: Heads H.
+        d_ff: Feed-forward hidden width.
+        dropout: Dropout probability.
+        causal: Causal (decoder) or bidirectional (encoder) self-attention.
+        cross: Whether blocks also attend to an encoder memory.
+    """
+
+    def __init__(self, *, encoder: PositionalEncoder, n_layers: int, d_model: int, n_heads: int,
+                 d_ff: int, dropout: float, causal: bool, cross: bool = False) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.kind = AttnKind.CAUSAL if causal else AttnKind.BIDIRECTIONAL
+        self.layers = nn.ModuleList(
+            Block(d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=dropout,
+                  self_pos=encoder.for_attention(layer=i, kind=self.kind),
+                  cross_pos=encoder.for_attention(layer=i, kind=AttnKind.CROSS) if cross else None)
+            for i in range(n_layers)
+        )
+        self.drop = nn.Dropout(dropout)
+        self.ln_f = nn.LayerNorm(d_model)
+
+    def forward(self, x: Tensor, positions: Tensor | None = None, *, valid: Tensor | None = None,
+                memory: Tensor | None = None, memory_positions: Tensor | None = None,
+                memory_valid: Tensor | None = None) -> Tensor:
+        """Run the stack.
+
+        Args:
+            x: Token embeddings ``(B, T, C)``.
+            positions: ``(B|1, T)`` integer positions; default ``0 .. T-1``.
+            valid: ``(B, T)`` True for real tokens (keys that may be attended).
+            memory: Encoder output ``(B, S, C)`` for cross-attention.
+            memory_positions: ``(B|1, S)`` positions of the memory.
+            memory_valid: ``(B, S)`` True for real source tokens.
+
+        Returns:
+            ``(B, T, C)``.
+        """
+        positions = positions_like(x) if positions is None else positions
+        x = self.drop(self.encoder.embed(x, positions))
+        ctx = self.encoder.context(positions, positions, self.kind)
+        cross_ctx = None
+        if memory is not None:
+            memory_positions = positions_like(memory) if memory_positions is None else memory_positions
+            cross_ctx = self.encoder.context(positions, memory_positions, AttnKind.CROSS)
+        for layer in self.layers:
+            x = layer(x, ctx, valid=valid, memory=memory, cross_ctx=cross_ctx,
+                      memory_valid=memory_valid)
+        return self.ln_f(x)
+
+
+class TokenEmbedding(nn.Embedding):
+    """Token embedding, optionally scaled by ``sqrt(C)`` (Vaswani et al. 2017, 3.4)."""
+
+    def __init__(self, vocab_size: int, d_model: int, *, scale: bool) -> None:
+        super().__init__(vocab_size, d_model)
+        self.scale = math.sqrt(d_model) if scale else 1.0
+        nn.init.normal_(self.weight, std=d_model**-0.5 if scale else 0.02)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return super().forward(ids) * self.scale
+
+
+def _init_weights(module: nn.Module, n_layers: int) -> None:
+    """GPT-2 style: N(0, 0.02) linears, residual projections scaled by 1/sqrt(2L)."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear):
+            std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("out_proj", "ff.2")) else 0.02
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+def _check_sizes(*, d_model: int, n_heads: int, n_layers: int, d_ff: int,
+                 dropout: float, vocab_size: int) -> None:
+    if vocab_size <= 0 or d_model <= 0 or n_heads <= 0 or n_layers <= 0 or d_ff <= 0:
+        raise ValueError(
+            f"model sizes must be positive: vocab_size={vocab_size}, d_model={d_model}, "
+            f"n_heads={n_heads}, n_layers={n_layers}, d_ff={d_ff}"
+        )
+    if d_model % n_heads:
+        raise ValueError(f"model.n_heads={n_heads} must divide model.d_model={d_model}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"model.dropout={dropout} must be in [0, 1)")
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only language model with a tied output layer.
+
+    Args:
+        vocab_size: V.
+        encoder: Encoder name or factory taking ``d_model, n_heads, n_layers``.
+        n_layers: Blocks.
+        d_model: Width C.
+        n_heads: Heads H.
+        d_ff: Feed-forward width (default 4C).
+        dropout: Dropout probability.
+        embed_scale: Multiply token embeddings by ``sqrt(C)``.
+    """
+
+    def __init__(self, *, vocab_size: int, encoder: str | EncoderFactory, n_layers: int = 4,
+                 d_model: int = 128, n_heads: int = 4, d_ff: int | None = None,
+                 dropout: float = 0.0, embed_scale: bool = False) -> None:
+        super().__init__()
+        d_ff = d_ff or 4 * d_model
+        _check_sizes(d_model=d_model, n_heads=n_heads, n_layers=n_layers, d_ff=d_ff,
+                     dropout=dropout, vocab_size=vocab_size)
+        pos = encoder_factory(encoder)(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
+        self.embed = TokenEmbedding(vocab_size, d_model, scale=embed_scale)
+        self.stack = Stack(encoder=pos, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+                           d_ff=d_ff, dropout=dropout, causal=True)
+        _init_weights(self.stack, n_layers)
+
+    @property
+    def encoder(self) -> PositionalEncoder:
+        return self.stack.encoder
+
+    def forward(self, ids: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Logits ``(B, T, V)`` for token ids ``(B, T)``."""
+        h = self.stack(self.embed(ids), positions)
+        return h @ self.embed.weight.T  # tied output layer
+
+
+class EncoderDecoder(nn.Module):
+    """Encoder-decoder translator; encoder self-attention is bidirectional, the
+    decoder's causal, and decoder blocks cross-attend to the encoder output.
+
+    Args:
+        src_vocab_size: Source vocabulary.
+        tgt_vocab_size: Target vocabulary.
+        encoder: Encoder name or factory; each stack gets its own instance.
+        n_layers: Blocks per stack (or use n_enc_layers / n_dec_layers).
+        d_model: Width C.
+        n_heads: Heads H.
+        d_ff: Feed-forward width (default 4C).
+        dropout: Dropout probability.
+        share_embeddings: One table for source, target and output (joint vocabulary).
+        embed_scale: Multiply token embeddings by ``sqrt(C)``.
+        n_enc_layers: Encoder blocks (default n_layers).
+        n_dec_layers: Decoder blocks (default n_layers).
+    """
+
+    def __init__(self, *, src_vocab_size: int, tgt_vocab_size: int,
+                 encoder: str | EncoderFactory, n_layers: int = 3, d_model: int = 256,
+                 n_heads: int = 4, d_ff: int | None = None, dropout: float = 0.1,
+                 share_embeddings: bool = True, embed_scale: bool = True,
+                 n_enc_layers: int | None = None, n_dec_layers: int | None = None) -> None:
+        super().__init__()
+        d_ff = d_ff or 4 * d_model
+        n_enc, n_dec = n_enc_layers or n_layers, n_dec_layers or n_layers
+        for v in (src_vocab_size, tgt_vocab_size):
+            _check_sizes(d_model=d_model, n_heads=n_heads, n_layers=min(n_enc, n_dec),
+                         d_ff=d_ff, dropout=dropout, vocab_size=v)
+        if share_embeddings and src_vocab_size != tgt_vocab_size:
+            raise ValueError(
+                f"share_embeddings needs one joint vocabulary, got source {src_vocab_size} "
+                f"and target {tgt_vocab_size}; set share_embeddings=false"
+            )
+        make = encoder_factory(encoder)
+        self.tgt_embed = TokenEmbedding(tgt_vocab_size, d_model, scale=embed_scale)
+        self.src_embed = (self.tgt_embed if share_embeddings
+                          else TokenEmbedding(src_vocab_size, d_model, scale=embed_scale))
+        self.encoder_stack = Stack(
+            encoder=make(d_model=d_model, n_heads=n_heads, n_layers=n_enc), n_layers=n_enc,
+            d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=dropout, causal=False)
+        self.decoder_stack = Stack(
+            encoder=make(d_model=d_model, n_heads=n_heads, n_layers=n_dec), n_layers=n_dec,
+            d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=dropout, causal=True,
+            cross=True)
+        _init_weights(self.encoder_stack, n_enc)
+        _init_weights(self.decoder_stack, n_dec)
+
+    def encode(self, src: Tensor, src_valid: Tensor | None = None,
+               src_positions: Tensor | None = None) -> Tensor:
+        """Encoder output ``(B, S, C)`` for source ids ``(B, S)``."""
+        return self.encoder_stack(self.src_embed(src), src_positions, valid=src_valid)
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, *, src_valid: Tensor | None = None,
+               tgt_positions: Tensor | None = None,
+               src_positions: Tensor | None = None) -> Tensor:
+        """Next-token logits ``(B, T, V)`` for decoder input ids ``(B, T)``."""
+        h = self.decoder_stack(self.tgt_embed(tgt_in), tgt_positions, memory=memory,
+                               memory_positions=src_positions, memory_valid=src_valid)
+        return h @ self.tgt_embed.weight.T
+
+    def forward(self, src: Tensor, tgt_in: Tensor, src_valid: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits ``(B, T, V)``.
+
+        Decoder padding needs no key mask: padding sits after the real tokens, and
+        the causal mask already keeps real queries from seeing it.
+        """
+        memory = self.encode(src, src_valid)
+        return self.decode(tgt_in, memory, src_valid=src_valid)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters (shared tensors counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
