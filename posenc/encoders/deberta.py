@@ -53,7 +53,8 @@ def log_bucket(rel: Tensor, bucket_size: int, max_distance: int) -> Tensor:
     """
     mid = bucket_size // 2
     mag = rel.abs()
-    ratio = torch.log(mag.clamp(min=mid).float() / mid) / math.log((max_distance - 1) / mid)
+    # float64: |r| = max_distance - 1 must give a ratio of exactly 1, not 1 + ulp.
+    ratio = torch.log(mag.clamp(min=mid).double() / mid) / math.log((max_distance - 1) / mid)
     far = mid + torch.ceil(ratio * (mid - 1)).long()
     return torch.where(mag <= mid, rel, torch.sign(rel) * far)
 
@@ -99,8 +100,17 @@ class DebertaRelative(PositionalEncoder):
 
     relative = True
 
-    def __init__(self, *, d_model: int, n_heads: int, n_layers: int, max_distance: int = 128,
-                 bucket_size: int = 32, c2p: bool = True, p2c: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        max_distance: int = 128,
+        bucket_size: int = 32,
+        c2p: bool = True,
+        p2c: bool = True,
+    ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if max_distance < 2:
             raise ValueError(f"deberta: max_distance must be >= 2, got {max_distance}")
@@ -118,7 +128,10 @@ class DebertaRelative(PositionalEncoder):
     def row(self, rel: Tensor) -> Tensor:
         """Row of the table for signed distances ``rel`` (delta in the paper)."""
         if self.bucket_size:
-            rel = log_bucket(rel, self.bucket_size, self.max_distance)
+            # Bucket each distinct distance once, then look the pairs up.
+            lo, hi = int(rel.min()), int(rel.max())
+            dist = torch.arange(lo, hi + 1, device=rel.device)
+            rel = log_bucket(dist, self.bucket_size, self.max_distance)[rel - lo]
         return (rel + self.span).clamp(0, 2 * self.span - 1)
 
     def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
@@ -136,5 +149,6 @@ class DebertaRelative(PositionalEncoder):
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:
             return AttentionPositional()
-        return _DebertaAttention(d_model=self.d_model, n_heads=self.n_heads, c2p=self.c2p,
-                                 p2c=self.p2c)
+        return _DebertaAttention(
+            d_model=self.d_model, n_heads=self.n_heads, c2p=self.c2p, p2c=self.p2c
+        )

@@ -21,7 +21,12 @@ class LearnedAbsolute(PositionalEncoder):
     """
 
     def __init__(
-        self, *, d_model: int, n_heads: int, n_layers: int, max_len: int = 1024,
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        max_len: int = 1024,
         init_std: float = 0.02,
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
@@ -40,4 +45,3 @@ class LearnedAbsolute(PositionalEncoder):
                 f"(before training) or evaluate at lengths <= {self.max_len}."
             )
         return x + self.table(positions).to(x.dtype)  # (B|1, T, C) broadcast over B
-

@@ -34,9 +34,7 @@ def get(name: str) -> type[PositionalEncoder]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(
-            f"unknown encoder {name!r}; available: {', '.join(available())}"
-        ) from None
+        raise ValueError(f"unknown encoder {name!r}; available: {', '.join(available())}") from None
 
 
 def build(name: str, **kwargs: Any) -> PositionalEncoder:

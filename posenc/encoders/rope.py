@@ -19,7 +19,7 @@ so their difference means nothing; queries and keys pass through unrotated.
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
 from posenc.encoders.registry import register
@@ -94,9 +94,17 @@ class RoPE(PositionalEncoder):
 
     relative = True
 
-    def __init__(self, *, d_model: int, n_heads: int, n_layers: int, base: float = 10000.0,
-                 layout: str = "interleaved", fraction: float = 1.0,
-                 cache_len: int = 2048) -> None:
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        base: float = 10000.0,
+        layout: str = "interleaved",
+        fraction: float = 1.0,
+        cache_len: int = 2048,
+    ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if layout not in LAYOUTS:
             raise ValueError(f"rope: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
@@ -113,7 +121,9 @@ class RoPE(PositionalEncoder):
         self.rot_dim = int(rot)
         self.base = float(base)
         self.layout = layout
-        self.register_buffer("inv_freq", rope_frequencies(self.rot_dim, self.base), persistent=False)
+        self.register_buffer(
+            "inv_freq", rope_frequencies(self.rot_dim, self.base), persistent=False
+        )
         self.register_buffer("_cos", torch.empty(0, self.rot_dim // 2), persistent=False)
         self.register_buffer("_sin", torch.empty(0, self.rot_dim // 2), persistent=False)
         self._grow(cache_len)

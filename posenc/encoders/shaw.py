@@ -76,8 +76,16 @@ class ShawRelative(PositionalEncoder):
 
     relative = True
 
-    def __init__(self, *, d_model: int, n_heads: int, n_layers: int, max_distance: int = 16,
-                 value: bool = True, per_layer: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        max_distance: int = 16,
+        value: bool = True,
+        per_layer: bool = True,
+    ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if max_distance < 1:
             raise ValueError(f"shaw: max_distance must be >= 1, got {max_distance}")
@@ -102,5 +110,6 @@ class ShawRelative(PositionalEncoder):
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:
             return AttentionPositional()
-        return _ShawAttention(k=self.max_distance, head_dim=self.head_dim, value=self.value,
-                              own_tables=self.per_layer)
+        return _ShawAttention(
+            k=self.max_distance, head_dim=self.head_dim, value=self.value, own_tables=self.per_layer
+        )

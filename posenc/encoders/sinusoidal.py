@@ -16,8 +16,9 @@ from posenc.encoders.registry import register
 LAYOUTS = ("interleaved", "concat")
 
 
-def sinusoid(positions: Tensor, dim: int, *, base: float = 10000.0,
-             layout: str = "interleaved") -> Tensor:
+def sinusoid(
+    positions: Tensor, dim: int, *, base: float = 10000.0, layout: str = "interleaved"
+) -> Tensor:
     """Sinusoidal features of (possibly negative) positions, computed in float32.
 
     Args:
@@ -36,7 +37,9 @@ def sinusoid(positions: Tensor, dim: int, *, base: float = 10000.0,
         raise ValueError(f"sinusoidal features need an even dimension, got {dim}")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sinusoid layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
-    inv_freq = base ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    inv_freq = base ** (
+        -torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim
+    )
     angle = positions.to(torch.float32)[..., None] * inv_freq  # (*, dim/2)
     if layout == "interleaved":
         return torch.stack((angle.sin(), angle.cos()), dim=-1).flatten(-2)
@@ -54,8 +57,15 @@ class Sinusoidal(PositionalEncoder):
         layout: ``interleaved`` (the paper) or ``concat``.
     """
 
-    def __init__(self, *, d_model: int, n_heads: int, n_layers: int, base: float = 10000.0,
-                 layout: str = "interleaved") -> None:
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        base: float = 10000.0,
+        layout: str = "interleaved",
+    ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if layout not in LAYOUTS:
             raise ValueError(

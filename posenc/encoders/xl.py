@@ -59,8 +59,7 @@ class TransformerXL(PositionalEncoder):
 
     relative = True
 
-    def __init__(self, *, d_model: int, n_heads: int, n_layers: int,
-                 base: float = 10000.0) -> None:
+    def __init__(self, *, d_model: int, n_heads: int, n_layers: int, base: float = 10000.0) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if d_model % 2:
             raise ValueError(f"xl: d_model must be even for the sinusoid R, got {d_model}")

@@ -3,5 +3,11 @@
 from posenc.model.attention import Attention, attention_mask
 from posenc.model.transformer import DecoderLM, EncoderDecoder, Stack, count_parameters
 
-__all__ = ["Attention", "DecoderLM", "EncoderDecoder", "Stack", "attention_mask",
-           "count_parameters"]
+__all__ = [
+    "Attention",
+    "DecoderLM",
+    "EncoderDecoder",
+    "Stack",
+    "attention_mask",
+    "count_parameters",
+]

@@ -17,8 +17,16 @@ from torch import Tensor, nn
 from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind
 
 
-def attention_mask(*, bias: Tensor | None, causal: bool, key_valid: Tensor | None,
-                   t: int, s: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+def attention_mask(
+    *,
+    bias: Tensor | None,
+    causal: bool,
+    key_valid: Tensor | None,
+    t: int,
+    s: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor | None:
     """Combine score bias, causal mask and key padding into one additive mask.
 
     Causality is by index: with S >= T keys (a cache), query i sees keys
@@ -61,8 +69,9 @@ class Attention(nn.Module):
         pos: The positional hooks for this module (from ``encoder.for_attention``).
     """
 
-    def __init__(self, *, d_model: int, n_heads: int, dropout: float,
-                 pos: AttentionPositional) -> None:
+    def __init__(
+        self, *, d_model: int, n_heads: int, dropout: float, pos: AttentionPositional
+    ) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
@@ -78,8 +87,14 @@ class Attention(nn.Module):
     def _heads(self, x: Tensor, proj: nn.Linear) -> Tensor:
         return proj(x).unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2)  # (B,H,*,D)
 
-    def forward(self, x: Tensor, ctx: AttentionContext, *, memory: Tensor | None = None,
-                key_valid: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        ctx: AttentionContext,
+        *,
+        memory: Tensor | None = None,
+        key_valid: Tensor | None = None,
+    ) -> Tensor:
         """Attend from ``x (B, T, C)`` to itself or to ``memory (B, S, C)``.
 
         Args:
@@ -104,8 +119,15 @@ class Attention(nn.Module):
         p_drop = self.dropout if self.training else 0.0
 
         if self.pos.needs_probs:
-            mask = attention_mask(bias=bias, causal=causal, key_valid=key_valid, t=t, s=s,
-                                  dtype=q.dtype, device=q.device)
+            mask = attention_mask(
+                bias=bias,
+                causal=causal,
+                key_valid=key_valid,
+                t=t,
+                s=s,
+                dtype=q.dtype,
+                device=q.device,
+            )
             scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, T, S)
             if mask is not None:
                 scores = scores + mask
@@ -116,11 +138,20 @@ class Attention(nn.Module):
                 out = out + extra
         elif bias is None and key_valid is None and causal and t == s:
             # Nothing to add: let SDPA pick its fused causal kernel.
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop, is_causal=True,
-                                                 scale=scale)
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p_drop, is_causal=True, scale=scale
+            )
         else:
-            mask = attention_mask(bias=bias, causal=causal, key_valid=key_valid, t=t, s=s,
-                                  dtype=q.dtype, device=q.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p_drop,
-                                                 scale=scale)
+            mask = attention_mask(
+                bias=bias,
+                causal=causal,
+                key_valid=key_valid,
+                t=t,
+                s=s,
+                dtype=q.dtype,
+                device=q.device,
+            )
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p_drop, scale=scale
+            )
         return self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, T, C)

@@ -12,8 +12,9 @@ class FeedForward(nn.Sequential):
     """Position-wise MLP ``C -> d_ff -> C`` with GELU."""
 
     def __init__(self, d_model: int, d_ff: int, dropout: float) -> None:
-        super().__init__(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model),
-                         nn.Dropout(dropout))
+        super().__init__(
+            nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model), nn.Dropout(dropout)
+        )
 
 
 class Block(nn.Module):
@@ -28,28 +29,55 @@ class Block(nn.Module):
         cross_pos: Positional hooks for cross-attention, or None for no cross-attention.
     """
 
-    def __init__(self, *, d_model: int, n_heads: int, d_ff: int, dropout: float,
-                 self_pos: AttentionPositional,
-                 cross_pos: AttentionPositional | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float,
+        self_pos: AttentionPositional,
+        cross_pos: AttentionPositional | None = None,
+    ) -> None:
         super().__init__()
         self.ln_self = nn.LayerNorm(d_model)
-        self.self_attn = Attention(d_model=d_model, n_heads=n_heads, dropout=dropout,
-                                   pos=self_pos)
+        self.self_attn = Attention(d_model=d_model, n_heads=n_heads, dropout=dropout, pos=self_pos)
         self.ln_cross = nn.LayerNorm(d_model) if cross_pos is not None else None
         self.cross_attn = (
             Attention(d_model=d_model, n_heads=n_heads, dropout=dropout, pos=cross_pos)
-            if cross_pos is not None else None
+            if cross_pos is not None
+            else None
         )
         self.ln_ff = nn.LayerNorm(d_model)
         self.ff = FeedForward(d_model, d_ff, dropout)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, ctx: AttentionContext, *, valid: Tensor | None = None,
-                memory: Tensor | None = None, cross_ctx: AttentionContext | None = None,
-                memory_valid: Tensor | None = None) -> Tensor:
-        """Args: x ``(B, T, C)``; valid ``(B, T)``; memory ``(B, S, C)``; memory_valid ``(B, S)``."""
+    def forward(
+        self,
+        x: Tensor,
+        ctx: AttentionContext,
+        *,
+        valid: Tensor | None = None,
+        memory: Tensor | None = None,
+        cross_ctx: AttentionContext | None = None,
+        memory_valid: Tensor | None = None,
+    ) -> Tensor:
+        """Run the block.
+
+        Args:
+            x: ``(B, T, C)``.
+            ctx: Self-attention context of the stack.
+            valid: ``(B, T)`` True for real tokens.
+            memory: ``(B, S, C)`` encoder output, for cross-attention.
+            cross_ctx: Cross-attention context of the stack.
+            memory_valid: ``(B, S)`` True for real source tokens.
+
+        Returns:
+            ``(B, T, C)``.
+        """
         x = x + self.drop(self.self_attn(self.ln_self(x), ctx, key_valid=valid))
         if self.cross_attn is not None and memory is not None:
-            x = x + self.drop(self.cross_attn(self.ln_cross(x), cross_ctx, memory=memory,
-                                              key_valid=memory_valid))
+            x = x + self.drop(
+                self.cross_attn(self.ln_cross(x), cross_ctx, memory=memory, key_valid=memory_valid)
+            )
         return x + self.ff(self.ln_ff(x))

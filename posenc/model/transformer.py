@@ -41,23 +41,45 @@ class Stack(nn.Module):
         cross: Whether blocks also attend to an encoder memory.
     """
 
-    def __init__(self, *, encoder: PositionalEncoder, n_layers: int, d_model: int, n_heads: int,
-                 d_ff: int, dropout: float, causal: bool, cross: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        encoder: PositionalEncoder,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float,
+        causal: bool,
+        cross: bool = False,
+    ) -> None:
         super().__init__()
         self.encoder = encoder
         self.kind = AttnKind.CAUSAL if causal else AttnKind.BIDIRECTIONAL
         self.layers = nn.ModuleList(
-            Block(d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=dropout,
-                  self_pos=encoder.for_attention(layer=i, kind=self.kind),
-                  cross_pos=encoder.for_attention(layer=i, kind=AttnKind.CROSS) if cross else None)
+            Block(
+                d_model=d_model,
+                n_heads=n_heads,
+                d_ff=d_ff,
+                dropout=dropout,
+                self_pos=encoder.for_attention(layer=i, kind=self.kind),
+                cross_pos=encoder.for_attention(layer=i, kind=AttnKind.CROSS) if cross else None,
+            )
             for i in range(n_layers)
         )
         self.drop = nn.Dropout(dropout)
         self.ln_f = nn.LayerNorm(d_model)
 
-    def forward(self, x: Tensor, positions: Tensor | None = None, *, valid: Tensor | None = None,
-                memory: Tensor | None = None, memory_positions: Tensor | None = None,
-                memory_valid: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor | None = None,
+        *,
+        valid: Tensor | None = None,
+        memory: Tensor | None = None,
+        memory_positions: Tensor | None = None,
+        memory_valid: Tensor | None = None,
+    ) -> Tensor:
         """Run the stack.
 
         Args:
@@ -76,11 +98,14 @@ class Stack(nn.Module):
         ctx = self.encoder.context(positions, positions, self.kind)
         cross_ctx = None
         if memory is not None:
-            memory_positions = positions_like(memory) if memory_positions is None else memory_positions
+            memory_positions = (
+                positions_like(memory) if memory_positions is None else memory_positions
+            )
             cross_ctx = self.encoder.context(positions, memory_positions, AttnKind.CROSS)
         for layer in self.layers:
-            x = layer(x, ctx, valid=valid, memory=memory, cross_ctx=cross_ctx,
-                      memory_valid=memory_valid)
+            x = layer(
+                x, ctx, valid=valid, memory=memory, cross_ctx=cross_ctx, memory_valid=memory_valid
+            )
         return self.ln_f(x)
 
 
@@ -106,8 +131,9 @@ def _init_weights(module: nn.Module, n_layers: int) -> None:
                 nn.init.zeros_(m.bias)
 
 
-def _check_sizes(*, d_model: int, n_heads: int, n_layers: int, d_ff: int,
-                 dropout: float, vocab_size: int) -> None:
+def _check_sizes(
+    *, d_model: int, n_heads: int, n_layers: int, d_ff: int, dropout: float, vocab_size: int
+) -> None:
     if vocab_size <= 0 or d_model <= 0 or n_heads <= 0 or n_layers <= 0 or d_ff <= 0:
         raise ValueError(
             f"model sizes must be positive: vocab_size={vocab_size}, d_model={d_model}, "
@@ -133,17 +159,39 @@ class DecoderLM(nn.Module):
         embed_scale: Multiply token embeddings by ``sqrt(C)``.
     """
 
-    def __init__(self, *, vocab_size: int, encoder: str | EncoderFactory, n_layers: int = 4,
-                 d_model: int = 128, n_heads: int = 4, d_ff: int | None = None,
-                 dropout: float = 0.0, embed_scale: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        encoder: str | EncoderFactory,
+        n_layers: int = 4,
+        d_model: int = 128,
+        n_heads: int = 4,
+        d_ff: int | None = None,
+        dropout: float = 0.0,
+        embed_scale: bool = False,
+    ) -> None:
         super().__init__()
         d_ff = d_ff or 4 * d_model
-        _check_sizes(d_model=d_model, n_heads=n_heads, n_layers=n_layers, d_ff=d_ff,
-                     dropout=dropout, vocab_size=vocab_size)
+        _check_sizes(
+            d_model=d_model,
+            n_heads=n_heads,
+            n_layers=n_layers,
+            d_ff=d_ff,
+            dropout=dropout,
+            vocab_size=vocab_size,
+        )
         pos = encoder_factory(encoder)(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         self.embed = TokenEmbedding(vocab_size, d_model, scale=embed_scale)
-        self.stack = Stack(encoder=pos, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-                           d_ff=d_ff, dropout=dropout, causal=True)
+        self.stack = Stack(
+            encoder=pos,
+            n_layers=n_layers,
+            d_model=d_model,
+            n_heads=n_heads,
+            d_ff=d_ff,
+            dropout=dropout,
+            causal=True,
+        )
         _init_weights(self.stack, n_layers)
 
     @property
@@ -175,17 +223,34 @@ class EncoderDecoder(nn.Module):
         n_dec_layers: Decoder blocks (default n_layers).
     """
 
-    def __init__(self, *, src_vocab_size: int, tgt_vocab_size: int,
-                 encoder: str | EncoderFactory, n_layers: int = 3, d_model: int = 256,
-                 n_heads: int = 4, d_ff: int | None = None, dropout: float = 0.1,
-                 share_embeddings: bool = True, embed_scale: bool = True,
-                 n_enc_layers: int | None = None, n_dec_layers: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        src_vocab_size: int,
+        tgt_vocab_size: int,
+        encoder: str | EncoderFactory,
+        n_layers: int = 3,
+        d_model: int = 256,
+        n_heads: int = 4,
+        d_ff: int | None = None,
+        dropout: float = 0.1,
+        share_embeddings: bool = True,
+        embed_scale: bool = True,
+        n_enc_layers: int | None = None,
+        n_dec_layers: int | None = None,
+    ) -> None:
         super().__init__()
         d_ff = d_ff or 4 * d_model
         n_enc, n_dec = n_enc_layers or n_layers, n_dec_layers or n_layers
         for v in (src_vocab_size, tgt_vocab_size):
-            _check_sizes(d_model=d_model, n_heads=n_heads, n_layers=min(n_enc, n_dec),
-                         d_ff=d_ff, dropout=dropout, vocab_size=v)
+            _check_sizes(
+                d_model=d_model,
+                n_heads=n_heads,
+                n_layers=min(n_enc, n_dec),
+                d_ff=d_ff,
+                dropout=dropout,
+                vocab_size=v,
+            )
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(
                 f"share_embeddings needs one joint vocabulary, got source {src_vocab_size} "
@@ -193,29 +258,56 @@ class EncoderDecoder(nn.Module):
             )
         make = encoder_factory(encoder)
         self.tgt_embed = TokenEmbedding(tgt_vocab_size, d_model, scale=embed_scale)
-        self.src_embed = (self.tgt_embed if share_embeddings
-                          else TokenEmbedding(src_vocab_size, d_model, scale=embed_scale))
+        self.src_embed = (
+            self.tgt_embed
+            if share_embeddings
+            else TokenEmbedding(src_vocab_size, d_model, scale=embed_scale)
+        )
         self.encoder_stack = Stack(
-            encoder=make(d_model=d_model, n_heads=n_heads, n_layers=n_enc), n_layers=n_enc,
-            d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=dropout, causal=False)
+            encoder=make(d_model=d_model, n_heads=n_heads, n_layers=n_enc),
+            n_layers=n_enc,
+            d_model=d_model,
+            n_heads=n_heads,
+            d_ff=d_ff,
+            dropout=dropout,
+            causal=False,
+        )
         self.decoder_stack = Stack(
-            encoder=make(d_model=d_model, n_heads=n_heads, n_layers=n_dec), n_layers=n_dec,
-            d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=dropout, causal=True,
-            cross=True)
+            encoder=make(d_model=d_model, n_heads=n_heads, n_layers=n_dec),
+            n_layers=n_dec,
+            d_model=d_model,
+            n_heads=n_heads,
+            d_ff=d_ff,
+            dropout=dropout,
+            causal=True,
+            cross=True,
+        )
         _init_weights(self.encoder_stack, n_enc)
         _init_weights(self.decoder_stack, n_dec)
 
-    def encode(self, src: Tensor, src_valid: Tensor | None = None,
-               src_positions: Tensor | None = None) -> Tensor:
+    def encode(
+        self, src: Tensor, src_valid: Tensor | None = None, src_positions: Tensor | None = None
+    ) -> Tensor:
         """Encoder output ``(B, S, C)`` for source ids ``(B, S)``."""
         return self.encoder_stack(self.src_embed(src), src_positions, valid=src_valid)
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, *, src_valid: Tensor | None = None,
-               tgt_positions: Tensor | None = None,
-               src_positions: Tensor | None = None) -> Tensor:
+    def decode(
+        self,
+        tgt_in: Tensor,
+        memory: Tensor,
+        *,
+        src_valid: Tensor | None = None,
+        tgt_positions: Tensor | None = None,
+        src_positions: Tensor | None = None,
+    ) -> Tensor:
         """Next-token logits ``(B, T, V)`` for decoder input ids ``(B, T)``."""
-        h = self.decoder_stack(self.tgt_embed(tgt_in), tgt_positions, memory=memory,
-                               memory_positions=src_positions, memory_valid=src_valid)
+        h = self.decoder_stack(
+            self.tgt_embed(tgt_in),
+            tgt_positions,
+            memory=memory,
+            memory_positions=src_positions,
+            memory_valid=src_valid,
+        )
         return h @ self.tgt_embed.weight.T
 
     def forward(self, src: Tensor, tgt_in: Tensor, src_valid: Tensor | None = None) -> Tensor:
@@ -231,4 +323,3 @@ class EncoderDecoder(nn.Module):
 def count_parameters(model: nn.Module) -> int:
     """Number of trainable parameters (shared tensors counted once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-

@@ -1,0 +1,68 @@
+"""Shared test helpers: identity-projection attention and reference encoders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from posenc.encoders.base import AttentionContext, AttnKind, PositionalEncoder
+from posenc.model.attention import Attention
+
+ROOT = Path(__file__).resolve().parents[1]
+ENCODER_YAMLS = sorted(p.stem for p in (ROOT / "conf" / "encoder").glob("*.yaml"))
+RELATIVE = ("shaw", "xl", "deberta", "rope")
+ABSOLUTE = ("learned", "sinusoidal")
+
+# Tests and CI read the shared datasets instead of downloading them.
+os.environ.setdefault("POSENC_DATA_DIR", str(ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def identity_attention(enc: PositionalEncoder, kind: AttnKind, layer: int = 0) -> Attention:
+    """Attention whose q/k/v/out projections are the identity, so the heads of the
+    input are the q, k and v the formulas talk about."""
+    attn = Attention(
+        d_model=enc.d_model,
+        n_heads=enc.n_heads,
+        dropout=0.0,
+        pos=enc.for_attention(layer=layer, kind=kind),
+    )
+    with torch.no_grad():
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj):
+            proj.weight.copy_(torch.eye(enc.d_model))
+            proj.bias.zero_()
+    return attn.eval()
+
+
+def heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, T, C) -> (B, H, T, D)."""
+    return x.unflatten(-1, (n_heads, -1)).transpose(1, 2)
+
+
+def merge(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, D) -> (B, T, C)."""
+    return x.transpose(1, 2).flatten(-2)
+
+
+def run_self(
+    attn: Attention, enc: PositionalEncoder, x: torch.Tensor, pos: torch.Tensor, kind: AttnKind
+) -> torch.Tensor:
+    """Embedding hook, then self-attention at explicit positions ``pos (1, T)``."""
+    ctx: AttentionContext = enc.context(pos, pos, kind)
+    return attn(enc.embed(x, pos), ctx)
+
+
+def softmax_attend(scores: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Reference: masked softmax of (B, H, T, S) scores applied to v (B, H, S, D)."""
+    if causal:
+        t, s = scores.shape[-2:]
+        blocked = torch.ones(t, s, dtype=torch.bool).triu(1 + s - t)
+        scores = scores.masked_fill(blocked, float("-inf"))
+    return scores.softmax(-1) @ v

@@ -1,0 +1,145 @@
+"""Every encoder in conf/encoder/*.yaml honours the contract: registry, shift
+invariance of relative schemes, causality, cross-attention, forward/backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from posenc import encoders
+from posenc.encoders.base import AttentionPositional, AttnKind
+from posenc.model import DecoderLM, EncoderDecoder
+from tests.conftest import ABSOLUTE, ENCODER_YAMLS, RELATIVE, ROOT, identity_attention, run_self
+
+SIZES = dict(d_model=32, n_heads=4, n_layers=2)
+
+
+def factory(name: str):
+    """The encoder factory exactly as Hydra builds it from the YAML."""
+    return instantiate(OmegaConf.load(ROOT / "conf" / "encoder" / f"{name}.yaml"))
+
+
+def test_registry_lists_exactly_the_yaml_encoders() -> None:
+    assert encoders.available() == ENCODER_YAMLS
+    assert set(ENCODER_YAMLS) == {"none", "learned", "sinusoidal", "shaw", "xl", "deberta", "rope"}
+
+
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+def test_yaml_builds_the_registered_class(name: str) -> None:
+    enc = factory(name)(**SIZES)
+    assert type(enc) is encoders.get(name)
+    assert enc.relative == (name in RELATIVE)
+
+
+def test_unknown_encoder_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="unknown encoder 'alibi'; available: deberta"):
+        encoders.get("alibi")
+
+
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+@pytest.mark.parametrize("kind", [AttnKind.CAUSAL, AttnKind.BIDIRECTIONAL])
+def test_shift_invariance(name: str, kind: AttnKind) -> None:
+    """Relative schemes: same output when all positions move by the same offset.
+    Absolute schemes: the output changes."""
+    enc = factory(name)(**SIZES)
+    for p in enc.parameters():  # make every positional parameter count
+        torch.nn.init.normal_(p)
+    attn = identity_attention(enc, kind)
+    x = torch.randn(2, 9, SIZES["d_model"])
+    pos = torch.arange(9)[None]
+    with torch.no_grad():
+        a = run_self(attn, enc, x, pos, kind)
+        b = run_self(attn, enc, x, pos + 37, kind)
+    if name in ABSOLUTE:
+        assert not torch.allclose(a, b, atol=1e-3)
+    else:  # relative schemes, and 'none' (no positions at all)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", [n for n in ENCODER_YAMLS if n != "none"])
+def test_positions_matter(name: str) -> None:
+    """A scheme that silently ignored positions would pass shift invariance."""
+    enc = factory(name)(**SIZES)
+    for p in enc.parameters():
+        torch.nn.init.normal_(p)
+    attn = identity_attention(enc, AttnKind.BIDIRECTIONAL)
+    x = torch.randn(1, 6, SIZES["d_model"])
+    pos = torch.arange(6)[None]
+    perm = torch.tensor([[0, 2, 1, 5, 3, 4]])  # the same tokens, told other positions
+    with torch.no_grad():
+        a = run_self(attn, enc, x, pos, AttnKind.BIDIRECTIONAL)
+        b = run_self(attn, enc, x, perm, AttnKind.BIDIRECTIONAL)
+    assert not torch.allclose(a, b, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+def test_lm_is_causal(name: str) -> None:
+    model = DecoderLM(vocab_size=40, encoder=factory(name), **SIZES).eval()
+    ids = torch.randint(0, 40, (2, 12))
+    changed = ids.clone()
+    changed[:, 7:] = torch.randint(0, 40, (2, 5))
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+def test_seq2seq_encoder_bidirectional_decoder_causal(name: str) -> None:
+    model = EncoderDecoder(
+        src_vocab_size=40, tgt_vocab_size=40, encoder=factory(name), dropout=0.0, **SIZES
+    ).eval()
+    src, tgt = torch.randint(0, 40, (2, 8)), torch.randint(0, 40, (2, 10))
+    src2 = src.clone()
+    src2[:, -1] = (src[:, -1] + 1) % 40
+    tgt2 = tgt.clone()
+    tgt2[:, 6:] = (tgt[:, 6:] + 1) % 40
+    with torch.no_grad():
+        m, m2 = model.encode(src), model.encode(src2)
+        # The last source token reaches the first encoder position: bidirectional.
+        assert not torch.allclose(m[:, 0], m2[:, 0])
+        a, b = model.decode(tgt, m), model.decode(tgt2, m)
+    torch.testing.assert_close(a[:, :6], b[:, :6])  # causal decoder
+
+
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+def test_source_padding_is_invisible(name: str) -> None:
+    model = EncoderDecoder(
+        src_vocab_size=40, tgt_vocab_size=40, encoder=factory(name), dropout=0.0, **SIZES
+    ).eval()
+    src, tgt = torch.randint(4, 40, (1, 6)), torch.randint(4, 40, (1, 5))
+    padded = torch.cat([src, torch.zeros(1, 3, dtype=torch.long)], 1)
+    valid = torch.arange(9)[None] < 6
+    with torch.no_grad():
+        a = model(src, tgt)
+        b = model(padded, tgt, valid)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+def test_cross_attention_hooks_are_plain(name: str) -> None:
+    """Documented behaviour: no scheme acts inside cross-attention (absolute ones
+    act on the embeddings; relative distances between two sequences mean nothing)."""
+    enc = factory(name)(**SIZES)
+    hook = enc.for_attention(layer=0, kind=AttnKind.CROSS)
+    assert type(hook) is AttentionPositional
+    assert not list(hook.parameters())
+
+
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+def test_forward_backward_both_stacks(name: str) -> None:
+    lm = DecoderLM(vocab_size=40, encoder=factory(name), **SIZES)
+    mt = EncoderDecoder(src_vocab_size=40, tgt_vocab_size=40, encoder=factory(name), **SIZES)
+    ids = torch.randint(0, 40, (2, 10))
+    loss = lm(ids).logsumexp(-1).mean() + mt(ids, ids[:, :7]).logsumexp(-1).mean()
+    loss.backward()
+    for model in (lm, mt):
+        for n, p in model.named_parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all(), n
+        positional = [
+            (n, p) for n, p in model.named_parameters() if ".encoder." in n or ".pos." in n
+        ]
+        for n, p in positional:  # every positional parameter learns
+            assert p.grad.abs().sum() > 0, n

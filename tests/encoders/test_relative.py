@@ -1,0 +1,239 @@
+"""Shaw, Transformer-XL and DeBERTa against per-pair O(T*S) references written
+directly from each paper's equations (no gather, no shift, no bucketing tensors)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posenc.encoders.base import AttnKind
+from posenc.encoders.deberta import DebertaRelative, log_bucket
+from posenc.encoders.shaw import ShawRelative
+from posenc.encoders.xl import TransformerXL
+from tests.conftest import heads, identity_attention, merge, softmax_attend
+
+C, H = 16, 2
+Dh = C // H
+KINDS = [AttnKind.CAUSAL, AttnKind.BIDIRECTIONAL]
+
+
+def positions(t: int, offset: int = 0) -> torch.Tensor:
+    return torch.arange(offset, offset + t)[None]
+
+
+# --------------------------------------------------------------------------- Shaw
+
+
+def shaw_reference(enc: ShawRelative, layer, x, qp, kp, causal: bool) -> torch.Tensor:
+    """Shaw et al. eq. (3)-(5) per pair: a_ij = w[clip(j - i, -k, k)]."""
+    q = k = v = heads(x, H)[0]  # identity projections: (H, T, D)
+    wk = layer.key_table if layer.key_table is not None else enc.key_table
+    wv = layer.value_table if layer.key_table is not None else enc.value_table
+    t, s = qp.shape[-1], kp.shape[-1]
+    kk = enc.max_distance
+    scores = torch.empty(H, t, s)
+    for h in range(H):
+        for i in range(t):
+            for j in range(s):
+                a = int(min(max(kp[0, j] - qp[0, i], -kk), kk)) + kk
+                scores[h, i, j] = q[h, i] @ (k[h, j] + wk[a]) / math.sqrt(Dh)
+    if causal:
+        scores = scores.masked_fill(torch.ones(t, s, dtype=torch.bool).triu(1), float("-inf"))
+    alpha = scores.softmax(-1)
+    out = torch.zeros(H, t, Dh)
+    for h in range(H):
+        for i in range(t):
+            for j in range(s):
+                a = int(min(max(kp[0, j] - qp[0, i], -kk), kk)) + kk
+                vv = v[h, j] + (wv[a] if wv is not None else 0)
+                out[h, i] += alpha[h, i, j] * vv
+    return merge(out[None])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("per_layer", [True, False])
+@pytest.mark.parametrize("value", [True, False])
+def test_shaw_matches_the_paper(kind: AttnKind, per_layer: bool, value: bool) -> None:
+    enc = ShawRelative(
+        d_model=C, n_heads=H, n_layers=1, max_distance=2, per_layer=per_layer, value=value
+    )
+    attn = identity_attention(enc, kind)
+    with torch.no_grad():  # make the tables matter as much as the content
+        for p in list(enc.parameters()) + list(attn.pos.parameters()):
+            p.normal_()
+    x = torch.randn(1, 6, C)
+    qp = positions(6, offset=3)
+    out = attn(x, enc.context(qp, qp, kind))
+    ref = shaw_reference(enc, attn.pos, x, qp, qp, kind is AttnKind.CAUSAL)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert attn.pos.needs_probs is value
+
+
+# --------------------------------------------------------------------------- XL
+
+
+def sinusoid_by_hand(dist: int, dim: int) -> torch.Tensor:
+    return torch.tensor(
+        [
+            math.sin(dist / 10000 ** (2 * (c // 2) / dim))
+            if c % 2 == 0
+            else math.cos(dist / 10000 ** (2 * (c // 2) / dim))
+            for c in range(dim)
+        ]
+    )
+
+
+def xl_scores(enc: TransformerXL, layer, q, k, qp, kp) -> torch.Tensor:
+    """Dai et al. eq. in 3.3: (a)+(c) = (q_i + u) k_j, (b)+(d) = (q_i + v) W_r R_{i-j}."""
+    t, s = q.shape[1], k.shape[1]
+    scores = torch.empty(H, t, s)
+    for i in range(t):
+        for j in range(s):
+            r = layer.w_r(sinusoid_by_hand(int(qp[0, i] - kp[0, j]), C)).view(H, Dh)
+            for h in range(H):
+                scores[h, i, j] = (
+                    (q[h, i] + enc.u[h]) @ k[h, j] + (q[h, i] + enc.v[h]) @ r[h]
+                ) / math.sqrt(Dh)
+    return scores
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_xl_matches_the_paper(kind: AttnKind) -> None:
+    enc = TransformerXL(d_model=C, n_heads=H, n_layers=1)
+    attn = identity_attention(enc, kind)
+    with torch.no_grad():
+        enc.u.normal_()
+        enc.v.normal_()
+    x = torch.randn(1, 7, C)
+    qp = positions(7, offset=11)
+    with torch.no_grad():
+        out = attn(x, enc.context(qp, qp, kind))
+        q = heads(x, H)[0]
+        ref = softmax_attend(
+            xl_scores(enc, attn.pos, q, q, qp, qp)[None], heads(x, H), kind is AttnKind.CAUSAL
+        )
+    torch.testing.assert_close(out, merge(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_xl_bias_is_exact_in_the_upper_triangle() -> None:
+    # The rel-shift trick is wrong above the diagonal; the bidirectional bias must
+    # be right for every pair, with query and key lengths that differ.
+    enc = TransformerXL(d_model=C, n_heads=H, n_layers=1)
+    hook = enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)
+    q, k = torch.randn(1, H, 3, Dh), torch.randn(1, H, 5, Dh)
+    qp, kp = torch.tensor([[4, 5, 6]]), torch.tensor([[2, 3, 4, 5, 6]])
+    ctx = enc.context(qp, kp, AttnKind.BIDIRECTIONAL)
+    with torch.no_grad():
+        got = hook.score_bias(q, k, ctx) + (
+            hook.transform_qk(q, k, ctx)[0] @ k.transpose(-1, -2)
+        ) / math.sqrt(Dh)
+        ref = xl_scores(enc, hook, q[0], k[0], qp, kp)
+    torch.testing.assert_close(got[0], ref, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- DeBERTa
+
+
+def delta_by_hand(r: int, span: int, bucket: int, max_distance: int) -> int:
+    """DeBERTa's delta: log bucket (v2) then shift and clip into [0, 2 span)."""
+    if bucket:
+        mid = bucket // 2
+        if abs(r) > mid:
+            mag = mid + math.ceil(
+                (mid - 1) * math.log(abs(r) / mid) / math.log((max_distance - 1) / mid)
+            )
+            r = mag if r > 0 else -mag
+    return min(max(r + span, 0), 2 * span - 1)
+
+
+def test_log_bucket_values() -> None:
+    # bucket_size 8 (mid 4), max_distance 64: exact within 4, log-spaced beyond.
+    rel = torch.tensor([0, 1, -4, 4, 5, -5, 10, 63, 100, -1000])
+    got = log_bucket(rel, 8, 64).tolist()
+    # 5 -> 4 + ceil(3 ln(5/4) / ln(63/4)) = 4 + ceil(0.243) = 5;
+    # 10 -> 4 + ceil(3 ln 2.5 / ln 15.75) = 4 + ceil(0.997) = 5; 63 -> 4 + 3 = 7.
+    assert got[:8] == [0, 1, -4, 4, 5, -5, 5, 7]
+    assert got[8] == 4 + math.ceil(3 * math.log(25) / math.log(15.75))  # 8: past the table
+    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, bucket_size=8, max_distance=64)
+    assert enc.row(torch.tensor([100, -1000])).tolist() == [15, 0]  # clipped to [0, 16)
+
+
+def deberta_scores(enc: DebertaRelative, layer, q, k, qp, kp) -> torch.Tensor:
+    """He et al. eq. (4): (Q_c K_c^T + Q_c K_r^T[delta(i,j)] + K_c Q_r^T[delta(j,i)]) / sqrt(3d)."""
+    kr = layer.w_kr(enc.table).view(-1, H, Dh)
+    qr = layer.w_qr(enc.table).view(-1, H, Dh)
+    t, s = q.shape[1], k.shape[1]
+    scores = torch.empty(H, t, s)
+    for i in range(t):
+        for j in range(s):
+            rel = int(qp[0, i] - kp[0, j])
+            c2p = delta_by_hand(rel, enc.span, enc.bucket_size, enc.max_distance)
+            p2c = delta_by_hand(-rel, enc.span, enc.bucket_size, enc.max_distance)
+            for h in range(H):
+                scores[h, i, j] = (
+                    q[h, i] @ k[h, j] + q[h, i] @ kr[c2p, h] + k[h, j] @ qr[p2c, h]
+                ) / math.sqrt(3 * Dh)
+    return scores
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bucket", [0, 4])
+def test_deberta_matches_the_paper(kind: AttnKind, bucket: int) -> None:
+    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=bucket)
+    attn = identity_attention(enc, kind)
+    with torch.no_grad():
+        enc.table.normal_()
+    x = torch.randn(1, 12, C)  # distances up to 11 exercise clipping and log buckets
+    qp = positions(12, offset=5)
+    with torch.no_grad():
+        out = attn(x, enc.context(qp, qp, kind))
+        q = heads(x, H)[0]
+        ref = softmax_attend(
+            deberta_scores(enc, attn.pos, q, q, qp, qp)[None], heads(x, H), kind is AttnKind.CAUSAL
+        )
+    torch.testing.assert_close(out, merge(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_deberta_unequal_query_and_key_lengths() -> None:
+    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=8, bucket_size=4)
+    hook = enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)
+    with torch.no_grad():
+        enc.table.normal_()
+    q, k = torch.randn(1, H, 3, Dh), torch.randn(1, H, 9, Dh)
+    qp, kp = torch.tensor([[6, 7, 8]]), torch.arange(9)[None]
+    with torch.no_grad():
+        got = hook.score_bias(q, k, enc.context(qp, kp, AttnKind.BIDIRECTIONAL))
+        got = got + q @ k.transpose(-1, -2) * hook.scale(Dh)
+        ref = deberta_scores(enc, hook, q[0], k[0], qp, kp)
+    torch.testing.assert_close(got[0], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_deberta_scale_is_one_over_sqrt_3d() -> None:
+    hook = DebertaRelative(d_model=C, n_heads=H, n_layers=1).for_attention(
+        layer=0, kind=AttnKind.CAUSAL
+    )
+    assert hook.scale(Dh) == pytest.approx(1 / math.sqrt(3 * Dh))
+    only_c2p = DebertaRelative(d_model=C, n_heads=H, n_layers=1, p2c=False).for_attention(
+        layer=0, kind=AttnKind.CAUSAL
+    )
+    assert only_c2p.scale(Dh) == pytest.approx(1 / math.sqrt(2 * Dh))
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "message"),
+    [
+        (ShawRelative, dict(max_distance=0), "max_distance must be >= 1"),
+        (DebertaRelative, dict(max_distance=1), "max_distance must be >= 2"),
+        (DebertaRelative, dict(bucket_size=2), "bucket_size=2 must be 0"),
+        (TransformerXL, dict(d_model=18, n_heads=2), None),  # even: fine
+    ],
+)
+def test_bad_settings(cls, kwargs: dict, message: str | None) -> None:
+    args = dict(d_model=C, n_heads=H, n_layers=1) | kwargs
+    if message is None:
+        cls(**args)
+        return
+    with pytest.raises(ValueError, match=message):
+        cls(**args)

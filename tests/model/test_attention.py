@@ -1,0 +1,84 @@
+"""The attention module: fused and explicit paths agree, masks are right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posenc.encoders import build
+from posenc.encoders.base import AttentionPositional, AttnKind
+from posenc.model.attention import Attention, attention_mask
+from tests.conftest import heads, merge, softmax_attend
+
+
+class _ForceProbs(AttentionPositional):
+    """Wraps a scheme's hooks but demands the explicit-softmax path."""
+
+    needs_probs = True
+
+    def __init__(self, inner: AttentionPositional) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def scale(self, head_dim: int) -> float:
+        return self.inner.scale(head_dim)
+
+    def score_bias(self, q, k, ctx):
+        return self.inner.score_bias(q, k, ctx)
+
+    def transform_qk(self, q, k, ctx):
+        return self.inner.transform_qk(q, k, ctx)
+
+
+@pytest.mark.parametrize("name", ["none", "rope", "xl", "deberta"])
+@pytest.mark.parametrize("kind", [AttnKind.CAUSAL, AttnKind.BIDIRECTIONAL])
+def test_fused_and_explicit_paths_agree(name: str, kind: AttnKind) -> None:
+    enc = build(name, d_model=16, n_heads=2, n_layers=1)
+    fused = Attention(
+        d_model=16, n_heads=2, dropout=0.0, pos=enc.for_attention(layer=0, kind=kind)
+    ).eval()
+    explicit = Attention(d_model=16, n_heads=2, dropout=0.0, pos=_ForceProbs(fused.pos)).eval()
+    explicit.load_state_dict(fused.state_dict(), strict=False)
+    x = torch.randn(2, 7, 16)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, 5:] = False
+    pos = torch.arange(7)[None]
+    ctx = enc.context(pos, pos, kind)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fused(x, ctx, key_valid=valid), explicit(x, ctx, key_valid=valid), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_causal_mask_with_a_key_cache() -> None:
+    # 2 new queries over 5 keys: query i sees keys j <= i + 3.
+    mask = attention_mask(
+        bias=None,
+        causal=True,
+        key_valid=None,
+        t=2,
+        s=5,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    assert torch.isinf(mask).tolist() == [[False] * 4 + [True], [False] * 5]
+
+
+def test_nothing_leaks_past_the_causal_mask() -> None:
+    attn = Attention(d_model=8, n_heads=2, dropout=0.0, pos=AttentionPositional()).eval()
+    for p in attn.parameters():
+        torch.nn.init.normal_(p)
+    with torch.no_grad():
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj):
+            proj.weight.copy_(torch.eye(8))
+            proj.bias.zero_()
+    x = torch.randn(1, 6, 8)
+    pos = torch.arange(6)[None]
+    ctx = build("none", d_model=8, n_heads=2, n_layers=1).context(pos, pos, AttnKind.CAUSAL)
+    with torch.no_grad():
+        out = attn(x, ctx)
+    q = heads(x, 2)
+    ref = softmax_attend(q @ q.transpose(-1, -2) / 2.0, q, causal=True)  # D=4: scale 1/2
+    torch.testing.assert_close(out, merge(ref))
+    # and the first position attends to itself only
+    torch.testing.assert_close(out[:, 0], x[:, 0])
