@@ -139,7 +139,8 @@ def _verify_existing(path: Path, relpath: str, expected: str) -> None:
 
 def _progress(name: str, done: int, total: int | None) -> None:
     if total:
-        msg = f"\rdownloading {name}: {100 * done // total:3d}% ({done / 1e6:.1f}/{total / 1e6:.1f} MB)"
+        pct = 100 * done // total
+        msg = f"\rdownloading {name}: {pct:3d}% ({done / 1e6:.1f}/{total / 1e6:.1f} MB)"
     else:
         msg = f"\rdownloading {name}: {done / 1e6:.1f} MB"
     sys.stderr.write(msg)
@@ -160,7 +161,9 @@ def _download(url: str, dest: Path, relpath: str, expected: str) -> None:
         # Same folder as the destination so os.replace is a same-filesystem atomic rename.
         fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
     except OSError as err:
-        raise DataUnavailableError(f"{unavailable_hint}: cannot write there ({err}). {fix}") from err
+        raise DataUnavailableError(
+            f"{unavailable_hint}: cannot write there ({err}). {fix}"
+        ) from err
     tmp = Path(tmp_name)
     digest = hashlib.sha256()
     try:
@@ -254,14 +257,16 @@ def read_text(path: str | os.PathLike[str]) -> str:
                 "Delete it and download or recompress it again."
             ) from err
     if not raw:
-        raise ValueError(f"{path} is empty{' after decompression' if path.suffix == '.gz' else ''}; "
-                         "expected UTF-8 text. Replace it with a non-empty file.")
+        after = " after decompression" if path.suffix == ".gz" else ""
+        raise ValueError(
+            f"{path} is empty{after}; expected UTF-8 text. Replace it with a non-empty file."
+        )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         where = "decompressed byte" if path.suffix == ".gz" else "byte"
         raise ValueError(
             f"{path} is not valid UTF-8: {where} offset {err.start} holds "
-            f"{raw[err.start:err.start + 4]!r} ({err.reason}). Convert the file to UTF-8, e.g. "
+            f"{raw[err.start : err.start + 4]!r} ({err.reason}). Convert the file to UTF-8, e.g. "
             "with iconv."
         ) from err

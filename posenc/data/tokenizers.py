@@ -178,6 +178,8 @@ class SentencePieceTokenizer:
     Newlines are handled outside SentencePiece (which would normalise them to spaces): text is
     split at ``"\\n"``, each line is encoded, and the reserved control symbol ``<nl>`` is put
     between lines, so multi-line text (e.g. a whole LM corpus) round-trips its line structure.
+    Within a line SentencePiece's default normalisation applies (NFKC, leading/trailing and
+    repeated spaces removed), so ``decode(encode(t)) == t`` holds for normalised text only.
 
     Args:
         model_file: Path of a ``.model`` file trained by :meth:`train`.
@@ -202,7 +204,10 @@ class SentencePieceTokenizer:
         sp = self._sp
         self.vocab_size: int = sp.get_piece_size()
         self.pad_id, self.bos_id, self.eos_id, self.unk_id = (
-            sp.pad_id(), sp.bos_id(), sp.eos_id(), sp.unk_id()
+            sp.pad_id(),
+            sp.bos_id(),
+            sp.eos_id(),
+            sp.unk_id(),
         )
         if (self.pad_id, self.bos_id, self.eos_id, self.unk_id) != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
             raise ValueError(
@@ -253,9 +258,7 @@ class SentencePieceTokenizer:
         if not isinstance(vocab_size, int) or vocab_size < 8:
             raise ValueError(f"vocab_size must be an int >= 8, got {vocab_size!r}.")
         if not 0.0 < character_coverage <= 1.0:
-            raise ValueError(
-                f"character_coverage must be in (0, 1], got {character_coverage!r}."
-            )
+            raise ValueError(f"character_coverage must be in (0, 1], got {character_coverage!r}.")
         model_file = Path(model_file)
         model_file.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=model_file.parent, prefix=".spm-train-") as tmp:
@@ -442,6 +445,8 @@ def build_tokenizer(
                 return sp_tok
             log.warning(
                 "rebuilding cached SentencePiece model %s: vocab size %d, expected %d",
-                path, sp_tok.vocab_size, resolved["vocab_size"],
+                path,
+                sp_tok.vocab_size,
+                resolved["vocab_size"],
             )
     return SentencePieceTokenizer.train(texts, path, model_type=kind, **resolved)

@@ -105,6 +105,8 @@ class PositionalEncoder(nn.Module):
 
     #: True for schemes whose attention scores depend only on relative positions.
     relative: bool = False
+    #: Longest sequence the scheme can encode, or None for no limit.
+    max_length: int | None = None
 
     def __init__(self, *, d_model: int, n_heads: int, n_layers: int) -> None:
         super().__init__()

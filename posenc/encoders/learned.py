@@ -32,7 +32,7 @@ class LearnedAbsolute(PositionalEncoder):
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if max_len <= 0:
             raise ValueError(f"learned: max_len must be positive, got {max_len}")
-        self.max_len = max_len
+        self.max_len = self.max_length = max_len
         self.table = nn.Embedding(max_len, d_model)
         nn.init.normal_(self.table.weight, std=init_std)
 

@@ -1,5 +1,6 @@
-"""Evaluation metrics for posenc (translation quality overall and per source-length bucket)."""
+"""Evaluation metrics: BLEU/chrF for translation (:mod:`posenc.eval.bleu`) and length-resolved
+perplexity for language modeling (:mod:`posenc.eval.lengths`).
 
-from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
-
-__all__ = ["corpus_scores", "scores_by_bucket", "signature"]
+Submodules are imported explicitly so that using one does not pull in the other's
+dependencies (``sacrebleu`` for BLEU).
+"""

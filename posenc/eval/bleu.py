@@ -21,7 +21,12 @@ __all__ = ["corpus_scores", "scores_by_bucket", "signature"]
 
 # sacreBLEU's defaults, spelled out so a sacreBLEU upgrade that changed a default cannot
 # silently change what "bleu" and "chrf" mean here.
-_BLEU_ARGS = {"tokenize": "13a", "smooth_method": "exp", "lowercase": False, "effective_order": False}
+_BLEU_ARGS = {
+    "tokenize": "13a",
+    "smooth_method": "exp",
+    "lowercase": False,
+    "effective_order": False,
+}
 _CHRF_ARGS = {"char_order": 6, "word_order": 0, "beta": 2, "whitespace": False, "lowercase": False}
 
 

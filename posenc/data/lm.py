@@ -1,0 +1,511 @@
+"""Language-modeling data: random training windows and length-generalisation eval windows.
+
+Each split is tokenized once into a single 1-D token stream. A window of length ``L`` starting
+at ``s`` has ``input = tokens[s : s + L]`` and ``target = tokens[s + 1 : s + L + 1]``; target
+position ``p`` (an index into the stream, ``1 <= p < n``) is predicted from the ``p - s``
+tokens ``tokens[s : p]``.
+
+Two evaluation protocols are offered for every evaluation length ``L``:
+
+* ``ppl@L`` - non-overlapping windows: every target is scored once, but the first tokens of
+  each window see little context, so the average mixes all context sizes ``1..L``.
+* ``ppl_sw@L`` - sliding windows advanced by ``stride``: after the first window only the last
+  ``stride`` targets of each window are scored, so every scored token has at least
+  ``L - stride + 1`` tokens of context (the first window scores all of its targets). Costs
+  about ``L / stride`` times more compute than ``ppl@L``.
+
+Both protocols at a given ``L`` score exactly the same target tokens, so they are comparable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from posenc.data.sources import SPLITS
+from posenc.data.tokenizers import Tokenizer, build_tokenizer
+
+__all__ = [
+    "EvalWindows",
+    "LMDataModule",
+    "RandomOffsetSampler",
+    "RandomWindows",
+    "eval_stream_length",
+    "first_scored",
+    "score_masks",
+    "window_starts",
+]
+
+Batch = dict[str, torch.Tensor]
+
+
+def window_starts(n_tokens: int, length: int, stride: int) -> list[int]:
+    """Start offsets of evaluation windows over a stream of ``n_tokens`` tokens.
+
+    Windows advance by ``stride``. If that does not land the last window exactly on the end of
+    the stream, one more window aligned to the end is added, so that together with
+    :func:`score_masks` every target position ``1..n_tokens-1`` is scored exactly once.
+    With ``stride == length`` and ``n_tokens == 1 + k * length`` this is exactly ``k``
+    non-overlapping windows.
+
+    Args:
+        n_tokens: Length of the token stream.
+        length: Window length ``L`` (number of inputs, and of targets, per window).
+        stride: Step between window starts, ``1 <= stride <= length``.
+
+    Returns:
+        Strictly increasing start offsets; the last equals ``n_tokens - length - 1``.
+
+    Raises:
+        ValueError: ``length`` or ``stride`` out of range, or fewer than ``length + 1`` tokens.
+    """
+    if length < 1:
+        raise ValueError(f"window length must be >= 1, got {length}.")
+    if not 1 <= stride <= length:
+        raise ValueError(
+            f"stride must be in [1, length={length}] so no token is skipped, got {stride}."
+        )
+    last = n_tokens - length - 1
+    if last < 0:
+        raise ValueError(
+            f"a window of length {length} needs {length + 1} tokens, the stream has {n_tokens}."
+        )
+    starts = list(range(0, last + 1, stride))
+    if starts[-1] != last:
+        starts.append(last)
+    return starts
+
+
+def first_scored(starts: Sequence[int], length: int) -> list[int]:
+    """Index (within each window) of the first target that window scores.
+
+    A window scores only the targets that no earlier window scored, so the first window scores
+    from index 0 and a window at ``s`` after one at ``s'`` scores from ``s' + length - s``.
+
+    Args:
+        starts: Strictly increasing window starts with no gap larger than ``length``
+            (e.g. from :func:`window_starts`).
+        length: Window length ``L``.
+
+    Returns:
+        One index in ``[0, length)`` per window.
+
+    Raises:
+        ValueError: ``starts`` is not increasing or leaves targets unscored between windows.
+    """
+    out: list[int] = []
+    scored_until = 0  # last stream position already scored; position 0 is never a target
+    for s in starts:
+        first = scored_until - s
+        if s < 0 or first >= length or (out and first < 0):
+            raise ValueError(
+                f"window starts must be increasing, >= 0 and at most {length} apart, got {s} "
+                f"after positions up to {scored_until} were scored."
+            )
+        out.append(max(first, 0))
+        scored_until = s + length
+    return out
+
+
+def score_masks(starts: Sequence[int], length: int) -> torch.Tensor:
+    """Which targets of each window are scored.
+
+    Args:
+        starts: Window starts, see :func:`first_scored`.
+        length: Window length ``L``.
+
+    Returns:
+        Bool tensor of shape ``(len(starts), length)``; ``True`` marks a scored target.
+    """
+    first = torch.tensor(first_scored(starts, length), dtype=torch.long)
+    return torch.arange(length).unsqueeze(0) >= first.unsqueeze(1)
+
+
+def eval_stream_length(n_tokens: int, length: int, max_tokens: int | None) -> int:
+    """How many leading tokens of a stream are evaluated at window length ``length``.
+
+    The stream is cut to whole non-overlapping windows (the last partial window is dropped)
+    and, with a cap, to ``max(1, max_tokens // length)`` windows, so a cap smaller than one
+    window still evaluates one full-length window rather than a truncated one.
+
+    Args:
+        n_tokens: Length of the token stream.
+        length: Window length ``L``.
+        max_tokens: Cap on scored targets, or ``None`` for the whole stream.
+
+    Returns:
+        ``1 + k * length`` for ``k >= 1`` windows, or 0 when not even one window fits.
+    """
+    windows = (n_tokens - 1) // length
+    if windows < 1:
+        return 0
+    if max_tokens is not None:
+        windows = min(windows, max(1, max_tokens // length))
+    return 1 + windows * length
+
+
+class EvalWindows(Dataset[Batch]):
+    """Evaluation windows over one token stream.
+
+    Args:
+        tokens: 1-D token stream of shape ``(n,)``.
+        length: Window length ``L``.
+        stride: Step between windows; ``length`` gives non-overlapping windows.
+
+    Items are dicts with ``input`` and ``target`` of shape ``(L,)`` (int64) and ``loss_mask``
+    of shape ``(L,)`` (bool, ``True`` = scored).
+    """
+
+    def __init__(self, tokens: torch.Tensor, length: int, stride: int) -> None:
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}.")
+        self.tokens = tokens
+        self.length = length
+        self.stride = stride
+        self.starts = window_starts(tokens.numel(), length, stride)
+        self.first = first_scored(self.starts, length)
+        self._positions = torch.arange(length)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> Batch:
+        s = self.starts[i]
+        window = self.tokens[s : s + self.length + 1]
+        return {
+            "input": window[:-1],
+            "target": window[1:],
+            "loss_mask": self._positions >= self.first[i],
+        }
+
+
+class RandomWindows(Dataset[Batch]):
+    """Training windows indexed by their start offset (nanoGPT-style random crops).
+
+    Pair it with :class:`RandomOffsetSampler`, which draws the offsets.
+
+    Args:
+        tokens: 1-D token stream of shape ``(n,)`` with ``n >= seq_len + 1``.
+        seq_len: Training context ``T``.
+
+    Items are dicts with ``input`` and ``target`` of shape ``(T,)`` (int64).
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        if tokens.dim() != 1 or tokens.numel() < seq_len + 1:
+            raise ValueError(
+                f"training needs a 1-D stream of at least seq_len + 1 = {seq_len + 1} tokens, "
+                f"got shape {tuple(tokens.shape)}."
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return self.tokens.numel() - self.seq_len
+
+    def __getitem__(self, offset: int) -> Batch:
+        window = self.tokens[offset : offset + self.seq_len + 1]
+        return {"input": window[:-1], "target": window[1:]}
+
+
+class RandomOffsetSampler(Sampler[int]):
+    """Draws ``num_samples`` uniform window offsets, reproducibly per (seed, epoch).
+
+    Lightning calls :meth:`set_epoch` at every epoch start, so epochs differ while a rerun with
+    the same seed sees the same windows. The draws happen in the main process, so the result
+    does not depend on ``num_workers``.
+
+    Args:
+        num_offsets: Number of valid offsets (``len(RandomWindows)``).
+        num_samples: Offsets per epoch (steps per epoch x batch size).
+        seed: Base seed.
+    """
+
+    def __init__(self, num_offsets: int, num_samples: int, seed: int) -> None:
+        self.num_offsets = num_offsets
+        self.num_samples = num_samples
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose offsets the next iteration yields."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % (1 << 63))
+        yield from torch.randint(self.num_offsets, (self.num_samples,), generator=gen).tolist()
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    return value
+
+
+class LMDataModule(pl.LightningDataModule):
+    """Language-modeling data: one token stream per split, random training windows and
+    evaluation windows at several lengths (for perplexity beyond the training length).
+
+    Args:
+        source: Returns ``{"train", "val", "test"}`` -> text, e.g.
+            ``functools.partial(posenc.data.sources.tinyshakespeare, root=...)``.
+        tokenizer: ``{"kind": "char" | "bpe" | "unigram", **settings}`` for
+            :func:`posenc.data.tokenizers.build_tokenizer`; trained on the train split only.
+        cache_dir: Folder for cached tokenizers.
+        seq_len: Training context ``T``.
+        batch_size: Training batch size.
+        eval_batch_size: Batch size of validation/evaluation loaders (default ``batch_size``);
+            lower it for long evaluation lengths.
+        eval_lengths: Absolute evaluation lengths in tokens (default ``[seq_len]``).
+        sliding_stride: Stride of the sliding-window protocol, or ``None`` to disable it. At a
+            length ``L <= sliding_stride`` it degenerates to non-overlapping windows.
+        eval_max_tokens: Cap on scored tokens per evaluation length (rounded down to whole
+            windows, at least one); ``None`` evaluates the whole split. Also caps the
+            validation loader.
+        train_steps_per_epoch: Training batches per epoch.
+        num_workers: DataLoader workers.
+        seed: Seed of the training window offsets.
+
+    Raises:
+        ValueError: A size is not a positive int or the tokenizer settings lack ``kind``.
+    """
+
+    def __init__(
+        self,
+        *,
+        source: Callable[[], dict[str, str]],
+        tokenizer: dict[str, Any],
+        cache_dir: str | Path,
+        seq_len: int,
+        batch_size: int,
+        eval_batch_size: int | None = None,
+        eval_lengths: Sequence[int] | None = None,
+        sliding_stride: int | None = None,
+        eval_max_tokens: int | None = None,
+        train_steps_per_epoch: int = 1000,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not callable(source):
+            raise ValueError(
+                f"source must be a callable returning split texts, got {type(source).__name__}; "
+                "pass e.g. functools.partial(posenc.data.sources.tinyshakespeare)."
+            )
+        settings = dict(tokenizer)
+        if "kind" not in settings:
+            raise ValueError(
+                f"tokenizer settings need a 'kind' ('char', 'bpe' or 'unigram'), got {settings}."
+            )
+        self.source = source
+        self.tokenizer_kind: str = settings.pop("kind")
+        self.tokenizer_settings = settings
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.seq_len = _positive_int("seq_len", seq_len)
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.eval_batch_size = _positive_int(
+            "eval_batch_size", batch_size if eval_batch_size is None else eval_batch_size
+        )
+        lengths = [seq_len] if eval_lengths is None else list(eval_lengths)
+        if not lengths:
+            raise ValueError("eval_lengths is empty; give at least one length, e.g. [seq_len].")
+        self.eval_lengths = [_positive_int("each of eval_lengths", L) for L in lengths]
+        self.sliding_stride = (
+            None if sliding_stride is None else _positive_int("sliding_stride", sliding_stride)
+        )
+        self.eval_max_tokens = (
+            None if eval_max_tokens is None else _positive_int("eval_max_tokens", eval_max_tokens)
+        )
+        self.train_steps_per_epoch = _positive_int("train_steps_per_epoch", train_steps_per_epoch)
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}.")
+        self.num_workers = num_workers
+        self.seed = int(seed)
+        self._tokenizer: Tokenizer | None = None
+        self._tokens: dict[str, torch.Tensor] | None = None
+
+    # ----------------------------------------------------------------- setup and accessors
+    def setup(self, stage: str | None = None) -> None:
+        """Load the texts, build the tokenizer and tokenize every split (once; later calls
+        are no-ops).
+
+        Args:
+            stage: Lightning stage, unused: all splits are prepared together.
+
+        Raises:
+            ValueError: The source misses a split, or a split is too short for training at
+                ``seq_len`` or for one window at some evaluation length.
+        """
+        if self._tokens is not None:
+            return
+        texts = self.source()
+        missing = [s for s in SPLITS if not isinstance(texts.get(s), str)]
+        if missing:
+            raise ValueError(
+                f"the data source returned no text for splits {missing}; it must return a dict "
+                f"with string values for {list(SPLITS)}, got keys {sorted(texts)}."
+            )
+        tok = build_tokenizer(
+            self.tokenizer_kind, [texts["train"]], self.cache_dir, **self.tokenizer_settings
+        )
+        tokens: dict[str, torch.Tensor] = {}
+        for split in SPLITS:
+            # Sources return the very same string when test doubles as val; encode it once.
+            twin = next((s for s in tokens if texts[s] is texts[split]), None)
+            tokens[split] = (
+                tokens[twin] if twin else torch.tensor(tok.encode(texts[split]), dtype=torch.long)
+            )
+        n_train = tokens["train"].numel()
+        if n_train < self.seq_len + 1:
+            raise ValueError(
+                f"the train split has {n_train} tokens, fewer than seq_len + 1 = "
+                f"{self.seq_len + 1}; lower seq_len or use more training text."
+            )
+        # Fail before training, not hours later at evaluation time.
+        for split in ("val", "test"):
+            for L in sorted({self.seq_len, *self.eval_lengths}):
+                self._check_fits(split, tokens[split].numel(), L)
+        self._tokenizer = tok
+        self._tokens = tokens
+
+    @staticmethod
+    def _check_fits(split: str, n_tokens: int, length: int) -> None:
+        if n_tokens < length + 1:
+            raise ValueError(
+                f"the {split!r} split has {n_tokens} tokens, too few for one evaluation window "
+                f"of length L={length} (needs {length + 1}); drop L={length} from eval_lengths "
+                "or use a longer split."
+            )
+
+    def _require_setup(self) -> dict[str, torch.Tensor]:
+        if self._tokens is None:
+            raise RuntimeError("LMDataModule is not set up yet; call setup() first.")
+        return self._tokens
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer trained on the train split (after :meth:`setup`)."""
+        self._require_setup()
+        assert self._tokenizer is not None
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of :attr:`tokenizer` (after :meth:`setup`)."""
+        return self.tokenizer.vocab_size
+
+    def lm_split_tokens(self, split: str) -> torch.Tensor:
+        """The whole token stream of a split.
+
+        Args:
+            split: ``"train"``, ``"val"`` or ``"test"``.
+
+        Returns:
+            Int64 tensor of shape ``(n_tokens,)``.
+
+        Raises:
+            ValueError: Unknown split.
+            RuntimeError: :meth:`setup` was not called.
+        """
+        tokens = self._require_setup()
+        if split not in tokens:
+            raise ValueError(f"unknown split {split!r}; choose one of {list(SPLITS)}.")
+        return tokens[split]
+
+    # ------------------------------------------------------------------------- loaders
+    def _loader(self, dataset: Dataset[Batch], **kwargs: Any) -> DataLoader[Batch]:
+        return DataLoader(
+            dataset,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        """Random training windows.
+
+        Returns:
+            ``train_steps_per_epoch`` batches of dicts with ``input`` and ``target`` of shape
+            ``(batch_size, seq_len)``; offsets are uniform and reproducible per (seed, epoch).
+        """
+        dataset = RandomWindows(self.lm_split_tokens("train"), self.seq_len)
+        sampler = RandomOffsetSampler(
+            len(dataset), self.train_steps_per_epoch * self.batch_size, self.seed
+        )
+        return self._loader(dataset, batch_size=self.batch_size, sampler=sampler)
+
+    def eval_windows(self, split: str, length: int, stride: int | None = None) -> EvalWindows:
+        """Evaluation windows of one split at one length.
+
+        Args:
+            split: ``"train"``, ``"val"`` or ``"test"``.
+            length: Window length ``L``.
+            stride: ``None`` for non-overlapping windows, else the sliding stride (clamped to
+                ``L``).
+
+        Returns:
+            The dataset over the first :func:`eval_stream_length` tokens of the split, the same
+            prefix for both protocols.
+
+        Raises:
+            ValueError: The split is too short for one window of length ``L``.
+        """
+        tokens = self.lm_split_tokens(split)
+        self._check_fits(split, tokens.numel(), length)
+        n = eval_stream_length(tokens.numel(), length, self.eval_max_tokens)
+        step = length if stride is None else min(stride, length)
+        return EvalWindows(tokens[:n], length, step)
+
+    def val_dataloader(self) -> DataLoader[Batch]:
+        """Non-overlapping validation windows at ``seq_len`` (fast check during training).
+
+        Returns:
+            Batches with ``input``, ``target``, ``loss_mask`` of shape
+            ``(eval_batch_size, seq_len)``.
+        """
+        return self._loader(self.eval_windows("val", self.seq_len), batch_size=self.eval_batch_size)
+
+    def test_dataloader(self) -> DataLoader[Batch]:
+        """Non-overlapping test windows at ``seq_len``; see :meth:`eval_dataloaders` for the
+        length-generalisation evaluation.
+
+        Returns:
+            Batches like :meth:`val_dataloader`.
+        """
+        return self._loader(
+            self.eval_windows("test", self.seq_len), batch_size=self.eval_batch_size
+        )
+
+    def eval_dataloaders(self, split: str) -> dict[str, DataLoader[Batch]]:
+        """Loaders for the length-generalisation evaluation of one split.
+
+        Args:
+            split: ``"val"`` or ``"test"`` (``"train"`` works too).
+
+        Returns:
+            For each ``L`` in ``eval_lengths``: ``"ppl@L"`` (non-overlapping windows) and, if
+            ``sliding_stride`` is set, ``"ppl_sw@L"``. Batches hold ``input``, ``target``
+            (int64) and ``loss_mask`` (bool), each of shape ``(B, L)``.
+
+        Raises:
+            ValueError: The split is too short for one window at some ``L``.
+        """
+        out: dict[str, DataLoader[Batch]] = {}
+        for L in self.eval_lengths:
+            out[f"ppl@{L}"] = self._loader(
+                self.eval_windows(split, L), batch_size=self.eval_batch_size
+            )
+            if self.sliding_stride is not None:
+                out[f"ppl_sw@{L}"] = self._loader(
+                    self.eval_windows(split, L, self.sliding_stride),
+                    batch_size=self.eval_batch_size,
+                )
+        return out

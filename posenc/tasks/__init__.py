@@ -1,0 +1,1 @@
+"""Thin LightningModules, one per task."""

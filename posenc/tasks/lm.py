@@ -1,0 +1,130 @@
+"""Language modeling as a thin LightningModule around :class:`~posenc.model.DecoderLM`.
+
+Notation: B batch, T window length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch import Tensor, nn
+
+from posenc.eval.lengths import TokenNLL
+from posenc.model import DecoderLM, count_parameters
+
+log = logging.getLogger(__name__)
+
+
+def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def adamw_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only; biases, norms and 1-D positional vectors are not decayed."""
+    decay, rest = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else rest).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def configure_adamw(module: pl.LightningModule, optim: dict[str, Any], max_steps: int) -> Any:
+    """AdamW with per-step warmup + cosine schedule, shared by the LM and MT tasks."""
+    opt = torch.optim.AdamW(
+        adamw_groups(module, optim["weight_decay"]), lr=optim["lr"], betas=tuple(optim["betas"])
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: warmup_cosine(
+            s, warmup=optim["warmup_steps"], total=max_steps, min_ratio=optim["min_lr_ratio"]
+        ),
+    )
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class LMTask(pl.LightningModule):
+    """Train a decoder-only LM; evaluate perplexity on named windowed loaders.
+
+    Args:
+        vocab_size: Tokenizer vocabulary.
+        encoder: The encoder's Hydra config (``_target_`` + ``_partial_``).
+        model: Model sizes (``conf/model``).
+        optim: Optimiser settings (``task.optim``).
+        max_steps: Length of the LR schedule.
+        seq_len: Training context length.
+    """
+
+    def __init__(self, *, vocab_size: int, encoder: dict[str, Any], model: dict[str, Any],
+                 optim: dict[str, Any], max_steps: int, seq_len: int) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = DecoderLM(vocab_size=vocab_size, encoder=instantiate(encoder), **model)
+        self.n_params = count_parameters(self.model)
+        self.val_nll = TokenNLL(seq_len)
+        self.eval_metrics = nn.ModuleDict()  # loader name -> TokenNLL, set by set_eval_loaders
+        self.eval_names: list[str] = []
+        self.results: dict[str, dict[str, Tensor]] = {}
+
+    def forward(self, ids: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Logits ``(B, T, V)``."""
+        return self.model(ids, positions)
+
+    def token_nll(self, batch: dict[str, Tensor]) -> Tensor:
+        """Per-token negative log-likelihood ``(B, T)`` of ``batch['target']``."""
+        logits = self(batch["input"])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["target"].flatten(),
+                               reduction="none").view_as(batch["target"])
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.token_nll(batch).mean()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"training loss is {loss.item()} at step {self.global_step}; the last good "
+                f"checkpoint is kept. Lower task.optim.lr or check the data."
+            )
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.val_nll.update(self.token_nll(batch), batch["loss_mask"])
+
+    def on_validation_epoch_end(self) -> None:
+        out = self.val_nll.compute()
+        self.log("val/loss", out["loss"].float(), prog_bar=True)
+        self.log("val/ppl", out["ppl"].float())
+        self.val_nll.reset()
+
+    def set_eval_loaders(self, names: list[str], lengths: list[int]) -> None:
+        """Declare the evaluation loaders (in the order given to ``trainer.test``)."""
+        self.eval_names = list(names)
+        self.eval_metrics = nn.ModuleDict(
+            {n.replace("/", "|").replace("@", "_at_").replace(".", "_"): TokenNLL(L)
+             for n, L in zip(names, lengths, strict=True)}
+        ).to(self.device)
+        self.results = {}
+
+    def _metric(self, idx: int) -> TokenNLL:
+        return list(self.eval_metrics.values())[idx]
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._metric(dataloader_idx).update(self.token_nll(batch), batch["loss_mask"])
+
+    def on_test_epoch_end(self) -> None:
+        for i, name in enumerate(self.eval_names):
+            out = self._metric(i).compute()
+            self.results[name] = {k: v.detach().cpu() for k, v in out.items()}
+            self.log(name, out["ppl"].float(), add_dataloader_idx=False)
+            self._metric(i).reset()
+
+    def configure_optimizers(self) -> Any:
+        return configure_adamw(self, self.hparams.optim, self.hparams.max_steps)

@@ -1,0 +1,15 @@
+"""posenc entry point: ``python run.py encoder=rope task=lm`` (see README.md)."""
+
+import hydra
+from omegaconf import DictConfig
+
+from posenc.train import train
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Tests for posenc.data.tokenizers: round trips on real text, caching and cache repair."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+
+from posenc.data.download import data_dir
+from posenc.data.tokenizers import (
+    CharTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    build_tokenizer,
+)
+
+
+@pytest.fixture(scope="module")
+def shakespeare() -> str:
+    path = data_dir() / "tinyshakespeare/input.txt"
+    if not path.is_file():
+        pytest.skip(f"{path} not found; set POSENC_DATA_DIR")
+    return path.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def small_train(shakespeare: str) -> str:
+    return shakespeare[:200_000]
+
+
+@pytest.fixture(scope="module")
+def small_heldout(shakespeare: str) -> str:
+    # Start at a line boundary: SentencePiece drops a line's leading space by design.
+    tail = shakespeare[-20_000:]
+    return tail[tail.index("\n") + 1 :]
+
+
+def test_char_round_trip_on_shakespeare(shakespeare: str) -> None:
+    tok = CharTokenizer.from_texts([shakespeare])
+    assert isinstance(tok, Tokenizer)
+    # TinyShakespeare famously has 65 distinct characters; 4 specials come first.
+    assert tok.vocab_size == 4 + 65
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id) == (0, 1, 2, 3)
+    ids = tok.encode(shakespeare)
+    assert len(ids) == len(shakespeare) and min(ids) >= 4 and max(ids) == tok.vocab_size - 1
+    assert tok.decode(ids) == shakespeare
+    # Sorted vocabulary: "\n" < " " < "!" are the three smallest characters.
+    assert tok.encode("\n !") == [4, 5, 6]
+
+
+def test_char_unknown_and_specials() -> None:
+    tok = CharTokenizer.from_texts(["abc"])
+    assert tok.encode("abz") == [4, 5, 3]
+    assert tok.decode([1, 4, 3, 5, 2, 0, 0]) == "a\ufffdb"
+    with pytest.raises(ValueError, match="token id 7 is outside"):
+        tok.decode([7])
+
+
+def test_char_cache_reused_and_repaired(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, small_train: str
+) -> None:
+    tok = build_tokenizer("char", [small_train], tmp_path)
+    (cached,) = tmp_path.glob("*.json")
+    assert CharTokenizer.load(cached).chars == tok.chars
+    mtime = cached.stat().st_mtime_ns
+    again = build_tokenizer("char", [small_train], tmp_path)
+    assert again.encode(small_train[:500]) == tok.encode(small_train[:500])
+    assert cached.stat().st_mtime_ns == mtime
+    # Different training text -> different key -> a second cache file.
+    build_tokenizer("char", [small_train + "#"], tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+    cached.write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        repaired = build_tokenizer("char", [small_train], tmp_path)
+    assert "rebuilding corrupt cached char tokenizer" in caplog.text
+    assert repaired.chars == tok.chars
+    assert CharTokenizer.load(cached).chars == tok.chars
+
+
+def test_build_tokenizer_rejects_bad_kind_and_settings(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"unknown tokenizer kind 'wordpiece'.*'char', 'bpe'"):
+        build_tokenizer("wordpiece", ["abc"], tmp_path)
+    with pytest.raises(ValueError, match=r"unknown settings \['vocab'\].*vocab_size"):
+        build_tokenizer("bpe", ["abc"], tmp_path, vocab=100)
+    with pytest.raises(ValueError, match="unknown settings"):
+        build_tokenizer("char", ["abc"], tmp_path, vocab_size=10)
+    with pytest.raises(ValueError, match="empty training texts"):
+        build_tokenizer("char", [""], tmp_path)
+
+
+def test_bpe_round_trip_compresses_and_keeps_newlines(
+    tmp_path: Path, small_train: str, small_heldout: str
+) -> None:
+    tok = build_tokenizer("bpe", [small_train], tmp_path, vocab_size=500)
+    assert isinstance(tok, SentencePieceTokenizer) and isinstance(tok, Tokenizer)
+    assert tok.vocab_size == 500
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id) == (0, 1, 2, 3)
+    ids = tok.encode(small_heldout)
+    assert all(0 <= i < 500 for i in ids)
+    # Held-out Shakespeare decodes back exactly, line structure included.
+    assert tok.decode(ids) == small_heldout
+    assert ids.count(tok.newline_id) == small_heldout.count("\n")
+    # Subwords: clearly fewer tokens than characters.
+    assert len(ids) < 0.6 * len(small_heldout)
+    assert tok.decode([1, *tok.encode("To be, or not"), 2, 0]) == "To be, or not"
+
+
+def test_unigram_trains_with_exact_vocab(tmp_path: Path, small_train: str) -> None:
+    tok = build_tokenizer("unigram", [small_train], tmp_path, vocab_size=300)
+    assert tok.vocab_size == 300
+    text = "ROMEO:\nBut soft, what light"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_sentencepiece_cache_is_reused_not_retrained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_train: str, small_heldout: str
+) -> None:
+    first = build_tokenizer("bpe", [small_train], tmp_path, vocab_size=400)
+    (model,) = tmp_path.glob("*.model")
+    mtime = model.stat().st_mtime_ns
+
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("SentencePiece retrained although a valid cache exists")
+
+    monkeypatch.setattr(spm.SentencePieceTrainer, "train", no_training)
+    second = build_tokenizer("bpe", [small_train], tmp_path, vocab_size=400)
+    assert second.encode(small_heldout) == first.encode(small_heldout)
+    assert model.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [model.name]  # no temp leftovers
+    # A different setting is a different cache key, so it must train.
+    with pytest.raises(AssertionError, match="retrained"):
+        build_tokenizer("bpe", [small_train], tmp_path, vocab_size=401)
+
+
+def test_corrupt_sentencepiece_cache_is_rebuilt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, small_train: str, small_heldout: str
+) -> None:
+    good = build_tokenizer("bpe", [small_train], tmp_path, vocab_size=400)
+    reference = good.encode(small_heldout)
+    (model,) = tmp_path.glob("*.model")
+    backup = tmp_path / "backup.bin"
+    shutil.copyfile(model, backup)
+
+    model.write_bytes(b"\x00garbage, not a protobuf")
+    with caplog.at_level(logging.WARNING):
+        rebuilt = build_tokenizer("bpe", [small_train], tmp_path, vocab_size=400)
+    assert "rebuilding corrupt cached SentencePiece model" in caplog.text
+    assert rebuilt.encode(small_heldout) == reference
+
+    # A loadable model of the wrong size under this key is rebuilt too.
+    other = tmp_path / "other"
+    build_tokenizer("bpe", [small_train], other, vocab_size=300)
+    shutil.copyfile(next(other.glob("*.model")), model)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        rebuilt = build_tokenizer("bpe", [small_train], tmp_path, vocab_size=400)
+    assert "vocab size 300, expected 400" in caplog.text
+    assert rebuilt.vocab_size == 400 and rebuilt.encode(small_heldout) == reference
+
+
+def test_sentencepiece_too_large_vocab_is_explained(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="vocab_size=5000.*Lower vocab_size"):
+        build_tokenizer("bpe", ["a tiny corpus\nwith two lines"], tmp_path, vocab_size=5000)
+    assert list(tmp_path.glob("*.model")) == []
