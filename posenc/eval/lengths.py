@@ -39,8 +39,7 @@ class TokenNLL(Metric):
         self.add_state("nll", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("pos_nll", torch.zeros(length, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("pos_count", torch.zeros(length, dtype=torch.float64),
-                       dist_reduce_fx="sum")
+        self.add_state("pos_count", torch.zeros(length, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, nll: Tensor, mask: Tensor) -> None:
         """Add a batch.
@@ -74,8 +73,9 @@ def metric_name(split: str, protocol: str, length: int) -> str:
     return f"{split}/{PROTOCOLS[protocol]}@{length}"
 
 
-def ppl_vs_length_figure(ppl: Mapping[str, Mapping[int, float]], train_len: int,
-                         title: str = "") -> Figure:
+def ppl_vs_length_figure(
+    ppl: Mapping[str, Mapping[int, float]], train_len: int, title: str = ""
+) -> Figure:
     """Perplexity against evaluation length, one line per protocol (or encoder).
 
     Args:
@@ -98,8 +98,9 @@ def ppl_vs_length_figure(ppl: Mapping[str, Mapping[int, float]], train_len: int,
     return fig
 
 
-def loss_by_position_figure(curves: Mapping[str, list[float]], train_len: int,
-                            title: str = "", points: int = 256) -> Figure:
+def loss_by_position_figure(
+    curves: Mapping[str, list[float]], train_len: int, title: str = "", points: int = 256
+) -> Figure:
     """Mean loss by token position within the window (where extrapolation breaks).
 
     Args:

@@ -34,12 +34,19 @@ class Throughput(pl.Callback):
         self._t0: float | None = None
         self._window: list[tuple[int, float]] = []
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                             batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         if self._t0 is None:
             return
         dt = time.perf_counter() - self._t0

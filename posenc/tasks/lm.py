@@ -6,7 +6,6 @@ Notation: B batch, T window length, V vocabulary.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import pytorch_lightning as pl
@@ -17,39 +16,9 @@ from torch import Tensor, nn
 
 from posenc.eval.lengths import TokenNLL
 from posenc.model import DecoderLM, count_parameters
+from posenc.tasks.optim import configure_adamw
 
 log = logging.getLogger(__name__)
-
-
-def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
-    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def adamw_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only; biases, norms and 1-D positional vectors are not decayed."""
-    decay, rest = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else rest).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-
-
-def configure_adamw(module: pl.LightningModule, optim: dict[str, Any], max_steps: int) -> Any:
-    """AdamW with per-step warmup + cosine schedule, shared by the LM and MT tasks."""
-    opt = torch.optim.AdamW(
-        adamw_groups(module, optim["weight_decay"]), lr=optim["lr"], betas=tuple(optim["betas"])
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: warmup_cosine(
-            s, warmup=optim["warmup_steps"], total=max_steps, min_ratio=optim["min_lr_ratio"]
-        ),
-    )
-    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class LMTask(pl.LightningModule):
@@ -64,8 +33,16 @@ class LMTask(pl.LightningModule):
         seq_len: Training context length.
     """
 
-    def __init__(self, *, vocab_size: int, encoder: dict[str, Any], model: dict[str, Any],
-                 optim: dict[str, Any], max_steps: int, seq_len: int) -> None:
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        encoder: dict[str, Any],
+        model: dict[str, Any],
+        optim: dict[str, Any],
+        max_steps: int,
+        seq_len: int,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = DecoderLM(vocab_size=vocab_size, encoder=instantiate(encoder), **model)
@@ -82,8 +59,9 @@ class LMTask(pl.LightningModule):
     def token_nll(self, batch: dict[str, Tensor]) -> Tensor:
         """Per-token negative log-likelihood ``(B, T)`` of ``batch['target']``."""
         logits = self(batch["input"])
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["target"].flatten(),
-                               reduction="none").view_as(batch["target"])
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), batch["target"].flatten(), reduction="none"
+        ).view_as(batch["target"])
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self.token_nll(batch).mean()
@@ -108,8 +86,10 @@ class LMTask(pl.LightningModule):
         """Declare the evaluation loaders (in the order given to ``trainer.test``)."""
         self.eval_names = list(names)
         self.eval_metrics = nn.ModuleDict(
-            {n.replace("/", "|").replace("@", "_at_").replace(".", "_"): TokenNLL(L)
-             for n, L in zip(names, lengths, strict=True)}
+            {
+                n.replace("/", "|").replace("@", "_at_").replace(".", "_"): TokenNLL(L)
+                for n, L in zip(names, lengths, strict=True)
+            }
         ).to(self.device)
         self.results = {}
 

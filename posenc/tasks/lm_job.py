@@ -1,0 +1,216 @@
+"""The language-modeling job: fit, then perplexity at every evaluation length and
+protocol; ``metrics.json``, figures and HParams in the run directory."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.loggers import TensorBoardLogger
+
+from posenc.config import eval_lengths
+from posenc.data.lm import LMDataModule
+from posenc.eval.lengths import (
+    PROTOCOLS,
+    loss_by_position_figure,
+    metric_name,
+    ppl_vs_length_figure,
+)
+from posenc.runner import build_trainer, group_choice, log_hparams, write_json_atomic
+from posenc.tasks.callbacks import Throughput, peak_memory_mb
+from posenc.tasks.lm import LMTask
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_DOC = {
+    "nonoverlap": "ppl@L: non-overlapping windows of L tokens, every target token scored "
+    "once, positions 0..L-1 in each window",
+    "sliding": "ppl_sw@L: windows of L tokens advanced by the stride; only the last "
+    "`stride` targets of each window are scored (all in the first window), so "
+    "each token is scored once with >= L - stride tokens of context",
+}
+
+
+def lm_datamodule(cfg: DictConfig) -> LMDataModule:
+    t = cfg.task
+    return LMDataModule(
+        source=instantiate(cfg.data.source),
+        tokenizer=OmegaConf.to_container(cfg.tokenizer, resolve=True),
+        cache_dir=cfg.paths.cache_dir,
+        seq_len=t.seq_len,
+        batch_size=t.batch_size,
+        eval_batch_size=t.eval_batch_size,
+        eval_lengths=eval_lengths(cfg),
+        eval_max_tokens=t.eval.max_tokens,
+        seed=cfg.seed,
+    )
+
+
+def lm_task(cfg: DictConfig, vocab_size: int) -> LMTask:
+    """A new task, or the one stored in ``cfg.ckpt_path`` for ``eval_only``."""
+    if cfg.eval_only:
+        if not cfg.ckpt_path:
+            raise ValueError("eval_only=true needs ckpt_path=/path/to/checkpoint.ckpt")
+        task = LMTask.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+        if task.hparams.vocab_size != vocab_size:
+            raise ValueError(
+                f"checkpoint {cfg.ckpt_path} has vocab_size={task.hparams.vocab_size} but the "
+                f"configured data/tokenizer give {vocab_size}; use the data and tokenizer "
+                f"settings it was trained with"
+            )
+        return task
+    return LMTask(
+        vocab_size=vocab_size,
+        encoder=OmegaConf.to_container(cfg.encoder, resolve=True),
+        model=OmegaConf.to_container(cfg.model, resolve=True),
+        optim=OmegaConf.to_container(cfg.task.optim, resolve=True),
+        max_steps=cfg.trainer.max_steps,
+        seq_len=cfg.task.seq_len,
+    )
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Language modeling: fit, then perplexity at every evaluation length and protocol."""
+    dm = lm_datamodule(cfg)
+    dm.setup("fit")
+    task = lm_task(cfg, dm.vocab_size)
+    throughput = Throughput()
+    trainer = build_trainer(cfg, run_dir, throughput)
+    t0 = time.perf_counter()
+    if not cfg.eval_only:
+        trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
+    train_time = time.perf_counter() - t0
+
+    # Evaluation beyond the training context: one loader per (split, protocol, length).
+    seq_len = cfg.task.seq_len
+    stride = cfg.task.eval.sliding_stride
+    limit = task.model.encoder.max_length
+    names, lengths, loaders, skipped = [], [], [], {}
+    for split in cfg.task.eval.splits:
+        for length in eval_lengths(cfg):
+            for protocol in cfg.task.eval.protocols:
+                name = metric_name(split, protocol, length)
+                if limit is not None and length > limit:
+                    skipped[name] = (
+                        f"encoder {type(task.model.encoder).__name__} encodes at "
+                        f"most {limit} positions; length {length} not evaluated"
+                    )
+                    log.warning("%s: %s", name, skipped[name])
+                    continue
+                step = None if protocol == "nonoverlap" else (stride or max(1, seq_len // 2))
+                names.append(name)
+                lengths.append(length)
+                loaders.append(
+                    torch.utils.data.DataLoader(
+                        dm.eval_windows(split, length, step),
+                        batch_size=cfg.task.eval_batch_size,
+                        num_workers=0,
+                    )
+                )
+    task.set_eval_loaders(names, lengths)
+    best = trainer.checkpoint_callback.best_model_path if not cfg.eval_only else ""
+    if loaders:
+        trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
+    return finish_lm(cfg, run_dir, task, trainer, throughput, skipped, train_time)
+
+
+def finish_lm(
+    cfg: DictConfig,
+    run_dir: Path,
+    task: LMTask,
+    trainer: pl.Trainer,
+    throughput: Throughput,
+    skipped: dict[str, str],
+    train_time: float,
+) -> dict[str, Any]:
+    """Collect metrics; write metrics.json, figures and HParams (rank zero only)."""
+    metrics: dict[str, float] = {n: float("nan") for n in skipped}
+    by_position: dict[str, list[float]] = {}
+    for name, out in task.results.items():
+        metrics[name] = float(out["ppl"])
+        if "/ppl@" in name:
+            by_position[name] = [round(float(x), 5) for x in out["loss_by_position"]]
+    for key in ("val/loss", "val/ppl"):
+        if key in trainer.callback_metrics:
+            metrics[key] = float(trainer.callback_metrics[key])
+    mem, mem_kind = peak_memory_mb(task.device)
+    encoder = cfg.encoder._target_.rsplit(".", 1)[-1]
+    result = {
+        "task": "lm",
+        "encoder": group_choice(cfg, "encoder"),
+        "encoder_class": encoder,
+        "seed": cfg.seed,
+        "seq_len": cfg.task.seq_len,
+        "eval_lengths": eval_lengths(cfg),
+        "protocols": {p: PROTOCOL_DOC[p] for p in cfg.task.eval.protocols},
+        "metrics": dict(sorted(metrics.items())),
+        "skipped": skipped,
+        "loss_by_position": by_position,
+        "n_params": task.n_params,
+        "train_steps": trainer.global_step,
+        "train_time_s": round(train_time, 2),
+        "tokens_per_s": round(throughput.tokens_per_s, 1),
+        "peak_memory_mb": round(mem, 1),
+        "peak_memory_kind": mem_kind,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    if trainer.is_global_zero:
+        write_json_atomic(run_dir / "metrics.json", result)
+        _tensorboard(trainer, cfg, result)
+        log.info("metrics written to %s", run_dir / "metrics.json")
+    return result
+
+
+def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -> None:
+    """Perplexity-vs-length and loss-by-position figures, and HParams linked to results."""
+    logger = trainer.logger
+    if not isinstance(logger, TensorBoardLogger):
+        return
+    writer = logger.experiment
+    seq_len = result["seq_len"]
+    for split in cfg.task.eval.splits:
+        curves: dict[str, dict[int, float]] = {}
+        for name, value in result["metrics"].items():
+            if name.startswith(f"{split}/") and "@" in name:
+                kind, length = name.split("/", 1)[1].split("@")
+                label = {v: k for k, v in PROTOCOLS.items()}.get(kind, kind)
+                curves.setdefault(label, {})[int(length)] = value
+        if curves:
+            writer.add_figure(
+                f"{split}/ppl_vs_length",
+                ppl_vs_length_figure(curves, seq_len, f"{result['encoder']}: {split} perplexity"),
+                trainer.global_step,
+            )
+        pos = {
+            n.split("@")[1]: c
+            for n, c in result["loss_by_position"].items()
+            if n.startswith(f"{split}/")
+        }
+        if pos:
+            writer.add_figure(
+                f"{split}/loss_by_position",
+                loss_by_position_figure(
+                    {f"L={k}": v for k, v in pos.items()},
+                    seq_len,
+                    f"{result['encoder']}: {split} loss by position",
+                ),
+                trainer.global_step,
+            )
+    m = cfg.model
+    hparams = {
+        "encoder": result["encoder"],
+        "task": "lm",
+        "seed": cfg.seed,
+        "seq_len": seq_len,
+        "n_layers": m.n_layers,
+        "d_model": m.d_model,
+        "n_heads": m.n_heads,
+        "n_params": result["n_params"],
+    }
+    log_hparams(trainer, hparams, result["metrics"])

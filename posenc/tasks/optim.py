@@ -1,0 +1,53 @@
+"""Optimiser and learning-rate schedules shared by the tasks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+SCHEDULES = ("cosine", "inverse_sqrt")
+
+
+def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def warmup_inverse_sqrt(step: int, *, warmup: int) -> float:
+    """LR multiplier of Vaswani et al. 2017 (eq. 3), normalised to peak at 1 after warmup."""
+    step = step + 1
+    return min(step / warmup, math.sqrt(warmup / step))
+
+
+def adamw_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only; biases, norms and 1-D positional vectors are not decayed."""
+    decay, rest = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else rest).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def configure_adamw(module: pl.LightningModule, optim: dict[str, Any], max_steps: int) -> Any:
+    """AdamW with a per-step schedule (``optim['schedule']``: cosine or inverse_sqrt)."""
+    opt = torch.optim.AdamW(
+        adamw_groups(module, optim["weight_decay"]), lr=optim["lr"], betas=tuple(optim["betas"])
+    )
+    schedule = optim.get("schedule", "cosine")
+    warmup = max(1, int(optim["warmup_steps"]))
+    if schedule == "cosine":
+        ratio = float(optim.get("min_lr_ratio", 0.1))
+        fn = lambda s: warmup_cosine(s, warmup=warmup, total=max_steps, min_ratio=ratio)  # noqa: E731
+    elif schedule == "inverse_sqrt":
+        fn = lambda s: warmup_inverse_sqrt(s, warmup=warmup)  # noqa: E731
+    else:
+        raise ValueError(f"optim.schedule={schedule!r}: allowed {', '.join(SCHEDULES)}")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, fn)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
