@@ -44,6 +44,9 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"model.dropout={m.dropout}: must be in [0, 1)")
     if cfg.task.name == "lm":
         _validate_lm(cfg, problems)
+        _reject_mt_options(cfg, problems)
+    elif cfg.task.name == "mt":
+        _validate_mt(cfg, problems)
     if not problems:
         _try_encoder(cfg, problems)
     if problems:
@@ -72,6 +75,95 @@ def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(
             f"task.seq_len={t.seq_len}: longer than encoder.max_len={max_len}; raise "
             f"encoder.max_len or shorten task.seq_len"
+        )
+
+
+#: Options that only the translation task reads (task.* and model.*).
+MT_TASK_KEYS = (
+    "max_tokens",
+    "max_len",
+    "max_train_src_len",
+    "length_buckets",
+    "label_smoothing",
+    "share_embeddings",
+    "val_bleu_sentences",
+    "eval_split",
+    "eval_max_sentences",
+    "samples",
+    "decode",
+)
+MT_MODEL_KEYS = ("n_enc_layers", "n_dec_layers")
+
+
+def _reject_mt_options(cfg: DictConfig, problems: list[str]) -> None:
+    """An MT option under task=lm would be silently ignored: say so instead."""
+    found = [f"task.{k}" for k in MT_TASK_KEYS if k in cfg.task]
+    found += [f"model.{k}" for k in MT_MODEL_KEYS if k in cfg.model]
+    for key in found:
+        problems.append(
+            f"{key}={OmegaConf.select(cfg, key)!r}: a translation option, but task.name=lm; "
+            "remove it or run task=mt"
+        )
+
+
+def _optional_positive_int(problems: list[str], key: str, value: Any) -> None:
+    if value is not None:
+        _positive_int(problems, key, value)
+
+
+def _non_negative(problems: list[str], key: str, value: Any, *, integer: bool) -> None:
+    kinds = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < 0:
+        what = "an integer" if integer else "a number"
+        problems.append(f"{key}={value!r}: must be {what} >= 0")
+
+
+def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
+    from posenc.data.mt import check_edges
+    from posenc.data.tokenizers import TOKENIZER_KINDS
+    from posenc.tasks.optim import SCHEDULES
+
+    t, m = cfg.task, cfg.model
+    for key in ("max_tokens", "max_len"):
+        _positive_int(problems, f"task.{key}", t[key])
+    _positive_int(problems, "model.d_ff", m.d_ff)
+    for key in MT_MODEL_KEYS:
+        _optional_positive_int(problems, f"model.{key}", m.get(key))
+    for key in ("max_train_src_len", "eval_max_sentences"):
+        _optional_positive_int(problems, f"task.{key}", t[key])
+    for key in ("val_bleu_sentences", "samples"):
+        _non_negative(problems, f"task.{key}", t[key], integer=True)
+    if isinstance(t.max_tokens, int) and isinstance(t.max_len, int) and t.max_tokens < t.max_len:
+        problems.append(
+            f"task.max_tokens={t.max_tokens}: smaller than task.max_len={t.max_len}, so the "
+            "longest training pair would not fit in a batch"
+        )
+    ls = t.label_smoothing
+    if isinstance(ls, bool) or not isinstance(ls, int | float) or not 0.0 <= ls < 1.0:
+        problems.append(f"task.label_smoothing={ls!r}: must be in [0, 1)")
+    if not isinstance(t.share_embeddings, bool):
+        problems.append(f"task.share_embeddings={t.share_embeddings!r}: must be true or false")
+    try:
+        check_edges(list(t.length_buckets))
+    except (ValueError, TypeError) as err:
+        problems.append(f"task.length_buckets={list(t.length_buckets)}: {err}")
+    if t.eval_split not in ("test", "val"):
+        problems.append(f"task.eval_split={t.eval_split!r}: allowed test, val")
+    d = t.decode
+    _positive_int(problems, "task.decode.beam_size", d.beam_size)
+    _non_negative(problems, "task.decode.length_penalty", d.length_penalty, integer=False)
+    _non_negative(problems, "task.decode.max_len_a", d.max_len_a, integer=False)
+    _non_negative(problems, "task.decode.max_len_b", d.max_len_b, integer=True)
+    if t.optim.get("schedule", "cosine") not in SCHEDULES:
+        problems.append(f"task.optim.schedule={t.optim.schedule!r}: allowed {', '.join(SCHEDULES)}")
+    if cfg.tokenizer.kind not in TOKENIZER_KINDS:
+        kinds = ", ".join(TOKENIZER_KINDS)
+        problems.append(f"tokenizer.kind={cfg.tokenizer.kind!r}: allowed {kinds}")
+    max_len = cfg.encoder.get("max_len")
+    if max_len is not None and isinstance(t.max_len, int) and t.max_len > max_len:
+        problems.append(
+            f"task.max_len={t.max_len}: longer than encoder.max_len={max_len}; raise "
+            f"encoder.max_len or lower task.max_len"
         )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from pytorch_lightning.loggers import TensorBoardLogger
@@ -62,13 +62,14 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput) -> pl.
 
 
 def group_choice(cfg: DictConfig, group: str) -> str:
-    """The Hydra group choice (``rope``), or the class name outside a Hydra run."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
+    """The Hydra group choice (``rope``); outside a Hydra run (a config composed by
+    hand), the registered name of the configured class."""
+    from hydra.core.hydra_config import HydraConfig
 
+    if HydraConfig.initialized():
         return HydraConfig.get().runtime.choices[group]
-    except Exception:  # noqa: BLE001 - no Hydra context (tests composing by hand)
-        return cfg[group]._target_.rsplit(".", 1)[-1].lower()
+    cls = get_class(cfg[group]._target_)
+    return getattr(cls, "name", cls.__name__)
 
 
 def log_hparams(trainer: pl.Trainer, hparams: dict[str, Any], metrics: dict[str, float]) -> None:

@@ -14,7 +14,7 @@ from posenc.config import validate
 from posenc.runner import guard_run_dir
 
 #: task name -> module with ``run(cfg, run_dir) -> dict`` (imported on demand).
-TASKS = {"lm": "posenc.tasks.lm_job"}
+TASKS = {"lm": "posenc.tasks.lm_job", "mt": "posenc.tasks.mt_job"}
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

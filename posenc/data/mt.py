@@ -35,6 +35,7 @@ __all__ = [
     "bucket_names",
     "bucket_of",
     "check_edges",
+    "encode_sentences",
     "hf_translation",
     "multi30k",
     "parallel_files",
@@ -527,6 +528,26 @@ def restore_order(indices: Sequence[int] | torch.Tensor, items: Sequence[Any]) -
 # --------------------------------------------------------------------------------------------
 
 
+def encode_sentences(tok: Tokenizer, sentences: Sequence[str]) -> list[list[int]]:
+    """``[tok.encode(s) for s in sentences]``, but in one call where the tokenizer allows it.
+
+    A SentencePiece call has a fixed cost (it starts worker threads) that dominates
+    sentence-sized calls: one call per sentence made tokenizing Multi30k ~30x slower. A
+    tokenizer with a ``newline_id`` encodes text line by line, so the sentences are joined by
+    ``"\n"`` and the ids split at that id; the result is identical.
+    """
+    newline = getattr(tok, "newline_id", None)
+    if newline is None or not sentences or any("\n" in s for s in sentences):
+        return [tok.encode(s) for s in sentences]
+    out: list[list[int]] = [[]]
+    for i in tok.encode("\n".join(sentences)):
+        if i == newline:
+            out.append([])
+        else:
+            out[-1].append(i)
+    return out
+
+
 def _check_corpus(data: Any) -> ParallelCorpus:
     if not isinstance(data, Mapping):
         raise TypeError(
@@ -662,8 +683,8 @@ class MTDataModule(pl.LightningDataModule):
         )
         stats: dict[str, int] = {}
         for split, (src_text, tgt_text) in raw.items():
-            src_ids = [tok.encode(s) for s in src_text]
-            tgt_ids = [tok.encode(t) for t in tgt_text]
+            src_ids = encode_sentences(tok, src_text)
+            tgt_ids = encode_sentences(tok, tgt_text)
             keep = list(range(len(src_ids)))
             if split == "train":
                 keep = self._filter_train(src_ids, tgt_ids, stats)

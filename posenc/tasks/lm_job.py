@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_DOC = {
     "nonoverlap": "ppl@L: non-overlapping windows of L tokens, every target token scored "
     "once, positions 0..L-1 in each window",
-    "sliding": "ppl_sw@L: windows of L tokens advanced by the stride; only the last "
+    "sliding": "ppl_sw@L: windows of L tokens advanced by the stride (default L/4); only the last "
     "`stride` targets of each window are scored (all in the first window), so "
     "each token is scored once with >= L - stride tokens of context",
 }
@@ -86,9 +86,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if not cfg.eval_only:
         trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
     train_time = time.perf_counter() - t0
+    # trainer.test() replaces callback_metrics: keep the last validation now.
+    val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
 
     # Evaluation beyond the training context: one loader per (split, protocol, length).
-    seq_len = cfg.task.seq_len
     stride = cfg.task.eval.sliding_stride
     limit = task.model.encoder.max_length
     names, lengths, loaders, skipped = [], [], [], {}
@@ -103,7 +104,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     )
                     log.warning("%s: %s", name, skipped[name])
                     continue
-                step = None if protocol == "nonoverlap" else (stride or max(1, seq_len // 2))
+                step = None if protocol == "nonoverlap" else (stride or max(1, length // 4))
                 names.append(name)
                 lengths.append(length)
                 loaders.append(
@@ -117,7 +118,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     best = trainer.checkpoint_callback.best_model_path if not cfg.eval_only else ""
     if loaders:
         trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
-    return finish_lm(cfg, run_dir, task, trainer, throughput, skipped, train_time)
+    return finish_lm(cfg, run_dir, task, trainer, throughput, skipped, train_time, val)
 
 
 def finish_lm(
@@ -128,17 +129,18 @@ def finish_lm(
     throughput: Throughput,
     skipped: dict[str, str],
     train_time: float,
+    val: dict[str, float],
 ) -> dict[str, Any]:
     """Collect metrics; write metrics.json, figures and HParams (rank zero only)."""
     metrics: dict[str, float] = {n: float("nan") for n in skipped}
+    tokens: dict[str, int] = {}
     by_position: dict[str, list[float]] = {}
     for name, out in task.results.items():
         metrics[name] = float(out["ppl"])
+        tokens[name] = int(out["tokens"])
         if "/ppl@" in name:
             by_position[name] = [round(float(x), 5) for x in out["loss_by_position"]]
-    for key in ("val/loss", "val/ppl"):
-        if key in trainer.callback_metrics:
-            metrics[key] = float(trainer.callback_metrics[key])
+    metrics = dict(sorted(metrics.items(), key=_metric_order)) | val
     mem, mem_kind = peak_memory_mb(task.device)
     encoder = cfg.encoder._target_.rsplit(".", 1)[-1]
     result = {
@@ -149,7 +151,8 @@ def finish_lm(
         "seq_len": cfg.task.seq_len,
         "eval_lengths": eval_lengths(cfg),
         "protocols": {p: PROTOCOL_DOC[p] for p in cfg.task.eval.protocols},
-        "metrics": dict(sorted(metrics.items())),
+        "metrics": metrics,
+        "scored_tokens": tokens,
         "skipped": skipped,
         "loss_by_position": by_position,
         "n_params": task.n_params,
@@ -165,6 +168,13 @@ def finish_lm(
         _tensorboard(trainer, cfg, result)
         log.info("metrics written to %s", run_dir / "metrics.json")
     return result
+
+
+def _metric_order(item: tuple[str, float]) -> tuple[str, str, int]:
+    """``test/ppl@128`` < ``test/ppl@1024``: by split, protocol, then numeric length."""
+    head, _, length = item[0].partition("@")
+    split, _, kind = head.partition("/")
+    return split, kind, int(length) if length.isdigit() else 0
 
 
 def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -> None:

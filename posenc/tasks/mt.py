@@ -1,0 +1,234 @@
+"""Machine translation as a thin LightningModule around :class:`~posenc.model.EncoderDecoder`.
+
+Notation: B batch, S source length, T decoder length (BOS + target, or target + EOS),
+V vocabulary.
+
+Batches are the dicts of :class:`posenc.data.mt.MTCollator`. Training is teacher forcing with
+label-smoothed cross-entropy over real target tokens (padding ignored). Each validation also
+greedy-decodes the first ``val_bleu_sentences`` validation sentences (file order) and logs
+their corpus BLEU as ``val/bleu``. Testing decodes with :meth:`MTTask.configure_test`'s
+settings and keeps ``(file index, token ids)`` pairs for the job to score.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from hydra.utils import instantiate
+from torch import Tensor
+from torchmetrics.aggregation import SumMetric
+
+from posenc.model import EncoderDecoder, count_parameters
+from posenc.tasks.decode import Decoded, beam_search, greedy, output_limits
+from posenc.tasks.optim import configure_adamw
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, Tensor]
+
+
+def label_smoothed_nll(
+    logits: Tensor, target: Tensor, mask: Tensor, epsilon: float
+) -> tuple[Tensor, Tensor]:
+    """Summed label-smoothed cross-entropy and summed NLL over the real target tokens.
+
+    Per token, ``(1 - eps) * -log p(y) + eps * mean_v(-log p(v))``: the target distribution
+    puts ``1 - eps + eps / V`` on the reference and ``eps / V`` on every other token (padding
+    included, as in ``torch.nn.functional.cross_entropy(label_smoothing=eps)``).
+
+    Args:
+        logits: ``(B, T, V)``.
+        target: ``(B, T)`` reference ids.
+        mask: ``(B, T)`` True for real tokens (target and EOS), False for padding.
+        epsilon: Smoothing in ``[0, 1)``.
+
+    Returns:
+        ``(loss_sum, nll_sum)``, scalars summed over the masked tokens (divide by
+        ``mask.sum()`` for per-token means).
+    """
+    logp = logits.float().log_softmax(-1)  # fp32 softmax: bf16 would bias the loss
+    nll = -logp.gather(-1, target[..., None]).squeeze(-1)  # (B, T)
+    smooth = -logp.mean(-1)  # (B, T)
+    loss = (1.0 - epsilon) * nll + epsilon * smooth
+    return loss[mask].sum(), nll[mask].sum()
+
+
+class MTTask(pl.LightningModule):
+    """Train a translator; report validation loss and greedy BLEU; decode the test set.
+
+    Args:
+        vocab_size: Joint source/target vocabulary.
+        encoder: The positional encoder's Hydra config (``_target_`` + ``_partial_``); the
+            encoder and decoder stacks each get their own instance.
+        model: Model sizes (``conf/model/mt.yaml``).
+        optim: Optimiser settings (``task.optim``).
+        max_steps: Length of the LR schedule.
+        label_smoothing: Epsilon of the smoothed loss, in ``[0, 1)``.
+        share_embeddings: One table for source, target and output.
+        ids: ``{"pad": ..., "bos": ..., "eos": ...}`` of the tokenizer.
+        val_bleu_sentences: Greedy-decode this many validation sentences each validation
+            (0 turns ``val/bleu`` off).
+        max_len_a: Output budget per source token when decoding.
+        max_len_b: Output budget on top, see :func:`posenc.tasks.decode.output_limits`.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        encoder: dict[str, Any],
+        model: dict[str, Any],
+        optim: dict[str, Any],
+        max_steps: int,
+        label_smoothing: float = 0.1,
+        share_embeddings: bool = True,
+        ids: dict[str, int],
+        val_bleu_sentences: int = 200,
+        max_len_a: float = 1.2,
+        max_len_b: int = 10,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"task.label_smoothing={label_smoothing}: must be in [0, 1)")
+        self.save_hyperparameters()
+        self.model = EncoderDecoder(
+            src_vocab_size=vocab_size,
+            tgt_vocab_size=vocab_size,
+            encoder=instantiate(encoder),
+            share_embeddings=share_embeddings,
+            **model,
+        )
+        self.n_params = count_parameters(self.model)
+        self.pad, self.bos, self.eos = ids["pad"], ids["bos"], ids["eos"]
+        # Decoder inputs hold BOS at position 0, so an absolute table of L positions allows
+        # at most L - 1 generated tokens.
+        limit = self.model.decoder_stack.encoder.max_length
+        self.max_out_cap = None if limit is None else limit - 1
+        self.sums = torch.nn.ModuleDict(
+            {k: SumMetric() for k in ("loss", "nll", "tokens")}
+        )  # validation and test sums, reduced across ranks
+        self._val_hyps: list[tuple[int, list[int]]] = []
+        self.test_decode: dict[str, Any] = {"beam_size": 1, "length_penalty": 0.0}
+        self.test_max_sentences: int | None = None
+        #: ``(file index, token ids)`` of every decoded test sentence, in loader order.
+        self.test_hyps: list[tuple[int, list[int]]] = []
+
+    def forward(self, src: Tensor, tgt_in: Tensor, src_valid: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits ``(B, T, V)``."""
+        return self.model(src, tgt_in, src_valid)
+
+    def _loss_sums(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        logits = self(batch["src"], batch["tgt_in"], batch["src_mask"])
+        loss, nll = label_smoothed_nll(
+            logits, batch["tgt_out"], batch["tgt_mask"], self.hparams.label_smoothing
+        )
+        return loss, nll, batch["tgt_mask"].sum()
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss_sum, nll_sum, n = self._loss_sums(batch)
+        loss = loss_sum / n
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"training loss is {loss.item()} at step {self.global_step}; the last good "
+                f"checkpoint is kept. Lower task.optim.lr or check the data."
+            )
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/nll", nll_sum / n)
+        return loss
+
+    # ---- decoding --------------------------------------------------------------------------
+
+    def translate(
+        self, src: Tensor, src_valid: Tensor, *, beam_size: int = 1, length_penalty: float = 0.0
+    ) -> Decoded:
+        """Decode ``src (B, S)``: greedy for ``beam_size == 1``, else beam search."""
+        limit = output_limits(
+            src_valid,
+            max_len_a=self.hparams.max_len_a,
+            max_len_b=self.hparams.max_len_b,
+            cap=self.max_out_cap,
+        )
+        ids = {"bos": self.bos, "eos": self.eos, "pad": self.pad}
+        if beam_size == 1:
+            return greedy(self.model, src, src_valid, max_len=limit, **ids)
+        return beam_search(
+            self.model,
+            src,
+            src_valid,
+            beam_size=beam_size,
+            length_penalty=length_penalty,
+            max_len=limit,
+            **ids,
+        )
+
+    def _decode_first(
+        self, batch: Batch, limit: int | None, **settings: Any
+    ) -> list[tuple[int, list[int]]]:
+        """Decode the batch rows whose file index is below ``limit`` (all for None)."""
+        rows = torch.arange(batch["src"].shape[0], device=batch["src"].device)
+        if limit is not None:
+            rows = rows[batch["index"] < limit]
+        if rows.numel() == 0:
+            return []
+        src, valid = batch["src"][rows], batch["src_mask"][rows]
+        s = int(valid.sum(-1).max())  # the chosen rows may need less padding
+        out = self.translate(src[:, :s], valid[:, :s], **settings)
+        return list(zip(batch["index"][rows].tolist(), out.tokens, strict=True))
+
+    # ---- validation and test ---------------------------------------------------------------
+
+    def _update_sums(self, batch: Batch) -> None:
+        loss, nll, n = self._loss_sums(batch)
+        self.sums["loss"].update(loss)
+        self.sums["nll"].update(nll)
+        self.sums["tokens"].update(n)
+
+    def _log_sums(self, split: str) -> None:
+        loss, nll, n = (self.sums[k].compute() for k in ("loss", "nll", "tokens"))
+        n = n.clamp(min=1)
+        self.log(f"{split}/loss", loss / n, prog_bar=split == "val")
+        self.log(f"{split}/nll", nll / n)
+        self.log(f"{split}/ppl", (nll / n).exp())
+        for metric in self.sums.values():
+            metric.reset()
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._update_sums(batch)
+        if self.hparams.val_bleu_sentences > 0:
+            self._val_hyps += self._decode_first(batch, self.hparams.val_bleu_sentences)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_sums("val")
+        hyps, self._val_hyps = self._val_hyps, []
+        dm = getattr(self.trainer, "datamodule", None)
+        if not hyps or dm is None or not hasattr(dm, "references"):
+            return
+        from posenc.eval.bleu import corpus_scores  # sacrebleu only when BLEU is computed
+
+        refs = dm.references("val")
+        text = [dm.tokenizer.decode(ids) for _, ids in hyps]
+        # Validation BLEU is rank-local under DDP (each rank decodes its shard).
+        bleu = corpus_scores(text, [refs[i] for i, _ in hyps])["bleu"]
+        self.log("val/bleu", bleu, prog_bar=True, rank_zero_only=True)
+
+    def configure_test(
+        self, *, beam_size: int, length_penalty: float, max_sentences: int | None
+    ) -> None:
+        """Decoding settings of :meth:`test_step`; ``max_sentences`` keeps the first N in
+        file order (None: all). Clears earlier test outputs."""
+        self.test_decode = {"beam_size": int(beam_size), "length_penalty": float(length_penalty)}
+        self.test_max_sentences = max_sentences
+        self.test_hyps = []
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._update_sums(batch)
+        self.test_hyps += self._decode_first(batch, self.test_max_sentences, **self.test_decode)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_sums("test")
+
+    def configure_optimizers(self) -> Any:
+        return configure_adamw(self, self.hparams.optim, self.hparams.max_steps)

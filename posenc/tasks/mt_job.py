@@ -1,0 +1,298 @@
+"""The translation job: fit, decode the test set, score BLEU/chrF overall and by source length;
+``metrics.json``, ``test.hyp.txt``, a figure, samples and HParams in the run directory."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from hydra.utils import instantiate
+from matplotlib.figure import Figure
+from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.loggers import TensorBoardLogger
+
+from posenc.data.mt import MTDataModule, restore_order
+from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
+from posenc.eval.lengths import plt  # the Agg backend is selected there
+from posenc.runner import build_trainer, group_choice, log_hparams, write_json_atomic
+from posenc.tasks.callbacks import Throughput, peak_memory_mb
+from posenc.tasks.mt import MTTask
+
+log = logging.getLogger(__name__)
+
+LENGTH_PENALTY_DOC = "GNMT: hypotheses ranked by logprob / ((5 + |Y|) / 6) ** alpha, |Y| incl. EOS"
+
+
+def mt_datamodule(cfg: DictConfig) -> MTDataModule:
+    t = cfg.task
+    return MTDataModule(
+        source=instantiate(cfg.data.source),
+        tokenizer=OmegaConf.to_container(cfg.tokenizer, resolve=True),
+        cache_dir=cfg.paths.cache_dir,
+        max_tokens=t.max_tokens,
+        max_train_src_len=t.max_train_src_len,
+        max_len=t.max_len,
+        length_buckets=list(t.length_buckets),
+        seed=cfg.seed,
+    )
+
+
+def mt_task(cfg: DictConfig, dm: MTDataModule) -> MTTask:
+    """A new task, or the one stored in ``cfg.ckpt_path`` for ``eval_only``."""
+    if cfg.eval_only:
+        if not cfg.ckpt_path:
+            raise ValueError("eval_only=true needs ckpt_path=/path/to/checkpoint.ckpt")
+        task = MTTask.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+        if task.hparams.vocab_size != dm.vocab_size:
+            raise ValueError(
+                f"checkpoint {cfg.ckpt_path} has vocab_size={task.hparams.vocab_size} but the "
+                f"configured data/tokenizer give {dm.vocab_size}; use the data and tokenizer "
+                f"settings it was trained with"
+            )
+        return task
+    t = cfg.task
+    return MTTask(
+        vocab_size=dm.vocab_size,
+        encoder=OmegaConf.to_container(cfg.encoder, resolve=True),
+        model=OmegaConf.to_container(cfg.model, resolve=True),
+        optim=OmegaConf.to_container(t.optim, resolve=True),
+        max_steps=cfg.trainer.max_steps,
+        label_smoothing=t.label_smoothing,
+        share_embeddings=t.share_embeddings,
+        ids={"pad": dm.pad_id, "bos": dm.bos_id, "eos": dm.eos_id},
+        val_bleu_sentences=t.val_bleu_sentences,
+        max_len_a=t.decode.max_len_a,
+        max_len_b=t.decode.max_len_b,
+    )
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Translation: fit, then decode ``task.eval_split`` and score it."""
+    dm = mt_datamodule(cfg)
+    dm.setup("fit")
+    split = cfg.task.eval_split
+    dm.sources(split)  # fail now, not after training, if the corpus lacks this split
+    task = mt_task(cfg, dm)
+    throughput = Throughput(key="tgt_in")  # target tokens (with padding) per second
+    trainer = build_trainer(cfg, run_dir, throughput)
+    t0 = time.perf_counter()
+    if not cfg.eval_only:
+        trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
+    train_time = time.perf_counter() - t0
+    # trainer.test() replaces callback_metrics: keep the last validation now.
+    val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+
+    d = cfg.task.decode
+    task.configure_test(
+        beam_size=d.beam_size,
+        length_penalty=d.length_penalty,
+        max_sentences=cfg.task.eval_max_sentences,
+    )
+    loader = dm.test_dataloader() if split == "test" else dm.val_dataloader()
+    best = trainer.checkpoint_callback.best_model_path if not cfg.eval_only else ""
+    t0 = time.perf_counter()
+    trainer.test(task, dataloaders=loader, ckpt_path=best or None, verbose=False)
+    decode_time = time.perf_counter() - t0
+    loss = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+    timing = {"train_time_s": train_time, "decode_time_s": decode_time}
+    return finish_mt(cfg, run_dir, dm, task, trainer, throughput, timing, val | loss)
+
+
+def score(
+    dm: MTDataModule, split: str, hyps: list[tuple[int, list[int]]]
+) -> tuple[list[str], dict[str, float], dict[str, dict[str, float]]]:
+    """Detokenize decoded ``(file index, ids)`` pairs and score them against the references.
+
+    Returns:
+        Hypotheses in file order, ``{"bleu", "chrf"}`` and the per-bucket scores (with n).
+    """
+    if not hyps:
+        raise ValueError(f"no {split} sentence was decoded; check task.eval_max_sentences")
+    index, ids = zip(*hyps, strict=True)
+    text = restore_order(index, [dm.tokenizer.decode(x) for x in ids])
+    n = len(text)
+    refs = dm.references(split)[:n]
+    overall = corpus_scores(text, refs)
+    by_bucket = scores_by_bucket(text, refs, dm.source_lengths(split)[:n], dm.length_buckets)
+    return text, overall, by_bucket
+
+
+def finish_mt(
+    cfg: DictConfig,
+    run_dir: Path,
+    dm: MTDataModule,
+    task: MTTask,
+    trainer: pl.Trainer,
+    throughput: Throughput,
+    timing: dict[str, float],
+    extra: dict[str, float],
+) -> dict[str, Any]:
+    """Score the decoded split; write metrics.json, test.hyp.txt, figure and TensorBoard."""
+    split = cfg.task.eval_split
+    hyps, overall, by_bucket = score(dm, split, task.test_hyps)
+    metrics = {f"{split}/bleu": overall["bleu"], f"{split}/chrf": overall["chrf"]}
+    for name, s in by_bucket.items():
+        metrics[f"{split}/bleu@{name}"] = s["bleu"]
+    for name, s in by_bucket.items():
+        metrics[f"{split}/chrf@{name}"] = s["chrf"]
+    metrics |= extra
+    mem, mem_kind = peak_memory_mb(task.device)
+    d = cfg.task.decode
+    result = {
+        "task": "mt",
+        "encoder": group_choice(cfg, "encoder"),
+        "encoder_class": cfg.encoder._target_.rsplit(".", 1)[-1],
+        "seed": cfg.seed,
+        "data": cfg.data.name,
+        "eval_split": split,
+        "n_sentences": len(hyps),
+        "metrics": metrics,
+        "buckets": {name: int(s["n"]) for name, s in by_bucket.items()},
+        "bucket_doc": "source length in tokens of the joint tokenizer; lenA-B is A <= n < B",
+        "bleu_signature": signature(),
+        "decode": {
+            "beam_size": d.beam_size,
+            "length_penalty": d.length_penalty,
+            "length_penalty_kind": LENGTH_PENALTY_DOC,
+            "max_len": f"{d.max_len_a} * source length + {d.max_len_b}",
+        },
+        "max_train_src_len": cfg.task.max_train_src_len,
+        "data_stats": dm.stats,
+        "n_params": task.n_params,
+        "train_steps": trainer.global_step,
+        "train_time_s": round(timing["train_time_s"], 2),
+        "decode_time_s": round(timing["decode_time_s"], 2),
+        "tokens_per_s": round(throughput.tokens_per_s, 1),
+        "tokens_per_s_kind": "target tokens incl. padding, training steps only",
+        "peak_memory_mb": round(mem, 1),
+        "peak_memory_kind": mem_kind,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    if trainer.is_global_zero:
+        _write_lines_atomic(run_dir / f"{split}.hyp.txt", hyps)
+        write_json_atomic(run_dir / "metrics.json", result)
+        fig = bleu_by_length_figure(
+            by_bucket,
+            dm.length_buckets,
+            cfg.task.max_train_src_len,
+            f"{result['encoder']}: {split} BLEU",
+        )
+        fig.savefig(run_dir / "bleu_by_length.png", dpi=120)
+        _tensorboard(trainer, cfg, dm, result, hyps, fig)
+        log.info(
+            "%s BLEU %.2f chrF %.2f; metrics written to %s",
+            split,
+            overall["bleu"],
+            overall["chrf"],
+            run_dir / "metrics.json",
+        )
+    return result
+
+
+def _write_lines_atomic(path: Path, lines: list[str]) -> None:
+    """One hypothesis per line, through a temporary file: never a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def bleu_by_length_figure(
+    by_bucket: Mapping[str, Mapping[str, float]],
+    edges: Sequence[int],
+    train_max: int | None,
+    title: str = "",
+) -> Figure:
+    """BLEU per source-length bucket as bars labelled with their sentence counts.
+
+    Args:
+        by_bucket: Bucket name -> ``{"n", "bleu", ...}`` (:func:`scores_by_bucket`), in the
+            order of ``edges``.
+        edges: The bucket edges.
+        train_max: Longest training source (``task.max_train_src_len``) or None; buckets
+            whose every length is beyond it are drawn in orange.
+        title: Figure title.
+    """
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    names = list(by_bucket)
+    bleu = [by_bucket[n]["bleu"] for n in names]
+    heights = [0.0 if math.isnan(b) else b for b in bleu]
+    beyond = [train_max is not None and start > train_max for start in edges[:-1]]
+    bars = ax.bar(range(len(names)), heights, color=["C1" if b else "C0" for b in beyond])
+    for bar, name, b in zip(bars, names, bleu, strict=True):
+        label = f"n={int(by_bucket[name]['n'])}" + ("" if math.isfinite(b) else " (empty)")
+        x = bar.get_x() + bar.get_width() / 2
+        ax.annotate(label, (x, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), [n[3:] for n in names])
+    ax.set_xlabel("source length (tokens)")
+    ax.set_ylabel("BLEU")
+    note = "" if train_max is None else f" (orange: beyond training max {train_max})"
+    ax.set_title(title + note, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _samples_markdown(
+    sources: list[str], refs: list[str], hyps: list[str], lengths: list[int], k: int
+) -> str:
+    """A table of ``k`` translations spread evenly over source length, shortest first."""
+    order = sorted(range(len(hyps)), key=lambda i: (lengths[i], i))
+    step = (len(order) - 1) / max(1, k - 1)
+    picks = list(dict.fromkeys(order[round(j * step)] for j in range(k))) if order else []
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    rows = ["| len | source | reference | hypothesis |", "|---|---|---|---|"]
+    rows += [
+        f"| {lengths[i]} | {cell(sources[i])} | {cell(refs[i])} | {cell(hyps[i])} |" for i in picks
+    ]
+    return "\n".join(rows)
+
+
+def _tensorboard(
+    trainer: pl.Trainer,
+    cfg: DictConfig,
+    dm: MTDataModule,
+    result: dict[str, Any],
+    hyps: list[str],
+    fig: Figure,
+) -> None:
+    """BLEU-by-length figure, sample translations, and HParams linked to the results."""
+    logger = trainer.logger
+    if not isinstance(logger, TensorBoardLogger):
+        plt.close(fig)
+        return
+    writer, step, split = logger.experiment, trainer.global_step, result["eval_split"]
+    writer.add_figure(f"{split}/bleu_by_source_length", fig, step)  # closes the figure
+    n = len(hyps)
+    writer.add_text(
+        f"{split}/samples",
+        _samples_markdown(
+            dm.sources(split)[:n],
+            dm.references(split)[:n],
+            hyps,
+            dm.source_lengths(split)[:n],
+            cfg.task.samples,
+        ),
+        step,
+    )
+    m = cfg.model
+    hparams = {
+        "encoder": result["encoder"],
+        "task": "mt",
+        "data": result["data"],
+        "seed": cfg.seed,
+        "n_layers": m.n_layers,
+        "d_model": m.d_model,
+        "n_heads": m.n_heads,
+        "n_params": result["n_params"],
+        "beam_size": cfg.task.decode.beam_size,
+        "max_train_src_len": str(cfg.task.max_train_src_len),
+    }
+    log_hparams(trainer, hparams, result["metrics"])
