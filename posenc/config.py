@@ -6,9 +6,13 @@ reported together so a sweep with a typo fails in a second, not after a download
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from pathlib import Path
 from typing import Any
 
-from hydra.utils import instantiate
+import pytorch_lightning as pl
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -35,13 +39,15 @@ def validate(cfg: DictConfig) -> None:
     problems: list[str] = []
     missing = OmegaConf.missing_keys(cfg)
     problems += [f"{k}: required but not set (add {k}=... to the command)" for k in sorted(missing)]
+    _unknown_keys(cfg, problems)
+    _run_keys(cfg, problems)
     m = cfg.model
     for key in ("n_layers", "d_model", "n_heads"):
         _positive_int(problems, f"model.{key}", m[key])
     if not problems and m.d_model % m.n_heads:
         problems.append(f"model.n_heads={m.n_heads}: must divide model.d_model={m.d_model}")
-    if not 0.0 <= float(m.dropout) < 1.0:
-        problems.append(f"model.dropout={m.dropout}: must be in [0, 1)")
+    if not _number(m.dropout) or not 0.0 <= float(m.dropout) < 1.0:
+        problems.append(f"model.dropout={m.dropout!r}: must be a number in [0, 1)")
     if cfg.task.name == "lm":
         _validate_lm(cfg, problems)
         _reject_mt_options(cfg, problems)
@@ -53,8 +59,22 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
+LM_TASK_KEYS = ["name", "seq_len", "batch_size", "eval_batch_size", "optim", "eval"]
+LM_EVAL_KEYS = ["splits", "multipliers", "protocols", "sliding_stride", "max_tokens",
+                "skip_unsupported"]
+OPTIM_KEYS = ["lr", "betas", "weight_decay", "warmup_steps", "schedule", "min_lr_ratio"]
+
+
 def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
     t = cfg.task
+    _check_keys(problems, "task.", [k for k in t if k not in MT_TASK_KEYS], LM_TASK_KEYS)
+    _check_keys(problems, "task.eval.", list(t.eval), LM_EVAL_KEYS)
+    _check_keys(problems, "task.optim.", list(t.optim), OPTIM_KEYS)
+    if not _number(t.optim.lr) or t.optim.lr <= 0:
+        problems.append(f"task.optim.lr={t.optim.lr!r}: must be a positive number")
+    for split in t.eval.splits:
+        if split not in ("train", "val", "test"):
+            problems.append(f"task.eval.splits contains {split!r}: allowed train, val, test")
     for key in ("seq_len", "batch_size", "eval_batch_size"):
         _positive_int(problems, f"task.{key}", t[key])
     for mult in t.eval.multipliers:
@@ -76,6 +96,14 @@ def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
             f"task.seq_len={t.seq_len}: longer than encoder.max_len={max_len}; raise "
             f"encoder.max_len or shorten task.seq_len"
         )
+    elif max_len is not None and not t.eval.get("skip_unsupported", True) and not problems:
+        too_long = [L for L in eval_lengths(cfg) if max_len < L]
+        if too_long:
+            problems.append(
+                f"task.eval.multipliers give lengths {too_long} past encoder.max_len={max_len}"
+                f"; drop those multipliers, raise encoder.max_len, or set "
+                f"task.eval.skip_unsupported=true to record NaN for them"
+            )
 
 
 #: Options that only the translation task reads (task.* and model.*).
@@ -149,6 +177,7 @@ def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"task.length_buckets={list(t.length_buckets)}: {err}")
     if t.eval_split not in ("test", "val"):
         problems.append(f"task.eval_split={t.eval_split!r}: allowed test, val")
+    _validate_monitor(t, problems)
     d = t.decode
     _positive_int(problems, "task.decode.beam_size", d.beam_size)
     _non_negative(problems, "task.decode.length_penalty", d.length_penalty, integer=False)
@@ -167,6 +196,20 @@ def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
         )
 
 
+def _validate_monitor(t: DictConfig, problems: list[str]) -> None:
+    monitor, mode = t.get("monitor", "val/loss"), t.get("monitor_mode", "min")
+    allowed = {"val/loss": "min", "val/nll": "min", "val/ppl": "min", "val/bleu": "max"}
+    if monitor not in allowed:
+        problems.append(f"task.monitor={monitor!r}: allowed {', '.join(allowed)}")
+    elif mode != allowed[monitor]:
+        problems.append(f"task.monitor_mode={mode!r}: {monitor} needs {allowed[monitor]}")
+    if monitor == "val/bleu" and t.val_bleu_sentences == 0:
+        problems.append(
+            "task.monitor=val/bleu: needs task.val_bleu_sentences > 0 (it is 0); "
+            "raise it or monitor val/loss"
+        )
+
+
 def _try_encoder(cfg: DictConfig, problems: list[str]) -> None:
     """Build the encoder once with the model sizes: its own checks run here."""
     m = cfg.model
@@ -174,3 +217,65 @@ def _try_encoder(cfg: DictConfig, problems: list[str]) -> None:
         instantiate(cfg.encoder)(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers)
     except (ValueError, TypeError) as err:
         problems.append(f"encoder: {err}")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _suggest(key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _check_keys(problems: list[str], prefix: str, given: list[str], allowed: list[str]) -> None:
+    for key in given:
+        if key not in allowed:
+            problems.append(
+                f"{prefix}{key}: unknown key; {_suggest(key, allowed)}allowed: "
+                f"{', '.join(sorted(allowed))}"
+            )
+
+
+def _params(fn: Any, drop: tuple[str, ...] = ()) -> list[str]:
+    return [p for p in inspect.signature(fn).parameters if p not in drop + ("self",)]
+
+
+TOP_LEVEL = ["encoder", "task", "trainer", "data", "tokenizer", "model", "seed", "eval_only",
+             "ckpt_path", "resume", "checkpoint_every_n_steps", "paths"]
+
+
+def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:
+    """Misspelled or unknown keys would be ignored or crash late: name them now."""
+    from posenc.model import DecoderLM, EncoderDecoder
+
+    _check_keys(problems, "", [k for k in cfg if k != "hydra"], TOP_LEVEL)
+    fixed = ("d_model", "n_heads", "n_layers")
+    try:
+        cls = get_class(cfg.encoder._target_)
+    except Exception as err:  # noqa: BLE001 - any import failure is a config problem
+        problems.append(f"encoder._target_={cfg.encoder.get('_target_')!r}: {err}")
+    else:
+        allowed = _params(cls.__init__, fixed) + ["_target_", "_partial_"]
+        _check_keys(problems, "encoder.", list(cfg.encoder), allowed)
+    model_cls = EncoderDecoder if cfg.task.name == "mt" else DecoderLM
+    allowed = _params(model_cls.__init__, ("vocab_size", "src_vocab_size", "tgt_vocab_size",
+                                           "encoder"))
+    if cfg.task.name == "lm":  # MT-only model keys are reported by _reject_mt_options
+        allowed += list(MT_MODEL_KEYS)
+    _check_keys(problems, "model.", list(cfg.model), allowed)
+    _check_keys(problems, "trainer.", list(cfg.trainer),
+                _params(pl.Trainer.__init__) + ["_target_"])
+
+
+def _run_keys(cfg: DictConfig, problems: list[str]) -> None:
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
+        problems.append(f"seed={cfg.seed!r}: must be an integer >= 0")
+    for key in ("eval_only", "resume"):
+        if not isinstance(cfg[key], bool):
+            problems.append(f"{key}={cfg[key]!r}: must be true or false")
+    _positive_int(problems, "checkpoint_every_n_steps", cfg.checkpoint_every_n_steps)
+    if cfg.eval_only and not cfg.ckpt_path:
+        problems.append("eval_only=true: needs ckpt_path=/path/to/checkpoint.ckpt")
+    if cfg.ckpt_path and not Path(str(cfg.ckpt_path)).is_file():
+        problems.append(f"ckpt_path={cfg.ckpt_path}: no such file")

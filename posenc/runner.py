@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
@@ -25,33 +26,91 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
+    """The checkpoint to continue training from, if any.
+
+    ``ckpt_path=...`` names one explicitly. ``resume=true`` continues from
+    ``<run dir>/checkpoints/last.ckpt`` when it exists and starts afresh otherwise, so the
+    same command (with a fixed ``hydra.run.dir``) works before and after a crash or kill.
+    """
+    if cfg.eval_only:
+        return None
+    if cfg.ckpt_path:
+        return str(cfg.ckpt_path)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    return str(last) if cfg.get("resume", False) and last.exists() else None
+
+
 def guard_run_dir(run_dir: Path, resuming: bool) -> None:
-    """Refuse to write over another run's results."""
-    if resuming:
-        return
-    taken = [p.name for p in (run_dir / "metrics.json", run_dir / "checkpoints") if p.exists()]
-    if taken:
+    """Refuse to write over another run's results.
+
+    Args:
+        run_dir: This run's directory.
+        resuming: The run continues from a checkpoint of this directory.
+
+    Raises:
+        FileExistsError: The directory holds another run's results.
+    """
+    if (run_dir / "metrics.json").exists():
         raise FileExistsError(
-            f"run directory {run_dir} already holds {', '.join(taken)} from another run; "
-            f"posenc never overwrites results. Pick another hydra.run.dir, or pass "
-            f"ckpt_path=... to resume that run."
+            f"run directory {run_dir} already holds a finished run's metrics.json; posenc "
+            f"never overwrites results. Pick another hydra.run.dir."
+        )
+    if not resuming and (run_dir / "checkpoints").exists():
+        raise FileExistsError(
+            f"run directory {run_dir} already holds checkpoints from another run; posenc "
+            f"never overwrites results. Pick another hydra.run.dir, or add resume=true to "
+            f"continue that run."
         )
 
 
+class RngState(pl.Callback):
+    """Keeps the torch RNG state in checkpoints, so a resumed run draws the same
+    dropout masks as an uninterrupted one."""
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        checkpoint["posenc_rng"] = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            checkpoint["posenc_rng"]["cuda"] = torch.cuda.get_rng_state_all()
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("posenc_rng")
+        if state is None:
+            return
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput) -> pl.Trainer:
-    """Lightning Trainer from ``cfg.trainer`` plus posenc's logger and callbacks."""
+    """Lightning Trainer from ``cfg.trainer`` plus posenc's logger and callbacks.
+
+    Checkpoints (written atomically by Lightning): ``best.ckpt`` by the task's
+    ``monitor`` metric at each validation, and ``last.ckpt`` every
+    ``checkpoint_every_n_steps`` steps, for resuming.
+    """
     logger = TensorBoardLogger(
         save_dir=str(run_dir), name="tb", version="", default_hp_metric=False
     )
+    ckpt_dir = run_dir / "checkpoints"
     callbacks = [
         ModelCheckpoint(
-            dirpath=run_dir / "checkpoints",
+            dirpath=ckpt_dir,
             filename="best",
-            monitor="val/loss",
-            save_last=True,
+            monitor=cfg.task.get("monitor", "val/loss"),
+            mode=cfg.task.get("monitor_mode", "min"),
             save_top_k=1,
         ),
+        ModelCheckpoint(
+            dirpath=ckpt_dir,
+            save_last=True,
+            save_top_k=0,
+            every_n_train_steps=cfg.checkpoint_every_n_steps,
+        ),
         LearningRateMonitor(logging_interval="step"),
+        RngState(),
         throughput,
     ]
     if cfg.trainer.get("enable_progress_bar", True):

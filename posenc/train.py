@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 from omegaconf import DictConfig
 
 from posenc.config import validate
-from posenc.runner import guard_run_dir
+from posenc.runner import guard_run_dir, resume_checkpoint
 
 #: task name -> module with ``run(cfg, run_dir) -> dict`` (imported on demand).
 TASKS = {"lm": "posenc.tasks.lm_job", "mt": "posenc.tasks.mt_job"}
@@ -29,7 +29,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     validate(cfg)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    guard_run_dir(run_dir, resuming=bool(cfg.ckpt_path) and not cfg.eval_only)
+    ckpt = resume_checkpoint(cfg, run_dir)
+    own = ckpt is not None and Path(ckpt).resolve().parent.parent == run_dir.resolve()
+    guard_run_dir(run_dir, resuming=own)
+    if ckpt and not cfg.eval_only:
+        cfg.ckpt_path = ckpt  # the job continues fitting from here
     pl.seed_everything(cfg.seed, workers=True)
     if cfg.task.name not in TASKS:
         raise ValueError(f"task.name={cfg.task.name!r}: allowed {', '.join(TASKS)}")

@@ -214,34 +214,42 @@ class RandomWindows(Dataset[Batch]):
 
 
 class RandomOffsetSampler(Sampler[int]):
-    """Draws ``num_samples`` uniform window offsets, reproducibly per (seed, epoch).
+    """Uniform window offsets where the batch of training step ``s`` depends only on
+    ``(seed, s)``.
 
-    Lightning calls :meth:`set_epoch` at every epoch start, so epochs differ while a rerun with
-    the same seed sees the same windows. The draws happen in the main process, so the result
-    does not depend on ``num_workers``.
+    Each iteration starts at the step returned by ``start_step()`` (the trainer's global
+    step), so a run resumed from a checkpoint draws exactly the batches an uninterrupted
+    run would have drawn, whatever the epoch bookkeeping. Draws happen in the main
+    process, so the result does not depend on ``num_workers``.
 
     Args:
         num_offsets: Number of valid offsets (``len(RandomWindows)``).
-        num_samples: Offsets per epoch (steps per epoch x batch size).
+        steps: Steps (batches) per iteration.
+        batch_size: Offsets per step.
         seed: Base seed.
+        start_step: Returns the step the next iteration starts at (default: always 0).
     """
 
-    def __init__(self, num_offsets: int, num_samples: int, seed: int) -> None:
+    def __init__(self, num_offsets: int, steps: int, batch_size: int, seed: int,
+                 start_step: Callable[[], int] | None = None) -> None:
         self.num_offsets = num_offsets
-        self.num_samples = num_samples
+        self.steps = steps
+        self.batch_size = batch_size
         self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose offsets the next iteration yields."""
-        self.epoch = epoch
+        self.start_step = start_step or (lambda: 0)
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.steps * self.batch_size
+
+    def offsets(self, step: int) -> list[int]:
+        """The window offsets of training step ``step``."""
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (1 << 63))
+        return torch.randint(self.num_offsets, (self.batch_size,), generator=gen).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % (1 << 63))
-        yield from torch.randint(self.num_offsets, (self.num_samples,), generator=gen).tolist()
+        start = int(self.start_step())
+        for step in range(start, start + self.steps):
+            yield from self.offsets(step)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -422,23 +430,32 @@ class LMDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------------- loaders
     def _loader(self, dataset: Dataset[Batch], **kwargs: Any) -> DataLoader[Batch]:
+        # A loader's own generator: creating an iterator must not draw from the global
+        # RNG, or a resumed run (one extra iterator) would get other dropout masks.
         return DataLoader(
             dataset,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
             **kwargs,
         )
+
+    def _global_step(self) -> int:
+        """The attached trainer's step (restored before loaders are built on resume)."""
+        trainer = getattr(self, "trainer", None)
+        return int(trainer.global_step) if trainer is not None else 0
 
     def train_dataloader(self) -> DataLoader[Batch]:
         """Random training windows.
 
         Returns:
             ``train_steps_per_epoch`` batches of dicts with ``input`` and ``target`` of shape
-            ``(batch_size, seq_len)``; offsets are uniform and reproducible per (seed, epoch).
+            ``(batch_size, seq_len)``; offsets are uniform and depend only on (seed, global step).
         """
         dataset = RandomWindows(self.lm_split_tokens("train"), self.seq_len)
         sampler = RandomOffsetSampler(
-            len(dataset), self.train_steps_per_epoch * self.batch_size, self.seed
+            len(dataset), self.train_steps_per_epoch, self.batch_size, self.seed,
+            start_step=self._global_step,
         )
         return self._loader(dataset, batch_size=self.batch_size, sampler=sampler)
 

@@ -16,6 +16,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.config import eval_lengths
 from posenc.data.lm import LMDataModule
+from posenc.data.samplers import ShardSampler
 from posenc.eval.lengths import (
     PROTOCOLS,
     loss_by_position_figure,
@@ -107,10 +108,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 step = None if protocol == "nonoverlap" else (stride or max(1, length // 4))
                 names.append(name)
                 lengths.append(length)
+                windows = dm.eval_windows(split, length, step)
                 loaders.append(
                     torch.utils.data.DataLoader(
-                        dm.eval_windows(split, length, step),
+                        windows,
                         batch_size=cfg.task.eval_batch_size,
+                        # Under DDP each window is scored on exactly one rank (no padding).
+                        sampler=ShardSampler(windows),
                         num_workers=0,
                     )
                 )

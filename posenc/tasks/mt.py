@@ -13,6 +13,7 @@ settings and keeps ``(file index, token ids)`` pairs for the job to score.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import pytorch_lightning as pl
@@ -107,9 +108,8 @@ class MTTask(pl.LightningModule):
         # at most L - 1 generated tokens.
         limit = self.model.decoder_stack.encoder.max_length
         self.max_out_cap = None if limit is None else limit - 1
-        self.sums = torch.nn.ModuleDict(
-            {k: SumMetric() for k in ("loss", "nll", "tokens")}
-        )  # validation and test sums, reduced across ranks
+        # Validation and test sums; torchmetrics reduces them across ranks.
+        self.sums = torch.nn.ModuleDict({k: SumMetric() for k in ("loss", "nll", "tokens")})
         self._val_hyps: list[tuple[int, list[int]]] = []
         self.test_decode: dict[str, Any] = {"beam_size": 1, "length_penalty": 0.0}
         self.test_max_sentences: int | None = None
@@ -204,14 +204,22 @@ class MTTask(pl.LightningModule):
         self._log_sums("val")
         hyps, self._val_hyps = self._val_hyps, []
         dm = getattr(self.trainer, "datamodule", None)
-        if not hyps or dm is None or not hasattr(dm, "references"):
+        if self.hparams.val_bleu_sentences == 0 or not hasattr(dm, "references"):
             return
-        from posenc.eval.bleu import corpus_scores  # sacrebleu only when BLEU is computed
+        bleu = math.nan  # none of the first N sentences was in the batches validated
+        if hyps:
+            from posenc.eval.bleu import corpus_scores  # sacrebleu only when BLEU is computed
 
-        refs = dm.references("val")
-        text = [dm.tokenizer.decode(ids) for _, ids in hyps]
-        # Validation BLEU is rank-local under DDP (each rank decodes its shard).
-        bleu = corpus_scores(text, [refs[i] for i, _ in hyps])["bleu"]
+            refs = dm.references("val")
+            text = [dm.tokenizer.decode(ids) for _, ids in hyps]
+            bleu = corpus_scores(text, [refs[i] for i, _ in hyps])["bleu"]
+        else:
+            log.warning(
+                "val/bleu is NaN: trainer.limit_val_batches left out all of the first %d "
+                "validation sentences; use limit_val_batches=1.0",
+                self.hparams.val_bleu_sentences,
+            )
+        # Rank-local under DDP: each rank decodes its own shard of the sentences.
         self.log("val/bleu", bleu, prog_bar=True, rank_zero_only=True)
 
     def configure_test(

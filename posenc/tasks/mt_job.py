@@ -77,7 +77,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     dm = mt_datamodule(cfg)
     dm.setup("fit")
     split = cfg.task.eval_split
-    dm.sources(split)  # fail now, not after training, if the corpus lacks this split
+    try:
+        dm.sources(split)  # fail now, not after training, if the corpus lacks this split
+    except ValueError as err:
+        raise ValueError(
+            f"task.eval_split={split!r}: {err} Give the corpus a {split} split (e.g. "
+            f"data.source.test_src/test_tgt) or set task.eval_split=val."
+        ) from err
     task = mt_task(cfg, dm)
     throughput = Throughput(key="tgt_in")  # target tokens (with padding) per second
     trainer = build_trainer(cfg, run_dir, throughput)
@@ -141,7 +147,7 @@ def finish_mt(
         metrics[f"{split}/bleu@{name}"] = s["bleu"]
     for name, s in by_bucket.items():
         metrics[f"{split}/chrf@{name}"] = s["chrf"]
-    metrics |= extra
+    metrics |= dict(sorted(extra.items()))  # test/loss ..., then val/bleu, val/loss ...
     mem, mem_kind = peak_memory_mb(task.device)
     d = cfg.task.decode
     result = {

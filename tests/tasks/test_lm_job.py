@@ -7,28 +7,9 @@ import math
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
-from posenc.config import ConfigError
 from posenc.train import train
-from tests.conftest import ENCODER_YAMLS, ROOT
-
-TINY = [
-    "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.d_ff=32",
-    "task.seq_len=16", "task.batch_size=4", "task.eval_batch_size=4",
-    "task.eval.multipliers=[1,4]", "task.eval.max_tokens=256", "task.eval.sliding_stride=4",
-    "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
-    "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
-]
-
-
-def compose_run(tmp_path: Path, *overrides: str) -> DictConfig:
-    """The real config, composed as run.py would, writing into tmp_path."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[
-            *TINY, f"paths.output_dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}",
-            *overrides])
+from tests.conftest import ENCODER_YAMLS, compose_run
 
 
 @pytest.fixture(scope="module")
@@ -98,20 +79,3 @@ def test_eval_only_from_a_checkpoint(tmp_path: Path) -> None:
     assert again["train_steps"] == 0
     for key in ("test/ppl@16", "test/ppl_sw@16"):
         assert again["metrics"][key] == pytest.approx(trained["metrics"][key], rel=1e-9)
-
-
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ("model.n_heads=3", "model.n_heads=3: must divide model.d_model=16"),
-        ("task.seq_len=-5", "task.seq_len=-5: must be a positive integer"),
-        ("model.dropout=1.5", "model.dropout=1.5: must be in"),
-        ("task.eval.protocols=[strided]", "allowed nonoverlap, sliding"),
-        ("model.d_model=14", "head_dim \\* fraction = 7 \\* 1.0 = 7 must be an even integer"),
-    ],
-)
-def test_bad_config_fails_before_any_data(tmp_path: Path, override: str, message: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("POSENC_DATA_DIR", str(tmp_path / "nowhere"))  # data would fail later
-    with pytest.raises(ConfigError, match=message):
-        train(compose_run(tmp_path, override))

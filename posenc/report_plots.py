@@ -1,0 +1,223 @@
+"""Figures of the sweep report (:mod:`posenc.report`): PNG files and TensorBoard.
+
+- ``lm_<split>_ppl_vs_length.png``: perplexity against evaluation length per encoder,
+  log-log, mean with std error bars, one panel per protocol, training length marked.
+- ``lm_<split>_loss_by_position.png``: mean loss by position in the window at the longest
+  length each encoder was evaluated at.
+- ``mt_<split>_bleu_by_length.png``: BLEU per source-length bucket per encoder.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files and TensorBoard only, never a window
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+if TYPE_CHECKING:
+    from posenc.report import Row, Run
+
+#: (mean, std or None) of one point.
+Point = tuple[float, float | None]
+
+
+def _most_common(values: Sequence[Any]) -> Any:
+    values = [v for v in values if v is not None]
+    return Counter(values).most_common(1)[0][0] if values else None
+
+
+def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
+                  train_len: int | None, title: str) -> Figure:
+    """Log-log perplexity against length, one line per encoder, one panel per protocol.
+
+    Args:
+        panels: Panel title (metric kind) -> encoder -> length -> (mean, std).
+        train_len: Training length, drawn as a vertical line (None: not drawn).
+        title: Figure title.
+    """
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), squeeze=False)
+    for ax, (kind, curves) in zip(axes[0], panels.items(), strict=True):
+        for encoder, points in curves.items():
+            xs = sorted(points)
+            ax.errorbar(xs, [points[x][0] for x in xs],
+                        yerr=[points[x][1] or 0.0 for x in xs],
+                        marker="o", ms=3, capsize=3, label=encoder)
+        if train_len:
+            ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"train {train_len}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("evaluation length (tokens)")
+        ax.set_ylabel(f"{kind} (mean ± std over seeds)")
+        ax.set_title(kind, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def loss_by_position(curves: Mapping[str, Sequence[float]], train_len: int | None,
+                     title: str, points: int = 256) -> Figure:
+    """Mean loss against position in the window, averaged into at most ``points`` bins.
+
+    Args:
+        curves: Label -> loss at positions 0..L-1.
+        train_len: Training length, drawn as a vertical line.
+        title: Figure title.
+        points: Bins per curve (long windows are noisy position by position).
+    """
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, ys in curves.items():
+        width = max(1, math.ceil(len(ys) / points))
+        xs = [i + (min(width, len(ys) - i) - 1) / 2 for i in range(0, len(ys), width)]
+        means = [sum(ys[i:i + width]) / len(ys[i:i + width]) for i in range(0, len(ys), width)]
+        ax.plot(xs, means, lw=1.2, label=label)
+    if train_len:
+        ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"train {train_len}")
+    ax.set_xlabel("position in window")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def bleu_by_bucket(bars: Mapping[str, Mapping[str, Point]], buckets: Sequence[str],
+                   train_max: int | None, title: str) -> Figure:
+    """Grouped bars: BLEU per source-length bucket, one bar per encoder, std error bars.
+
+    Args:
+        bars: Encoder -> bucket name (``len10-20``) -> (mean, std).
+        buckets: Bucket names in length order.
+        train_max: Longest training source (``max_train_src_len``); a line marks where
+            buckets lie wholly beyond it.
+        title: Figure title.
+    """
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(buckets) + 2), 4))
+    width = 0.8 / max(1, len(bars))
+    for i, (encoder, values) in enumerate(bars.items()):
+        xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(buckets))]
+        means = [values.get(b, (math.nan, None))[0] for b in buckets]
+        stds = [values.get(b, (math.nan, None))[1] or 0.0 for b in buckets]
+        ax.bar(xs, [0.0 if math.isnan(m) else m for m in means], width, yerr=stds, capsize=2,
+               label=encoder)
+    if train_max is not None:
+        starts = [int(re.search(r"\d+", b).group()) for b in buckets]
+        beyond = [j for j, s in enumerate(starts) if s > train_max]
+        if beyond:
+            ax.axvline(beyond[0] - 0.5, color="grey", ls="--", lw=1,
+                       label=f"beyond training max {train_max}")
+    ax.set_xticks(range(len(buckets)), [b.removeprefix("len") for b in buckets])
+    ax.set_xlabel("source length (tokens)")
+    ax.set_ylabel("BLEU (mean ± std over seeds)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _points(rows: Sequence[Row], task: str, prefix: str) -> dict[str, dict[str, Point]]:
+    """encoder -> suffix after ``prefix`` -> (mean, std), finite means only."""
+    out: dict[str, dict[str, Point]] = {}
+    for r in rows:
+        if r.task == task and r.metric.startswith(prefix) and r.mean is not None:
+            out.setdefault(r.encoder, {})[r.metric[len(prefix):]] = (r.mean, r.std)
+    return out
+
+
+def _lm_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]],
+                rows: Sequence[Row]) -> dict[str, Figure]:
+    lm = [r for r in runs if r.task == "lm"]
+    train_len = _most_common([r.data.get("seq_len") for r in lm])
+    figs = {}
+    splits = sorted({m.split("/")[0] for r in lm for m in r.data.get("metrics", {}) if "@" in m})
+    for split in splits:
+        panels = {}
+        for kind in ("ppl", "ppl_sw"):
+            curves = {e: {int(k): v for k, v in pts.items() if k.isdigit()}
+                      for e, pts in _points(rows, "lm", f"{split}/{kind}@").items()}
+            if any(curves.values()):
+                panels[f"{split}/{kind}"] = {e: c for e, c in curves.items() if c}
+        if panels:
+            figs[f"lm_{split}_ppl_vs_length"] = ppl_vs_length(
+                panels, train_len, f"LM {split} perplexity by evaluation length")
+        curves = {}
+        for (task, encoder), rs in by_group.items():
+            if task != "lm":
+                continue
+            pos = [r.data.get("loss_by_position", {}) for r in rs]
+            names = {n for p in pos for n in p if n.startswith(f"{split}/ppl@")}
+            if not names:
+                continue
+            longest = max(names, key=lambda n: int(n.rsplit("@", 1)[1]))
+            arrays = [p[longest] for p in pos if longest in p]
+            curves[f"{encoder} (L={longest.rsplit('@', 1)[1]}, n={len(arrays)})"] = [
+                sum(col) / len(col) for col in zip(*arrays, strict=False)]
+        if curves:
+            figs[f"lm_{split}_loss_by_position"] = loss_by_position(
+                curves, train_len, f"LM {split}: loss by position at the longest length")
+    return figs
+
+
+def _mt_figures(runs: Sequence[Run], rows: Sequence[Row]) -> dict[str, Figure]:
+    mt = [r for r in runs if r.task == "mt"]
+    figs = {}
+    for split in sorted({str(r.data.get("eval_split", "test")) for r in mt}):
+        bars = _points(rows, "mt", f"{split}/bleu@")
+        buckets = sorted({b for v in bars.values() for b in v},
+                         key=lambda b: int(re.search(r"\d+", b).group()))
+        if buckets:
+            train_max = _most_common([r.data.get("max_train_src_len") for r in mt])
+            figs[f"mt_{split}_bleu_by_length"] = bleu_by_bucket(
+                bars, buckets, train_max, f"MT {split} BLEU by source length")
+    return figs
+
+
+def figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]],
+            rows: Sequence[Row]) -> dict[str, Figure]:
+    """All report figures by file stem."""
+    return _lm_figures(runs, by_group, rows) | _mt_figures(runs, rows)
+
+
+def save(figs: Mapping[str, Figure], out: Path, tb_dir: Path | None) -> list[Path]:
+    """Write each figure as ``<out>/<name>.png`` and, if ``tb_dir``, to TensorBoard.
+
+    Returns:
+        The PNG paths.
+    """
+    paths = []
+    writer = _writer(tb_dir) if tb_dir is not None and figs else None
+    for name, fig in figs.items():
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=120)
+        paths.append(path)
+        if writer is not None:
+            writer.add_figure(f"report/{name}", fig, 0)  # closes the figure
+        else:
+            plt.close(fig)
+    if writer is not None:
+        writer.close()
+    return paths
+
+
+def add_text(tb_dir: Path, text: str) -> None:
+    """The report's markdown as a TensorBoard text entry."""
+    writer = _writer(tb_dir)
+    writer.add_text("report/summary", text, 0)
+    writer.close()
+
+
+def _writer(tb_dir: Path) -> Any:
+    from torch.utils.tensorboard import SummaryWriter  # torch is slow to import: only here
+
+    return SummaryWriter(log_dir=str(tb_dir))
