@@ -29,11 +29,15 @@ def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path:
         seed: The job's ``seed``.
 
     Returns:
-        The path written.
+        The path written (the job log instead if ``run_dir`` holds another run's results).
     """
     hc = HydraConfig.get()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "error.json"
+    if (run_dir / "metrics.json").exists():
+        # Another run's results are here (e.g. two sweeps started in the same second):
+        # an error.json next to them would mislabel that run, so only the log says it.
+        return run_dir / "run.log"
     write_json_atomic(
         path,
         {

@@ -124,6 +124,8 @@ def collect(root: Path, exclude: Path | None = None) -> tuple[list[Run], list[Fa
             continue
         try:
             data = json.loads(source.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("metrics", {}), dict):
+                raise ValueError("not a posenc result (expected an object with 'metrics')")
         except (OSError, ValueError) as err:
             failures.append(Failure(d, "unreadable", f"{source.name}: {err}", **_hydra_record(d)))
             continue
@@ -356,14 +358,15 @@ def build_report(root: Path, out: Path | None = None, tensorboard: bool = True) 
     runs, failures = collect(root, exclude=out if out.is_relative_to(root) else None)
     rows = aggregate(runs)
     figures = report_plots.figures(runs, groups(runs), rows)
-    text_files = [out / "report.md", out / "report.csv"]
-    pngs = report_plots.save(figures, out, tb_dir=out / "tb" if tensorboard else None)
+    writer = report_plots.summary_writer(out / "tb") if tensorboard else None
+    pngs = report_plots.save(figures, out, writer)
     text = markdown(root, runs, failures, rows, pngs)
-    text_files[0].write_text(text)
-    write_csv(rows, text_files[1])
-    if tensorboard:
-        report_plots.add_text(out / "tb", text)
-    return Report(runs, failures, rows, [*text_files, *pngs])
+    (out / "report.md").write_text(text)
+    write_csv(rows, out / "report.csv")
+    if writer is not None:
+        writer.add_text("report/summary", text, 0)  # TensorBoard renders the markdown
+        writer.close()
+    return Report(runs, failures, rows, [out / "report.md", out / "report.csv", *pngs])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

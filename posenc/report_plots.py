@@ -22,12 +22,19 @@ matplotlib.use("Agg")  # files and TensorBoard only, never a window
 
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter  # noqa: E402
 
 if TYPE_CHECKING:
     from posenc.report import Row, Run
 
 #: (mean, std or None) of one point.
 Point = tuple[float, float | None]
+
+
+def _bucket_start(name: str) -> int:
+    """``len10-20`` -> 10 (0 if the name holds no number)."""
+    found = re.search(r"\d+", name)
+    return int(found.group()) if found else 0
 
 
 def _most_common(values: Sequence[Any]) -> Any:
@@ -55,6 +62,12 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
             ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"train {train_len}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        lengths = sorted({x for points in curves.values() for x in points})
+        ax.set_xticks(lengths, [str(x) for x in lengths])
+        ax.xaxis.set_minor_formatter(FormatStrFormatter(""))
+        # Plain numbers: perplexities often span less than a decade.
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel(f"{kind} (mean ± std over seeds)")
         ax.set_title(kind, fontsize=9)
@@ -112,7 +125,7 @@ def bleu_by_bucket(bars: Mapping[str, Mapping[str, Point]], buckets: Sequence[st
         ax.bar(xs, [0.0 if math.isnan(m) else m for m in means], width, yerr=stds, capsize=2,
                label=encoder)
     if train_max is not None:
-        starts = [int(re.search(r"\d+", b).group()) for b in buckets]
+        starts = [_bucket_start(b) for b in buckets]
         beyond = [j for j, s in enumerate(starts) if s > train_max]
         if beyond:
             ax.axvline(beyond[0] - 0.5, color="grey", ls="--", lw=1,
@@ -173,9 +186,12 @@ def _mt_figures(runs: Sequence[Run], rows: Sequence[Row]) -> dict[str, Figure]:
     mt = [r for r in runs if r.task == "mt"]
     figs = {}
     for split in sorted({str(r.data.get("eval_split", "test")) for r in mt}):
-        bars = _points(rows, "mt", f"{split}/bleu@")
-        buckets = sorted({b for v in bars.values() for b in v},
-                         key=lambda b: int(re.search(r"\d+", b).group()))
+        prefix = f"{split}/bleu@"
+        bars = _points(rows, "mt", prefix)
+        # Every bucket gets a slot, also one no run had sentences in (no bar there).
+        buckets = sorted({r.metric[len(prefix):] for r in rows
+                          if r.task == "mt" and r.metric.startswith(prefix)},
+                         key=_bucket_start)
         if buckets:
             train_max = _most_common([r.data.get("max_train_src_len") for r in mt])
             figs[f"mt_{split}_bleu_by_length"] = bleu_by_bucket(
@@ -189,14 +205,14 @@ def figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run
     return _lm_figures(runs, by_group, rows) | _mt_figures(runs, rows)
 
 
-def save(figs: Mapping[str, Figure], out: Path, tb_dir: Path | None) -> list[Path]:
-    """Write each figure as ``<out>/<name>.png`` and, if ``tb_dir``, to TensorBoard.
+def save(figs: Mapping[str, Figure], out: Path, writer: Any = None) -> list[Path]:
+    """Write each figure as ``<out>/<name>.png`` and, with a ``SummaryWriter``, to
+    TensorBoard under ``report/<name>``.
 
     Returns:
         The PNG paths.
     """
     paths = []
-    writer = _writer(tb_dir) if tb_dir is not None and figs else None
     for name, fig in figs.items():
         path = out / f"{name}.png"
         fig.savefig(path, dpi=120)
@@ -205,19 +221,11 @@ def save(figs: Mapping[str, Figure], out: Path, tb_dir: Path | None) -> list[Pat
             writer.add_figure(f"report/{name}", fig, 0)  # closes the figure
         else:
             plt.close(fig)
-    if writer is not None:
-        writer.close()
     return paths
 
 
-def add_text(tb_dir: Path, text: str) -> None:
-    """The report's markdown as a TensorBoard text entry."""
-    writer = _writer(tb_dir)
-    writer.add_text("report/summary", text, 0)
-    writer.close()
-
-
-def _writer(tb_dir: Path) -> Any:
+def summary_writer(tb_dir: Path) -> Any:
+    """A TensorBoard ``SummaryWriter`` for ``tb_dir``."""
     from torch.utils.tensorboard import SummaryWriter  # torch is slow to import: only here
 
     return SummaryWriter(log_dir=str(tb_dir))

@@ -25,7 +25,7 @@ Every hook defaults to "nothing", so a scheme overrides only what it uses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -54,12 +54,25 @@ class AttentionContext:
         k_pos: Key positions, ``(B|1, S)`` int64.
         kind: Causal, bidirectional or cross attention.
         extra: Scheme-specific shared tensors (tables, gather indices).
+        query_dims: For each entry of ``extra`` indexed by query, the dim that is, so
+            attention can cut the context into blocks of queries (see
+            :meth:`slice_queries`). A scheme that puts a per-query tensor in ``extra``
+            must list it here.
     """
 
     q_pos: Tensor
     k_pos: Tensor
     kind: AttnKind
     extra: dict[str, Any] = field(default_factory=dict)
+    query_dims: dict[str, int] = field(default_factory=dict)
+
+    def slice_queries(self, start: int, stop: int) -> AttentionContext:
+        """The context of queries ``start:stop`` only (keys unchanged)."""
+        stop = min(stop, self.q_pos.shape[-1])
+        extra = dict(self.extra)
+        for key, dim in self.query_dims.items():
+            extra[key] = extra[key].narrow(dim, start, stop - start)
+        return replace(self, q_pos=self.q_pos[:, start:stop], extra=extra)
 
     def rel(self) -> Tensor:
         """Relative distance ``i - j`` (query minus key position), ``(B|1, T, S)``."""
@@ -72,6 +85,13 @@ class AttentionPositional(nn.Module):
     #: True when the scheme needs the attention probabilities (a value term);
     #: attention then takes its explicit-softmax path instead of the fused kernel.
     needs_probs: bool = False
+
+    @property
+    def adds_scores(self) -> bool:
+        """Whether the scheme materialises ``(B, H, T, S)`` terms (a score bias or the
+        probabilities); attention then works through the queries in blocks when that
+        matrix would be large."""
+        return self.needs_probs or type(self).score_bias is not AttentionPositional.score_bias
 
     def scale(self, head_dim: int) -> float:
         """Multiplier of the content score ``q @ k^T`` (and of nothing else)."""

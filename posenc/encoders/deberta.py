@@ -74,14 +74,18 @@ class _DebertaAttention(AttentionPositional):
         return w(table.to(dtype)).unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, P, D)
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
-        table = ctx.extra["table"]
+        x = ctx.extra
+        table, rows, lo = x["table"], x["rows"], x["lo"]
+        rel = ctx.rel() - lo  # (B|1, T, S): i - j, offset into the rows lookup
         bias = None
         if self.w_kr is not None:  # content-to-position: q_i . K^r[delta(i, j)]
             per_row = q @ self._project(self.w_kr, table, q.dtype).transpose(-1, -2)  # (B,H,T,P)
-            bias = gather_rel(per_row, ctx.extra["c2p"])
+            bias = gather_rel(per_row, rows[rel])
         if self.w_qr is not None:  # position-to-content: k_j . Q^r[delta(j, i)]
             per_row = k @ self._project(self.w_qr, table, k.dtype).transpose(-1, -2)  # (B,H,S,P)
-            p2c = gather_rel(per_row, ctx.extra["p2c"]).transpose(-1, -2)  # (B, H, T, S)
+            # delta(j, i) is the row of distance j - i = -(i - j): index (B|1, S, T).
+            p2c_rows = x["rows_neg"][rel.transpose(-1, -2)]
+            p2c = gather_rel(per_row, p2c_rows).transpose(-1, -2)  # (B, H, T, S)
             bias = p2c if bias is None else bias + p2c
         return None if bias is None else bias * self.scale(q.shape[-1])
 
@@ -128,22 +132,19 @@ class DebertaRelative(PositionalEncoder):
     def row(self, rel: Tensor) -> Tensor:
         """Row of the table for signed distances ``rel`` (delta in the paper)."""
         if self.bucket_size:
-            # Bucket each distinct distance once, then look the pairs up.
-            lo, hi = int(rel.min()), int(rel.max())
-            dist = torch.arange(lo, hi + 1, device=rel.device)
-            rel = log_bucket(dist, self.bucket_size, self.max_distance)[rel - lo]
+            rel = log_bucket(rel, self.bucket_size, self.max_distance)
         return (rel + self.span).clamp(0, 2 * self.span - 1)
 
     def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
         ctx = super().context(q_pos, k_pos, kind)
         if kind is AttnKind.CROSS:
             return ctx
-        rel = ctx.rel()  # (B|1, T, S), i - j
-        ctx.extra.update(
-            table=self.table,
-            c2p=self.row(rel),  # (B|1, T, S): delta(i, j)
-            p2c=self.row(-rel.transpose(-1, -2)),  # (B|1, S, T): delta(j, i)
-        )
+        # delta for each distance present, from the extreme positions: O(T + S) lookups
+        # that the layers index per pair (rows[d - lo] for d = i - j; rows_neg for -d).
+        lo = int(q_pos.min()) - int(k_pos.max())
+        hi = int(q_pos.max()) - int(k_pos.min())
+        dist = torch.arange(lo, hi + 1, device=q_pos.device)
+        ctx.extra.update(table=self.table, lo=lo, rows=self.row(dist), rows_neg=self.row(-dist))
         return ctx
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:

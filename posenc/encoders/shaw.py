@@ -47,17 +47,23 @@ class _ShawAttention(AttentionPositional):
             return self.key_table, self.value_table
         return ctx.extra["key_table"], ctx.extra.get("value_table")
 
+    @staticmethod
+    def _slot(ctx: AttentionContext) -> Tensor:
+        """Row of each (query, key) pair, ``clip(j - i, -K, K) + K``: ``(B|1, T, S)``."""
+        k = ctx.extra["clip"]
+        return ctx.rel().neg_().clamp_(-k, k).add_(k)
+
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
         key_table, _ = self._tables(ctx)
         per_slot = q @ key_table.to(q.dtype).T  # (B, H, T, 2K+1)
-        return gather_rel(per_slot, ctx.extra["slot"]) * self.scale(q.shape[-1])
+        return gather_rel(per_slot, self._slot(ctx)) * self.scale(q.shape[-1])
 
     def value_term(self, probs: Tensor, ctx: AttentionContext) -> Tensor | None:
         _, value_table = self._tables(ctx)
         if value_table is None:
             return None
         b, h, t, s = probs.shape
-        slot = ctx.extra["slot"][:, None].expand(b, h, t, s)
+        slot = self._slot(ctx)[:, None].expand(b, h, t, s)
         # Sum the probabilities that fall into each clipped distance, then mix rows.
         mass = probs.new_zeros(b, h, t, value_table.shape[0]).scatter_add_(-1, slot, probs)
         return mass @ value_table.to(probs.dtype)  # (B, H, T, D)
@@ -100,8 +106,7 @@ class ShawRelative(PositionalEncoder):
         ctx = super().context(q_pos, k_pos, kind)
         if kind is AttnKind.CROSS:
             return ctx
-        k = self.max_distance
-        ctx.extra["slot"] = (-ctx.rel()).clamp(-k, k) + k  # (B|1, T, S): clip(j - i) + K
+        ctx.extra["clip"] = self.max_distance
         if not self.per_layer:
             ctx.extra["key_table"] = self.key_table
             ctx.extra["value_table"] = self.value_table

@@ -43,7 +43,10 @@ class _XLAttention(AttentionPositional):
         r = self.w_r(x["R"].to(q.dtype))  # (L, H*D)
         r = r.unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, L, D)
         per_dist = (q + x["v"][:, None].to(q.dtype)) @ r.transpose(-1, -2)  # (B, H, T, L)
-        return gather_rel(per_dist, x["slot"]) * self.scale(q.shape[-1])
+        rel = ctx.rel()  # (B|1, T, S), i - j
+        if ctx.kind is AttnKind.CAUSAL:
+            rel = rel.clamp_(min=0)  # later keys are masked; the table starts at 0
+        return gather_rel(per_dist, rel.sub_(x["lo"])) * self.scale(q.shape[-1])
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         return q + ctx.extra["u"][:, None].to(q.dtype), k  # (H, 1, D) over (B, H, T, D)
@@ -71,18 +74,14 @@ class TransformerXL(PositionalEncoder):
         ctx = super().context(q_pos, k_pos, kind)
         if kind is AttnKind.CROSS:
             return ctx
-        rel = ctx.rel()  # (B|1, T, S), i - j
+        # The distances present, from the extreme positions: O(T + S), not O(T * S).
+        lo = int(q_pos.min()) - int(k_pos.max())
+        hi = int(q_pos.max()) - int(k_pos.min())
         if kind is AttnKind.CAUSAL:
             # Keys after the query are masked out anyway; don't build their distances.
-            rel = rel.clamp(min=0)
-        lo, hi = int(rel.min()), int(rel.max())
-        dist = torch.arange(lo, hi + 1, device=rel.device)
-        ctx.extra.update(
-            R=sinusoid(dist, self.d_model, base=self.base),  # (L, C) float32
-            slot=rel - lo,
-            u=self.u,
-            v=self.v,
-        )
+            lo, hi = max(lo, 0), max(hi, 0)
+        dist = torch.arange(lo, hi + 1, device=q_pos.device)
+        ctx.extra.update(R=sinusoid(dist, self.d_model, base=self.base), lo=lo, u=self.u, v=self.v)
         return ctx
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:

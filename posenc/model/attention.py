@@ -26,11 +26,14 @@ def attention_mask(
     s: int,
     dtype: torch.dtype,
     device: torch.device,
+    shift: int | None = None,
 ) -> Tensor | None:
     """Combine score bias, causal mask and key padding into one additive mask.
 
-    Causality is by index: with S >= T keys (a cache), query i sees keys
-    ``j <= i + S - T``.
+    Causality is by index: query i sees keys ``j <= i + shift``, where the default
+    ``shift = S - T`` aligns the last query with the last key (a cache, or all of a
+    sequence when S = T); a block of queries starting at q0 of T in all uses
+    ``shift = q0 + S - T``.
 
     Args:
         bias: ``(B|1, H|1, T, S)`` additive logits or None.
@@ -40,6 +43,7 @@ def attention_mask(
         s: Key length S.
         dtype: Mask dtype (must match the queries for SDPA).
         device: Mask device.
+        shift: Causal offset (see above).
 
     Returns:
         ``(B|1, H|1, T, S)`` additive mask with ``-inf`` where attention is not
@@ -50,7 +54,8 @@ def attention_mask(
     if causal:
         i = torch.arange(t, device=device)[:, None]
         j = torch.arange(s, device=device)[None, :]
-        blocked = torch.zeros(t, s, dtype=dtype, device=device).masked_fill(j > i + (s - t), neg)
+        shift = s - t if shift is None else shift
+        blocked = torch.zeros(t, s, dtype=dtype, device=device).masked_fill(j > i + shift, neg)
         mask = blocked if mask is None else mask + blocked
     if key_valid is not None:
         pad = torch.zeros(key_valid.shape, dtype=dtype, device=device)
@@ -68,6 +73,10 @@ class Attention(nn.Module):
         dropout: Dropout on the attention probabilities.
         pos: The positional hooks for this module (from ``encoder.for_attention``).
     """
+
+    #: Upper bound on one (B, H, T, S) score matrix of a scheme that adds score terms;
+    #: longer inputs are processed a block of queries at a time (same result).
+    max_score_bytes: int = 8 * 2**20
 
     def __init__(
         self, *, d_model: int, n_heads: int, dropout: float, pos: AttentionPositional
@@ -110,48 +119,79 @@ class Attention(nn.Module):
         q = self._heads(x, self.q_proj)  # (B, H, T, D)
         k = self._heads(src, self.k_proj)  # (B, H, S, D)
         v = self._heads(src, self.v_proj)  # (B, H, S, D)
-        t, s = q.shape[-2], k.shape[-2]
+        b, h, t, _ = q.shape
+        s = k.shape[-2]
+        block = self.query_block(b, h, t, s, q.element_size()) if self.pos.adds_scores else t
+        if block >= t:
+            out = self._attend(q, k, v, ctx, key_valid, shift=s - t)
+        else:  # the same computation, a block of queries at a time: bounded memory
+            out = torch.cat(
+                [
+                    self._attend(
+                        q[:, :, a : a + block],
+                        k,
+                        v,
+                        ctx.slice_queries(a, a + block),
+                        key_valid,
+                        shift=a + s - t,
+                    )
+                    for a in range(0, t, block)
+                ],
+                dim=2,
+            )
+        return self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, T, C)
 
+    def query_block(self, b: int, h: int, t: int, s: int, itemsize: int) -> int:
+        """Queries per block so that one ``(B, H, block, S)`` score matrix stays within
+        ``max_score_bytes`` (at least one query)."""
+        return max(1, min(t, self.max_score_bytes // max(1, b * h * s * itemsize)))
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        ctx: AttentionContext,
+        key_valid: Tensor | None,
+        shift: int,
+    ) -> Tensor:
+        """Hooks, mask and attention for queries ``q (B, H, T, D)``; returns ``(B, H, T, D)``."""
+        t, s = q.shape[-2], k.shape[-2]
         bias = self.pos.score_bias(q, k, ctx)
         q, k = self.pos.transform_qk(q, k, ctx)
         causal = ctx.kind is AttnKind.CAUSAL
         scale = self.pos.scale(self.head_dim)
         p_drop = self.dropout if self.training else 0.0
-
-        if self.pos.needs_probs:
-            mask = attention_mask(
-                bias=bias,
-                causal=causal,
-                key_valid=key_valid,
-                t=t,
-                s=s,
-                dtype=q.dtype,
-                device=q.device,
-            )
-            scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, T, S)
-            if mask is not None:
-                scores = scores + mask
-            probs = F.dropout(scores.float().softmax(-1).to(q.dtype), p_drop, self.training)
-            out = probs @ v
-            extra = self.pos.value_term(probs, ctx)
-            if extra is not None:
-                out = out + extra
-        elif bias is None and key_valid is None and causal and t == s:
+        if (
+            bias is None
+            and key_valid is None
+            and causal
+            and t == s
+            and shift == 0
+            and not self.pos.needs_probs
+        ):
             # Nothing to add: let SDPA pick its fused causal kernel.
-            out = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q, k, v, dropout_p=p_drop, is_causal=True, scale=scale
             )
-        else:
-            mask = attention_mask(
-                bias=bias,
-                causal=causal,
-                key_valid=key_valid,
-                t=t,
-                s=s,
-                dtype=q.dtype,
-                device=q.device,
-            )
-            out = F.scaled_dot_product_attention(
+        mask = attention_mask(
+            bias=bias,
+            causal=causal,
+            key_valid=key_valid,
+            t=t,
+            s=s,
+            dtype=q.dtype,
+            device=q.device,
+            shift=shift,
+        )
+        if not self.pos.needs_probs:
+            return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p_drop, scale=scale
             )
-        return self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, T, C)
+        scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, T, S)
+        if mask is not None:
+            scores = scores + mask
+        probs = F.dropout(scores.float().softmax(-1).to(q.dtype), p_drop, self.training)
+        out = probs @ v
+        extra = self.pos.value_term(probs, ctx)
+        return out if extra is None else out + extra

@@ -22,6 +22,35 @@ def rotate(
     return apply_rope(x[None, None], cos, sin, layout)[0, 0]
 
 
+def elementwise_reference(x: torch.Tensor, positions: torch.Tensor, layout: str) -> torch.Tensor:
+    """The textbook form, eq. (34): x1*cos - x2*sin, x1*sin + x2*cos per pair, float64."""
+    d = x.shape[-1]
+    angle = positions.double()[:, None] * rope_frequencies(d).double()
+    cos, sin = angle.cos(), angle.sin()
+    x = x.double()
+    if layout == "interleaved":
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_fast_path_equals_the_textbook_form(layout: str) -> None:
+    x = torch.randn(7, D)
+    pos = torch.tensor([0, 1, 2, 50, 999, 4096, 65535])
+    torch.testing.assert_close(rotate(x, pos, layout).double(),
+                               elementwise_reference(x, pos, layout), atol=1e-5, rtol=1e-5)
+    # On the strided (B, H, T, D) views attention hands over, as well.
+    q = torch.randn(2, 5, 3, D).transpose(1, 2)  # (B, H=3, T=5, D), non-contiguous
+    ang = torch.arange(5).double()[:, None] * rope_frequencies(D).double()
+    out = apply_rope(q, ang.cos().float()[None, None], ang.sin().float()[None, None], layout)
+    for h in range(3):
+        torch.testing.assert_close(out[1, h].double(),
+                                   elementwise_reference(q[1, h], torch.arange(5), layout),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def dense_matrix(m: int, d: int, base: float = 10000.0) -> torch.Tensor:
     """Eq. (15): block-diagonal R_m with 2x2 rotations by m * theta_i, theta_i = base^(-2i/d)."""
     r = torch.zeros(d, d, dtype=torch.float64)

@@ -82,3 +82,27 @@ def test_nothing_leaks_past_the_causal_mask() -> None:
     torch.testing.assert_close(out, merge(ref))
     # and the first position attends to itself only
     torch.testing.assert_close(out[:, 0], x[:, 0])
+
+
+@pytest.mark.parametrize("name", ["shaw", "xl", "deberta", "rope", "none"])
+@pytest.mark.parametrize("kind", [AttnKind.CAUSAL, AttnKind.BIDIRECTIONAL])
+def test_query_blocks_give_the_same_result(name: str, kind: AttnKind) -> None:
+    """A long input is processed a block of queries at a time: same numbers, forward
+    and backward, with padding and offset positions."""
+    enc = build(name, d_model=16, n_heads=2, n_layers=1)
+    whole = Attention(d_model=16, n_heads=2, dropout=0.0,
+                      pos=enc.for_attention(layer=0, kind=kind)).eval()
+    x = torch.randn(2, 11, 16, requires_grad=True)
+    valid = torch.ones(2, 11, dtype=torch.bool)
+    valid[1, 8:] = False
+    pos = torch.arange(5, 16)[None]
+    ctx = enc.context(pos, pos, kind)
+    ref = whole(x, ctx, key_valid=valid)
+    (g_ref,) = torch.autograd.grad(ref.square().sum(), x)
+    whole.max_score_bytes = 2 * 2 * 11 * 4 * 3  # three queries per block: 4 blocks
+    if whole.pos.adds_scores:
+        assert whole.query_block(2, 2, 11, 11, 4) == 3
+    out = whole(x, enc.context(pos, pos, kind), key_valid=valid)
+    (g_out,) = torch.autograd.grad(out.square().sum(), x)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_out, g_ref, atol=1e-5, rtol=1e-5)

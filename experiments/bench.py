@@ -1,0 +1,212 @@
+"""Performance benchmark of posenc's encoders (GitHub issue 6).
+
+    python experiments/bench.py [--quick] [--json out.json] [--sections rope,train,memory,overhead]
+
+Every number is a ratio against a baseline measured in the same process and the
+same interleaved rounds (the memory section uses one child process per
+measurement); the tables report the median of the per-round ratios with their
+range, and the median absolute value. Sections:
+
+* ``rope``: posenc's ``apply_rope`` (both layouts) and reference forms against a
+  memory-bound copy of q and k; the forms are checked equal before timing.
+* ``train``: training-step tokens/s of every registered encoder relative to
+  ``none``, at two lengths with equal tokens per step.
+* ``memory``: peak memory of a no-grad forward at 16x the training length,
+  relative to ``none``.
+* ``overhead``: Lightning ``Trainer.fit`` of ``LMTask`` vs a bare PyTorch loop.
+
+``--quick`` shrinks everything to run in about a minute (the smoke test uses it);
+the full run takes a few minutes on 2 cores. Results on a shared machine are
+noisy; ``--threads 1`` trades speed for much steadier ratios there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_common import Row, fmt_seconds, markdown_table
+
+SECTIONS = ("rope", "train", "memory", "overhead")
+
+# Sizes per mode. The full sizes are the issue's; quick ones only exercise the code.
+FULL: dict[str, Any] = {
+    "rope": {"shape": (8, 8, 1024, 64), "rounds": 15, "number": 5},
+    "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512, "dropout": 0.0},
+    "vocab": 65,
+    "train": {"shapes": [(8, 256), (2, 1024)], "rounds": 5, "steps": 2},
+    "memory": {"train_length": 128, "multiplier": 16, "batch": 4, "rounds": 1},
+    "overhead": {"encoder": "rope", "batch": 8, "length": 256, "steps": 10, "rounds": 5},
+}
+QUICK: dict[str, Any] = {
+    "rope": {"shape": (2, 4, 256, 64), "rounds": 3, "number": 3},
+    "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "d_ff": 128, "dropout": 0.0},
+    "vocab": 65,
+    "train": {"shapes": [(4, 64), (1, 256)], "rounds": 2, "steps": 1},
+    "memory": {"train_length": 32, "multiplier": 16, "batch": 2, "rounds": 1},
+    "overhead": {"encoder": "rope", "batch": 4, "length": 64, "steps": 3, "rounds": 2},
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, about a minute")
+    p.add_argument("--json", type=Path, help="write all results, with per-round numbers")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    # The memory section re-runs this script in a child process per encoder.
+    p.add_argument("--_child-memory", dest="child_memory", help=argparse.SUPPRESS)
+    p.add_argument("--_child-config", dest="child_config", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown sections {unknown}; allowed: {', '.join(SECTIONS)}")
+    return args
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def header(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """What the numbers depend on: versions, threads, device, load, the command."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+        "load_average_at_start": load,
+        "quick": args.quick,
+        "sections": args.sections,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def run_section(
+    name: str, sizes: dict[str, Any], device: torch.device, script: str
+) -> dict[str, Any]:
+    """Run one section; its modules are imported lazily (Lightning only for ``overhead``)."""
+    model, vocab = sizes["model"], sizes["vocab"]
+    if name == "rope":
+        import bench_rope
+
+        return bench_rope.run(device=device, **sizes["rope"])
+    if name == "train":
+        import bench_train
+
+        return bench_train.run(model_cfg=model, vocab=vocab, device=device, **sizes["train"])
+    if name == "memory":
+        import bench_memory
+
+        from posenc.encoders import available
+
+        m = sizes["memory"]
+        cfg = {
+            "model": model,
+            "vocab": vocab,
+            "batch": m["batch"],
+            "length": m["train_length"] * m["multiplier"],
+            "train_length": m["train_length"],
+            "device": str(device),
+        }
+        return bench_memory.run(script=script, encoders=available(), cfg=cfg, rounds=m["rounds"])
+    import bench_overhead
+
+    return bench_overhead.run(model_cfg=model, vocab=vocab, device=device, **sizes["overhead"])
+
+
+TITLES = {
+    "rope": "RoPE on q and k, speed relative to one elementwise copy of q and k",
+    "train": "Training step (fwd + bwd + clip + AdamW), tokens/s relative to `none`",
+    "memory": "Peak memory of a no-grad forward at 16x the training length, relative to `none`",
+    "overhead": "Lightning Trainer.fit vs a bare PyTorch loop, tokens/s",
+}
+
+
+def render(name: str, result: dict[str, Any]) -> str:
+    """A section's Markdown: title, configuration, checks, table."""
+    lines = [f"## {name}: {TITLES[name]}", ""]
+    lines.append(f"baseline: {result['baseline']}; config: `{json.dumps(result['config'])}`")
+    if "checks" in result:
+        worst = max(c["max_abs_err"] for c in result["checks"].values())
+        status = "passed" if result["checks_passed"] else "FAILED"
+        lines.append(
+            f"agreement with apply_rope: {status} ({len(result['checks'])} checks, "
+            f"max abs error {worst:.2g})"
+        )
+    lines.append("")
+    if name == "memory":
+        table = markdown_table(
+            result["rows"],
+            value_name="peak",
+            fmt=lambda v: "-" if v is None else f"{v:.1f} MiB",
+        )
+    else:
+        value = "time / step" if name in ("train", "overhead") else "time (q and k)"
+        table = markdown_table(result["rows"], value_name=value, fmt=fmt_seconds)
+    lines.append(table)
+    return "\n".join(lines)
+
+
+def to_json(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: [r.to_json() for r in v] if k == "rows" else v for k, v in result.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child_memory:
+        import bench_memory
+
+        out = bench_memory.child(args.child_memory, json.loads(args.child_config))
+        print(json.dumps(out))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    meta = header(args, device)
+    print(f"# posenc benchmark\n\ncommand: `{meta['command']}`")
+    print(
+        f"torch {meta['torch']}, {meta['threads']} threads ({meta['interop_threads']} interop), "
+        f"{meta['cpu_count']} CPUs, device {meta['device']}, "
+        f"load average {meta['load_average_at_start']}"
+    )
+    sizes = QUICK if args.quick else FULL
+    report: dict[str, Any] = {"meta": meta, "sections": {}}
+    unmet: list[str] = []
+    t_all = time.perf_counter()
+    for name in args.sections:
+        t0 = time.perf_counter()
+        result = run_section(name, sizes, device, str(Path(__file__).resolve()))
+        result["seconds"] = time.perf_counter() - t0
+        print("\n" + render(name, result) + f"\n\n({result['seconds']:.0f} s)", flush=True)
+        rows: list[Row] = result["rows"]
+        unmet += [f"{name}: {r.what}" for r in rows if r.goal and r.goal.met(r.ratio) is False]
+        report["sections"][name] = to_json(result)
+    meta["seconds"] = time.perf_counter() - t_all
+    report["unmet_goals"] = unmet
+    print(f"\n{len(unmet)} goal(s) not met" + (": " + "; ".join(unmet) if unmet else ""))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Section ``rope`` of ``experiments/bench.py``: RoPE forms against a memory-bound copy.
+
+Notation: B batch, H heads, T positions, D head dim (all of it rotated here).
+
+RoPE is elementwise: it reads q and k once and writes them once, so its floor is
+the cost of one out-of-place elementwise pass over q and k. Each form below
+rotates both q and k, as ``posenc.encoders.rope._RotateQK`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_common import Goal, Row, interleaved
+from torch import Tensor
+from torch.utils.benchmark import Timer
+
+from posenc.encoders.rope import RoPE, apply_rope
+
+# The baseline. torch.add(x, 0) and x.clone() move the same bytes (allocate an
+# output, read x once, write it once), but clone() goes to the copy kernel,
+# while add goes through the same vectorised TensorIterator elementwise loop
+# (threading grain, broadcasting machinery) that every eager RoPE form is made
+# of. So add measures "one elementwise pass", which is what a perfectly fused
+# RoPE would cost; clone is timed too, for information.
+BASELINE = "copy: torch.add(x, 0)"
+GOAL = Goal(">=", 0.9)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dim (GPT-NeoX / Hugging Face)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_rotate_half(x: Tensor, cos_full: Tensor, sin_full: Tensor) -> Tensor:
+    """Naive ``half`` layout: ``x * cos + rotate_half(x) * sin`` with ``(1, 1, T, D)`` tables."""
+    return x * cos_full + rotate_half(x) * sin_full
+
+
+def rope_complex(x: Tensor, freqs: Tensor) -> Tensor:
+    """``interleaved`` layout as a complex product; ``freqs (1, 1, T, D/2)`` complex64."""
+    z = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (B, H, T, D/2), a view
+    return torch.view_as_real(z * freqs).flatten(-2)  # (B, H, T, D)
+
+
+def dense_rotation(cos: Tensor, sin: Tensor) -> Tensor:
+    """Block-diagonal ``R_t (T, D, D)``, interleaved layout, from ``(..., T, D/2)`` tables."""
+    c, s = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])  # (T, D/2)
+    t, half = c.shape
+    r = torch.zeros(t, half, 2, half, 2, dtype=c.dtype, device=c.device)
+    i = torch.arange(half, device=c.device)
+    r[:, i, 0, i, 0], r[:, i, 0, i, 1] = c, -s
+    r[:, i, 1, i, 0], r[:, i, 1, i, 1] = s, c
+    return r.reshape(t, 2 * half, 2 * half)
+
+
+def rope_dense(x: Tensor, rot: Tensor) -> Tensor:
+    """``x_t @ R_t^T`` for every position: ``(B, H, T, D) x (T, D, D)``."""
+    return torch.einsum("bhtd,ted->bhte", x, rot)
+
+
+def rope_half_out(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``half`` layout written into one preallocated output: no stack/cat copies.
+
+    Not in posenc; timed to show what removing the intermediate copies is worth.
+    """
+    h = cos.shape[-1]
+    x1, x2 = x[..., :h], x[..., h:]
+    out = torch.empty_like(x)
+    o1, o2 = out[..., :h], out[..., h:]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out
+
+
+def make_inputs(shape: tuple[int, int, int, int], device: torch.device) -> dict[str, Tensor]:
+    """q, k and every form's tables, the cos/sin ones exactly as the RoPE module caches them."""
+    b, h, t, d = shape
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(shape, generator=gen).to(device) for _ in range(2))
+    module = RoPE(d_model=h * d, n_heads=h, n_layers=1, cache_len=t).to(device)
+    cos, sin = module.tables(torch.arange(t, device=device)[None])  # (1, 1, T, D/2)
+    return {
+        "q": q,
+        "k": k,
+        "cos": cos,
+        "sin": sin,
+        "cos_full": torch.cat((cos, cos), -1),  # (1, 1, T, D)
+        "sin_full": torch.cat((sin, sin), -1),
+        "freqs": torch.complex(cos, sin),  # (1, 1, T, D/2) complex64
+        "rot": dense_rotation(cos, sin),  # (T, D, D)
+    }
+
+
+def forms(x: dict[str, Tensor]) -> dict[str, tuple[str | None, Callable[[Tensor], Tensor]]]:
+    """Name -> (layout it must agree with, or None for copies; the per-tensor function)."""
+    cos, sin = x["cos"], x["sin"]
+    return {
+        BASELINE: (None, lambda t: torch.add(t, 0)),
+        "copy: x.clone()": (None, lambda t: t.clone()),
+        "posenc apply_rope, interleaved": (
+            "interleaved",
+            lambda t: apply_rope(t, cos, sin, "interleaved"),
+        ),
+        "posenc apply_rope, half": ("half", lambda t: apply_rope(t, cos, sin, "half")),
+        "ref: dense block-diagonal R (interleaved)": (
+            "interleaved",
+            lambda t: rope_dense(t, x["rot"]),
+        ),
+        "ref: naive rotate_half, full tables (half)": (
+            "half",
+            lambda t: rope_rotate_half(t, x["cos_full"], x["sin_full"]),
+        ),
+        "ref: complex multiply (interleaved)": (
+            "interleaved",
+            lambda t: rope_complex(t, x["freqs"]),
+        ),
+        "idea: half into preallocated out, addcmul": (
+            "half",
+            lambda t: rope_half_out(t, cos, sin),
+        ),
+    }
+
+
+def check_agreement(x: dict[str, Tensor], table: dict[str, Any]) -> dict[str, Any]:
+    """Assert every RoPE form equals posenc's apply_rope of its layout; return the errors."""
+    out = {}
+    for name, (layout, fn) in table.items():
+        if layout is None:
+            continue
+        for which in ("q", "k"):
+            want = apply_rope(x[which], x["cos"], x["sin"], layout)
+            got = fn(x[which])
+            err = (got - want).abs().max().item()
+            # float32 with |x| ~ 4: the dense form sums D products, so allow ~1e-5.
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{name} on {which}")
+            out[f"{name} [{which}]"] = {"max_abs_err": err, "layout": layout, "ok": True}
+    return out
+
+
+def run(
+    *, shape: tuple[int, int, int, int], rounds: int, number: int, device: torch.device
+) -> dict[str, Any]:
+    """Check the forms agree, then time each on q and k in interleaved rounds.
+
+    Returns:
+        ``{"config", "baseline", "checks", "rows"}`` with rows as :class:`Row`.
+    """
+    x = make_inputs(shape, device)
+    table = forms(x)
+    checks = check_agreement(x, table)
+    q, k = x["q"], x["k"]
+
+    def measurer(fn: Callable[[Tensor], Tensor]) -> Callable[[], float]:
+        # Timer runs the statement at the process's thread count (its default is
+        # 1) and synchronises CUDA around the block.
+        timer = Timer(
+            stmt="fn(q); fn(k)",
+            globals={"fn": fn, "q": q, "k": k},
+            num_threads=torch.get_num_threads(),
+        )
+        return lambda: timer.timeit(number).mean
+
+    stats = interleaved(
+        {name: measurer(fn) for name, (_, fn) in table.items()}, baseline=BASELINE, rounds=rounds
+    )
+    rows = [
+        Row(
+            what=name,
+            median=s["median_s"],
+            ratio=s["ratio"],
+            goal=GOAL if name.startswith("posenc") else None,
+            raw=s,
+        )
+        for name, s in stats.items()
+    ]
+    return {
+        "config": {"shape_BHTD": list(shape), "dtype": "float32", "number": number},
+        "baseline": BASELINE,
+        "unit": "seconds per call (q and k)",
+        "checks": checks,
+        "checks_passed": all(c["ok"] for c in checks.values()),
+        "rows": rows,
+    }

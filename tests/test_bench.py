@@ -1,0 +1,100 @@
+"""Smoke test of experiments/bench.py: it runs, writes its JSON, and checks RoPE forms.
+
+No timing thresholds: the numbers depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from posenc.encoders import available
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "experiments" / "bench.py"
+ROW_KEYS = {"what", "median", "ratio", "goal", "met", "note", "raw"}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench") / "tmp.json"
+    # One thread: the quick sizes are tiny, and a shared machine then adds less noise.
+    cmd = [sys.executable, str(BENCH), "--quick", "--threads", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| what | median" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def test_header(report: dict[str, Any]) -> None:
+    meta = report["meta"]
+    assert meta["torch"] == torch.__version__
+    assert meta["threads"] == 1
+    assert "--quick" in meta["command"]
+    assert list(report["sections"]) == ["rope", "train", "memory", "overhead"]
+    assert isinstance(report["unmet_goals"], list)
+
+
+def test_every_row_has_the_columns_and_a_unit_baseline(report: dict[str, Any]) -> None:
+    for name, section in report["sections"].items():
+        assert section["unit"], name
+        rows = section["rows"]
+        assert rows, name
+        for row in rows:
+            assert set(row) == ROW_KEYS, (name, row["what"])
+            if row["goal"] is not None and row["ratio"] is not None:
+                assert isinstance(row["met"], bool)
+        baselines = [r for r in rows if r["what"].startswith(section["baseline"])]
+        assert baselines and all(r["ratio"] == pytest.approx(1.0) for r in baselines), name
+
+
+def test_rope_agreement_checks_ran(report: dict[str, Any]) -> None:
+    rope = report["sections"]["rope"]
+    assert rope["checks_passed"] is True
+    checked = {name.rsplit(" [", 1)[0] for name in rope["checks"]}
+    for form in ("posenc apply_rope, half", "ref: dense", "ref: naive rotate_half", "ref: complex"):
+        assert any(c.startswith(form) for c in checked), form
+    assert all(c["ok"] and c["max_abs_err"] < 1e-4 for c in rope["checks"].values())
+    timed = {r["what"] for r in rope["rows"]}
+    assert {"posenc apply_rope, interleaved", "posenc apply_rope, half"} <= timed
+    for row in rope["rows"]:  # per-round raw numbers, one ratio per time
+        assert len(row["raw"]["times_s"]) == len(row["raw"]["ratios"]) >= 2
+
+
+def test_train_covers_every_encoder_at_two_lengths(report: dict[str, Any]) -> None:
+    rows = report["sections"]["train"]["rows"]
+    shapes = report["sections"]["train"]["config"]["shapes_BT"]
+    assert len(shapes) == 2 and len({b * t for b, t in shapes}) == 1  # equal tokens per step
+    assert len(rows) == len(available()) * 2
+    for row in rows:
+        if row["ratio"] is not None:
+            assert len(row["raw"]["tokens_per_s"]) == len(row["raw"]["times_s"])
+
+
+def test_memory_and_overhead(report: dict[str, Any]) -> None:
+    memory = report["sections"]["memory"]
+    assert memory["config"]["length"] == 16 * memory["config"]["train_length"]
+    assert {r["what"] for r in memory["rows"]} == set(available())
+    for row in memory["rows"]:
+        if row["ratio"] is not None:
+            assert row["median"] > 0 and row["raw"]["method"] in ("VmHWM", "ru_maxrss")
+    overhead = report["sections"]["overhead"]["rows"]
+    assert [r["what"] for r in overhead] == ["bare PyTorch loop", "Lightning Trainer.fit"]
+
+
+def test_a_wrong_rope_form_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import bench_rope
+
+    x = bench_rope.make_inputs((1, 2, 8, 8), torch.device("cpu"))
+    forms = bench_rope.forms(x)
+    layout, _ = forms["ref: complex multiply (interleaved)"]
+    forms["ref: complex multiply (interleaved)"] = (layout, lambda t: t * 1.001)
+    with pytest.raises(AssertionError):
+        bench_rope.check_agreement(x, forms)

@@ -1,0 +1,163 @@
+"""The sweep report on hand-made run directories: statistics by hand, NaN, failures."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from posenc.report import build_report, main, metric_key, summarize
+
+
+def write_run(d: Path, task: str, encoder: str, seed: int, metrics: dict[str, float],
+              **extra: Any) -> None:
+    """A metrics.json like the jobs write (only the fields the report reads)."""
+    d.mkdir(parents=True)
+    data = {"task": task, "encoder": encoder, "seed": seed, "metrics": metrics,
+            "n_params": 1000, "tokens_per_s": 100.0 + seed, "peak_memory_mb": 50.0,
+            "train_time_s": 2.0, "config": {"seed": seed, "model": {"d_model": 16}}} | extra
+    (d / "metrics.json").write_text(json.dumps(data))  # NaN is written as NaN, as the jobs do
+
+
+LM_EXTRA = {
+    "seq_len": 16,
+    "protocols": {"nonoverlap": "ppl@L: non-overlapping windows"},
+}
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    root = tmp_path / "sweep"
+    nan = float("nan")
+    for seed, (p16, p64) in enumerate([(10.0, 20.0), (12.0, nan), (14.0, 26.0)]):
+        write_run(root / f"{seed}_lm_rope", "lm", "rope", seed,
+                  {"test/ppl@16": p16, "test/ppl@64": p64, "val/loss": 2.0},
+                  loss_by_position={"test/ppl@16": [1.0] * 16, "test/ppl@64": [2.0] * 64},
+                  **LM_EXTRA)
+    write_run(root / "3_lm_learned", "lm", "learned", 0,
+              {"test/ppl@16": 9.0, "test/ppl@64": nan}, skipped={"test/ppl@64": "max_len"},
+              loss_by_position={"test/ppl@16": [1.5] * 16}, **LM_EXTRA)
+    for seed, bleu in enumerate([20.0, 30.0]):
+        write_run(root / f"mt/{seed}_mt_rope", "mt", "rope", seed,
+                  {"test/bleu": bleu, "test/bleu@len0-10": bleu + 5, "test/bleu@len10+": nan},
+                  bleu_signature="BLEU: nrefs:1", max_train_src_len=9, eval_split="test")
+    failed = root / "6_lm_xl"
+    failed.mkdir()
+    (failed / "error.json").write_text(json.dumps({
+        "error_type": "FloatingPointError", "message": "training loss is nan at step 2",
+        "traceback": "...", "overrides": ["encoder=xl"], "task": "lm", "encoder": "xl",
+        "seed": 0}))
+    missing = root / "7_lm_shaw"
+    (missing / ".hydra").mkdir(parents=True)
+    (missing / ".hydra" / "overrides.yaml").write_text("- encoder=shaw\n")
+    (root / "8_lm_deberta").mkdir()
+    (root / "8_lm_deberta" / "metrics.json").write_text('{"task": "lm", "metr')  # cut short
+    return root
+
+
+def read_csv(path: Path) -> dict[tuple[str, str, str], dict[str, str]]:
+    with path.open() as f:
+        return {(r["task"], r["encoder"], r["metric"]): r for r in csv.DictReader(f)}
+
+
+def test_means_and_sample_stds_by_hand(sweep: Path) -> None:
+    rep = build_report(sweep)
+    rows = read_csv(sweep / "report" / "report.csv")
+    r = rows["lm", "rope", "test/ppl@16"]
+    assert float(r["mean"]) == pytest.approx(12.0)
+    assert float(r["std"]) == pytest.approx(2.0)  # sqrt((4 + 0 + 4) / (3 - 1))
+    assert (r["n"], r["skipped"]) == ("3", "0")
+    r = rows["mt", "rope", "test/bleu"]
+    assert float(r["mean"]) == pytest.approx(25.0)
+    assert float(r["std"]) == pytest.approx(math.sqrt(50.0))
+    assert float(r["tokens_per_s"]) == pytest.approx(100.5)
+    assert float(rows["lm", "rope", "val/loss"]["n_params"]) == 1000
+    assert len(rep.runs) == 6
+
+
+def test_nan_is_skipped_not_averaged(sweep: Path) -> None:
+    build_report(sweep)
+    rows = read_csv(sweep / "report" / "report.csv")
+    r = rows["lm", "rope", "test/ppl@64"]
+    assert float(r["mean"]) == pytest.approx(23.0)
+    assert float(r["std"]) == pytest.approx(math.sqrt(18.0))
+    assert (r["n"], r["skipped"]) == ("2", "1")
+    r = rows["lm", "learned", "test/ppl@64"]  # only NaN: no mean, no std
+    assert (r["mean"], r["std"], r["n"], r["skipped"]) == ("", "", "0", "1")
+    r = rows["lm", "learned", "test/ppl@16"]  # one run: the std is blank, not 0
+    assert (r["mean"], r["std"], r["n"]) == ("9.0", "", "1")
+    assert rows["mt", "rope", "test/bleu@len10+"]["skipped"] == "2"
+
+
+def test_failed_missing_and_unreadable_runs_are_listed(sweep: Path) -> None:
+    rep = build_report(sweep)
+    status = {f.dir.name: f for f in rep.failures}
+    assert status["6_lm_xl"].status == "failed"
+    assert status["6_lm_xl"].error == "FloatingPointError: training loss is nan at step 2"
+    assert (status["6_lm_xl"].encoder, status["6_lm_xl"].seed) == ("xl", 0)
+    assert status["7_lm_shaw"].status == "missing"
+    assert status["8_lm_deberta"].status == "unreadable"
+    md = (sweep / "report" / "report.md").read_text()
+    assert "| 6_lm_xl | failed | lm | xl | 0 | FloatingPointError: training loss is nan" in md
+    assert "7_lm_shaw | missing" in md and "8_lm_deberta | unreadable" in md
+    assert "6 finished, 1 failed, 2 missing or unreadable" in md
+
+
+def test_markdown_tables_and_protocols(sweep: Path) -> None:
+    build_report(sweep)
+    md = (sweep / "report" / "report.md").read_text()
+    assert "| rope | 12 ± 2 | 23 ± 4.2 (n=2) |" in md  # ppl@16, ppl@64 for 3 runs
+    assert "| learned | 9 | skipped (1) |" in md
+    assert "> **nonoverlap**: ppl@L: non-overlapping windows" in md
+    assert "> **bleu_signature**: BLEU: nrefs:1" in md
+
+
+def test_figures_and_tensorboard(sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "elsewhere"
+    rep = build_report(sweep, out)
+    pngs = sorted(p.name for p in rep.files if p.suffix == ".png")
+    assert pngs == ["lm_test_loss_by_position.png", "lm_test_ppl_vs_length.png",
+                    "mt_test_bleu_by_length.png"]
+    for name in pngs:
+        assert (out / name).stat().st_size > 1000
+    assert list((out / "tb").glob("events.out.tfevents*"))
+    assert not (sweep / "report").exists()
+
+
+def test_report_dir_is_not_read_back(sweep: Path) -> None:
+    build_report(sweep)
+    # A stray metrics.json inside the report folder (e.g. copied there) is not a run.
+    write_run(sweep / "report" / "copy", "lm", "rope", 9, {"test/ppl@16": 1e9})
+    rows = read_csv(sweep / "report" / "report.csv")
+    build_report(sweep)
+    assert read_csv(sweep / "report" / "report.csv") == rows
+
+
+def test_rerun_that_succeeded_counts_as_finished(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    write_run(d, "lm", "rope", 0, {"test/ppl@16": 5.0})
+    (d / "error.json").write_text(json.dumps({"error_type": "OSError", "message": "old"}))
+    rep = build_report(tmp_path)
+    assert len(rep.runs) == 1 and not rep.failures
+
+
+def test_empty_and_absent_dirs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rep = build_report(tmp_path)
+    assert not rep.runs and not rep.failures
+    assert "No metrics.json or error.json found" in (tmp_path / "report" / "report.md").read_text()
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_summarize_and_order() -> None:
+    assert summarize([1.0, None, float("inf"), float("nan"), 3.0, "x"]) == (2.0, math.sqrt(2), 2, 4)
+    assert summarize([]) == (None, None, 0, 0)
+    names = ["val/loss", "test/ppl_sw@16", "test/ppl@1024", "test/ppl@128", "test/bleu@len30+",
+             "test/bleu", "test/bleu@len10-20", "test/chrf"]
+    assert sorted(names, key=metric_key) == [
+        "test/bleu", "test/bleu@len10-20", "test/bleu@len30+", "test/ppl@128", "test/ppl@1024",
+        "test/chrf", "test/ppl_sw@16", "val/loss"]

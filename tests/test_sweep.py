@@ -1,0 +1,180 @@
+"""The smoke sweep for real (one job deliberately broken), its report, and the launchers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+
+import run
+from posenc.config import validate
+from posenc.encoders.none import NoPositions
+from posenc.report import build_report
+from tests.conftest import ROOT
+
+
+class BrokenEncoder(NoPositions):
+    """Builds and validates fine, then fails inside training (at the first forward)."""
+
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
+        raise RuntimeError("deliberately broken encoder: embed() raises")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``python run.py -m sweep=smoke`` plus a third encoder, ``broken``, from a test
+    config dir: 3 encoders x 2 seeds, the 2 broken jobs among the others."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    (tmp / "conf" / "encoder").mkdir(parents=True)
+    (tmp / "conf" / "encoder" / "broken.yaml").write_text(
+        f"_target_: {__name__}.BrokenEncoder\n_partial_: true\n")
+    out = tmp / "multirun"
+    proc = subprocess.run(
+        [sys.executable, "run.py", "-m", "sweep=smoke", "encoder=learned,broken,rope",
+         f"hydra.sweep.dir={out}", f"paths.cache_dir={tmp / 'cache'}",
+         f"hydra.searchpath=[file://{tmp / 'conf'}]"],
+        cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
+    # The sweep as a whole succeeds: a failed job is recorded, not raised.
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def job_dirs(sweep: Path) -> list[Path]:
+    return sorted(d for d in sweep.iterdir() if d.is_dir() and d.name != "report")
+
+
+def test_every_job_has_its_own_dir_and_one_result(sweep: Path) -> None:
+    dirs = job_dirs(sweep)
+    assert [d.name for d in dirs] == [
+        "0_lm_learned_seed0", "1_lm_learned_seed1", "2_lm_broken_seed0", "3_lm_broken_seed1",
+        "4_lm_rope_seed0", "5_lm_rope_seed1"]
+    for d in dirs:
+        results = [p.name for p in (d / "metrics.json", d / "error.json") if p.exists()]
+        assert results == (["error.json"] if "broken" in d.name else ["metrics.json"]), d
+
+
+def test_failed_job_is_recorded(sweep: Path) -> None:
+    err = json.loads((sweep / "3_lm_broken_seed1" / "error.json").read_text())
+    assert err["error_type"] == "RuntimeError"
+    assert err["message"] == "deliberately broken encoder: embed() raises"
+    assert "in embed" in err["traceback"]
+    assert "encoder=broken" in err["overrides"] and "seed=1" in err["overrides"]
+    assert (err["task"], err["encoder"], err["seed"]) == ("lm", "broken", 1)
+
+
+def test_report_numbers_match_the_runs(sweep: Path) -> None:
+    rep = build_report(sweep)
+    with (sweep / "report" / "report.csv").open() as f:
+        rows = {(r["encoder"], r["metric"]): r for r in csv.DictReader(f)}
+    by_encoder: dict[str, list[dict]] = {}
+    for d in job_dirs(sweep):
+        if (d / "metrics.json").exists():
+            m = json.loads((d / "metrics.json").read_text())
+            by_encoder.setdefault(m["encoder"], []).append(m)
+    assert sorted(by_encoder) == ["learned", "rope"] and len(rep.runs) == 4
+    checked = 0
+    for encoder, runs in by_encoder.items():
+        assert len(runs) == 2
+        for metric in runs[0]["metrics"]:
+            values = [r["metrics"][metric] for r in runs]
+            row = rows[encoder, metric]
+            assert float(row["mean"]) == pytest.approx(statistics.fmean(values), rel=1e-12)
+            assert float(row["std"]) == pytest.approx(statistics.stdev(values), rel=1e-12)
+            assert row["n"] == "2" and row["skipped"] == "0"
+            checked += 1
+        assert float(rows[encoder, "test/ppl@16"]["n_params"]) == runs[0]["n_params"]
+        assert float(rows[encoder, "test/ppl@16"]["tokens_per_s"]) == pytest.approx(
+            statistics.fmean(r["tokens_per_s"] for r in runs))
+    assert checked >= 12  # ppl and ppl_sw at 16 and 64, val loss and ppl, per encoder
+
+
+def test_report_lists_the_failures_and_draws(sweep: Path) -> None:
+    rep = build_report(sweep)
+    failed = sorted((f.dir.name, f.status, f.error) for f in rep.failures)
+    message = "RuntimeError: deliberately broken encoder: embed() raises"
+    assert failed == [("2_lm_broken_seed0", "failed", message),
+                      ("3_lm_broken_seed1", "failed", message)]
+    md = (sweep / "report" / "report.md").read_text()
+    assert "4 finished, 2 failed" in md
+    assert f"| 2_lm_broken_seed0 | failed | lm | broken | 0 | {message} |" in md
+    pngs = [p for p in rep.files if p.suffix == ".png"]
+    assert {p.name for p in pngs} == {"lm_test_ppl_vs_length.png", "lm_test_loss_by_position.png"}
+    assert all(p.stat().st_size > 1000 for p in pngs)
+
+
+# ----------------------------------------------------------------------------- presets, launchers
+def compose_hydra(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+@pytest.mark.parametrize(
+    ("preset", "params"),
+    [
+        ("smoke", {"task": "lm", "encoder": "learned,rope", "seed": "0,1"}),
+        ("lm_extrapolation", {"task": "lm", "encoder": "none,learned,sinusoidal,shaw,xl,"
+                              "deberta,rope", "seed": "0,1,2"}),
+        ("mt_length", {"task": "mt", "experiment": "mt_train_short",
+                       "encoder": "learned,sinusoidal,shaw,xl,deberta,rope", "seed": "0,1,2"}),
+    ],
+)
+def test_sweep_presets(preset: str, params: dict[str, str], tmp_path: Path) -> None:
+    cfg = compose_hydra(f"sweep={preset}")
+    assert OmegaConf.to_container(cfg.hydra.sweeper.params) == params
+    # The first job of the grid composes and passes the config checks.
+    first = [f"{key}={values.split(',')[0]}" for key, values in params.items()]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        validate(compose("config", overrides=[f"sweep={preset}", *first,
+                                              f"paths.output_dir={tmp_path}",
+                                              f"paths.cache_dir={tmp_path}"]))
+
+
+def test_ddp_is_refused_inside_a_local_multirun() -> None:
+    assert [run.local_processes(d) for d in (1, 2, "2", "auto", "0,1", [0, 1, 2], -1)] == [
+        1, 2, 2, 1, 2, 3, 2]
+    cfg = OmegaConf.create({"trainer": {"devices": 2}})
+    with pytest.raises(ValueError, match="trainer.devices=2 in a local multirun"):
+        run.check_ddp_in_multirun(cfg)
+    run.check_ddp_in_multirun(OmegaConf.create({"trainer": {"devices": 1}}))
+
+
+def test_local_parallel_launcher_config() -> None:
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    launcher = instantiate(compose_hydra("hydra/launcher=local_parallel").hydra.launcher)
+    assert type(launcher).__name__ == "JoblibLauncher"
+    assert launcher.joblib["n_jobs"] == 2 and launcher.joblib["prefer"] == "processes"
+
+
+def test_slurm_launcher_renders_one_task_per_device(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin's own parameter mapping and submitit's sbatch file, without a cluster."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+    (tmp_path / "srun").write_text("#!/bin/sh\n")  # submitit looks for srun on PATH
+    (tmp_path / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    cfg = compose_hydra("hydra/launcher=slurm", "hydra.launcher.partition=gpu",
+                        "trainer.devices=4", "trainer.strategy=ddp", "trainer.num_nodes=2",
+                        f"hydra.sweep.dir={tmp_path}")
+    params = dict(instantiate(cfg.hydra.launcher).params)
+    # As SlurmLauncher.launch maps them (hydra_submitit_launcher 1.2).
+    executor = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
+                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    sbatch = executor._executor._make_submission_file_text("python run.py", "0")
+    for line in ("--ntasks-per-node=4", "--gpus-per-node=4", "--nodes=2", "--partition=gpu",
+                 "--time=240", "--cpus-per-task=8", "--mem=32GB"):
+        assert f"#SBATCH {line}\n" in sbatch, line
