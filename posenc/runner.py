@@ -68,14 +68,16 @@ class RngState(pl.Callback):
     """Keeps the torch RNG state in checkpoints, so a resumed run draws the same
     dropout masks as an uninterrupted one."""
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         checkpoint["posenc_rng"] = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             checkpoint["posenc_rng"]["cuda"] = torch.cuda.get_rng_state_all()
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         state = checkpoint.get("posenc_rng")
         if state is None:
             return
@@ -137,3 +139,21 @@ def log_hparams(trainer: pl.Trainer, hparams: dict[str, Any], metrics: dict[str,
         finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
         trainer.logger.log_hyperparams(hparams, finite)
         trainer.logger.finalize("success")
+
+
+def load_for_eval(
+    task_cls: type[pl.LightningModule], cfg: DictConfig, vocab_size: int
+) -> pl.LightningModule:
+    """The task stored in ``cfg.ckpt_path`` (for ``eval_only``), checked against the data.
+
+    Raises:
+        ValueError: The checkpoint's vocabulary differs from the configured tokenizer's.
+    """
+    task = task_cls.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    if task.hparams.vocab_size != vocab_size:
+        raise ValueError(
+            f"checkpoint {cfg.ckpt_path} has vocab_size={task.hparams.vocab_size} but the "
+            f"configured data/tokenizer give {vocab_size}; use the data and tokenizer "
+            f"settings it was trained with"
+        )
+    return task

@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-import run
+from posenc import cli as run
 from posenc.config import validate
 from posenc.encoders.none import NoPositions
 from posenc.report import build_report

@@ -23,7 +23,7 @@ from posenc.eval.lengths import (
     metric_name,
     ppl_vs_length_figure,
 )
-from posenc.runner import build_trainer, group_choice, log_hparams, write_json_atomic
+from posenc.runner import build_trainer, group_choice, load_for_eval, log_hparams, write_json_atomic
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
 from posenc.tasks.lm import LMTask
 
@@ -55,17 +55,8 @@ def lm_datamodule(cfg: DictConfig) -> LMDataModule:
 
 def lm_task(cfg: DictConfig, vocab_size: int) -> LMTask:
     """A new task, or the one stored in ``cfg.ckpt_path`` for ``eval_only``."""
-    if cfg.eval_only:
-        if not cfg.ckpt_path:
-            raise ValueError("eval_only=true needs ckpt_path=/path/to/checkpoint.ckpt")
-        task = LMTask.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
-        if task.hparams.vocab_size != vocab_size:
-            raise ValueError(
-                f"checkpoint {cfg.ckpt_path} has vocab_size={task.hparams.vocab_size} but the "
-                f"configured data/tokenizer give {vocab_size}; use the data and tokenizer "
-                f"settings it was trained with"
-            )
-        return task
+    if cfg.eval_only:  # config validation guarantees ckpt_path
+        return load_for_eval(LMTask, cfg, vocab_size)
     return LMTask(
         vocab_size=vocab_size,
         encoder=OmegaConf.to_container(cfg.encoder, resolve=True),

@@ -20,7 +20,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from posenc.data.mt import MTDataModule, restore_order
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.eval.lengths import plt  # the Agg backend is selected there
-from posenc.runner import build_trainer, group_choice, log_hparams, write_json_atomic
+from posenc.runner import build_trainer, group_choice, load_for_eval, log_hparams, write_json_atomic
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
 from posenc.tasks.mt import MTTask
 
@@ -45,17 +45,8 @@ def mt_datamodule(cfg: DictConfig) -> MTDataModule:
 
 def mt_task(cfg: DictConfig, dm: MTDataModule) -> MTTask:
     """A new task, or the one stored in ``cfg.ckpt_path`` for ``eval_only``."""
-    if cfg.eval_only:
-        if not cfg.ckpt_path:
-            raise ValueError("eval_only=true needs ckpt_path=/path/to/checkpoint.ckpt")
-        task = MTTask.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
-        if task.hparams.vocab_size != dm.vocab_size:
-            raise ValueError(
-                f"checkpoint {cfg.ckpt_path} has vocab_size={task.hparams.vocab_size} but the "
-                f"configured data/tokenizer give {dm.vocab_size}; use the data and tokenizer "
-                f"settings it was trained with"
-            )
-        return task
+    if cfg.eval_only:  # config validation guarantees ckpt_path
+        return load_for_eval(MTTask, cfg, dm.vocab_size)
     t = cfg.task
     return MTTask(
         vocab_size=dm.vocab_size,

@@ -1,0 +1,105 @@
+"""What ``run.py`` does with a composed config: one job, or one job of a sweep.
+
+In a multirun (``-m``) a failing job writes ``<run dir>/error.json`` and the sweep goes
+on with the next job; a single run raises as usual (non-zero exit).
+"""
+
+import logging
+import traceback
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from omegaconf import DictConfig, ListConfig
+
+from posenc.runner import write_json_atomic
+from posenc.train import train
+
+log = logging.getLogger("posenc.run")
+
+
+def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path:
+    """Write ``error.json`` (type, message, traceback, overrides, choices) atomically.
+
+    Args:
+        err: The exception the job raised.
+        run_dir: The job's output directory.
+        seed: The job's ``seed``.
+
+    Returns:
+        The path written (the job log instead if ``run_dir`` holds another run's results).
+    """
+    hc = HydraConfig.get()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "error.json"
+    if (run_dir / "metrics.json").exists():
+        # Another run's results are here (e.g. two sweeps started in the same second):
+        # an error.json next to them would mislabel that run, so only the log says it.
+        return run_dir / "run.log"
+    write_json_atomic(
+        path,
+        {
+            "error_type": type(err).__name__,
+            "message": str(err),
+            "traceback": "".join(traceback.format_exception(err)),
+            "overrides": list(hc.overrides.task),
+            # The report groups failures by these, like finished runs.
+            "task": hc.runtime.choices.get("task"),
+            "encoder": hc.runtime.choices.get("encoder"),
+            "seed": seed,
+            "job_num": hc.job.get("num"),
+        },
+    )
+    return path
+
+
+def local_processes(devices: object) -> int:
+    """How many processes ``trainer.devices`` asks for on this node (-1 counts as several).
+
+    Args:
+        devices: ``trainer.devices``: an int, ``"auto"``, ``"2"``, ``"0,1"`` or a list.
+    """
+    if isinstance(devices, list | ListConfig):
+        return len(devices)
+    text = str(devices).strip()
+    if text == "auto":
+        return 1  # one device on CPU, the only case posenc can check without probing GPUs
+    if "," in text:
+        return len([d for d in text.split(",") if d.strip()])
+    return 2 if int(text) == -1 else int(text)
+
+
+def check_ddp_in_multirun(cfg: DictConfig) -> None:
+    """Refuse a multi-process job inside a local multirun.
+
+    Lightning starts extra ranks by re-running the command line, ``-m`` and all, so each
+    rank would run the whole sweep and jobs would pair up with the wrong processes. Under
+    SLURM (or torchrun) the ranks are created outside, one per task, which works.
+
+    Raises:
+        ValueError: ``trainer.devices`` asks for several processes and no cluster made them.
+    """
+    n = local_processes(cfg.trainer.get("devices", 1))
+    if n > 1 and not (SLURMEnvironment.detect() or TorchElasticEnvironment.detect()):
+        raise ValueError(
+            f"trainer.devices={cfg.trainer.devices} in a local multirun: Lightning would "
+            f"relaunch the whole sweep ({n} processes per job). Run multi-device jobs one at "
+            f"a time (without -m), or sweep with hydra/launcher=slurm, which starts one task "
+            f"per device."
+        )
+
+
+def run_job(cfg: DictConfig) -> None:
+    """Train and evaluate one job; inside a multirun, record a failure and go on."""
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        train(cfg)
+        return
+    try:
+        check_ddp_in_multirun(cfg)
+        train(cfg)
+    except Exception as err:
+        # One bad job must not end the sweep. Exception, not BaseException: Ctrl-C
+        # (KeyboardInterrupt) still stops the whole sweep.
+        path = record_failure(err, Path(HydraConfig.get().runtime.output_dir), cfg.get("seed"))
+        log.exception("job failed (%s: %s); details in %s", type(err).__name__, err, path)
