@@ -53,6 +53,11 @@ def validate(cfg: DictConfig) -> None:
         _reject_mt_options(cfg, problems)
     elif cfg.task.name == "mt":
         _validate_mt(cfg, problems)
+    from posenc.data.tokenizers import TOKENIZER_KINDS
+
+    if cfg.tokenizer.kind not in TOKENIZER_KINDS:
+        kinds = ", ".join(TOKENIZER_KINDS)
+        problems.append(f"tokenizer.kind={cfg.tokenizer.kind!r}: allowed {kinds}")
     if not problems:
         _try_encoder(cfg, problems)
     if problems:
@@ -88,15 +93,10 @@ def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
         _positive_int(problems, "task.eval.sliding_stride", t.eval.sliding_stride)
     if t.eval.max_tokens is not None:
         _positive_int(problems, "task.eval.max_tokens", t.eval.max_tokens)
-    if cfg.tokenizer.kind not in ("char", "bpe", "unigram"):
-        problems.append(f"tokenizer.kind={cfg.tokenizer.kind!r}: allowed char, bpe, unigram")
     max_len = cfg.encoder.get("max_len")
-    if max_len is not None and isinstance(t.seq_len, int) and t.seq_len > max_len:
-        problems.append(
-            f"task.seq_len={t.seq_len}: longer than encoder.max_len={max_len}; raise "
-            f"encoder.max_len or shorten task.seq_len"
-        )
-    elif max_len is not None and not t.eval.get("skip_unsupported", True) and not problems:
+    skip = t.eval.get("skip_unsupported", True)
+    fits = _fits_encoder(problems, cfg, "seq_len")
+    if fits and max_len is not None and not skip and not problems:
         too_long = [L for L in eval_lengths(cfg) if max_len < L]
         if too_long:
             problems.append(
@@ -148,7 +148,6 @@ def _non_negative(problems: list[str], key: str, value: Any, *, integer: bool) -
 
 def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
     from posenc.data.mt import check_edges
-    from posenc.data.tokenizers import TOKENIZER_KINDS
     from posenc.tasks.optim import SCHEDULES
 
     t, m = cfg.task, cfg.model
@@ -185,15 +184,7 @@ def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
     _non_negative(problems, "task.decode.max_len_b", d.max_len_b, integer=True)
     if t.optim.get("schedule", "cosine") not in SCHEDULES:
         problems.append(f"task.optim.schedule={t.optim.schedule!r}: allowed {', '.join(SCHEDULES)}")
-    if cfg.tokenizer.kind not in TOKENIZER_KINDS:
-        kinds = ", ".join(TOKENIZER_KINDS)
-        problems.append(f"tokenizer.kind={cfg.tokenizer.kind!r}: allowed {kinds}")
-    max_len = cfg.encoder.get("max_len")
-    if max_len is not None and isinstance(t.max_len, int) and t.max_len > max_len:
-        problems.append(
-            f"task.max_len={t.max_len}: longer than encoder.max_len={max_len}; raise "
-            f"encoder.max_len or lower task.max_len"
-        )
+    _fits_encoder(problems, cfg, "max_len")
 
 
 def _validate_monitor(t: DictConfig, problems: list[str]) -> None:
@@ -279,3 +270,15 @@ def _run_keys(cfg: DictConfig, problems: list[str]) -> None:
         problems.append("eval_only=true: needs ckpt_path=/path/to/checkpoint.ckpt")
     if cfg.ckpt_path and not Path(str(cfg.ckpt_path)).is_file():
         problems.append(f"ckpt_path={cfg.ckpt_path}: no such file")
+
+
+def _fits_encoder(problems: list[str], cfg: DictConfig, key: str) -> bool:
+    """``task.<key>`` (the training length) must fit a ``learned`` table's ``max_len``."""
+    max_len, length = cfg.encoder.get("max_len"), cfg.task[key]
+    if max_len is not None and isinstance(length, int) and length > max_len:
+        problems.append(
+            f"task.{key}={length}: longer than encoder.max_len={max_len}; raise "
+            f"encoder.max_len or lower task.{key}"
+        )
+        return False
+    return True
