@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"model.n_heads={m.n_heads}: must divide model.d_model={m.d_model}")
     if not _number(m.dropout) or not 0.0 <= float(m.dropout) < 1.0:
         problems.append(f"model.dropout={m.dropout!r}: must be a number in [0, 1)")
+    _random_positions(cfg, problems)
     if cfg.task.name == "lm":
         _validate_lm(cfg, problems)
         _reject_mt_options(cfg, problems)
@@ -66,7 +68,7 @@ def validate(cfg: DictConfig) -> None:
 
 LM_TASK_KEYS = ["name", "seq_len", "batch_size", "eval_batch_size", "optim", "eval"]
 LM_EVAL_KEYS = ["splits", "multipliers", "protocols", "sliding_stride", "max_tokens",
-                "skip_unsupported"]
+                "skip_unsupported", "context_extension", "extension_factor"]
 OPTIM_KEYS = ["lr", "betas", "weight_decay", "warmup_steps", "schedule", "min_lr_ratio"]
 
 
@@ -93,6 +95,7 @@ def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
         _positive_int(problems, "task.eval.sliding_stride", t.eval.sliding_stride)
     if t.eval.max_tokens is not None:
         _positive_int(problems, "task.eval.max_tokens", t.eval.max_tokens)
+    _context_extension(t.eval, problems)
     max_len = cfg.encoder.get("max_len")
     skip = t.eval.get("skip_unsupported", True)
     fits = _fits_encoder(problems, cfg, "seq_len")
@@ -104,6 +107,30 @@ def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
                 f"; drop those multipliers, raise encoder.max_len, or set "
                 f"task.eval.skip_unsupported=true to record NaN for them"
             )
+
+
+def _context_extension(e: DictConfig, problems: list[str]) -> None:
+    """``task.eval.context_extension`` (RoPE methods evaluated besides the plain run) and
+    ``task.eval.extension_factor``."""
+    from posenc.encoders.rope import SCALINGS
+
+    allowed = ", ".join(SCALINGS[1:])
+    methods = e.get("context_extension", [])
+    if not OmegaConf.is_list(methods):
+        problems.append(f"task.eval.context_extension={methods!r}: must be a list, e.g. "
+                        f"task.eval.context_extension=[{methods}]; allowed methods {allowed}")
+    else:
+        for m in methods:
+            if m not in SCALINGS[1:]:
+                problems.append(f"task.eval.context_extension contains {m!r}: allowed {allowed}")
+        twice = sorted({m for m in methods if list(methods).count(m) > 1})
+        if twice:
+            problems.append(f"task.eval.context_extension lists {', '.join(twice)} twice; "
+                            f"give each method once")
+    f = e.get("extension_factor", "auto")
+    if f != "auto" and not (_number(f) and math.isfinite(f) and f >= 1):
+        problems.append(f"task.eval.extension_factor={f!r}: must be auto (s = max(1, eval "
+                        f"length / task.seq_len)) or a number >= 1")
 
 
 #: Options that only the translation task reads (task.* and model.*).
@@ -202,12 +229,48 @@ def _validate_monitor(t: DictConfig, problems: list[str]) -> None:
 
 
 def _try_encoder(cfg: DictConfig, problems: list[str]) -> None:
-    """Build the encoder once with the model sizes: its own checks run here."""
+    """Build the encoder once with the model sizes and make the attention hooks the task
+    needs: the encoder's own checks (and refusals, e.g. causal-only schemes in a
+    translation encoder) run here, before any data is loaded."""
+    from posenc.encoders.base import AttnKind
+
     m = cfg.model
+    kinds = [AttnKind.CAUSAL]
+    if cfg.task.name == "mt":
+        kinds += [AttnKind.BIDIRECTIONAL, AttnKind.CROSS]
     try:
-        instantiate(cfg.encoder)(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers)
+        enc = instantiate(cfg.encoder)(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers)
+        for kind in kinds:
+            enc.for_attention(layer=0, kind=kind)
     except (ValueError, TypeError) as err:
         problems.append(f"encoder: {err}")
+
+
+def _random_positions(cfg: DictConfig, problems: list[str]) -> None:
+    """``model.random_positions`` (Ruoss et al. 2023) must cover the longest training
+    sequence and, for a ``learned`` table, fit in it."""
+    n = cfg.model.get("random_positions")
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        problems.append(
+            f"model.random_positions={n!r}: must be a positive integer (the range positions "
+            f"are drawn from in training) or null (off)"
+        )
+        return
+    key = "seq_len" if cfg.task.name == "lm" else "max_len"
+    longest = cfg.task.get(key)
+    if isinstance(longest, int) and n < longest:
+        problems.append(
+            f"model.random_positions={n}: smaller than task.{key}={longest}; it must be at "
+            f"least the longest training sequence (e.g. 8-16x task.{key})"
+        )
+    max_len = cfg.encoder.get("max_len")
+    if max_len is not None and n > max_len:
+        problems.append(
+            f"model.random_positions={n}: larger than encoder.max_len={max_len}, so the "
+            f"learned table cannot embed the drawn positions; raise encoder.max_len to {n}"
+        )
 
 
 def _number(value: Any) -> bool:
@@ -233,7 +296,7 @@ def _params(fn: Any, drop: tuple[str, ...] = ()) -> list[str]:
 
 
 TOP_LEVEL = ["encoder", "task", "trainer", "data", "tokenizer", "model", "seed", "eval_only",
-             "ckpt_path", "resume", "checkpoint_every_n_steps", "paths"]
+             "ckpt_path", "resume", "checkpoint_every_n_steps", "paths", "init_from"]
 
 
 def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:
@@ -270,6 +333,15 @@ def _run_keys(cfg: DictConfig, problems: list[str]) -> None:
         problems.append("eval_only=true: needs ckpt_path=/path/to/checkpoint.ckpt")
     if cfg.ckpt_path and not Path(str(cfg.ckpt_path)).is_file():
         problems.append(f"ckpt_path={cfg.ckpt_path}: no such file")
+    init = cfg.get("init_from")
+    if init and not Path(str(init)).is_file():
+        problems.append(f"init_from={init}: no such file")
+    if init and (cfg.eval_only or cfg.ckpt_path):
+        problems.append(
+            f"init_from={init}: starts a new run from a checkpoint's weights, but "
+            f"{'eval_only=true' if cfg.eval_only else 'ckpt_path'} is set too; use ckpt_path "
+            f"alone to evaluate or continue a run, init_from alone to fine-tune from one"
+        )
 
 
 def _fits_encoder(problems: list[str], cfg: DictConfig, key: str) -> bool:

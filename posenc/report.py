@@ -164,14 +164,24 @@ def summarize(values: Iterable[Any]) -> tuple[float | None, float | None, int, i
     return mean, std, len(finite), skipped
 
 
+def split_extension(name: str) -> tuple[str, str]:
+    """``test/ppl+yarn@64`` -> ``("test/ppl@64", "yarn")``: the metric without its RoPE
+    context-extension method, and the method (``""`` for a plain metric)."""
+    head, at, where = name.partition("@")
+    head, _, extension = head.partition("+")
+    return f"{head}{at}{where}", extension
+
+
 def metric_key(name: str) -> tuple[Any, ...]:
-    """Sort key: test before val, then kind (ppl, ppl_sw / bleu, chrf), then numeric length
-    or bucket start, overall (no ``@``) first: ``test/ppl@128`` < ``test/ppl@1024``."""
-    split, _, rest = name.partition("/")
+    """Sort key: test before val, then kind (ppl, ppl_sw / bleu, chrf), then context-extension
+    method (plain first), then numeric length or bucket start, overall (no ``@``) first:
+    ``test/ppl@128`` < ``test/ppl@1024`` < ``test/ppl+yarn@128``."""
+    plain, extension = split_extension(name)
+    split, _, rest = plain.partition("/")
     kind, _, where = rest.partition("@")
     num = re.search(r"\d+", where)
     return ({"test": 0, "val": 1}.get(split, 2), split, _KIND_ORDER.get(kind, 9), kind,
-            int(num.group()) if num else -1, where)
+            extension, int(num.group()) if num else -1, where)
 
 
 def encoder_key(name: str) -> tuple[int, str]:
@@ -262,6 +272,8 @@ def _notes(rs: Sequence[Run]) -> list[str]:
     for r in rs:
         for name, doc in (r.data.get("protocols") or {}).items():
             seen.setdefault(name, str(doc))
+        for name, doc in (r.data.get("context_extension") or {}).items():
+            seen.setdefault(f"+{name}", str(doc))
         for key in ("bleu_signature", "bucket_doc"):
             if r.data.get(key):
                 seen.setdefault(key, str(r.data[key]))
@@ -285,13 +297,9 @@ def markdown(root: Path, runs: Sequence[Run], failures: Sequence[Failure],
         out += _table(["encoder", "runs", "params", "tokens/s", "peak MB", "train s"],
                       ([e, len(rs), *(fmt(task_rows_cost(task_rows, e, k), 6) for k in COST_KEYS)]
                        for e, rs in task_groups.items()))
-        metrics = sorted({r.metric for r in task_rows if r.metric.startswith("test/")},
-                         key=metric_key)
-        cells = {(r.encoder, r.metric): r for r in task_rows}
-        out += ["", "Test metrics (mean ± std):", ""]
-        out += _table(["encoder", *metrics],
-                      ([e, *(_cell(cells[e, m], len(rs)) if (e, m) in cells else ""
-                             for m in metrics)] for e, rs in task_groups.items()))
+        out += ["", "Test metrics (mean ± std; `rope+yarn`: the same runs evaluated with "
+                "a RoPE context-extension method):", ""]
+        out += _test_table(task_groups, task_rows)
         out += ["", *_notes([r for rs in task_groups.values() for r in rs]), ""]
         out += ["<details><summary>All metrics</summary>", ""]
         out += _table(["encoder", "metric", "mean", "std", "n", "skipped"],
@@ -314,6 +322,28 @@ def markdown(root: Path, runs: Sequence[Run], failures: Sequence[Failure],
     if not runs and not failures:
         out += [f"No metrics.json or error.json found below `{root}`.", ""]
     return "\n".join(out)
+
+
+def _test_table(task_groups: dict[str, list[Run]], task_rows: Sequence[Row]) -> list[str]:
+    """Encoders as rows, test metrics as columns; each context-extension method of an
+    encoder is a row of its own (``rope+yarn``) under the plain metric's column."""
+    cells: dict[tuple[str, str], Row] = {}
+    extensions: dict[str, set[str]] = {}
+    for r in task_rows:
+        if r.metric.startswith("test/"):
+            plain, ext = split_extension(r.metric)
+            if ext and r.n == 0:
+                continue  # a method the encoder lacks (all skipped): no row of blanks
+            cells[f"{r.encoder}+{ext}" if ext else r.encoder, plain] = r
+            extensions.setdefault(r.encoder, set()).add(ext)
+    metrics = sorted({m for _, m in cells}, key=metric_key)
+    body = []
+    for e, rs in task_groups.items():
+        for ext in sorted(extensions.get(e, {""})):
+            label = f"{e}+{ext}" if ext else e
+            body.append([label, *(_cell(cells[label, m], len(rs)) if (label, m) in cells
+                                  else "" for m in metrics)])
+    return _table(["encoder", *metrics], body)
 
 
 def task_rows_cost(rows: Sequence[Row], encoder: str, key: str) -> float | None:

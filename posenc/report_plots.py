@@ -1,9 +1,10 @@
 """Figures of the sweep report (:mod:`posenc.report`): PNG files and TensorBoard.
 
 - ``lm_<split>_ppl_vs_length.png``: perplexity against evaluation length per encoder,
-  log-log, mean with std error bars, one panel per protocol, training length marked.
+  log-log, mean with std error bars, one panel per protocol, training length marked; a RoPE
+  context-extension method is one more (dashed) curve, ``rope+yarn``, in its protocol's panel.
 - ``lm_<split>_loss_by_position.png``: mean loss by position in the window at the longest
-  length each encoder was evaluated at.
+  length each encoder (and each of its context-extension methods) was evaluated at.
 - ``mt_<split>_bleu_by_length.png``: BLEU per source-length bucket per encoder.
 """
 
@@ -56,8 +57,8 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
         for encoder, points in curves.items():
             xs = sorted(points)
             ax.errorbar(xs, [points[x][0] for x in xs],
-                        yerr=[points[x][1] or 0.0 for x in xs],
-                        marker="o", ms=3, capsize=3, label=encoder)
+                        yerr=[points[x][1] or 0.0 for x in xs], marker="o", ms=3, capsize=3,
+                        ls="--" if "+" in encoder else "-", label=encoder)
         if train_len:
             ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"train {train_len}")
         ax.set_xscale("log", base=2)
@@ -148,6 +149,33 @@ def _points(rows: Sequence[Row], task: str, prefix: str) -> dict[str, dict[str, 
     return out
 
 
+def _extensions(rows: Sequence[Row], split: str) -> list[str]:
+    """RoPE context-extension methods among the LM metrics of ``split`` (``yarn`` from
+    ``test/ppl+yarn@64``), sorted."""
+    from posenc.report import split_extension
+
+    return sorted({ext for r in rows if r.task == "lm" and r.metric.startswith(f"{split}/")
+                   for ext in [split_extension(r.metric)[1]] if ext})
+
+
+def _length_curves(rows: Sequence[Row], split: str, kind: str,
+                   extensions: Sequence[str]) -> dict[str, dict[int, Point]]:
+    """``encoder`` and ``encoder+method`` -> length -> (mean, std) of one protocol."""
+    out: dict[str, dict[int, Point]] = {}
+    for ext in ["", *extensions]:
+        suffix = f"+{ext}" if ext else ""
+        for e, pts in _points(rows, "lm", f"{split}/{kind}{suffix}@").items():
+            curve = {int(k): v for k, v in pts.items() if k.isdigit()}
+            if curve:
+                out[f"{e}{suffix}"] = curve
+    # Each encoder's methods right after it (plain curves come first, in display order).
+    order: dict[str, int] = {}
+    for label in out:
+        order.setdefault(label.partition("+")[0], len(order))
+    return dict(sorted(out.items(), key=lambda kv: (order[kv[0].partition("+")[0]],
+                                                    "+" in kv[0], kv[0])))
+
+
 def _lm_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]],
                 rows: Sequence[Row]) -> dict[str, Figure]:
     lm = [r for r in runs if r.task == "lm"]
@@ -156,11 +184,11 @@ def _lm_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence
     splits = sorted({m.split("/")[0] for r in lm for m in r.data.get("metrics", {}) if "@" in m})
     for split in splits:
         panels = {}
+        extensions = _extensions(rows, split)
         for kind in ("ppl", "ppl_sw"):
-            curves = {e: {int(k): v for k, v in pts.items() if k.isdigit()}
-                      for e, pts in _points(rows, "lm", f"{split}/{kind}@").items()}
-            if any(curves.values()):
-                panels[f"{split}/{kind}"] = {e: c for e, c in curves.items() if c}
+            curves = _length_curves(rows, split, kind, extensions)
+            if curves:
+                panels[f"{split}/{kind}"] = curves
         if panels:
             figs[f"lm_{split}_ppl_vs_length"] = ppl_vs_length(
                 panels, train_len, f"LM {split} perplexity by evaluation length")
@@ -169,13 +197,14 @@ def _lm_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence
             if task != "lm":
                 continue
             pos = [r.data.get("loss_by_position", {}) for r in rs]
-            names = {n for p in pos for n in p if n.startswith(f"{split}/ppl@")}
-            if not names:
-                continue
-            longest = max(names, key=lambda n: int(n.rsplit("@", 1)[1]))
-            arrays = [p[longest] for p in pos if longest in p]
-            curves[f"{encoder} (L={longest.rsplit('@', 1)[1]}, n={len(arrays)})"] = [
-                sum(col) / len(col) for col in zip(*arrays, strict=False)]
+            for suffix in ["", *(f"+{ext}" for ext in extensions)]:
+                names = {n for p in pos for n in p if n.startswith(f"{split}/ppl{suffix}@")}
+                if not names:
+                    continue
+                longest = max(names, key=lambda n: int(n.rsplit("@", 1)[1]))
+                arrays = [p[longest] for p in pos if longest in p]
+                label = f"{encoder}{suffix} (L={longest.rsplit('@', 1)[1]}, n={len(arrays)})"
+                curves[label] = [sum(col) / len(col) for col in zip(*arrays, strict=False)]
         if curves:
             figs[f"lm_{split}_loss_by_position"] = loss_by_position(
                 curves, train_len, f"LM {split}: loss by position at the longest length")

@@ -4,6 +4,7 @@ callbacks, atomic result files, the guard against overwriting a run, HParams."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -17,6 +18,8 @@ from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint, Ri
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.tasks.callbacks import Throughput
+
+log = logging.getLogger(__name__)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -157,3 +160,33 @@ def load_for_eval(
             f"settings it was trained with"
         )
     return task
+
+
+def init_from_checkpoint(task: pl.LightningModule, path: str) -> None:
+    """Initialise ``task.model`` with the model weights (only) of checkpoint ``path``.
+
+    This is ``init_from=...``: a new run (fresh optimiser, schedule and step counter) that
+    starts from another run's weights, e.g. a short fine-tune at a longer context. The
+    checkpoint's optimiser state, step and settings are not used.
+
+    Raises:
+        ValueError: The checkpoint's model does not match this run's (sizes, vocabulary,
+            or an encoder with other parameters); loading is strict.
+    """
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
+             if k.startswith("model.")}
+    try:
+        task.model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise ValueError(
+            f"init_from={path}: the checkpoint's model does not match this run's; use the "
+            f"model sizes, data/tokenizer and encoder it was trained with.\n{err}"
+        ) from err
+    theirs = ckpt.get("hyper_parameters", {}).get("encoder", {}).get("_target_")
+    ours = task.hparams.get("encoder", {}).get("_target_")
+    if theirs != ours:
+        log.warning("init_from=%s: weights of a %s model initialise a %s model", path,
+                    theirs, ours)
+    log.info("model weights initialised from %s (step %s of that run)", path,
+             ckpt.get("global_step"))

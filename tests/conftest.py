@@ -15,8 +15,15 @@ from posenc.model.attention import Attention
 
 ROOT = Path(__file__).resolve().parents[1]
 ENCODER_YAMLS = sorted(p.stem for p in (ROOT / "conf" / "encoder").glob("*.yaml"))
-RELATIVE = ("shaw", "xl", "deberta", "rope")
+RELATIVE = ("shaw", "xl", "deberta", "rope", "alibi", "t5", "xpos")
 ABSOLUTE = ("learned", "sinusoidal")
+#: Relative only while positions stay below its learned threshold L (the conformance
+#: tests stay below it; tests/encoders/test_fire_xpos.py checks both sides).
+RELATIVE_BELOW_THRESHOLD = ("fire",)
+#: Schemes defined for causal attention only: they refuse bidirectional attention.
+CAUSAL_ONLY = ("xpos",)
+#: The encoders a translation model (bidirectional encoder stack) can use.
+BIDIRECTIONAL_YAMLS = [n for n in ENCODER_YAMLS if n not in CAUSAL_ONLY]
 
 # Tests and CI read the shared datasets instead of downloading them.
 os.environ.setdefault("POSENC_DATA_DIR", str(ROOT.parent / "shared" / "data"))

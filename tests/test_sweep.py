@@ -123,20 +123,24 @@ def compose_hydra(*overrides: str) -> DictConfig:
     [
         ("smoke", {"task": "lm", "encoder": "learned,rope", "seed": "0,1"}),
         ("lm_extrapolation", {"task": "lm", "encoder": "none,learned,sinusoidal,shaw,xl,"
-                              "deberta,rope", "seed": "0,1,2"}),
+                              "deberta,rope,alibi,t5,fire,xpos", "seed": "0,1,2"}),
         ("mt_length", {"task": "mt", "experiment": "mt_train_short",
-                       "encoder": "learned,sinusoidal,shaw,xl,deberta,rope", "seed": "0,1,2"}),
+                       "encoder": "learned,sinusoidal,shaw,xl,deberta,rope,alibi,t5,fire",
+                       "seed": "0,1,2"}),
     ],
 )
 def test_sweep_presets(preset: str, params: dict[str, str], tmp_path: Path) -> None:
     cfg = compose_hydra(f"sweep={preset}")
     assert OmegaConf.to_container(cfg.hydra.sweeper.params) == params
-    # The first job of the grid composes and passes the config checks.
-    first = [f"{key}={values.split(',')[0]}" for key, values in params.items()]
+    # Every encoder of the grid (first seed) composes and passes the config checks, so a
+    # preset cannot hold a job that is refused (e.g. a causal-only scheme in translation).
+    first = {key: values.split(",")[0] for key, values in params.items()}
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        validate(compose("config", overrides=[f"sweep={preset}", *first,
-                                              f"paths.output_dir={tmp_path}",
-                                              f"paths.cache_dir={tmp_path}"]))
+        for encoder in params["encoder"].split(","):
+            job = [f"{key}={value}" for key, value in (first | {"encoder": encoder}).items()]
+            validate(compose("config", overrides=[f"sweep={preset}", *job,
+                                                  f"paths.output_dir={tmp_path}",
+                                                  f"paths.cache_dir={tmp_path}"]))
 
 
 def test_ddp_is_refused_inside_a_local_multirun() -> None:

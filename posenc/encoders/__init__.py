@@ -1,6 +1,9 @@
-"""Positional encoders. ``available()`` lists them; each lives in its own module."""
+"""Positional encoders. ``available()`` lists them; each lives in its own module of
+this package, which registers itself on import (every module here is imported)."""
 
-from posenc.encoders import deberta, learned, none, rope, shaw, sinusoidal, xl  # noqa: F401
+import importlib
+import pkgutil
+
 from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
 from posenc.encoders.registry import available, build, get, register
 
@@ -14,3 +17,7 @@ __all__ = [
     "get",
     "register",
 ]
+
+for _mod in pkgutil.iter_modules(__path__):
+    if _mod.name not in ("base", "registry"):
+        importlib.import_module(f"{__name__}.{_mod.name}")

@@ -127,6 +127,11 @@ class PositionalEncoder(nn.Module):
     relative: bool = False
     #: Longest sequence the scheme can encode, or None for no limit.
     max_length: int | None = None
+    #: Context-extension methods the scheme can apply to a trained model at evaluation
+    #: time (RoPE: linear, ntk, dynamic_ntk, yarn). A scheme that lists any must provide
+    #: ``scaled(method, factor, original_length)``, a context manager that applies the
+    #: method inside the ``with`` block and restores the previous setting after it.
+    scaling_methods: tuple[str, ...] = ()
 
     def __init__(self, *, d_model: int, n_heads: int, n_layers: int) -> None:
         super().__init__()

@@ -14,9 +14,35 @@ under one are wrong under the other, so the layout is a named option.
 
 Cross-attention: nothing. Decoder and encoder positions index different sequences,
 so their difference means nothing; queries and keys pass through unrotated.
+
+Context extension (``scaling``), with s the scale factor and L the original (training)
+length; each keeps the scores relative and, at s = 1, is exactly plain RoPE:
+
+* ``linear``: position interpolation (Chen et al. 2023, "Extending Context Window of Large
+  Language Models via Positional Interpolation"): the angle ``m * theta_i`` becomes
+  ``(m / s) * theta_i``.
+* ``ntk``: "NTK-aware" scaling (bloc97 2023; Peng et al. 2023, YaRN, section 3.1): the base
+  becomes ``base * s^(R / (R - 2))``, which leaves the fastest pair alone and interpolates
+  the slowest one by exactly s.
+* ``dynamic_ntk``: dynamic NTK (emozilla 2023; YaRN section 3.3): each forward pass with
+  keys up to length l uses ``ntk`` with ``s' = max(1, alpha * l / L - (alpha - 1))`` when
+  ``l > L`` and plain RoPE otherwise; the configured factor is alpha.
+* ``yarn``: YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large
+  Language Models", section 3.4): "NTK-by-parts" frequencies (section 3.2)
+  ``theta'_i = (1 - gamma(r_i)) * theta_i / s + gamma(r_i) * theta_i`` with
+  ``r_i = L * theta_i / (2 pi)`` (wavelengths per original context) and the ramp
+  ``gamma(r) = clamp((r - alpha) / (beta - alpha), 0, 1)``, plus the attention temperature
+  ``sqrt(1/t) = 0.1 ln(s) + 1``. The temperature is folded into the cos/sin tables of both q
+  and k (the score gets ``mscale^2 = 1/t``); with partial rotation (``fraction < 1``) the
+  unrotated dims are multiplied by mscale too, so the whole score is tempered as in the paper.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -25,6 +51,10 @@ from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind
 from posenc.encoders.registry import register
 
 LAYOUTS = ("interleaved", "half")
+#: Context-extension methods (``scaling``); see the module docstring.
+SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
+#: Methods that need the original (training) length L.
+NEEDS_LENGTH = ("dynamic_ntk", "yarn")
 
 
 def rope_frequencies(rot_dim: int, base: float = 10000.0, device=None) -> Tensor:
@@ -73,6 +103,122 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved")
     return out if 2 * half == x.shape[-1] else torch.cat((out, x[..., 2 * half :]), dim=-1)
 
 
+@dataclass(frozen=True)
+class Scaling:
+    """One context-extension setting of RoPE; checked on construction.
+
+    Attributes:
+        method: One of :data:`SCALINGS`.
+        factor: Scale factor s >= 1 (for ``dynamic_ntk`` the alpha of ``s'``).
+        original_length: The length L the model was trained at; required by
+            ``dynamic_ntk`` and ``yarn``, unused by ``linear`` and ``ntk``.
+        yarn_alpha: Ramp start of ``yarn`` (in wavelengths per L); 1 in the paper.
+        yarn_beta: Ramp end of ``yarn``; 32 in the paper.
+
+    Raises:
+        ValueError: Unknown method, factor < 1, a missing or bad original length, or a
+            ramp with ``not 0 < yarn_alpha < yarn_beta``.
+    """
+
+    method: str = "none"
+    factor: float = 1.0
+    original_length: int | None = None
+    yarn_alpha: float = 1.0
+    yarn_beta: float = 32.0
+
+    def __post_init__(self) -> None:
+        if self.method not in SCALINGS:
+            raise ValueError(
+                f"rope: unknown scaling {self.method!r}; allowed: {', '.join(SCALINGS)}"
+            )
+        f = self.factor
+        if isinstance(f, bool) or not isinstance(f, int | float) or not math.isfinite(f) or f < 1:
+            raise ValueError(
+                f"rope: scaling_factor must be a number >= 1 (target length / original "
+                f"length), got {f!r}"
+            )
+        object.__setattr__(self, "factor", float(f))
+        L = self.original_length
+        if L is not None and (isinstance(L, bool) or not isinstance(L, int) or L <= 0):
+            raise ValueError(f"rope: original_length must be a positive integer, got {L!r}")
+        if L is None and self.method in NEEDS_LENGTH:
+            raise ValueError(
+                f"rope: scaling={self.method} needs original_length, the context length the "
+                f"model was trained at (e.g. encoder.original_length=128)"
+            )
+        if not 0 < self.yarn_alpha < self.yarn_beta:
+            raise ValueError(
+                f"rope: need 0 < yarn_alpha < yarn_beta, got {self.yarn_alpha}, {self.yarn_beta}"
+            )
+
+    def at_length(self, length: int) -> Scaling:
+        """The static setting for a forward pass whose keys reach length ``length``:
+        ``dynamic_ntk`` becomes ``ntk`` with its ``s'``, and every s = 1 becomes plain
+        RoPE (so equal settings compare equal and share a cache)."""
+        if self.method == "dynamic_ntk":
+            s = dynamic_ntk_factor(self.factor, length, self.original_length)
+            return replace(self, method="ntk", factor=s) if s > 1.0 else PLAIN
+        return PLAIN if self.method == "none" or self.factor == 1.0 else self
+
+
+PLAIN = Scaling()
+
+
+def ntk_base(base: float, factor: float, rot_dim: int) -> float:
+    """NTK-aware base ``base * s^(R / (R - 2))`` (YaRN section 3.1). With R = 2 the one
+    frequency is ``base^0 = 1`` whatever the base, so the base is returned unchanged."""
+    return base if rot_dim <= 2 else base * factor ** (rot_dim / (rot_dim - 2))
+
+
+def dynamic_ntk_factor(alpha: float, length: int, original_length: int) -> float:
+    """``s' = max(1, alpha * l / L - (alpha - 1))`` for ``l > L``, else 1 (YaRN section 3.3)."""
+    if length <= original_length:
+        return 1.0
+    return max(1.0, alpha * length / original_length - (alpha - 1.0))
+
+
+def yarn_mscale(factor: float) -> float:
+    """``sqrt(1/t) = 0.1 ln(s) + 1`` (YaRN section 3.4); it multiplies both q and k."""
+    return 0.1 * math.log(factor) + 1.0
+
+
+def yarn_ramp(r: Tensor, alpha: float, beta: float) -> Tensor:
+    """``gamma(r)``: 0 below alpha, 1 above beta, linear in between (YaRN section 3.2)."""
+    return ((r - alpha) / (beta - alpha)).clamp(0.0, 1.0)
+
+
+def scaled_frequencies(
+    rot_dim: int, base: float, scaling: Scaling, device=None
+) -> tuple[Tensor, float]:
+    """Per-pair frequencies and the cos/sin multiplier of a static setting.
+
+    Args:
+        rot_dim: Rotated dims R.
+        base: RoPE base.
+        scaling: A setting with a static method (``dynamic_ntk`` resolved by
+            :meth:`Scaling.at_length` first).
+        device: Device of the result.
+
+    Returns:
+        ``theta'`` float32 ``(R/2,)`` and ``mscale`` (1 except for ``yarn``). At s = 1 this
+        is exactly :func:`rope_frequencies` and 1.
+    """
+    method, s = scaling.method, scaling.factor
+    theta = rope_frequencies(rot_dim, base, device=device)
+    if method == "none" or s == 1.0:
+        return theta, 1.0
+    if method == "linear":
+        return (theta.double() / s).float(), 1.0
+    if method == "ntk":
+        return rope_frequencies(rot_dim, ntk_base(base, s, rot_dim), device=device), 1.0
+    if method == "yarn":
+        t = theta.double()
+        gamma = yarn_ramp(scaling.original_length * t / (2 * math.pi),
+                          scaling.yarn_alpha, scaling.yarn_beta)
+        return ((1.0 - gamma) * t / s + gamma * t).float(), yarn_mscale(s)
+    raise ValueError(f"rope: scaling {method!r} has no static frequencies; resolve it first")
+
+
 class _RotateQK(AttentionPositional):
     """Per-layer hook: rotate q and k with the stack's cached tables."""
 
@@ -80,6 +226,11 @@ class _RotateQK(AttentionPositional):
         layout = ctx.extra["layout"]
         q = apply_rope(q, ctx.extra["q_cos"], ctx.extra["q_sin"], layout)
         k = apply_rope(k, ctx.extra["k_cos"], ctx.extra["k_sin"], layout)
+        tail = ctx.extra.get("pass_scale")
+        if tail is not None:  # YaRN temperature on the unrotated dims of a partial rotation
+            rot = 2 * ctx.extra["q_cos"].shape[-1]
+            q = torch.cat((q[..., :rot], q[..., rot:] * tail), dim=-1)
+            k = torch.cat((k[..., :rot], k[..., rot:] * tail), dim=-1)
         return q, k
 
 
@@ -93,12 +244,21 @@ class RoPE(PositionalEncoder):
         fraction: Share of each head's dims that is rotated (GPT-NeoX's
             ``rotary_pct``); the first ``head_dim * fraction`` dims rotate.
         cache_len: Initial length of the cos/sin cache; it grows on demand.
+        scaling: Context extension: ``none``, ``linear``, ``ntk``, ``dynamic_ntk`` or
+            ``yarn`` (module docstring).
+        scaling_factor: s >= 1 (the alpha of ``dynamic_ntk``).
+        original_length: Training length L; required by ``dynamic_ntk`` and ``yarn``.
+        yarn_alpha: ``yarn`` ramp start.
+        yarn_beta: ``yarn`` ramp end.
 
     Raises:
-        ValueError: Odd rotated dimension, fraction outside (0, 1], unknown layout.
+        ValueError: Odd rotated dimension, fraction outside (0, 1], unknown layout, or a
+            bad scaling setting (see :class:`Scaling`).
     """
 
     relative = True
+    #: Context-extension methods :meth:`scaled` accepts (the LM job's support test).
+    scaling_methods = SCALINGS[1:]
 
     def __init__(
         self,
@@ -110,6 +270,11 @@ class RoPE(PositionalEncoder):
         layout: str = "interleaved",
         fraction: float = 1.0,
         cache_len: int = 2048,
+        scaling: str = "none",
+        scaling_factor: float = 1.0,
+        original_length: int | None = None,
+        yarn_alpha: float = 1.0,
+        yarn_beta: float = 32.0,
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if layout not in LAYOUTS:
@@ -127,12 +292,52 @@ class RoPE(PositionalEncoder):
         self.rot_dim = int(rot)
         self.base = float(base)
         self.layout = layout
+        self.scaling = Scaling(scaling, scaling_factor, original_length, yarn_alpha, yarn_beta)
         self.register_buffer(
             "inv_freq", rope_frequencies(self.rot_dim, self.base), persistent=False
         )
         self.register_buffer("_cos", torch.empty(0, self.rot_dim // 2), persistent=False)
         self.register_buffer("_sin", torch.empty(0, self.rot_dim // 2), persistent=False)
+        # What the cache holds: a static setting (Scaling.at_length) and its multiplier.
+        self._key, self._mscale = PLAIN, 1.0
         self._grow(cache_len)
+
+    def set_scaling(
+        self, method: str | Scaling = "none", factor: float = 1.0,
+        original_length: int | None = None,
+    ) -> Scaling:
+        """Switch the context-extension method of the built encoder (no retraining).
+
+        Args:
+            method: A name from :data:`SCALINGS`, or a :class:`Scaling` (e.g. one returned
+                by an earlier call, to restore it).
+            factor: s (the alpha of ``dynamic_ntk``); ignored when ``method`` is a Scaling.
+            original_length: Training length L; ignored when ``method`` is a Scaling.
+
+        Returns:
+            The previous setting. The YaRN ramp (``yarn_alpha``, ``yarn_beta``) is kept.
+
+        Raises:
+            ValueError: As :class:`Scaling`.
+        """
+        previous = self.scaling
+        if isinstance(method, Scaling):
+            self.scaling = method
+        else:
+            self.scaling = replace(previous, method=method, factor=factor,
+                                   original_length=original_length)
+        return previous  # the cache is keyed by setting: the next forward rebuilds it
+
+    @contextmanager
+    def scaled(
+        self, method: str, factor: float = 1.0, original_length: int | None = None
+    ) -> Iterator[None]:
+        """:meth:`set_scaling` for the duration of a ``with`` block, then restore."""
+        previous = self.set_scaling(method, factor, original_length)
+        try:
+            yield
+        finally:
+            self.set_scaling(previous)
 
     def _grow(self, n: int) -> None:
         """Extend the float32 cos/sin cache to at least ``n`` positions (powers of two)."""
@@ -141,28 +346,57 @@ class RoPE(PositionalEncoder):
             size *= 2
         if size <= self._cos.shape[0]:
             return
+        if self._key == PLAIN:
+            inv_freq, mscale = self.inv_freq, 1.0
+        else:
+            inv_freq, mscale = scaled_frequencies(
+                self.rot_dim, self.base, self._key, device=self.inv_freq.device
+            )
         pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
-        angle = torch.outer(pos, self.inv_freq)  # (N, R/2), float32 even under autocast
+        angle = torch.outer(pos, inv_freq)  # (N, R/2), float32 even under autocast
         self._cos, self._sin = angle.cos(), angle.sin()
+        if mscale != 1.0:
+            self._cos, self._sin = self._cos * mscale, self._sin * mscale
+        self._mscale = mscale
 
-    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and sin at ``positions (B|1, T)``, each ``(B|1, 1, T, R/2)`` float32."""
+    def _use(self, key: Scaling) -> None:
+        """Make the cache hold the tables of ``key`` (never serve another setting's)."""
+        if key != self._key:
+            n = self._cos.shape[0]
+            self._key = key
+            self._cos = self._sin = self.inv_freq.new_empty(0, self.rot_dim // 2)
+            self._grow(n)
+
+    def tables(self, positions: Tensor, length: int | None = None) -> tuple[Tensor, Tensor]:
+        """cos and sin at ``positions (B|1, T)``, each ``(B|1, 1, T, R/2)`` float32.
+
+        Args:
+            positions: Integer positions >= 0.
+            length: The pass's key length l for ``dynamic_ntk``; default max position + 1.
+        """
         if positions.numel() == 0:
             empty = self._cos.new_empty(positions.shape[0], 1, 0, self.rot_dim // 2)
             return empty, empty
         if int(positions.min()) < 0:
             raise ValueError("rope: positions must be >= 0 (the cache is indexed by position)")
-        self._grow(int(positions.max()) + 1)
+        n = int(positions.max()) + 1
+        self._use(self.scaling.at_length(n if length is None else length))
+        self._grow(n)
         return self._cos[positions][:, None], self._sin[positions][:, None]
 
     def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
         ctx = super().context(q_pos, k_pos, kind)
         if kind is AttnKind.CROSS:
             return ctx
-        q_cos, q_sin = self.tables(q_pos)
-        k_cos, k_sin = (q_cos, q_sin) if k_pos is q_pos else self.tables(k_pos)
+        # dynamic_ntk's l, the keys' length; the other settings need no (synchronising) max.
+        dynamic = self.scaling.method == "dynamic_ntk" and k_pos.numel() > 0
+        length = int(k_pos.max()) + 1 if dynamic else None
+        q_cos, q_sin = self.tables(q_pos, length)
+        k_cos, k_sin = (q_cos, q_sin) if k_pos is q_pos else self.tables(k_pos, length)
         ctx.extra.update(layout=self.layout, q_cos=q_cos, q_sin=q_sin, k_cos=k_cos, k_sin=k_sin)
         ctx.query_dims.update(q_cos=-2, q_sin=-2)
+        if self._mscale != 1.0 and self.rot_dim < self.head_dim:
+            ctx.extra["pass_scale"] = self._mscale
         return ctx
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:

@@ -68,9 +68,20 @@ class TokenNLL(Metric):
         }
 
 
-def metric_name(split: str, protocol: str, length: int) -> str:
-    """``test/ppl@512`` (non-overlapping windows) or ``test/ppl_sw@512`` (sliding)."""
-    return f"{split}/{PROTOCOLS[protocol]}@{length}"
+def metric_name(split: str, protocol: str, length: int, extension: str | None = None) -> str:
+    """``test/ppl@512`` (non-overlapping windows) or ``test/ppl_sw@512`` (sliding); with a
+    RoPE context-extension method, ``test/ppl+yarn@512``."""
+    kind = PROTOCOLS[protocol] + (f"+{extension}" if extension else "")
+    return f"{split}/{kind}@{length}"
+
+
+def parse_metric(name: str) -> tuple[str, str, str, str]:
+    """``test/ppl_sw+yarn@512`` -> ``("test", "ppl_sw", "yarn", "512")``; the extension is
+    ``""`` for a plain run and the last part ``""`` for a name without ``@``."""
+    head, _, where = name.partition("@")
+    split, _, kind = head.partition("/")
+    base, _, extension = kind.partition("+")
+    return split, base, extension, where
 
 
 def ppl_vs_length_figure(

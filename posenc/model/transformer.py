@@ -4,7 +4,9 @@ Notation: B batch, T target/query length, S source length, C d_model, V vocabula
 
 Both are built from :class:`Stack`, which owns one positional encoder, builds its
 shared context once per forward pass and hands it to every layer. Positions are
-explicit ``(B|1, T)`` integer tensors; by default ``0 .. T-1``.
+explicit ``(B|1, T)`` integer tensors; by default ``0 .. T-1``, or, in training with
+``random_positions=N``, a sorted random subset of ``0 .. N-1`` per sequence
+(randomized positional encodings, Ruoss et al. 2023).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import math
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from posenc.encoders import registry
@@ -20,6 +23,20 @@ from posenc.encoders.base import AttnKind, PositionalEncoder, positions_like
 from posenc.model.layers import Block
 
 EncoderFactory = Callable[..., PositionalEncoder]
+
+
+def random_positions(batch: int, length: int, max_position: int, device=None) -> Tensor:
+    """Per row, ``length`` distinct positions drawn uniformly from ``0 .. max_position-1``
+    and sorted: ``(batch, length)`` int64 (Ruoss et al. 2023, section 3). Uses the global
+    torch generator, so a seeded run draws the same positions."""
+    if length > max_position:
+        raise ValueError(
+            f"random_positions={max_position} is smaller than the sequence length {length}; "
+            f"it must be at least the longest training sequence (a larger range, e.g. "
+            f"8-16x the training length, is the point of the method)"
+        )
+    keys = torch.rand(batch, max_position, device=device)
+    return keys.topk(length, dim=-1, sorted=False).indices.sort(dim=-1).values
 
 
 def encoder_factory(encoder: str | EncoderFactory) -> EncoderFactory:
@@ -39,6 +56,9 @@ class Stack(nn.Module):
         dropout: Dropout probability.
         causal: Causal (decoder) or bidirectional (encoder) self-attention.
         cross: Whether blocks also attend to an encoder memory.
+        random_positions: In training mode, when no positions are given, draw them as a
+            sorted random subset of ``0 .. random_positions-1`` per sequence; None: off.
+            Evaluation (``.eval()``) always uses ``0 .. T-1``.
     """
 
     def __init__(
@@ -52,8 +72,14 @@ class Stack(nn.Module):
         dropout: float,
         causal: bool,
         cross: bool = False,
+        random_positions: int | None = None,
     ) -> None:
         super().__init__()
+        if random_positions is not None and random_positions < 1:
+            raise ValueError(
+                f"random_positions={random_positions} must be a positive integer or None (off)"
+            )
+        self.random_positions = random_positions
         self.encoder = encoder
         self.kind = AttnKind.CAUSAL if causal else AttnKind.BIDIRECTIONAL
         self.layers = nn.ModuleList(
@@ -93,7 +119,8 @@ class Stack(nn.Module):
         Returns:
             ``(B, T, C)``.
         """
-        positions = positions_like(x) if positions is None else positions
+        if positions is None:
+            positions = self.default_positions(x)
         x = self.drop(self.encoder.embed(x, positions))
         ctx = self.encoder.context(positions, positions, self.kind)
         cross_ctx = None
@@ -107,6 +134,12 @@ class Stack(nn.Module):
                 x, ctx, valid=valid, memory=memory, cross_ctx=cross_ctx, memory_valid=memory_valid
             )
         return self.ln_f(x)
+
+    def default_positions(self, x: Tensor) -> Tensor:
+        """``0 .. T-1``, or random sorted positions in training with ``random_positions``."""
+        if self.training and self.random_positions is not None:
+            return random_positions(x.shape[0], x.shape[1], self.random_positions, x.device)
+        return positions_like(x)
 
 
 class TokenEmbedding(nn.Embedding):
@@ -157,6 +190,8 @@ class DecoderLM(nn.Module):
         d_ff: Feed-forward width (default 4C).
         dropout: Dropout probability.
         embed_scale: Multiply token embeddings by ``sqrt(C)``.
+        random_positions: Train on random sorted positions from ``0 .. N-1`` (Ruoss et
+            al. 2023); evaluation uses ``0 .. T-1``. None: off.
     """
 
     def __init__(
@@ -170,6 +205,7 @@ class DecoderLM(nn.Module):
         d_ff: int | None = None,
         dropout: float = 0.0,
         embed_scale: bool = False,
+        random_positions: int | None = None,
     ) -> None:
         super().__init__()
         d_ff = d_ff or 4 * d_model
@@ -191,6 +227,7 @@ class DecoderLM(nn.Module):
             d_ff=d_ff,
             dropout=dropout,
             causal=True,
+            random_positions=random_positions,
         )
         _init_weights(self.stack, n_layers)
 
@@ -221,6 +258,8 @@ class EncoderDecoder(nn.Module):
         embed_scale: Multiply token embeddings by ``sqrt(C)``.
         n_enc_layers: Encoder blocks (default n_layers).
         n_dec_layers: Decoder blocks (default n_layers).
+        random_positions: Train both stacks on random sorted positions from
+            ``0 .. N-1`` (Ruoss et al. 2023); decoding uses ``0 .. T-1``. None: off.
     """
 
     def __init__(
@@ -238,6 +277,7 @@ class EncoderDecoder(nn.Module):
         embed_scale: bool = True,
         n_enc_layers: int | None = None,
         n_dec_layers: int | None = None,
+        random_positions: int | None = None,
     ) -> None:
         super().__init__()
         d_ff = d_ff or 4 * d_model
@@ -271,6 +311,7 @@ class EncoderDecoder(nn.Module):
             d_ff=d_ff,
             dropout=dropout,
             causal=False,
+            random_positions=random_positions,
         )
         self.decoder_stack = Stack(
             encoder=make(d_model=d_model, n_heads=n_heads, n_layers=n_dec),
@@ -281,6 +322,7 @@ class EncoderDecoder(nn.Module):
             dropout=dropout,
             causal=True,
             cross=True,
+            random_positions=random_positions,
         )
         _init_weights(self.encoder_stack, n_enc)
         _init_weights(self.decoder_stack, n_dec)

@@ -6,7 +6,8 @@ Notation: B batch, T window length, V vocabulary.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, NamedTuple
 
 import pytorch_lightning as pl
 import torch
@@ -19,6 +20,14 @@ from posenc.model import DecoderLM, count_parameters
 from posenc.tasks.optim import configure_adamw
 
 log = logging.getLogger(__name__)
+
+
+class Extension(NamedTuple):
+    """A context-extension method applied to one evaluation loader (RoPE ``scaled``)."""
+
+    method: str
+    factor: float
+    original_length: int
 
 
 class LMTask(pl.LightningModule):
@@ -50,6 +59,7 @@ class LMTask(pl.LightningModule):
         self.val_nll = TokenNLL(seq_len)
         self.eval_metrics = nn.ModuleDict()  # loader name -> TokenNLL, set by set_eval_loaders
         self.eval_names: list[str] = []
+        self.eval_extensions: list[Extension | None] = []
         self.results: dict[str, dict[str, Tensor]] = {}
 
     def forward(self, ids: Tensor, positions: Tensor | None = None) -> Tensor:
@@ -82,9 +92,26 @@ class LMTask(pl.LightningModule):
         self.log("val/ppl", out["ppl"].float())
         self.val_nll.reset()
 
-    def set_eval_loaders(self, names: list[str], lengths: list[int]) -> None:
-        """Declare the evaluation loaders (in the order given to ``trainer.test``)."""
+    def set_eval_loaders(
+        self,
+        names: list[str],
+        lengths: list[int],
+        extensions: list[Extension | None] | None = None,
+    ) -> None:
+        """Declare the evaluation loaders (in the order given to ``trainer.test``).
+
+        Args:
+            names: Metric name of each loader.
+            lengths: Window length of each loader.
+            extensions: Per loader, the context-extension method its forward passes run
+                under, or None for the model as configured (the default for all).
+        """
         self.eval_names = list(names)
+        self.eval_extensions = list(extensions or [None] * len(names))
+        if len(self.eval_extensions) != len(names):
+            raise ValueError(
+                f"{len(names)} loader names but {len(self.eval_extensions)} extensions"
+            )
         self.eval_metrics = nn.ModuleDict(
             {
                 n.replace("/", "|").replace("@", "_at_").replace(".", "_"): TokenNLL(L)
@@ -96,8 +123,18 @@ class LMTask(pl.LightningModule):
     def _metric(self, idx: int) -> TokenNLL:
         return list(self.eval_metrics.values())[idx]
 
+    def _extension(self, idx: int) -> AbstractContextManager:
+        """The encoder switched to loader ``idx``'s method for the ``with`` block; state is
+        per loader and restored after every batch, so each rank of DDP does the same."""
+        ext = self.eval_extensions[idx] if idx < len(self.eval_extensions) else None
+        if ext is None:
+            return nullcontext()
+        return self.model.encoder.scaled(ext.method, ext.factor, ext.original_length)
+
     def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._metric(dataloader_idx).update(self.token_nll(batch), batch["loss_mask"])
+        with self._extension(dataloader_idx):
+            nll = self.token_nll(batch)
+        self._metric(dataloader_idx).update(nll, batch["loss_mask"])
 
     def on_test_epoch_end(self) -> None:
         for i, name in enumerate(self.eval_names):

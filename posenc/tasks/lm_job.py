@@ -21,11 +21,19 @@ from posenc.eval.lengths import (
     PROTOCOLS,
     loss_by_position_figure,
     metric_name,
+    parse_metric,
     ppl_vs_length_figure,
 )
-from posenc.runner import build_trainer, group_choice, load_for_eval, log_hparams, write_json_atomic
+from posenc.runner import (
+    build_trainer,
+    group_choice,
+    init_from_checkpoint,
+    load_for_eval,
+    log_hparams,
+    write_json_atomic,
+)
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
-from posenc.tasks.lm import LMTask
+from posenc.tasks.lm import Extension, LMTask
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,18 @@ PROTOCOL_DOC = {
     "sliding": "ppl_sw@L: windows of L tokens advanced by the stride (default L/4); only the last "
     "`stride` targets of each window are scored (all in the first window), so "
     "each token is scored once with >= L - stride tokens of context",
+}
+
+
+EXTENSION_DOC = {
+    "linear": "ppl+linear@L: position interpolation (Chen et al. 2023), angle m*theta_i -> "
+    "(m/s)*theta_i",
+    "ntk": "ppl+ntk@L: NTK-aware scaling (bloc97 2023; Peng et al. 2023 sec. 3.1), "
+    "base -> base * s^(R/(R-2))",
+    "dynamic_ntk": "ppl+dynamic_ntk@L: dynamic NTK (emozilla 2023; Peng et al. 2023 sec. 3.3), "
+    "NTK with s' = max(1, alpha*l/L - (alpha-1)) at key length l > L, plain RoPE up to L",
+    "yarn": "ppl+yarn@L: YaRN (Peng et al. 2023 sec. 3.4), NTK-by-parts frequencies and "
+    "attention temperature sqrt(1/t) = 0.1 ln(s) + 1",
 }
 
 
@@ -54,10 +74,18 @@ def lm_datamodule(cfg: DictConfig) -> LMDataModule:
 
 
 def lm_task(cfg: DictConfig, vocab_size: int) -> LMTask:
-    """A new task, or the one stored in ``cfg.ckpt_path`` for ``eval_only``."""
+    """A new task (with ``init_from``'s weights, if set), or the one stored in
+    ``cfg.ckpt_path`` for ``eval_only``."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
-        return load_for_eval(LMTask, cfg, vocab_size)
-    return LMTask(
+        task = load_for_eval(LMTask, cfg, vocab_size)
+        trained = task.hparams.seq_len
+        if cfg.task.eval.get("context_extension") and trained != cfg.task.seq_len:
+            log.warning(
+                "context extension takes task.seq_len=%d as the original length, but the "
+                "checkpoint was trained at %d; set task.seq_len=%d", cfg.task.seq_len,
+                trained, trained)
+        return task
+    task = LMTask(
         vocab_size=vocab_size,
         encoder=OmegaConf.to_container(cfg.encoder, resolve=True),
         model=OmegaConf.to_container(cfg.model, resolve=True),
@@ -65,6 +93,9 @@ def lm_task(cfg: DictConfig, vocab_size: int) -> LMTask:
         max_steps=cfg.trainer.max_steps,
         seq_len=cfg.task.seq_len,
     )
+    if cfg.get("init_from"):
+        init_from_checkpoint(task, cfg.init_from)
+    return task
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -81,39 +112,67 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # trainer.test() replaces callback_metrics: keep the last validation now.
     val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
 
-    # Evaluation beyond the training context: one loader per (split, protocol, length).
+    # Evaluation beyond the training context: one loader per (split, length, protocol,
+    # context-extension method).
+    names, lengths, extensions, loaders, skipped = eval_loaders(cfg, dm, task)
+    task.set_eval_loaders(names, lengths, extensions)
+    best = trainer.checkpoint_callback.best_model_path if not cfg.eval_only else ""
+    if loaders:
+        trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
+    return finish_lm(cfg, run_dir, task, trainer, throughput, skipped, train_time, val)
+
+
+def extension_setting(cfg: DictConfig, method: str, length: int) -> Extension:
+    """The method's setting at evaluation length ``length``: original length
+    ``task.seq_len``; ``extension_factor=auto`` gives ``s = max(1, length / seq_len)`` (and
+    ``alpha = 1`` for ``dynamic_ntk``, whose ``s'`` then equals ``l / L``)."""
+    seq_len = cfg.task.seq_len
+    factor = cfg.task.eval.get("extension_factor", "auto")
+    if factor == "auto":
+        factor = 1.0 if method == "dynamic_ntk" else max(1.0, length / seq_len)
+    return Extension(method, float(factor), int(seq_len))
+
+
+def eval_loaders(cfg: DictConfig, dm: LMDataModule, task: LMTask) -> tuple[
+        list[str], list[int], list[Extension | None], list[torch.utils.data.DataLoader],
+        dict[str, str]]:
+    """Names, lengths, extensions and loaders of the evaluation, and the skipped metrics
+    with their reasons (lengths past a ``learned`` table, methods an encoder lacks)."""
     stride = cfg.task.eval.sliding_stride
-    limit = task.model.encoder.max_length
-    names, lengths, loaders, skipped = [], [], [], {}
+    encoder = task.model.encoder
+    limit, enc_name = encoder.max_length, type(encoder).__name__
+    supported = encoder.scaling_methods
+    methods = [None, *cfg.task.eval.get("context_extension", [])]
+    names, lengths, extensions, loaders, skipped = [], [], [], [], {}
     for split in cfg.task.eval.splits:
         for length in eval_lengths(cfg):
             for protocol in cfg.task.eval.protocols:
-                name = metric_name(split, protocol, length)
-                if limit is not None and length > limit:
-                    skipped[name] = (
-                        f"encoder {type(task.model.encoder).__name__} encodes at "
-                        f"most {limit} positions; length {length} not evaluated"
-                    )
-                    log.warning("%s: %s", name, skipped[name])
-                    continue
-                step = None if protocol == "nonoverlap" else (stride or max(1, length // 4))
-                names.append(name)
-                lengths.append(length)
-                windows = dm.eval_windows(split, length, step)
-                loaders.append(
-                    torch.utils.data.DataLoader(
+                for method in methods:
+                    name = metric_name(split, protocol, length, method)
+                    if limit is not None and length > limit:
+                        skipped[name] = (f"encoder {enc_name} encodes at most {limit} "
+                                         f"positions; length {length} not evaluated")
+                    elif method is not None and method not in supported:
+                        skipped[name] = (
+                            f"encoder {enc_name} has no context-extension method {method!r} "
+                            f"(it supports: {', '.join(supported) or 'none'}); not evaluated")
+                    if name in skipped:
+                        log.warning("%s: %s", name, skipped[name])
+                        continue
+                    step = None if protocol == "nonoverlap" else (stride or max(1, length // 4))
+                    names.append(name)
+                    lengths.append(length)
+                    extensions.append(
+                        None if method is None else extension_setting(cfg, method, length))
+                    windows = dm.eval_windows(split, length, step)
+                    loaders.append(torch.utils.data.DataLoader(
                         windows,
                         batch_size=cfg.task.eval_batch_size,
                         # Under DDP each window is scored on exactly one rank (no padding).
                         sampler=ShardSampler(windows),
                         num_workers=0,
-                    )
-                )
-    task.set_eval_loaders(names, lengths)
-    best = trainer.checkpoint_callback.best_model_path if not cfg.eval_only else ""
-    if loaders:
-        trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
-    return finish_lm(cfg, run_dir, task, trainer, throughput, skipped, train_time, val)
+                    ))
+    return names, lengths, extensions, loaders, skipped
 
 
 def finish_lm(
@@ -133,7 +192,7 @@ def finish_lm(
     for name, out in task.results.items():
         metrics[name] = float(out["ppl"])
         tokens[name] = int(out["tokens"])
-        if "/ppl@" in name:
+        if parse_metric(name)[1] == "ppl":  # non-overlapping windows, with or without a method
             by_position[name] = [round(float(x), 5) for x in out["loss_by_position"]]
     metrics = dict(sorted(metrics.items(), key=_metric_order)) | val
     mem, mem_kind = peak_memory_mb(task.device)
@@ -146,6 +205,15 @@ def finish_lm(
         "seq_len": cfg.task.seq_len,
         "eval_lengths": eval_lengths(cfg),
         "protocols": {p: PROTOCOL_DOC[p] for p in cfg.task.eval.protocols},
+        "context_extension": {
+            m: EXTENSION_DOC[m] for m in cfg.task.eval.get("context_extension", [])
+        },
+        # Per metric: the method, s (alpha for dynamic_ntk) and original length L used.
+        "extension_settings": {
+            n: e._asdict()
+            for n, e in zip(task.eval_names, task.eval_extensions, strict=True)
+            if e is not None
+        },
         "metrics": metrics,
         "scored_tokens": tokens,
         "skipped": skipped,
@@ -165,11 +233,11 @@ def finish_lm(
     return result
 
 
-def _metric_order(item: tuple[str, float]) -> tuple[str, str, int]:
-    """``test/ppl@128`` < ``test/ppl@1024``: by split, protocol, then numeric length."""
-    head, _, length = item[0].partition("@")
-    split, _, kind = head.partition("/")
-    return split, kind, int(length) if length.isdigit() else 0
+def _metric_order(item: tuple[str, float]) -> tuple[str, str, str, int]:
+    """``test/ppl@128`` < ``test/ppl@1024`` < ``test/ppl+linear@128``: by split, protocol,
+    context-extension method (plain first), then numeric length."""
+    split, kind, extension, length = parse_metric(item[0])
+    return split, kind, extension, int(length) if length.isdigit() else 0
 
 
 def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -> None:
@@ -182,9 +250,10 @@ def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -
     for split in cfg.task.eval.splits:
         curves: dict[str, dict[int, float]] = {}
         for name, value in result["metrics"].items():
-            if name.startswith(f"{split}/") and "@" in name:
-                kind, length = name.split("/", 1)[1].split("@")
+            where, kind, extension, length = parse_metric(name)
+            if where == split and length.isdigit():
                 label = {v: k for k, v in PROTOCOLS.items()}.get(kind, kind)
+                label += f"+{extension}" if extension else ""
                 curves.setdefault(label, {})[int(length)] = value
         if curves:
             writer.add_figure(
@@ -192,18 +261,18 @@ def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -
                 ppl_vs_length_figure(curves, seq_len, f"{result['encoder']}: {split} perplexity"),
                 trainer.global_step,
             )
-        pos = {
-            n.split("@")[1]: c
-            for n, c in result["loss_by_position"].items()
-            if n.startswith(f"{split}/")
-        }
-        if pos:
+        # One figure per context-extension method (plain first), one curve per length.
+        by_ext: dict[str, dict[str, list[float]]] = {}
+        for name, curve in result["loss_by_position"].items():
+            where, _, extension, length = parse_metric(name)
+            if where == split:
+                by_ext.setdefault(extension, {})[f"L={length}"] = curve
+        for extension, pos in by_ext.items():
+            suffix = f"+{extension}" if extension else ""
             writer.add_figure(
-                f"{split}/loss_by_position",
+                f"{split}/loss_by_position{suffix}",
                 loss_by_position_figure(
-                    {f"L={k}": v for k, v in pos.items()},
-                    seq_len,
-                    f"{result['encoder']}: {split} loss by position",
+                    pos, seq_len, f"{result['encoder']}{suffix}: {split} loss by position"
                 ),
                 trainer.global_step,
             )

@@ -20,7 +20,14 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from posenc.data.mt import MTDataModule, restore_order
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.eval.lengths import plt  # the Agg backend is selected there
-from posenc.runner import build_trainer, group_choice, load_for_eval, log_hparams, write_json_atomic
+from posenc.runner import (
+    build_trainer,
+    group_choice,
+    init_from_checkpoint,
+    load_for_eval,
+    log_hparams,
+    write_json_atomic,
+)
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
 from posenc.tasks.mt import MTTask
 
@@ -44,11 +51,12 @@ def mt_datamodule(cfg: DictConfig) -> MTDataModule:
 
 
 def mt_task(cfg: DictConfig, dm: MTDataModule) -> MTTask:
-    """A new task, or the one stored in ``cfg.ckpt_path`` for ``eval_only``."""
+    """A new task (with ``init_from``'s weights, if set), or the one stored in
+    ``cfg.ckpt_path`` for ``eval_only``."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
         return load_for_eval(MTTask, cfg, dm.vocab_size)
     t = cfg.task
-    return MTTask(
+    task = MTTask(
         vocab_size=dm.vocab_size,
         encoder=OmegaConf.to_container(cfg.encoder, resolve=True),
         model=OmegaConf.to_container(cfg.model, resolve=True),
@@ -61,6 +69,9 @@ def mt_task(cfg: DictConfig, dm: MTDataModule) -> MTTask:
         max_len_a=t.decode.max_len_a,
         max_len_b=t.decode.max_len_b,
     )
+    if cfg.get("init_from"):
+        init_from_checkpoint(task, cfg.init_from)
+    return task
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:

@@ -11,7 +11,17 @@ from omegaconf import OmegaConf
 from posenc import encoders
 from posenc.encoders.base import AttentionPositional, AttnKind
 from posenc.model import DecoderLM, EncoderDecoder
-from tests.conftest import ABSOLUTE, ENCODER_YAMLS, RELATIVE, ROOT, identity_attention, run_self
+from tests.conftest import (
+    ABSOLUTE,
+    BIDIRECTIONAL_YAMLS,
+    CAUSAL_ONLY,
+    ENCODER_YAMLS,
+    RELATIVE,
+    RELATIVE_BELOW_THRESHOLD,
+    ROOT,
+    identity_attention,
+    run_self,
+)
 
 SIZES = dict(d_model=32, n_heads=4, n_layers=2)
 
@@ -23,7 +33,9 @@ def factory(name: str):
 
 def test_registry_lists_exactly_the_yaml_encoders() -> None:
     assert encoders.available() == ENCODER_YAMLS
-    assert set(ENCODER_YAMLS) == {"none", "learned", "sinusoidal", "shaw", "xl", "deberta", "rope"}
+    assert set(ENCODER_YAMLS) == {"none", "learned", "sinusoidal", "shaw", "xl", "deberta", "rope",
+                                  "alibi", "t5", "fire", "xpos"}
+    assert set(ENCODER_YAMLS) == {"none", *ABSOLUTE, *RELATIVE, *RELATIVE_BELOW_THRESHOLD}
 
 
 @pytest.mark.parametrize("name", ENCODER_YAMLS)
@@ -34,8 +46,8 @@ def test_yaml_builds_the_registered_class(name: str) -> None:
 
 
 def test_unknown_encoder_names_the_choices() -> None:
-    with pytest.raises(ValueError, match="unknown encoder 'alibi'; available: deberta"):
-        encoders.get("alibi")
+    with pytest.raises(ValueError, match="unknown encoder 'alibii'; available: alibi, deberta"):
+        encoders.get("alibii")
 
 
 @pytest.mark.parametrize("name", ENCODER_YAMLS)
@@ -44,7 +56,13 @@ def test_shift_invariance(name: str, kind: AttnKind) -> None:
     """Relative schemes: same output when all positions move by the same offset.
     Absolute schemes: the output changes."""
     enc = factory(name)(**SIZES)
-    for p in enc.parameters():  # make every positional parameter count
+    if name in CAUSAL_ONLY and kind is AttnKind.BIDIRECTIONAL:
+        with pytest.raises(ValueError, match="causal"):
+            enc.for_attention(layer=0, kind=kind)
+        return
+    for n, p in enc.named_parameters():  # make every positional parameter count
+        if name in RELATIVE_BELOW_THRESHOLD and "threshold" in n:
+            continue  # keep FIRE's threshold L (512) above every position used here
         torch.nn.init.normal_(p)
     attn = identity_attention(enc, kind)
     x = torch.randn(2, 9, SIZES["d_model"])
@@ -64,13 +82,15 @@ def test_positions_matter(name: str) -> None:
     enc = factory(name)(**SIZES)
     for p in enc.parameters():
         torch.nn.init.normal_(p)
-    attn = identity_attention(enc, AttnKind.BIDIRECTIONAL)
+    kind = AttnKind.CAUSAL if name in CAUSAL_ONLY else AttnKind.BIDIRECTIONAL
+    attn = identity_attention(enc, kind)
     x = torch.randn(1, 6, SIZES["d_model"])
     pos = torch.arange(6)[None]
-    perm = torch.tensor([[0, 2, 1, 5, 3, 4]])  # the same tokens, told other positions
+    # The same tokens, told other (increasing, for causal-only schemes) positions.
+    perm = torch.tensor([[0, 2, 3, 7, 8, 9]] if name in CAUSAL_ONLY else [[0, 2, 1, 5, 3, 4]])
     with torch.no_grad():
-        a = run_self(attn, enc, x, pos, AttnKind.BIDIRECTIONAL)
-        b = run_self(attn, enc, x, perm, AttnKind.BIDIRECTIONAL)
+        a = run_self(attn, enc, x, pos, kind)
+        b = run_self(attn, enc, x, perm, kind)
     assert not torch.allclose(a, b, atol=1e-3)
 
 
@@ -86,7 +106,13 @@ def test_lm_is_causal(name: str) -> None:
     assert not torch.allclose(a[:, 7:], b[:, 7:])
 
 
-@pytest.mark.parametrize("name", ENCODER_YAMLS)
+@pytest.mark.parametrize("name", CAUSAL_ONLY)
+def test_causal_only_schemes_refuse_a_translation_encoder(name: str) -> None:
+    with pytest.raises(ValueError, match="causal"):
+        EncoderDecoder(src_vocab_size=40, tgt_vocab_size=40, encoder=factory(name), **SIZES)
+
+
+@pytest.mark.parametrize("name", BIDIRECTIONAL_YAMLS)
 def test_seq2seq_encoder_bidirectional_decoder_causal(name: str) -> None:
     model = EncoderDecoder(
         src_vocab_size=40, tgt_vocab_size=40, encoder=factory(name), dropout=0.0, **SIZES
@@ -104,7 +130,7 @@ def test_seq2seq_encoder_bidirectional_decoder_causal(name: str) -> None:
     torch.testing.assert_close(a[:, :6], b[:, :6])  # causal decoder
 
 
-@pytest.mark.parametrize("name", ENCODER_YAMLS)
+@pytest.mark.parametrize("name", BIDIRECTIONAL_YAMLS)
 def test_source_padding_is_invisible(name: str) -> None:
     model = EncoderDecoder(
         src_vocab_size=40, tgt_vocab_size=40, encoder=factory(name), dropout=0.0, **SIZES
@@ -131,11 +157,15 @@ def test_cross_attention_hooks_are_plain(name: str) -> None:
 @pytest.mark.parametrize("name", ENCODER_YAMLS)
 def test_forward_backward_both_stacks(name: str) -> None:
     lm = DecoderLM(vocab_size=40, encoder=factory(name), **SIZES)
-    mt = EncoderDecoder(src_vocab_size=40, tgt_vocab_size=40, encoder=factory(name), **SIZES)
     ids = torch.randint(0, 40, (2, 10))
-    loss = lm(ids).logsumexp(-1).mean() + mt(ids, ids[:, :7]).logsumexp(-1).mean()
+    loss = lm(ids).logsumexp(-1).mean()
+    models = [lm]
+    if name not in CAUSAL_ONLY:
+        mt = EncoderDecoder(src_vocab_size=40, tgt_vocab_size=40, encoder=factory(name), **SIZES)
+        loss = loss + mt(ids, ids[:, :7]).logsumexp(-1).mean()
+        models.append(mt)
     loss.backward()
-    for model in (lm, mt):
+    for model in models:
         for n, p in model.named_parameters():
             assert p.grad is not None and torch.isfinite(p.grad).all(), n
         positional = [

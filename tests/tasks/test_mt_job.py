@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from posenc.config import ConfigError, validate
 from posenc.train import train
-from tests.conftest import ENCODER_YAMLS, ROOT
+from tests.conftest import BIDIRECTIONAL_YAMLS, ROOT
 
 N_TEST = 12  # test sentences decoded per run
 TINY = [
@@ -56,7 +56,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.mark.parametrize("name", ENCODER_YAMLS)
+@pytest.mark.parametrize("name", BIDIRECTIONAL_YAMLS)
 def test_tiny_translation_run(tmp_path: Path, cache_dir: Path, name: str) -> None:
     run = tmp_path / "run"
     result = train(compose_mt(run, cache_dir, f"encoder={name}"))

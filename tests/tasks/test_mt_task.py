@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from posenc.model import EncoderDecoder
 from posenc.tasks.mt import label_smoothed_nll
-from tests.conftest import ENCODER_YAMLS
+from tests.conftest import BIDIRECTIONAL_YAMLS
 
 
 def test_label_smoothed_loss_matches_a_hand_computation() -> None:
@@ -51,7 +51,7 @@ def _model(encoder: str) -> EncoderDecoder:
     ).eval()
 
 
-@pytest.mark.parametrize("encoder", ENCODER_YAMLS)
+@pytest.mark.parametrize("encoder", BIDIRECTIONAL_YAMLS)
 @torch.no_grad()
 def test_encoder_is_bidirectional_and_decoder_causal(encoder: str) -> None:
     model = _model(encoder)
@@ -71,7 +71,7 @@ def test_encoder_is_bidirectional_and_decoder_causal(encoder: str) -> None:
     assert not torch.allclose(logits2[:, 3], logits[:, 3], atol=1e-5)
 
 
-@pytest.mark.parametrize("encoder", ENCODER_YAMLS)
+@pytest.mark.parametrize("encoder", BIDIRECTIONAL_YAMLS)
 @torch.no_grad()
 def test_source_padding_is_invisible(encoder: str) -> None:
     """Batched decoding relies on it: a padded source encodes and decodes as the bare one."""

@@ -1,0 +1,181 @@
+"""FIRE, Functional Interpolation for Relative positional Encoding (Li et al. 2024,
+"Functional Interpolation for Relative Positions Improves Long Context Transformers",
+ICLR 2024).
+
+Notation: B batch, H heads, T queries, S keys, W width of the MLP; i a query
+position, j a key position.
+
+Each head gets an additive attention bias (the paper's FIRE bias with progressive
+interpolation)
+
+    b(i, j) = f_theta( psi(i - j) / psi(max(L, i)) ),    psi(x) = log(c x + 1),
+
+for causal attention (keys j <= i). ``f_theta`` is an MLP ``1 -> W -> H`` with a
+ReLU; ``c > 0`` and the threshold ``L > 0`` are learned. For ``i < L`` the
+normaliser ``psi(L)`` is a constant, so the bias depends on ``i - j`` only; past
+``L`` the inputs are squashed into ``[0, 1]`` however long the sequence, so the MLP
+sees inputs from the range it was trained on. Because of that the scheme is not
+shift invariant beyond L (``relative = False``).
+
+Parametrisation (posenc's choice): ``c = exp(log_c)`` and ``L = exp(log_threshold)``.
+Any real raw value is valid (no clamping, and no re-initialisation can make c or L
+non-positive), and Adam's steps on the logarithm change c and L by a
+relative amount, which suits a threshold initialised at hundreds as well as c at 1.
+The MLP weights are plain parameters rather than ``nn.Linear`` modules so that the
+model's GPT-2 initialisation (N(0, 0.02) weights, zero biases) does not reach them:
+with zero biases and inputs >= 0 the MLP would start out linear in its input and
+every ReLU unit with a negative weight would be dead for good. They start from
+``nn.Linear``'s default uniform init instead.
+
+Bidirectional attention (posenc's extension; the paper defines FIRE for causal
+attention only): the MLP input is the signed value
+
+    sign(i - j) * psi(|i - j|) / psi(max(L, i, j)),
+
+so keys before and after a query are told apart, and a pair is normalised by its
+later position, as a causal pair is by its query.
+
+Cross-attention: nothing (positions of two different sequences are not comparable).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.registry import register
+
+
+class FireFunction(nn.Module):
+    """The learned parts of one FIRE bias: ``f_theta``, ``c`` and ``L``.
+
+    Args:
+        n_heads: H, the MLP's outputs.
+        width: W, the MLP's hidden width.
+        threshold: Initial L.
+        init_c: Initial c.
+    """
+
+    def __init__(self, *, n_heads: int, width: int, threshold: float, init_c: float) -> None:
+        super().__init__()
+        self.log_c = nn.Parameter(torch.tensor(math.log(init_c)))
+        self.log_threshold = nn.Parameter(torch.tensor(math.log(threshold)))
+        # nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases.
+        self.w1 = nn.Parameter(torch.empty(width, 1).uniform_(-1.0, 1.0))  # fan_in 1
+        self.b1 = nn.Parameter(torch.empty(width).uniform_(-1.0, 1.0))
+        bound = width**-0.5
+        self.w2 = nn.Parameter(torch.empty(n_heads, width).uniform_(-bound, bound))
+        self.b2 = nn.Parameter(torch.empty(n_heads).uniform_(-bound, bound))
+
+    @property
+    def c(self) -> Tensor:
+        return self.log_c.exp()
+
+    @property
+    def threshold(self) -> Tensor:
+        return self.log_threshold.exp()
+
+    def psi(self, x: Tensor) -> Tensor:
+        """``log(c x + 1)`` for distances ``x >= 0``."""
+        return torch.log1p(self.c * x)
+
+    def mlp(self, u: Tensor) -> Tensor:
+        """``f_theta`` on inputs ``u (B|1, T, S)``; returns ``(B|1, H, T, S)``."""
+        b, t, s = u.shape
+        # Hidden units first, so the second layer is one matmul whose output is already
+        # (B, H, T*S): no permute and no copy of the (B, H, T, S) result.
+        w1, b1 = self.w1.view(-1, 1, 1), self.b1.view(-1, 1, 1)  # (W, 1, 1)
+        hidden = torch.relu(w1 * u[:, None] + b1)  # (B|1, W, T, S)
+        out = torch.matmul(self.w2, hidden.flatten(2)) + self.b2[:, None]  # (B|1, H, T*S)
+        return out.view(b, -1, t, s)
+
+    def inputs(self, ctx: AttentionContext) -> Tensor:
+        """The MLP inputs of every (query, key) pair of ``ctx``, ``(B|1, T, S)`` float32."""
+        rel = ctx.rel().float()  # (B|1, T, S), i - j
+        qp = ctx.q_pos.float()[:, :, None]  # (B|1, T, 1)
+        if ctx.kind is AttnKind.CAUSAL:
+            # Keys after the query are masked anyway; clamp them to distance 0 so psi
+            # stays finite (a NaN bias would survive the -inf mask).
+            return self.psi(rel.clamp_(min=0)) / self.psi(torch.maximum(qp, self.threshold))
+        later = torch.maximum(qp, ctx.k_pos.float()[:, None, :])  # (B|1, T, S)
+        norm = self.psi(torch.maximum(later, self.threshold))
+        return rel.sign() * self.psi(rel.abs()) / norm
+
+    def forward(self, ctx: AttentionContext) -> Tensor:
+        """The bias ``b(i, j)`` of every pair of ``ctx``, ``(B|1, H, T, S)``."""
+        return self.mlp(self.inputs(ctx))
+
+
+class _FireAttention(AttentionPositional):
+    """Per-layer hook: the layer's own FIRE function, or the stack's shared one."""
+
+    def __init__(self, fire: FireFunction | None) -> None:
+        super().__init__()
+        self.fire = fire
+
+    def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
+        fire = self.fire if self.fire is not None else ctx.extra["fire"]
+        return fire(ctx)
+
+
+@register("fire")
+class Fire(PositionalEncoder):
+    """FIRE learned additive attention bias (Li et al. 2024).
+
+    Args:
+        mlp_width: Hidden width W of ``f_theta``.
+        threshold: Initial progressive-interpolation threshold L, best the training
+            length (the YAML defaults it to ``task.seq_len``).
+        init_c: Initial c of ``psi(x) = log(c x + 1)``.
+        per_layer: One ``f_theta, c, L`` per layer (True) or one shared by the stack.
+
+    Raises:
+        ValueError: ``mlp_width < 1``, ``threshold <= 0`` or ``init_c <= 0``.
+    """
+
+    relative = False  # the bias depends on i - j only while positions stay below L
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        mlp_width: int = 32,
+        threshold: float = 512.0,
+        init_c: float = 1.0,
+        per_layer: bool = False,
+    ) -> None:
+        super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
+        if mlp_width < 1:
+            raise ValueError(f"fire: mlp_width must be >= 1, got {mlp_width}; the default is 32")
+        if not threshold > 0:
+            raise ValueError(
+                f"fire: threshold (the initial L) must be > 0, got {threshold}; "
+                f"use the training length, e.g. encoder.threshold=512"
+            )
+        if not init_c > 0:
+            raise ValueError(
+                f"fire: init_c must be > 0 (psi(x) = log(c x + 1) needs c > 0), got {init_c}; "
+                f"try encoder.init_c=1.0"
+            )
+        self.mlp_width = int(mlp_width)
+        self.per_layer = per_layer
+        self._fire_args = dict(
+            n_heads=n_heads, width=self.mlp_width, threshold=float(threshold), init_c=init_c
+        )
+        self.fire = None if per_layer else FireFunction(**self._fire_args)
+
+    def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
+        ctx = super().context(q_pos, k_pos, kind)
+        if kind is not AttnKind.CROSS and self.fire is not None:
+            ctx.extra["fire"] = self.fire
+        return ctx
+
+    def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
+        if kind is AttnKind.CROSS:
+            return AttentionPositional()
+        return _FireAttention(FireFunction(**self._fire_args) if self.per_layer else None)

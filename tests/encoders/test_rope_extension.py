@@ -1,0 +1,285 @@
+"""RoPE context extension against the papers' formulas, computed by hand in the tests.
+
+linear: Chen et al. 2023 (position interpolation); ntk: bloc97 2023 / Peng et al. 2023
+(YaRN) section 3.1; dynamic_ntk: emozilla 2023 / YaRN section 3.3; yarn: YaRN section 3.4.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posenc.encoders.base import AttnKind
+from posenc.encoders.rope import (
+    PLAIN,
+    SCALINGS,
+    RoPE,
+    Scaling,
+    dynamic_ntk_factor,
+    ntk_base,
+    rope_frequencies,
+    scaled_frequencies,
+    yarn_mscale,
+)
+
+METHODS = SCALINGS[1:]
+L = 16  # original (training) length in these tests
+
+
+def rope(d_model: int = 16, n_heads: int = 2, **kwargs) -> RoPE:
+    return RoPE(d_model=d_model, n_heads=n_heads, n_layers=1, cache_len=8, **kwargs)
+
+
+def qk(enc: RoPE, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                torch.Tensor]:
+    """q, k ``(1, H, T, D)`` after the encoder's causal self-attention hook at ``pos (1, T)``."""
+    ctx = enc.context(pos, pos, AttnKind.CAUSAL)
+    return enc.for_attention(layer=0, kind=AttnKind.CAUSAL).transform_qk(q, k, ctx)
+
+
+def textbook(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Interleaved pairs of ``x (T, R)`` rotated by ``angles (T, R/2)``, float64."""
+    x, a = x.double(), angles.double()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * a.cos() - x2 * a.sin(), x1 * a.sin() + x2 * a.cos()), -1).flatten(-2)
+
+
+# ----------------------------------------------------------------------- s = 1 is plain RoPE
+@pytest.mark.parametrize("method", ["linear", "ntk", "yarn"])
+def test_factor_one_is_exactly_plain_rope(method: str) -> None:
+    plain = rope()
+    enc = rope(scaling=method, scaling_factor=1.0, original_length=L)
+    pos = torch.arange(4 * L)[None]  # also past L: s = 1 is plain RoPE at every length
+    x = torch.randn(1, 2, 4 * L, 8)
+    for a, b in zip(plain.tables(pos), enc.tables(pos), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(qk(plain, x, x, pos), qk(enc, x, x, pos), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method", ["ntk", "dynamic_ntk"])
+@pytest.mark.parametrize("length", [1, L // 2, L])
+def test_ntk_at_or_below_the_original_length(method: str, length: int) -> None:
+    """dynamic_ntk is plain RoPE for every pass with keys up to L, whatever its alpha;
+    ntk with factor 1 is plain RoPE at any length."""
+    for factor in (1.0, 4.0) if method == "dynamic_ntk" else (1.0,):
+        enc = rope(scaling=method, scaling_factor=factor, original_length=L)
+        pos = torch.arange(length)[None]
+        x = torch.randn(1, 2, length, 8)
+        for a, b in zip(rope().tables(pos), enc.tables(pos), strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(qk(rope(), x, x, pos), qk(enc, x, x, pos), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_yarn_factor_one_with_partial_rotation_adds_no_temperature() -> None:
+    enc = rope(d_model=32, fraction=0.5, scaling="yarn", original_length=L)
+    pos = torch.arange(8)[None]
+    assert "pass_scale" not in enc.context(pos, pos, AttnKind.CAUSAL).extra
+    x = torch.randn(1, 2, 8, 16)
+    for a, b in zip(qk(rope(d_model=32, fraction=0.5), x, x, pos), qk(enc, x, x, pos),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------- pinned formulas
+@pytest.mark.parametrize("s", [2.0, 4.0, 2.5])
+def test_linear_rotates_by_m_over_s_times_theta(s: float) -> None:
+    enc = rope(d_model=16, n_heads=2, scaling="linear", scaling_factor=s)  # R = 8
+    m = torch.tensor([0, 1, 3, 17, 250, 1999])
+    theta = torch.tensor([10000.0 ** (-2 * i / 8) for i in range(4)], dtype=torch.float64)
+    angles = (m.double() / s)[:, None] * theta  # (m/s) * theta_i, as in the paper
+    x = torch.randn(1, 1, len(m), 8)
+    q, _ = qk(rope(d_model=8, n_heads=1, scaling="linear", scaling_factor=s), x, x, m[None])
+    # float32 angles of up to ~1000 rad: a few 1e-5 of absolute error.
+    torch.testing.assert_close(q[0, 0].double(), textbook(x[0, 0], angles), atol=1e-4,
+                               rtol=1e-5)
+    # And m/s need not be an integer: position 3 at s = 2 sits half way between 1 and 2.
+    cos, _ = enc.tables(torch.tensor([[3]]))
+    torch.testing.assert_close(cos[0, 0, 0].double(), (3 / s * theta).cos(), atol=1e-6,
+                               rtol=1e-6)
+
+
+def test_ntk_base_by_hand() -> None:
+    # R = 4, s = 4: base' = 10000 * 4^(4/2) = 160000, so theta = (1, 160000^-1/2 = 1/400).
+    assert ntk_base(10000.0, 4.0, 4) == pytest.approx(160000.0)
+    theta, mscale = scaled_frequencies(4, 10000.0, Scaling("ntk", 4.0))
+    torch.testing.assert_close(theta, torch.tensor([1.0, 1 / 400]))
+    assert mscale == 1.0
+    # R = 8, s = 2: base' = 10000 * 2^(8/6); the fastest pair stays at 1, the slowest
+    # (i = 3, exponent -6/8) is interpolated by exactly s: 10000^(-3/4) / 2.
+    base = 10000.0 * 2.0 ** (8 / 6)
+    theta, _ = scaled_frequencies(8, 10000.0, Scaling("ntk", 2.0))
+    want = torch.tensor([base ** (-2 * i / 8) for i in range(4)])
+    torch.testing.assert_close(theta, want)
+    assert theta[0] == 1.0
+    assert float(theta[3]) == pytest.approx(10000.0 ** (-0.75) / 2, rel=1e-6)
+    # R = 2: the only frequency is base^0 = 1 for any base; NTK leaves it alone.
+    assert ntk_base(10000.0, 4.0, 2) == 10000.0
+
+
+def test_yarn_frequencies_and_temperature_by_hand() -> None:
+    # R = 8, base 10^4: theta = (1, 0.1, 0.01, 0.001). With L = 256, r_i = L theta_i / 2pi
+    # = (40.7, 4.07, 0.407, 0.0407): pair 0 is past beta = 32 (kept), pair 1 is on the ramp,
+    # pairs 2 and 3 are below alpha = 1 (interpolated by s).
+    s, length = 4.0, 256
+    theta = [10000.0 ** (-2 * i / 8) for i in range(4)]
+    r = [length / (2 * math.pi / t) for t in theta]
+    assert r[0] > 32 and 1 < r[1] < 32 and r[2] < 1 and r[3] < 1  # all three regions
+
+    def ramp(x: float) -> float:
+        return 0.0 if x < 1 else 1.0 if x > 32 else (x - 1) / 31
+
+    want = [(1 - ramp(x)) * t / s + ramp(x) * t for x, t in zip(r, theta, strict=True)]
+    assert want[0] == theta[0] and want[2] == theta[2] / s
+    assert theta[1] / s < want[1] < theta[1]
+    got, mscale = scaled_frequencies(8, 10000.0, Scaling("yarn", s, length))
+    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64),
+                               rtol=1e-6, atol=0)
+    assert mscale == pytest.approx(0.1 * math.log(4) + 1) == yarn_mscale(4.0)
+    assert mscale == pytest.approx(1.138629, abs=1e-6)
+    # The tables carry the temperature: cos, sin of m * theta'_i, times mscale.
+    enc = rope(d_model=8, n_heads=1, scaling="yarn", scaling_factor=s, original_length=length)
+    cos, sin = enc.tables(torch.tensor([[100]]))
+    angle = 100 * torch.tensor(want, dtype=torch.float64)
+    torch.testing.assert_close(cos[0, 0, 0].double(), mscale * angle.cos(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(sin[0, 0, 0].double(), mscale * angle.sin(), atol=2e-5, rtol=0)
+
+
+def test_yarn_ramp_bounds_are_settable() -> None:
+    # alpha = 0.5, beta = 2 puts pair 1 (r = 4.07) past beta: now kept unchanged; pair 2
+    # (r = 0.41) is below alpha: interpolated by s.
+    theta, _ = scaled_frequencies(8, 10000.0, Scaling("yarn", 4.0, 256, 0.5, 2.0))
+    assert float(theta[1]) == pytest.approx(0.1)
+    assert float(theta[2]) == pytest.approx(0.01 / 4)
+
+
+@pytest.mark.parametrize(("alpha", "want"), [(1.0, (1.0, 2.0, 4.0)), (2.0, (1.0, 3.0, 7.0))])
+def test_dynamic_ntk_factor_by_hand(alpha: float, want: tuple[float, ...]) -> None:
+    # s' = max(1, alpha * l / L - (alpha - 1)) for l > L, plain RoPE (s' = 1) at l = L.
+    for mult, s in zip((1, 2, 4), want, strict=True):
+        assert dynamic_ntk_factor(alpha, mult * L, L) == s
+        setting = Scaling("dynamic_ntk", alpha, L).at_length(mult * L)
+        assert setting == (PLAIN if s == 1 else Scaling("ntk", s, L))
+    # The tables of a pass with keys up to 2L are NTK tables with s' (alpha = 2: s' = 3).
+    if alpha == 2.0:
+        enc = rope(scaling="dynamic_ntk", scaling_factor=alpha, original_length=L)
+        pos = torch.arange(2 * L)[None]
+        ntk = rope(scaling="ntk", scaling_factor=3.0)
+        for a, b in zip(enc.tables(pos), ntk.tables(pos), strict=True):
+            assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------- properties
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_scores_stay_relative(method: str, fraction: float) -> None:
+    """<R_m q, R_n k> depends only on n - m: with one q and one k at every position, the
+    score matrix is constant along each diagonal (one pass, so one dynamic s')."""
+    enc = rope(d_model=32, fraction=fraction, scaling=method, scaling_factor=4.0,
+               original_length=L)
+    n = 4 * L
+    q = torch.randn(1, 2, 1, 16).expand(1, 2, n, 16)
+    k = torch.randn(1, 2, 1, 16).expand(1, 2, n, 16)
+    rq, rk = qk(enc, q, k, torch.arange(n)[None])
+    scores = (rq.double() @ rk.double().transpose(-1, -2))[0]  # (H, T, T)
+    for d in (0, 1, 5, 40):
+        diag = scores.diagonal(offset=d, dim1=-2, dim2=-1)
+        torch.testing.assert_close(diag, diag[:, :1].expand_as(diag), atol=1e-4, rtol=1e-4)
+
+
+def test_yarn_temperature_scales_the_whole_score_with_partial_rotation() -> None:
+    enc = rope(d_model=32, fraction=0.5, scaling="yarn", scaling_factor=4.0, original_length=L)
+    q, k = torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16)
+    q[..., 8:], k[..., 8:] = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)  # unrotated dims
+    rq, rk = qk(enc, q, k, torch.arange(3)[None])
+    m2 = yarn_mscale(4.0) ** 2
+    torch.testing.assert_close(rq @ rk.transpose(-1, -2), m2 * (q @ k.transpose(-1, -2)))
+
+
+# ----------------------------------------------------------------------- switching and caches
+def test_switching_never_serves_stale_tables() -> None:
+    enc = rope()
+    pos = torch.arange(4 * L)[None]
+    plain = [t.clone() for t in enc.tables(pos)]
+    previous = enc.set_scaling("yarn", 4.0, L)
+    assert previous == PLAIN
+    yarn = enc.tables(pos)
+    assert not torch.equal(yarn[0], plain[0])
+    torch.testing.assert_close(yarn[0], rope(scaling="yarn", scaling_factor=4.0,
+                                             original_length=L).tables(pos)[0])
+    assert enc.set_scaling(previous).method == "yarn"
+    for a, b in zip(enc.tables(pos), plain, strict=True):
+        assert torch.equal(a, b)
+    # Another factor of the same method is another table.
+    with enc.scaled("linear", 2.0):
+        two = enc.tables(pos)[0].clone()
+    with enc.scaled("linear", 4.0):
+        assert not torch.equal(enc.tables(pos)[0], two)
+    # dynamic_ntk: a pass with keys up to 2L and one up to 4L use different s'.
+    with enc.scaled("dynamic_ntk", 1.0, L):
+        short = enc.tables(torch.arange(2 * L)[None])[0][0, 0, 5].clone()
+        long = enc.tables(torch.arange(4 * L)[None])[0][0, 0, 5]
+        assert not torch.equal(short, long)
+    assert enc.scaling == PLAIN
+    assert torch.equal(enc.tables(pos)[0], plain[0])
+
+
+def test_scaled_restores_after_an_error() -> None:
+    enc = rope(scaling="linear", scaling_factor=2.0)
+    with pytest.raises(RuntimeError), enc.scaled("yarn", 4.0, L):
+        raise RuntimeError("boom")
+    assert enc.scaling == Scaling("linear", 2.0)
+
+
+def test_yarn_ramp_settings_survive_a_switch_and_a_cast() -> None:
+    enc = rope(yarn_alpha=2.0, yarn_beta=16.0)
+    with enc.scaled("yarn", 4.0, L):
+        assert (enc.scaling.yarn_alpha, enc.scaling.yarn_beta) == (2.0, 16.0)
+    enc = rope(scaling="yarn", scaling_factor=4.0, original_length=L)
+    pos = torch.arange(40)[None]
+    before = enc.tables(pos)[0].clone()
+    enc = enc.to(torch.bfloat16)
+    assert enc._cos.dtype == torch.float32
+    assert torch.equal(enc.tables(pos)[0], before)
+
+
+def test_only_rope_declares_scaling_methods() -> None:
+    from posenc.encoders.registry import get
+
+    assert set(RoPE.scaling_methods) == {"linear", "ntk", "dynamic_ntk", "yarn"}
+    assert getattr(get("sinusoidal"), "scaling_methods", ()) == ()
+
+
+# ----------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(scaling="rope2"), "unknown scaling 'rope2'; allowed: none, linear, ntk, "
+                                "dynamic_ntk, yarn"),
+        (dict(scaling="linear", scaling_factor=0.5), "scaling_factor must be a number >= 1"),
+        (dict(scaling="yarn", scaling_factor=2.0), "scaling=yarn needs original_length"),
+        (dict(scaling="dynamic_ntk"), "scaling=dynamic_ntk needs original_length"),
+        (dict(scaling="yarn", original_length=0), "original_length must be a positive"),
+        (dict(yarn_alpha=4.0, yarn_beta=2.0), "need 0 < yarn_alpha < yarn_beta"),
+    ],
+)
+def test_bad_scaling_settings_are_clear_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", "\\(")):
+        rope(**kwargs)
+
+
+def test_a_bad_switch_keeps_the_current_setting() -> None:
+    enc = rope()
+    with pytest.raises(ValueError, match="needs original_length"):
+        enc.set_scaling("yarn", 4.0)
+    assert enc.scaling == PLAIN
+
+
+def test_rope_frequencies_unchanged() -> None:
+    # xpos.py builds on these two: their behaviour is pinned by test_rope.py, and the plain
+    # setting of scaled_frequencies is exactly rope_frequencies.
+    theta, mscale = scaled_frequencies(8, 500.0, PLAIN)
+    assert torch.equal(theta, rope_frequencies(8, 500.0)) and mscale == 1.0
