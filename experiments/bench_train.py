@@ -10,6 +10,7 @@ at every length, so steps/s ratios are tokens/s ratios.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from bench_common import Goal, Row, interleaved, per_call_seconds
 from torch import Tensor, nn
 
-from posenc.encoders import available
+from posenc.encoders import available, get
 from posenc.model import DecoderLM
 from posenc.tasks.optim import adamw_groups
 
@@ -51,11 +52,23 @@ def random_batch(
 
 
 def make_model(
-    encoder: str, model_cfg: dict[str, Any], vocab: int, device: torch.device
+    encoder: str,
+    model_cfg: dict[str, Any],
+    vocab: int,
+    device: torch.device,
+    train_length: int | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A DecoderLM with ``encoder``'s registered defaults and posenc's AdamW groups."""
+    """A DecoderLM with ``encoder``'s registered defaults and posenc's AdamW groups.
+
+    ``train_length``: FIRE's threshold L starts at the training length in a real run
+    (``conf/encoder/fire.yaml``), so the benchmark sets it to the longest length it
+    trains at instead of the class default.
+    """
     torch.manual_seed(0)
-    model = DecoderLM(vocab_size=vocab, encoder=encoder, **model_cfg).to(device).train()
+    factory: Any = encoder
+    if encoder == "fire" and train_length is not None:
+        factory = functools.partial(get("fire"), threshold=float(train_length))
+    model = DecoderLM(vocab_size=vocab, encoder=factory, **model_cfg).to(device).train()
     opt = torch.optim.AdamW(adamw_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.99))
     return model, opt
 
@@ -111,7 +124,8 @@ def run(
         ``{"config", "baseline", "rows"}``.
     """
     encoders = [BASELINE] + [e for e in available() if e != BASELINE]
-    models = {e: make_model(e, model_cfg, vocab, device) for e in encoders}
+    longest = max(length for _, length in shapes)
+    models = {e: make_model(e, model_cfg, vocab, device, longest) for e in encoders}
     rows: list[Row] = []
     for batch, length in shapes:
         ids, tgt = random_batch(batch, length, vocab, device, seed=length)

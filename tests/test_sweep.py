@@ -124,6 +124,8 @@ def compose_hydra(*overrides: str) -> DictConfig:
         ("smoke", {"task": "lm", "encoder": "learned,rope", "seed": "0,1"}),
         ("lm_extrapolation", {"task": "lm", "encoder": "none,learned,sinusoidal,shaw,xl,"
                               "deberta,rope,alibi,t5,fire,xpos", "seed": "0,1,2"}),
+        ("lm_randomized", {"task": "lm", "encoder": "learned,sinusoidal,shaw,xl,deberta,rope,"
+                           "alibi,t5,fire,xpos", "seed": "0,1,2"}),
         ("mt_length", {"task": "mt", "experiment": "mt_train_short",
                        "encoder": "learned,sinusoidal,shaw,xl,deberta,rope,alibi,t5,fire",
                        "seed": "0,1,2"}),

@@ -106,7 +106,38 @@ class FireFunction(nn.Module):
 
     def forward(self, ctx: AttentionContext) -> Tensor:
         """The bias ``b(i, j)`` of every pair of ``ctx``, ``(B|1, H, T, S)``."""
+        if self._below_threshold(ctx):
+            return self._by_distance(ctx)
         return self.mlp(self.inputs(ctx))
+
+    def _below_threshold(self, ctx: AttentionContext) -> bool:
+        """True when every normaliser of ``ctx`` is ``psi(L)``: no query (causal) or no
+        position at all (bidirectional) lies past L."""
+        top = ctx.q_pos.max()
+        if ctx.kind is not AttnKind.CAUSAL:
+            top = torch.maximum(top, ctx.k_pos.max())
+        return bool(top.float() <= self.threshold)
+
+    def _by_distance(self, ctx: AttentionContext) -> Tensor:
+        """The same bias when the normaliser is the constant ``psi(L)``: the input is a
+        function of ``i - j`` alone, so the MLP runs on the ``T + S - 1`` distances present
+        (not on every pair) and each pair picks its distance's row. This is the training
+        case (positions below L), where the per-pair MLP would cost ``W`` times the score
+        matrix in time and memory."""
+        lo = int(ctx.q_pos.min()) - int(ctx.k_pos.max())
+        hi = int(ctx.q_pos.max()) - int(ctx.k_pos.min())
+        causal = ctx.kind is AttnKind.CAUSAL
+        if causal:  # later keys are masked; they read the row of distance 0
+            lo, hi = max(lo, 0), max(hi, 0)
+        dist = torch.arange(lo, hi + 1, device=ctx.q_pos.device, dtype=torch.float32)
+        norm = self.psi(self.threshold)
+        u = self.psi(dist) / norm if causal else dist.sign() * self.psi(dist.abs()) / norm
+        table = self.mlp(u[None, None])[0, :, 0]  # (H, R) for the R distances lo..hi
+        rel = ctx.rel()
+        if causal:
+            rel = rel.clamp_(min=0)
+        idx = rel.sub_(lo)  # (B|1, T, S) rows of the table
+        return table[:, idx].movedim(0, 1)  # (B|1, H, T, S)
 
 
 class _FireAttention(AttentionPositional):

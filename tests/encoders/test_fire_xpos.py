@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from posenc.encoders.base import AttentionPositional, AttnKind
+from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind
 from posenc.encoders.fire import Fire, FireFunction
 from posenc.encoders.rope import RoPE
 from posenc.encoders.xpos import XPos
@@ -81,6 +81,30 @@ def test_fire_attention_matches_the_formula(kind: AttnKind, per_layer: bool, blo
         scores = scores + fire_bias_reference(fire, qp, qp, kind is AttnKind.CAUSAL)
         ref = softmax_attend(scores, q, kind is AttnKind.CAUSAL)
     torch.testing.assert_close(out.double(), merge(ref), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fire_distance_table_path_equals_the_per_pair_mlp(kind: AttnKind) -> None:
+    """Below L the bias is computed once per distance and gathered; it must equal the
+    per-pair MLP (values and gradients), including per-row positions with gaps."""
+    fire = Fire(d_model=C, n_heads=H, n_layers=1, threshold=40.0, init_c=0.6).fire
+    # Positions up to 39 < L = 40 (at i = L exactly, max(L, i) has a tie and the per-pair
+    # path's torch.maximum splits the gradient of L; both are valid subgradients).
+    qp = torch.stack([torch.arange(3, 15), torch.tensor([0, 1, 4, 9, 10, 11, 20, 21, 22, 30,
+                                                         38, 39])])
+    ctx = AttentionContext(q_pos=qp, k_pos=qp, kind=kind)
+    assert fire._below_threshold(ctx)  # every normaliser is psi(L)
+    fast = fire(ctx)
+    slow = fire.mlp(fire.inputs(ctx))
+    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-6)
+    weights = torch.randn_like(fast)
+    grads = [torch.autograd.grad((b * weights).sum(), list(fire.parameters()))
+             for b in (fast, slow)]
+    for g_fast, g_slow in zip(*grads, strict=True):
+        torch.testing.assert_close(g_fast, g_slow, atol=1e-4, rtol=1e-4)
+    # One position past L (and, bidirectionally, one key past it) leaves the fast path.
+    past = AttentionContext(q_pos=qp + 2, k_pos=qp + 2, kind=kind)
+    assert not fire._below_threshold(past)
 
 
 def identity_fire(threshold: float = 4.0) -> Fire:
