@@ -142,3 +142,17 @@ def test_mt_sets_its_own_trainer_defaults() -> None:
         lm = compose("config", overrides=["task=lm"])
     assert mt.trainer.max_steps != lm.trainer.max_steps
     assert mt.tokenizer.vocab_size == 8000 and mt.data.name == "multi30k"
+
+
+def test_mt_long_preset_is_the_default_job_run_longer(tmp_path: Path) -> None:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        base = compose("config", overrides=["task=mt"])
+        long = compose("config", overrides=["task=mt", "experiment=mt_long",
+                                            f"paths.output_dir={tmp_path}",
+                                            f"paths.cache_dir={tmp_path}"])
+    assert (long.trainer.max_steps, long.trainer.val_check_interval) == (1500, 500)
+    assert base.trainer.max_steps == 500
+    drop = ("trainer", "paths", "experiment")
+    assert {k: v for k, v in long.items() if k not in drop} == {
+        k: v for k, v in base.items() if k not in drop}
+    validate(long)
