@@ -58,6 +58,12 @@ class AttentionContext:
             attention can cut the context into blocks of queries (see
             :meth:`slice_queries`). A scheme that puts a per-query tensor in ``extra``
             must list it here.
+        key_dims: The same for entries indexed by key (see :meth:`slice_keys`).
+        starts: ``(q0, k0)`` when the positions are one shared run of consecutive
+            integers, ``q_pos = q0 + arange(T)`` and ``k_pos = k0 + arange(S)`` (the
+            usual case, where relative terms can be read off a per-offset table as a
+            strided view, :func:`offset_view`); None otherwise (per-row or randomized
+            positions). Found from the positions when not given.
     """
 
     q_pos: Tensor
@@ -65,6 +71,13 @@ class AttentionContext:
     kind: AttnKind
     extra: dict[str, Any] = field(default_factory=dict)
     query_dims: dict[str, int] = field(default_factory=dict)
+    key_dims: dict[str, int] = field(default_factory=dict)
+    starts: tuple[int, int] | None | str = "find"
+
+    def __post_init__(self) -> None:
+        if self.starts == "find":
+            q0, k0 = run_start(self.q_pos), run_start(self.k_pos)
+            self.starts = None if q0 is None or k0 is None else (q0, k0)
 
     def slice_queries(self, start: int, stop: int) -> AttentionContext:
         """The context of queries ``start:stop`` only (keys unchanged)."""
@@ -72,7 +85,33 @@ class AttentionContext:
         extra = dict(self.extra)
         for key, dim in self.query_dims.items():
             extra[key] = extra[key].narrow(dim, start, stop - start)
-        return replace(self, q_pos=self.q_pos[:, start:stop], extra=extra)
+        starts = None if self.starts is None else (self.starts[0] + start, self.starts[1])
+        return replace(self, q_pos=self.q_pos[:, start:stop], extra=extra, starts=starts)
+
+    def slice_keys(self, stop: int) -> AttentionContext:
+        """The context of the first ``stop`` keys only (queries unchanged): what a block
+        of causal queries can see."""
+        stop = min(stop, self.k_pos.shape[-1])
+        extra = dict(self.extra)
+        for key, dim in self.key_dims.items():
+            extra[key] = extra[key].narrow(dim, 0, stop)
+        return replace(self, k_pos=self.k_pos[:, :stop], extra=extra, starts=self.starts)
+
+    def offset_range(self) -> tuple[int, int]:
+        """Smallest and largest key-minus-query offset ``n = k_pos[j] - q_pos[i]`` a
+        relative table must cover for :func:`offset_view` (needs ``starts``).
+
+        Bidirectional: every pair's offset. Causal: from the smallest offset up to 1
+        only, since keys past the query (n > 0) are masked; the one extra offset keeps
+        the view's rows from overlapping (see :func:`offset_view`).
+        """
+        if self.starts is None:
+            raise ValueError("offset_range needs consecutive positions (ctx.starts)")
+        (q0, k0), t, s = self.starts, self.q_pos.shape[-1], self.k_pos.shape[-1]
+        lo, hi = k0 - (q0 + t - 1), k0 + s - 1 - q0
+        if self.kind is AttnKind.CAUSAL:
+            hi = max(lo, min(hi, 1))
+        return lo, hi
 
     def rel(self) -> Tensor:
         """Relative distance ``i - j`` (query minus key position), ``(B|1, T, S)``."""
@@ -175,6 +214,70 @@ def gather_rel(table: Tensor, index: Tensor) -> Tensor:
     b, h, t, _ = table.shape
     idx = index[:, None].expand(b, h, t, index.shape[-1])  # (B, H, T, S), no copy
     return torch.gather(table, -1, idx)
+
+
+def run_start(pos: Tensor) -> int | None:
+    """``p0`` if ``pos`` is ``(1, N)`` and equal to ``p0 + arange(N)``, else None (one
+    host sync)."""
+    if pos.dim() != 2 or pos.shape[0] != 1 or pos.is_floating_point():
+        return None
+    n = pos.shape[-1]
+    if n == 0:
+        return None
+    p0 = int(pos[0, 0])
+    if n > 1 and not bool((pos[0, 1:] - pos[0, :-1] == 1).all()):
+        return None
+    return p0
+
+
+def offset_view(per_offset: Tensor, *, row0: int, col0: int, lo: int, cols: int) -> Tensor | None:
+    """Read a per-offset table as a per-pair matrix, as a strided view (no gather).
+
+    ``out[..., r, c] = per_offset[..., r, (col0 + c) - (row0 + r) - lo]``: row r (a query
+    at position ``row0 + r``) picks, for each column c (a key at ``col0 + c``), the entry
+    of their offset. With the offset axis contiguous, moving one row down and one
+    column right keeps the offset, so the matrix is ``as_strided`` with strides
+    ``(L - 1, 1)``: a Toeplitz view (the "skew" of Huang et al. 2018, Music Transformer,
+    without its padding copy). Pairs whose offset falls outside ``[lo, lo + L)`` read
+    an entry of a neighbouring row, which is only allowed for masked pairs.
+
+    Args:
+        per_offset: ``(..., R, L)`` scores per row and offset ``lo .. lo + L - 1``.
+        row0: Position of row 0. col0: Position of column 0.
+        lo: Offset of table entry 0.
+        cols: Number of columns S.
+
+    Returns:
+        ``(..., R, S)`` view, or None when the view would leave the table's storage
+        or its rows would overlap (``L <= S``, which would make gradients of aliased
+        entries collide); the caller then gathers.
+    """
+    per_offset = per_offset.contiguous()
+    rows, width = per_offset.shape[-2], per_offset.shape[-1]
+    c = col0 - row0 - lo  # table index of (row 0, column 0)
+    last = (rows - 1) * (width - 1) + cols - 1 + c  # flat index of the last pair
+    if c < 0 or last > rows * width - 1 or (rows > 1 and width <= cols):
+        return None
+    lead = per_offset.shape[:-2]
+    return per_offset.as_strided(
+        (*lead, rows, cols),
+        (*per_offset.stride()[:-2], width - 1, 1),
+        per_offset.storage_offset() + c,
+    )
+
+
+def toeplitz(per_offset: Tensor, ctx: AttentionContext) -> Tensor | None:
+    """A score term that depends on the offset alone, ``(..., L)`` for the offsets of
+    ``ctx.offset_range()``, as the ``(..., T, S)`` matrix of ``ctx``'s pairs (needs
+    ``ctx.starts``): the table repeated per query row, then :func:`offset_view`. Its
+    gradient is a sum over rows, where a per-pair gather's is a scatter. None when the
+    view does not fit (the caller gathers)."""
+    if ctx.starts is None:
+        return None
+    (q0, k0), t, s = ctx.starts, ctx.q_pos.shape[-1], ctx.k_pos.shape[-1]
+    n_lo, _ = ctx.offset_range()
+    rows = per_offset.unsqueeze(-2).expand(*per_offset.shape[:-1], t, per_offset.shape[-1])
+    return offset_view(rows.contiguous(), row0=q0, col0=k0, lo=n_lo, cols=s)
 
 
 def positions_like(x: Tensor, offset: int = 0) -> Tensor:

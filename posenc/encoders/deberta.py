@@ -12,9 +12,10 @@ The score of query i on key j sums three terms, scaled by ``1/sqrt(3D)``:
 (shared by all layers of the stack) with per-layer matrices. ``delta`` maps the
 distance ``i - j`` to a row of P: clipped to ``[-span, span)``, and, with
 ``bucket_size > 0``, log-bucketed beyond ``bucket_size / 2`` up to ``max_distance``
-(DeBERTa-v2). Both terms are computed per distinct row, ``(B, H, T, P)``, and
-gathered with explicit query and key positions, so T != S is handled (the
-original gather assumes equal query and key lengths).
+(DeBERTa-v2). With consecutive positions both terms are computed per key-minus-query offset,
+``(B, H, T, T+S-1)`` at most, and read as strided (Toeplitz) views; otherwise per
+distinct row, ``(B, H, T, P)``, gathered with explicit query and key positions. Either
+way T != S is handled (the original gather assumes equal query and key lengths).
 
 Cross-attention: nothing (no relative distance between two sequences).
 """
@@ -32,6 +33,7 @@ from posenc.encoders.base import (
     AttnKind,
     PositionalEncoder,
     gather_rel,
+    offset_view,
 )
 from posenc.encoders.registry import register
 
@@ -59,6 +61,54 @@ def log_bucket(rel: Tensor, bucket_size: int, max_distance: int) -> Tensor:
     return torch.where(mag <= mid, rel, torch.sign(rel) * far)
 
 
+def flat_ends(rows: Tensor) -> tuple[int, int]:
+    """``(a, b)`` with ``rows[i] == rows[a]`` for all ``i <= a`` and ``rows[i] == rows[b]``
+    for all ``i >= b``, ``a <= b`` (the constant runs at both ends of a 1-D lookup)."""
+    change = (rows[1:] != rows[:-1]).nonzero().flatten()
+    if change.numel() == 0:
+        return rows.shape[0] - 1, rows.shape[0] - 1
+    return int(change[0]), int(change[-1]) + 1
+
+
+def by_rows(
+    x: Tensor,
+    proj: Tensor,
+    rows: Tensor,
+    first: int,
+    last: int,
+    flat: tuple[int, int],
+    *,
+    reverse: bool = False,
+) -> Tensor:
+    """``x @ proj[:, rows[e]]`` for entries ``e = first .. last`` (or ``last .. first``
+    with ``reverse``), computing each repeated end value once and expanding it.
+
+    Args:
+        x: ``(B, H, N, D)``.
+        proj: ``(H, P, D)`` projected table rows.
+        rows: 1-D table row of each entry.
+        first: First entry. last: Last entry.
+        flat: :func:`flat_ends` of ``rows``.
+        reverse: Output entries in descending order.
+
+    Returns:
+        ``(B, H, N, last - first + 1)``.
+    """
+    a = min(max(flat[0], first), last)  # entries first..a share entry a's row
+    b = max(min(flat[1], last), first)  # entries b..last share entry b's row
+    idx = rows[a : b + 1]
+    mid = x @ proj[:, idx.flip(0) if reverse else idx].transpose(-1, -2)
+    before, after = (last - b, a - first) if reverse else (a - first, last - b)
+    if not before and not after:
+        return mid
+    lead = mid.shape[:-1]
+    parts = [mid[..., :1].expand(*lead, before)] if before else []
+    parts.append(mid)
+    if after:
+        parts.append(mid[..., -1:].expand(*lead, after))
+    return torch.cat(parts, dim=-1)
+
+
 class _DebertaAttention(AttentionPositional):
     def __init__(self, *, d_model: int, n_heads: int, c2p: bool, p2c: bool) -> None:
         super().__init__()
@@ -74,6 +124,50 @@ class _DebertaAttention(AttentionPositional):
         return w(table.to(dtype)).unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, P, D)
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
+        bias = self._by_view(q, k, ctx) if ctx.starts is not None else None
+        if bias is None:
+            bias = self._by_gather(q, k, ctx)
+        return None if bias is None else bias * self.scale(q.shape[-1])
+
+    def _by_view(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
+        """Consecutive positions: per-offset scores read as strided views (no gather);
+        None when a view does not fit (the caller gathers)."""
+        x = ctx.extra
+        table, rows, lo = x["table"], x["rows"], x["lo"]
+        (q0, k0), t, s = ctx.starts, q.shape[-2], k.shape[-2]
+        n_lo, n_hi = ctx.offset_range()  # key-minus-query offsets n = j - i = -(i - j)
+        first, last = -n_hi - lo, -n_lo - lo  # rows entries of distances -n_hi .. -n_lo
+        if self.w_kr is None or first < 0 or last >= rows.shape[0]:
+            return None
+        # c2p: delta(i, j) of distance -n, for n = n_lo .. n_hi
+        kr = self._project(self.w_kr, table, q.dtype)  # (H, P, D)
+        per_n = by_rows(q, kr, rows, first, last, x["flat"], reverse=True)
+        bias = offset_view(per_n, row0=q0, col0=k0, lo=n_lo, cols=s)
+        if bias is None or self.w_qr is None:
+            return bias
+        # p2c: rows are keys, columns queries, offset i - j = d for d = -n_hi .. -n_lo;
+        # delta(j, i) is the row of distance j - i = -d: rows_neg[d - lo]. A key meets
+        # only T of those distances, so keys go in chunks of T, each against its own
+        # 2T - 1 distances (all of them for every key would cost S x (T + S)).
+        qr = self._project(self.w_qr, table, k.dtype)  # (H, P, D)
+        parts = []
+        for c0 in range(0, s, t):
+            c1 = min(s, c0 + t)
+            # the chunk's distances that the lookup covers (masked ones included)
+            d_lo = max(q0 - (k0 + c1 - 1), lo)
+            d_hi = min(q0 + t - 1 - (k0 + c0), lo + rows.shape[0] - 1)
+            if d_hi < d_lo:
+                return None
+            kc = k[..., c0:c1, :]
+            per_d = by_rows(kc, qr, x["rows_neg"], d_lo - lo, d_hi - lo, x["flat_neg"])
+            part = offset_view(per_d, row0=k0 + c0, col0=q0, lo=d_lo, cols=t)
+            if part is None:
+                return None
+            parts.append(part)
+        p2c = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)  # (B, H, S, T)
+        return bias + p2c.transpose(-1, -2)
+
+    def _by_gather(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
         x = ctx.extra
         table, rows, lo = x["table"], x["rows"], x["lo"]
         rel = ctx.rel() - lo  # (B|1, T, S): i - j, offset into the rows lookup
@@ -87,7 +181,7 @@ class _DebertaAttention(AttentionPositional):
             p2c_rows = x["rows_neg"][rel.transpose(-1, -2)]
             p2c = gather_rel(per_row, p2c_rows).transpose(-1, -2)  # (B, H, T, S)
             bias = p2c if bias is None else bias + p2c
-        return None if bias is None else bias * self.scale(q.shape[-1])
+        return bias
 
 
 @register("deberta")
@@ -144,7 +238,10 @@ class DebertaRelative(PositionalEncoder):
         lo = int(q_pos.min()) - int(k_pos.max())
         hi = int(q_pos.max()) - int(k_pos.min())
         dist = torch.arange(lo, hi + 1, device=q_pos.device)
-        ctx.extra.update(table=self.table, lo=lo, rows=self.row(dist), rows_neg=self.row(-dist))
+        rows, rows_neg = self.row(dist), self.row(-dist)
+        ctx.extra.update(table=self.table, lo=lo, rows=rows, rows_neg=rows_neg)
+        # Beyond the largest distance told apart, rows repeat: score those ends once.
+        ctx.extra.update(flat=flat_ends(rows), flat_neg=flat_ends(rows_neg))
         return ctx
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:

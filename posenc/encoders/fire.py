@@ -45,7 +45,13 @@ import math
 import torch
 from torch import Tensor, nn
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.base import (
+    AttentionContext,
+    AttentionPositional,
+    AttnKind,
+    PositionalEncoder,
+    toeplitz,
+)
 from posenc.encoders.registry import register
 
 
@@ -118,21 +124,34 @@ class FireFunction(nn.Module):
             top = torch.maximum(top, ctx.k_pos.max())
         return bool(top.float() <= self.threshold)
 
+    def _table(self, lo: int, hi: int, causal: bool) -> Tensor:
+        """``(H, hi - lo + 1)``: the bias of each distance ``lo .. hi`` below L. Causal:
+        negative distances (masked keys) get distance 0's value, so psi stays finite."""
+        dist = torch.arange(lo, hi + 1, device=self.log_c.device, dtype=torch.float32)
+        norm = self.psi(self.threshold)
+        if causal:
+            u = self.psi(dist.clamp(min=0)) / norm
+        else:
+            u = dist.sign() * self.psi(dist.abs()) / norm
+        return self.mlp(u[None, None])[0, :, 0]
+
     def _by_distance(self, ctx: AttentionContext) -> Tensor:
         """The same bias when the normaliser is the constant ``psi(L)``: the input is a
         function of ``i - j`` alone, so the MLP runs on the ``T + S - 1`` distances present
         (not on every pair) and each pair picks its distance's row. This is the training
         case (positions below L), where the per-pair MLP would cost ``W`` times the score
         matrix in time and memory."""
+        causal = ctx.kind is AttnKind.CAUSAL
+        if ctx.starts is not None:  # consecutive positions: a Toeplitz view, no gather
+            n_lo, n_hi = ctx.offset_range()  # distances -n_hi .. -n_lo
+            bias = toeplitz(self._table(-n_hi, -n_lo, causal).flip(-1), ctx)  # (H, T, S)
+            if bias is not None:
+                return bias[None]
         lo = int(ctx.q_pos.min()) - int(ctx.k_pos.max())
         hi = int(ctx.q_pos.max()) - int(ctx.k_pos.min())
-        causal = ctx.kind is AttnKind.CAUSAL
         if causal:  # later keys are masked; they read the row of distance 0
             lo, hi = max(lo, 0), max(hi, 0)
-        dist = torch.arange(lo, hi + 1, device=ctx.q_pos.device, dtype=torch.float32)
-        norm = self.psi(self.threshold)
-        u = self.psi(dist) / norm if causal else dist.sign() * self.psi(dist.abs()) / norm
-        table = self.mlp(u[None, None])[0, :, 0]  # (H, R) for the R distances lo..hi
+        table = self._table(lo, hi, causal)  # (H, R) for the R distances lo..hi
         rel = ctx.rel()
         if causal:
             rel = rel.clamp_(min=0)

@@ -7,9 +7,13 @@ Eq. 3-5 of the paper: with ``a_ij = w[clip(j - i, -K, K)]``,
     e_ij = q_i . (k_j + a^K_ij) / sqrt(D)        z_i = sum_j alpha_ij (v_j + a^V_ij)
 
 The tables ``w^K, w^V`` have ``2K+1`` rows of size D and are shared across heads
-(as in the paper). Cost: one ``(T, 2K+1)`` matmul per head and a gather instead of a
-``(T, S, D)`` tensor of per-pair embeddings. The value term needs the attention
-probabilities, so with ``value=True`` attention takes its explicit-softmax path.
+(as in the paper). Cost: one ``(T, 2K+1)`` matmul per head, never a ``(T, S, D)``
+tensor of per-pair embeddings. With consecutive positions the ``2K+1`` scores are
+spread over the key-minus-query offsets (the clipped ends expanded, not recomputed)
+and read as a strided (Toeplitz) view; the value term lays the probabilities out the
+same way and sums the offsets that share a row. Other positions use a gather (and a
+scatter for the value term). The value term needs the attention probabilities, so
+with ``value=True`` attention takes its explicit-softmax path.
 
 Cross-attention: nothing (positions of two different sequences are not comparable).
 """
@@ -17,6 +21,7 @@ Cross-attention: nothing (positions of two different sequences are not comparabl
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posenc.encoders.base import (
@@ -25,12 +30,55 @@ from posenc.encoders.base import (
     AttnKind,
     PositionalEncoder,
     gather_rel,
+    offset_view,
 )
 from posenc.encoders.registry import register
 
 
 def _table(k: int, dim: int) -> nn.Parameter:
     return nn.Parameter(torch.randn(2 * k + 1, dim) * 0.02)
+
+
+def _segments(n_lo: int, n_hi: int, k: int) -> tuple[int, int, int, int]:
+    """Split offsets ``n_lo .. n_hi`` by row: how many fall in row 0 (``n <= -K``), the
+    first and last offset of the rows of their own (``-K < n < K``), and how many fall
+    in row 2K (``n >= K``)."""
+    left = max(0, min(n_hi, -k) - n_lo + 1)
+    right = max(0, n_hi - max(n_lo, k) + 1)
+    return left, max(n_lo, -k + 1), min(n_hi, k - 1), right
+
+
+def slots_to_offsets(per_slot: Tensor, n_lo: int, n_hi: int, k: int) -> Tensor:
+    """``(..., 2K+1)`` per-row values to ``(..., L)`` per-offset values for offsets
+    ``n_lo .. n_hi``: entry n is row ``clip(n, -K, K) + K``. The clipped ends are
+    expanded, not computed again."""
+    left, m_lo, m_hi, right = _segments(n_lo, n_hi, k)
+    lead = per_slot.shape[:-1]
+    parts = []
+    if left:
+        parts.append(per_slot[..., :1].expand(*lead, left))
+    if m_hi >= m_lo:
+        parts.append(per_slot[..., m_lo + k : m_hi + k + 1])
+    if right:
+        parts.append(per_slot[..., 2 * k :].expand(*lead, right))
+    return torch.cat(parts, dim=-1)
+
+
+def offsets_to_slots(per_offset: Tensor, n_lo: int, k: int) -> Tensor:
+    """The adjoint of :func:`slots_to_offsets`: sum ``(..., L)`` per-offset values
+    (offsets ``n_lo ..``) into their ``2K+1`` rows."""
+    width = per_offset.shape[-1]
+    left, m_lo, m_hi, right = _segments(n_lo, n_lo + width - 1, k)
+    lead = per_offset.shape[:-1]
+    zero = per_offset.new_zeros(*lead, 1)
+    first = per_offset[..., :left].sum(-1, keepdim=True) if left else zero
+    last = per_offset[..., width - right :].sum(-1, keepdim=True) if right else zero
+    if m_hi >= m_lo:
+        mid = per_offset[..., left : left + m_hi - m_lo + 1]
+        mid = F.pad(mid, (m_lo + k - 1, k - 1 - m_hi))  # rows 1 .. 2K-1
+    else:
+        mid = per_offset.new_zeros(*lead, 2 * k - 1)
+    return torch.cat([first, mid, last], dim=-1)
 
 
 class _ShawAttention(AttentionPositional):
@@ -55,14 +103,33 @@ class _ShawAttention(AttentionPositional):
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
         key_table, _ = self._tables(ctx)
+        scale = self.scale(q.shape[-1])
         per_slot = q @ key_table.to(q.dtype).T  # (B, H, T, 2K+1)
-        return gather_rel(per_slot, self._slot(ctx)) * self.scale(q.shape[-1])
+        if ctx.starts is not None:  # per offset, read as a strided view: no gather
+            n_lo, n_hi = ctx.offset_range()
+            per_n = slots_to_offsets(per_slot, n_lo, n_hi, ctx.extra["clip"])  # (B,H,T,L)
+            (q0, k0), s = ctx.starts, k.shape[-2]
+            view = offset_view(per_n, row0=q0, col0=k0, lo=n_lo, cols=s)
+            if view is not None:
+                return view * scale
+        return gather_rel(per_slot, self._slot(ctx)) * scale
 
     def value_term(self, probs: Tensor, ctx: AttentionContext) -> Tensor | None:
         _, value_table = self._tables(ctx)
         if value_table is None:
             return None
         b, h, t, s = probs.shape
+        if ctx.starts is not None:
+            # Lay the probabilities out by offset (the inverse of the score's view; rows
+            # of the view never overlap), then sum the offsets that share a row.
+            n_lo, n_hi = ctx.offset_range()
+            mass = probs.new_zeros(b, h, t, n_hi - n_lo + 1)  # (B, H, T, L)
+            (q0, k0) = ctx.starts
+            view = offset_view(mass, row0=q0, col0=k0, lo=n_lo, cols=s)
+            if view is not None:
+                view.copy_(probs)
+                per_slot = offsets_to_slots(mass, n_lo, ctx.extra["clip"])  # (B,H,T,2K+1)
+                return per_slot @ value_table.to(probs.dtype)  # (B, H, T, D)
         slot = self._slot(ctx)[:, None].expand(b, h, t, s)
         # Sum the probabilities that fall into each clipped distance, then mix rows.
         mass = probs.new_zeros(b, h, t, value_table.shape[0]).scatter_add_(-1, slot, probs)

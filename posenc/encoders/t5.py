@@ -35,7 +35,13 @@ import math
 import torch
 from torch import Tensor, nn
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.base import (
+    AttentionContext,
+    AttentionPositional,
+    AttnKind,
+    PositionalEncoder,
+    toeplitz,
+)
 from posenc.encoders.registry import register
 
 
@@ -138,8 +144,14 @@ class _T5Attention(AttentionPositional):
         m = ctx.extra["max_distance"]
         # Row of the bucket lookup: n = j - i = -rel, clipped to [-M, M] (every |n| >= M
         # is in the last bucket of its direction anyway), shifted to [0, 2M].
-        row = ctx.rel().neg_().clamp_(-m, m).add_(m)  # (B|1, T, S)
         per_row = self.table(ctx).to(q.dtype).T[:, ctx.extra["buckets"]]  # (H, 2M+1)
+        if ctx.starts is not None:  # consecutive positions: one row per offset, a view
+            n_lo, n_hi = ctx.offset_range()
+            n = torch.arange(n_lo, n_hi + 1, device=q.device).clamp_(-m, m).add_(m)
+            bias = toeplitz(per_row[:, n], ctx)  # (H, T, S)
+            if bias is not None:
+                return bias[None]
+        row = ctx.rel().neg_().clamp_(-m, m).add_(m)  # (B|1, T, S)
         return per_row[:, row].transpose(0, 1)  # (B|1, H, T, S)
 
 

@@ -10,8 +10,10 @@ with R the sinusoid of the distance ``i - j``, ``W_r`` a per-layer projection an
 ``u, v`` global per-head vectors shared by all layers. Instead of the paper's
 "relative shift" (which fills the upper triangle with wrong values and is only
 right under a causal mask) we score each query against the L distinct distances
-present, ``(B, H, T, L)``, and gather the pair each (i, j) needs. That is exact for
-causal, bidirectional and arbitrary (offset, windowed) positions.
+present, ``(B, H, T, L)``, and pick the entry each pair (i, j) needs: a strided
+view when positions are consecutive (:func:`~posenc.encoders.base.offset_view`),
+a gather otherwise (per-row or randomized positions). Both are exact for causal,
+bidirectional and offset positions.
 
 Cross-attention: nothing (no relative distance between two sequences).
 """
@@ -27,6 +29,7 @@ from posenc.encoders.base import (
     AttnKind,
     PositionalEncoder,
     gather_rel,
+    offset_view,
 )
 from posenc.encoders.registry import register
 from posenc.encoders.sinusoidal import sinusoid
@@ -40,12 +43,24 @@ class _XLAttention(AttentionPositional):
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
         x = ctx.extra
-        r = self.w_r(x["R"].to(q.dtype))  # (L, H*D)
+        r = self.w_r(x["R"].to(q.dtype))  # (L, H*D), row m for distance lo + m
+        qv = q + x["v"][:, None].to(q.dtype)  # (B, H, T, D)
+        if ctx.starts is not None:  # consecutive positions: a Toeplitz view, no gather
+            n_lo, n_hi = ctx.offset_range()  # offsets n = j - i, i.e. distances -n
+            first = -n_hi - x["lo"]  # row of the smallest distance needed
+            if first >= 0 and -n_lo - x["lo"] < r.shape[0]:
+                r_n = r.narrow(0, first, n_hi - n_lo + 1).flip(0)  # rows for n_lo..n_hi
+                r_n = r_n.unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, L, D)
+                per_n = qv @ r_n.transpose(-1, -2)  # (B, H, T, L)
+                (q0, k0), s = ctx.starts, k.shape[-2]
+                view = offset_view(per_n, row0=q0, col0=k0, lo=n_lo, cols=s)
+                if view is not None:
+                    return view * self.scale(q.shape[-1])
         r = r.unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, L, D)
-        per_dist = (q + x["v"][:, None].to(q.dtype)) @ r.transpose(-1, -2)  # (B, H, T, L)
+        per_dist = qv @ r.transpose(-1, -2)  # (B, H, T, L)
         rel = ctx.rel()  # (B|1, T, S), i - j
         if ctx.kind is AttnKind.CAUSAL:
-            rel = rel.clamp_(min=0)  # later keys are masked; the table starts at 0
+            rel = rel.clamp_(min=0)  # later keys are masked; the table starts at <= 0
         return gather_rel(per_dist, rel.sub_(x["lo"])) * self.scale(q.shape[-1])
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
@@ -78,8 +93,9 @@ class TransformerXL(PositionalEncoder):
         lo = int(q_pos.min()) - int(k_pos.max())
         hi = int(q_pos.max()) - int(k_pos.min())
         if kind is AttnKind.CAUSAL:
-            # Keys after the query are masked out anyway; don't build their distances.
-            lo, hi = max(lo, 0), max(hi, 0)
+            # Keys after the query are masked out anyway; don't build their distances
+            # beyond -1 (which the strided view needs, see offset_range).
+            lo, hi = max(lo, -1), max(hi, 0)
         dist = torch.arange(lo, hi + 1, device=q_pos.device)
         ctx.extra.update(R=sinusoid(dist, self.d_model, base=self.base), lo=lo, u=self.u, v=self.v)
         return ctx

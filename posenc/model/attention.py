@@ -77,6 +77,8 @@ class Attention(nn.Module):
     #: Upper bound on one (B, H, T, S) score matrix of a scheme that adds score terms;
     #: longer inputs are processed a block of queries at a time (same result).
     max_score_bytes: int = 8 * 2**20
+    #: Most queries per block in causal attention with score terms (see query_block).
+    causal_block: int = 128
 
     def __init__(
         self, *, d_model: int, n_heads: int, dropout: float, pos: AttentionPositional
@@ -121,30 +123,45 @@ class Attention(nn.Module):
         v = self._heads(src, self.v_proj)  # (B, H, S, D)
         b, h, t, _ = q.shape
         s = k.shape[-2]
-        block = self.query_block(b, h, t, s, q.element_size()) if self.pos.adds_scores else t
+        causal = ctx.kind is AttnKind.CAUSAL
+        block = t
+        if self.pos.adds_scores:
+            block = self.query_block(b, h, t, s, q.element_size(), causal=causal)
         if block >= t:
             out = self._attend(q, k, v, ctx, key_valid, shift=s - t)
-        else:  # the same computation, a block of queries at a time: bounded memory
-            out = torch.cat(
-                [
+        else:  # the same computation, a block of queries at a time
+            parts = []
+            for a in range(0, t, block):
+                sub = ctx.slice_queries(a, a + block)
+                # Causal: the block's last query sees keys up to a + block - 1 + (S - T);
+                # the rest are masked for every query of the block, so leave them out.
+                stop = min(s, a + block + s - t) if causal else s
+                if stop < s:
+                    sub = sub.slice_keys(stop)
+                kv = None if key_valid is None else key_valid[:, :stop]
+                parts.append(
                     self._attend(
                         q[:, :, a : a + block],
-                        k,
-                        v,
-                        ctx.slice_queries(a, a + block),
-                        key_valid,
+                        k[:, :, :stop],
+                        v[:, :, :stop],
+                        sub,
+                        kv,
                         shift=a + s - t,
                     )
-                    for a in range(0, t, block)
-                ],
-                dim=2,
-            )
+                )
+            out = torch.cat(parts, dim=2)
         return self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, T, C)
 
-    def query_block(self, b: int, h: int, t: int, s: int, itemsize: int) -> int:
-        """Queries per block so that one ``(B, H, block, S)`` score matrix stays within
-        ``max_score_bytes`` (at least one query)."""
-        return max(1, min(t, self.max_score_bytes // max(1, b * h * s * itemsize)))
+    def query_block(
+        self, b: int, h: int, t: int, s: int, itemsize: int, *, causal: bool = False
+    ) -> int:
+        """Queries per block: one ``(B, H, block, S)`` score matrix stays within
+        ``max_score_bytes`` (at least one query), and causal attention uses blocks of at
+        most ``causal_block`` queries, since each block skips the keys masked for all of
+        its queries (about half the work of a long sequence, as a fused causal kernel
+        skips it)."""
+        block = max(1, min(t, self.max_score_bytes // max(1, b * h * s * itemsize)))
+        return min(block, self.causal_block) if causal else block
 
     def _attend(
         self,

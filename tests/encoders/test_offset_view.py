@@ -1,0 +1,188 @@
+"""The strided (Toeplitz) fast path of the relative schemes against their gather path.
+
+With consecutive positions, Shaw, Transformer-XL, DeBERTa, T5 and FIRE compute their
+terms per key-minus-query offset and read the pairs off that table as a strided view
+(``offset_view``, ``toeplitz``); with any other positions they gather. Both must give the same
+scores, value terms and gradients wherever attention is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from posenc.encoders import base as base_mod
+from posenc.encoders import get
+from posenc.encoders.base import AttentionContext, AttnKind, offset_view, run_start
+from posenc.encoders.deberta import by_rows, flat_ends
+from posenc.encoders.shaw import offsets_to_slots, slots_to_offsets
+from posenc.model.attention import Attention
+
+H, D = 2, 8
+
+
+def test_run_start_finds_consecutive_positions_only() -> None:
+    assert run_start(torch.arange(5, 12)[None]) == 5
+    assert run_start(torch.tensor([[3]])) == 3
+    assert run_start(torch.tensor([[0, 1, 3]])) is None  # a gap
+    assert run_start(torch.arange(4)[None].repeat(2, 1)) is None  # per-row positions
+    assert run_start(torch.arange(4.0)[None]) is None
+
+
+@pytest.mark.parametrize(
+    ("rows", "width", "cols", "row0", "col0", "lo"),
+    [(4, 7, 4, 0, 0, -3), (3, 8, 6, 5, 3, -4), (5, 6, 5, 2, 0, -6), (1, 3, 3, 0, 0, 0)],
+)
+def test_offset_view_is_the_offset_lookup(
+    rows: int, width: int, cols: int, row0: int, col0: int, lo: int
+) -> None:
+    """out[r, c] = table[r, (col0 + c) - (row0 + r) - lo] for every in-table pair, and the
+    view is a view (it shares the table's storage)."""
+    table = torch.randn(2, rows, width)
+    out = offset_view(table, row0=row0, col0=col0, lo=lo, cols=cols)
+    assert out is not None and out.shape == (2, rows, cols)
+    assert out.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+    checked = 0
+    for r, c in itertools.product(range(rows), range(cols)):
+        m = (col0 + c) - (row0 + r) - lo
+        if 0 <= m < width:
+            torch.testing.assert_close(out[:, r, c], table[:, r, m])
+            checked += 1
+    assert checked >= rows  # the cases are not vacuous
+
+
+def test_offset_view_refuses_overlap_and_out_of_bounds() -> None:
+    table = torch.randn(3, 5)
+    # width <= cols: row r's last column and row r+1's first would share an entry
+    assert offset_view(table, row0=0, col0=0, lo=-2, cols=5) is None
+    # (0, 0) before the table's start
+    assert offset_view(table, row0=0, col0=0, lo=1, cols=2) is None
+    # last pair past the table's end
+    assert offset_view(table, row0=0, col0=4, lo=0, cols=3) is not None  # just fits
+    assert offset_view(table, row0=0, col0=5, lo=0, cols=3) is None
+
+
+def test_shaw_slot_maps_are_the_clip_lookup_and_adjoint() -> None:
+    k = 3
+    for n_lo, n_hi in [(-9, 1), (-2, 2), (-9, -5), (4, 8), (-4, 6), (0, 0)]:
+        per_slot = torch.randn(2, 5, 2 * k + 1)
+        n = torch.arange(n_lo, n_hi + 1)
+        ref = per_slot[..., n.clamp(-k, k) + k]
+        got = slots_to_offsets(per_slot, n_lo, n_hi, k)
+        torch.testing.assert_close(got, ref)
+        # adjoint: <S a, b> = <a, S^T b>, and S^T sums what shares a row
+        b = torch.randn_like(ref)
+        back = offsets_to_slots(b, n_lo, k)
+        torch.testing.assert_close((got * b).sum(), (per_slot * back).sum())
+        ref_back = torch.zeros_like(per_slot).index_add_(-1, n.clamp(-k, k) + k, b)
+        torch.testing.assert_close(back, ref_back)
+
+
+def test_deberta_row_runs() -> None:
+    rows = torch.tensor([0, 0, 0, 1, 2, 2, 3, 5, 5, 5])
+    assert flat_ends(rows) == (2, 7)
+    assert flat_ends(torch.tensor([4, 4, 4])) == (2, 2)
+    proj = torch.randn(H, 6, D)
+    x = torch.randn(2, H, 3, D)
+    for first, last, reverse in itertools.product(range(10), range(10), (False, True)):
+        if last < first:
+            continue
+        idx = rows[first : last + 1]
+        ref = x @ proj[:, idx.flip(0) if reverse else idx].transpose(-1, -2)
+        got = by_rows(x, proj, rows, first, last, flat_ends(rows), reverse=reverse)
+        torch.testing.assert_close(got, ref)
+
+
+ENCODERS = {
+    "shaw": {"max_distance": 3},
+    "xl": {},
+    "deberta": {"max_distance": 8, "bucket_size": 4},  # rows saturate within the test
+    "deberta_c2p": {"max_distance": 6, "bucket_size": 0, "p2c": False},
+    "t5": {"num_buckets": 8, "max_distance": 6},
+    "fire": {},  # positions stay below its threshold L: the per-distance path
+}
+
+
+def _build(name: str) -> torch.nn.Module:
+    return get(name.split("_")[0])(d_model=H * D, n_heads=H, n_layers=1, **ENCODERS[name])
+
+
+# (T, S, q0, k0): self-attention, offset positions, a cache (T < S), a block of queries
+# against the keys up to it (what causal attention's query blocks pass).
+SHAPES = [(7, 7, 0, 0), (6, 6, 5, 5), (3, 9, 11, 5), (4, 9, 5, 0)]
+
+
+@pytest.mark.parametrize("name", list(ENCODERS))
+@pytest.mark.parametrize("kind", [AttnKind.CAUSAL, AttnKind.BIDIRECTIONAL])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_view_path_equals_gather_path(
+    name: str, kind: AttnKind, shape: tuple[int, int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t, s, q0, k0 = shape
+    enc = _build(name)
+    hooks = enc.for_attention(layer=0, kind=kind)
+    q = torch.randn(2, H, t, D, requires_grad=True)
+    k = torch.randn(2, H, s, D, requires_grad=True)
+    fast = enc.context(torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None], kind)
+    assert fast.starts == (q0, k0)
+    slow = dataclasses.replace(fast, starts=None)
+    # allowed pairs; causal attention masks keys after the query
+    allowed = torch.ones(t, s, dtype=torch.bool)
+    if kind is AttnKind.CAUSAL:
+        allowed = fast.rel()[0] >= 0
+    weights = torch.randn(2, H, t, s) * allowed
+    probs = torch.rand(2, H, t, s, requires_grad=True)
+    params = [p for p in hooks.parameters()] + [p for p in enc.parameters()]
+
+    def run(ctx: AttentionContext) -> tuple[torch.Tensor, ...]:
+        bias = hooks.score_bias(q, k, ctx)
+        value = hooks.value_term(probs * allowed, ctx)
+        loss = (bias * weights).sum() + (0.0 if value is None else value.square().sum())
+        grads = torch.autograd.grad(loss, [q, k, probs, *params], allow_unused=True)
+        return bias.detach() * allowed, value, *grads
+
+    def no_pairs(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the fast path built per-pair distances to gather with")
+
+    with monkeypatch.context() as m:  # the view path must not fall back to gathering
+        m.setattr(AttentionContext, "rel", no_pairs)
+        m.setattr(base_mod, "gather_rel", no_pairs)
+        got = run(fast)
+    ref = run(slow)
+    for a, b in zip(got, ref, strict=True):
+        if a is None or b is None:
+            assert a is None and b is None
+        else:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["shaw", "xl", "deberta", "alibi", "t5"])
+def test_causal_blocks_skip_masked_keys(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Causal attention in query blocks leaves out the keys masked for a whole block:
+    every block's hooks see keys only up to its last query, and the output and input
+    gradients equal one block over all keys."""
+    enc = get(name)(d_model=H * D, n_heads=H, n_layers=1)
+    attn = Attention(
+        d_model=H * D, n_heads=H, dropout=0.0, pos=enc.for_attention(layer=0, kind=AttnKind.CAUSAL)
+    ).eval()
+    x = torch.randn(2, 12, H * D, requires_grad=True)
+    pos = torch.arange(12)[None]
+    ref = attn(x, enc.context(pos, pos, AttnKind.CAUSAL))
+    (g_ref,) = torch.autograd.grad(ref.square().sum(), x)
+    seen: list[tuple[int, int]] = []
+    inner = attn.pos.score_bias
+
+    def spy(q: torch.Tensor, k: torch.Tensor, ctx: AttentionContext) -> torch.Tensor | None:
+        seen.append((int(ctx.q_pos[0, -1]), k.shape[-2]))
+        return inner(q, k, ctx)
+
+    monkeypatch.setattr(attn.pos, "score_bias", spy)
+    attn.causal_block = 5
+    out = attn(x, enc.context(pos, pos, AttnKind.CAUSAL))
+    (g_out,) = torch.autograd.grad(out.square().sum(), x)
+    assert seen == [(4, 5), (9, 10), (11, 12)]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_out, g_ref, atol=1e-5, rtol=1e-5)
