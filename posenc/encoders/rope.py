@@ -395,6 +395,7 @@ class RoPE(PositionalEncoder):
         k_cos, k_sin = (q_cos, q_sin) if k_pos is q_pos else self.tables(k_pos, length)
         ctx.extra.update(layout=self.layout, q_cos=q_cos, q_sin=q_sin, k_cos=k_cos, k_sin=k_sin)
         ctx.query_dims.update(q_cos=-2, q_sin=-2)
+        ctx.key_dims.update(k_cos=-2, k_sin=-2)
         if self._mscale != 1.0 and self.rot_dim < self.head_dim:
             ctx.extra["pass_scale"] = self._mscale
         return ctx

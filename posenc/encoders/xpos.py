@@ -152,6 +152,7 @@ class XPos(PositionalEncoder):
         k_cos, k_sin = self.tables(k_pos, centre, -1.0)
         ctx.extra.update(layout=self.layout, q_cos=q_cos, q_sin=q_sin, k_cos=k_cos, k_sin=k_sin)
         ctx.query_dims.update(q_cos=-2, q_sin=-2)
+        ctx.key_dims.update(k_cos=-2, k_sin=-2)
         return ctx
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:

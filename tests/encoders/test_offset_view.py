@@ -186,3 +186,15 @@ def test_causal_blocks_skip_masked_keys(name: str, monkeypatch: pytest.MonkeyPat
     assert seen == [(4, 5), (9, 10), (11, 12)]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(g_out, g_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_slicing_keys_slices_per_key_tables() -> None:
+    """A context cut to its first keys equals the context built for those keys (RoPE;
+    xPos centres its tables on the keys, so only its scores, not its tables, agree)."""
+    enc = get("rope")(d_model=H * D, n_heads=H, n_layers=1)
+    q_pos, k_pos = torch.arange(3, 9)[None], torch.arange(9)[None]
+    cut = enc.context(q_pos, k_pos, AttnKind.CAUSAL).slice_keys(5)
+    ref = enc.context(q_pos, k_pos[:, :5], AttnKind.CAUSAL)
+    assert cut.starts == ref.starts == (3, 0)
+    for key in ("k_cos", "k_sin", "q_cos", "q_sin"):
+        torch.testing.assert_close(cut.extra[key], ref.extra[key])
