@@ -81,6 +81,22 @@ def test_shaw_slot_maps_are_the_clip_lookup_and_adjoint() -> None:
         torch.testing.assert_close(back, ref_back)
 
 
+def test_deberta_takes_the_view_for_long_keys_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeBERTa gathers while keys are few per table row (cheaper there) and takes the
+    view beyond; both give the same bias."""
+    enc = _build("deberta")  # P = 8 table rows
+    hooks = enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)
+    used: list[str] = []
+    for path in ("_by_view", "_by_gather"):
+        inner = getattr(hooks, path)
+        monkeypatch.setattr(hooks, path, lambda *a, _f=inner, _p=path: used.append(_p) or _f(*a))
+    for s in (32, 33):
+        pos = torch.arange(s)[None]
+        q, k = torch.randn(1, H, s, D), torch.randn(1, H, s, D)
+        hooks.score_bias(q, k, enc.context(pos, pos, AttnKind.BIDIRECTIONAL))
+    assert used == ["_by_gather", "_by_view"]  # 32 = 4 x 8 keys: gather; 33: view
+
+
 def test_deberta_row_runs() -> None:
     rows = torch.tensor([0, 0, 0, 1, 2, 2, 3, 5, 5, 5])
     assert flat_ends(rows) == (2, 7)
@@ -124,6 +140,8 @@ def test_view_path_equals_gather_path(
     t, s, q0, k0 = shape
     enc = _build(name)
     hooks = enc.for_attention(layer=0, kind=kind)
+    if hasattr(hooks, "view_keys_per_row"):
+        hooks.view_keys_per_row = 0.0  # DeBERTa: the view even for these few keys
     q = torch.randn(2, H, t, D, requires_grad=True)
     k = torch.randn(2, H, s, D, requires_grad=True)
     fast = enc.context(torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None], kind)
