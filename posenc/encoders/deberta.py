@@ -131,7 +131,7 @@ class _DebertaAttention(AttentionPositional):
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
         bias = None
-        many_keys = k.shape[-2] > self.view_keys_per_row * ctx.extra["rows_total"]
+        many_keys = k.shape[-2] > self.view_keys_per_row * ctx.extra["table"].shape[0]
         if ctx.starts is not None and many_keys:
             bias = self._by_view(q, k, ctx)
         if bias is None:
@@ -249,7 +249,6 @@ class DebertaRelative(PositionalEncoder):
         dist = torch.arange(lo, hi + 1, device=q_pos.device)
         rows, rows_neg = self.row(dist), self.row(-dist)
         ctx.extra.update(table=self.table, lo=lo, rows=rows, rows_neg=rows_neg)
-        ctx.extra["rows_total"] = self.table.shape[0]
         # Beyond the largest distance told apart, rows repeat: score those ends once.
         ctx.extra.update(flat=flat_ends(rows), flat_neg=flat_ends(rows_neg))
         return ctx
