@@ -14,7 +14,8 @@ A positional scheme is split in two objects:
   implements the hooks that attention calls, always in this order:
 
   1. ``score_bias(q, k, ctx)`` -> additive logits ``(B|1, H|1, T, S)`` or None,
-     computed from the *projected* q and k;
+     computed from the *projected* q and k (attention calls ``score_parts``, which
+     wraps it unless a scheme hands over its term in column pieces);
   2. ``transform_qk(q, k, ctx)`` -> the q and k used for the content score;
   3. the content score ``q @ k^T * scale(D)`` plus the bias, masked, softmaxed;
   4. ``value_term(probs, ctx)`` -> ``(B, H, T, D)`` added to ``probs @ v``
@@ -30,6 +31,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -118,6 +120,24 @@ class AttentionContext:
         return self.q_pos[:, :, None] - self.k_pos[:, None, :]
 
 
+ScoreParts = list[tuple[Tensor, int]]
+"""A score term as parts: ``(term (B|1, H|1, T, n), c0)`` adds ``term`` onto the score
+columns ``c0 .. c0 + n - 1``. One ``(term, 0)`` of width S is a plain ``(T, S)`` term;
+several parts let a scheme add, e.g., per-block terms without first summing them into
+a ``(T, S)`` tensor of their own."""
+
+
+def dense_parts(parts: ScoreParts, s: int) -> Tensor:
+    """The ``(B|1, H|1, T, S)`` sum of score parts (for consumers of one tensor)."""
+    out = None
+    for term, c0 in parts:
+        full = F.pad(term, (c0, s - c0 - term.shape[-1]))
+        out = full if out is None else out + full
+    if out is None:
+        raise ValueError("dense: no score parts")
+    return out
+
+
 class AttentionPositional(nn.Module):
     """Per-attention-module hooks; the base class does nothing at every hook."""
 
@@ -130,7 +150,12 @@ class AttentionPositional(nn.Module):
         """Whether the scheme materialises ``(B, H, T, S)`` terms (a score bias or the
         probabilities); attention then works through the queries in blocks when that
         matrix would be large."""
-        return self.needs_probs or type(self).score_bias is not AttentionPositional.score_bias
+        cls = type(self)
+        return (
+            self.needs_probs
+            or cls.score_bias is not AttentionPositional.score_bias
+            or cls.score_parts is not AttentionPositional.score_parts
+        )
 
     def scale(self, head_dim: int) -> float:
         """Multiplier of the content score ``q @ k^T`` (and of nothing else)."""
@@ -148,6 +173,13 @@ class AttentionPositional(nn.Module):
             ``(B|1, H|1, T, S)`` or None.
         """
         return None
+
+    def score_parts(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreParts | None:
+        """The score term as :data:`ScoreParts`, what attention calls. By default the one
+        part ``(score_bias(q, k, ctx), 0)``; a scheme whose term is naturally a sum of
+        pieces on column ranges overrides it (and makes ``score_bias`` their sum)."""
+        bias = self.score_bias(q, k, ctx)
+        return None if bias is None else [(bias, 0)]
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         """Return the queries and keys that enter the content score."""

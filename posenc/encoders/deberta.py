@@ -32,6 +32,8 @@ from posenc.encoders.base import (
     AttentionPositional,
     AttnKind,
     PositionalEncoder,
+    ScoreParts,
+    dense_parts,
     gather_rel,
     offset_view,
 )
@@ -130,17 +132,25 @@ class _DebertaAttention(AttentionPositional):
         return w(table.to(dtype)).unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, P, D)
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
-        bias = None
+        parts = self.score_parts(q, k, ctx)
+        return None if parts is None else dense_parts(parts, k.shape[-2])
+
+    def score_parts(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreParts | None:
+        # Both terms are products with q or k: scale those, not the (B, H, T, S) sum.
+        scale = self.scale(q.shape[-1])
+        q, k = q * scale, k * scale
         many_keys = k.shape[-2] > self.view_keys_per_row * ctx.extra["table"].shape[0]
         if ctx.starts is not None and many_keys:
-            bias = self._by_view(q, k, ctx)
-        if bias is None:
-            bias = self._by_gather(q, k, ctx)
-        return None if bias is None else bias * self.scale(q.shape[-1])
+            parts = self._by_view(q, k, ctx)
+            if parts is not None:
+                return parts
+        bias = self._by_gather(q, k, ctx)
+        return None if bias is None else [(bias, 0)]
 
-    def _by_view(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
+    def _by_view(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreParts | None:
         """Consecutive positions: per-offset scores read as strided views (no gather);
-        None when a view does not fit (the caller gathers)."""
+        None when a view does not fit (the caller gathers). The p2c term comes in key
+        chunks, each added onto its own columns (no (T, S) sum of the chunks)."""
         x = ctx.extra
         table, rows, lo = x["table"], x["rows"], x["lo"]
         (q0, k0), t, s = ctx.starts, q.shape[-2], k.shape[-2]
@@ -152,14 +162,16 @@ class _DebertaAttention(AttentionPositional):
         kr = self._project(self.w_kr, table, q.dtype)  # (H, P, D)
         per_n = by_rows(q, kr, rows, first, last, x["flat"], reverse=True)
         bias = offset_view(per_n, row0=q0, col0=k0, lo=n_lo, cols=s)
-        if bias is None or self.w_qr is None:
-            return bias
+        if bias is None:
+            return None
+        parts = [(bias, 0)]
+        if self.w_qr is None:
+            return parts
         # p2c: rows are keys, columns queries, offset i - j = d for d = -n_hi .. -n_lo;
         # delta(j, i) is the row of distance j - i = -d: rows_neg[d - lo]. A key meets
         # only T of those distances, so keys go in chunks of T, each against its own
         # 2T - 1 distances (all of them for every key would cost S x (T + S)).
         qr = self._project(self.w_qr, table, k.dtype)  # (H, P, D)
-        parts = []
         for c0 in range(0, s, t):
             c1 = min(s, c0 + t)
             # the chunk's distances that the lookup covers (masked ones included)
@@ -172,9 +184,8 @@ class _DebertaAttention(AttentionPositional):
             part = offset_view(per_d, row0=k0 + c0, col0=q0, lo=d_lo, cols=t)
             if part is None:
                 return None
-            parts.append(part)
-        p2c = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)  # (B, H, S, T)
-        return bias + p2c.transpose(-1, -2)
+            parts.append((part.transpose(-1, -2), c0))  # (B, H, T, c1 - c0)
+        return parts
 
     def _by_gather(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
         x = ctx.extra

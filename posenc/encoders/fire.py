@@ -114,7 +114,24 @@ class FireFunction(nn.Module):
         """The bias ``b(i, j)`` of every pair of ``ctx``, ``(B|1, H, T, S)``."""
         if self._below_threshold(ctx):
             return self._by_distance(ctx)
+        split = self._rows_below_threshold(ctx)
+        if split:  # causal, consecutive: the first rows still share one normaliser
+            t = ctx.q_pos.shape[-1]
+            low = self._by_distance(ctx.slice_queries(0, split))
+            high = self.mlp(self.inputs(ctx.slice_queries(split, t)))
+            return torch.cat((low, high), dim=-2)  # (1, H, T, S)
         return self.mlp(self.inputs(ctx))
+
+    def _rows_below_threshold(self, ctx: AttentionContext) -> int:
+        """Causal attention over consecutive positions: how many leading query rows have
+        the normaliser ``psi(L)`` (positions ``<= L``), so only the rest need the per-pair
+        MLP (a learned L just under the training length would otherwise send a whole
+        block of queries to it); 0 when no rows or all rows qualify, or otherwise."""
+        if ctx.kind is not AttnKind.CAUSAL or ctx.starts is None:
+            return 0
+        q0, t = ctx.starts[0], ctx.q_pos.shape[-1]
+        below = int(torch.floor(self.threshold.detach())) - q0 + 1  # rows with q0 + r <= L
+        return below if 0 < below < t else 0
 
     def _below_threshold(self, ctx: AttentionContext) -> bool:
         """True when every normaliser of ``ctx`` is ``psi(L)``: no query (causal) or no

@@ -104,15 +104,15 @@ class _ShawAttention(AttentionPositional):
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
         key_table, _ = self._tables(ctx)
         scale = self.scale(q.shape[-1])
-        per_slot = q @ key_table.to(q.dtype).T  # (B, H, T, 2K+1)
+        per_slot = (q @ key_table.to(q.dtype).T) * scale  # (B, H, T, 2K+1), scaled while small
         if ctx.starts is not None:  # per offset, read as a strided view: no gather
             n_lo, n_hi = ctx.offset_range()
             per_n = slots_to_offsets(per_slot, n_lo, n_hi, ctx.extra["clip"])  # (B,H,T,L)
             (q0, k0), s = ctx.starts, k.shape[-2]
             view = offset_view(per_n, row0=q0, col0=k0, lo=n_lo, cols=s)
             if view is not None:
-                return view * scale
-        return gather_rel(per_slot, self._slot(ctx)) * scale
+                return view
+        return gather_rel(per_slot, self._slot(ctx))
 
     def value_term(self, probs: Tensor, ctx: AttentionContext) -> Tensor | None:
         _, value_table = self._tables(ctx)

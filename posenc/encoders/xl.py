@@ -44,7 +44,8 @@ class _XLAttention(AttentionPositional):
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
         x = ctx.extra
         r = self.w_r(x["R"].to(q.dtype))  # (L, H*D), row m for distance lo + m
-        qv = q + x["v"][:, None].to(q.dtype)  # (B, H, T, D)
+        # (q + v) * scale: scaling the (B, H, T, D) factor, not the (B, H, T, S) term.
+        qv = (q + x["v"][:, None].to(q.dtype)) * self.scale(q.shape[-1])
         if ctx.starts is not None:  # consecutive positions: a Toeplitz view, no gather
             n_lo, n_hi = ctx.offset_range()  # offsets n = j - i, i.e. distances -n
             first = -n_hi - x["lo"]  # row of the smallest distance needed
@@ -55,13 +56,13 @@ class _XLAttention(AttentionPositional):
                 (q0, k0), s = ctx.starts, k.shape[-2]
                 view = offset_view(per_n, row0=q0, col0=k0, lo=n_lo, cols=s)
                 if view is not None:
-                    return view * self.scale(q.shape[-1])
+                    return view
         r = r.unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, L, D)
         per_dist = qv @ r.transpose(-1, -2)  # (B, H, T, L)
         rel = ctx.rel()  # (B|1, T, S), i - j
         if ctx.kind is AttnKind.CAUSAL:
             rel = rel.clamp_(min=0)  # later keys are masked; the table starts at <= 0
-        return gather_rel(per_dist, rel.sub_(x["lo"])) * self.scale(q.shape[-1])
+        return gather_rel(per_dist, rel.sub_(x["lo"]))
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         return q + ctx.extra["u"][:, None].to(q.dtype), k  # (H, 1, D) over (B, H, T, D)

@@ -3,9 +3,11 @@
 Notation: B batch, H heads, T queries, S keys, D head dim, C d_model.
 
 The module knows nothing of any scheme: it calls the hooks of its
-:class:`~posenc.encoders.base.AttentionPositional` in a fixed order and runs
-``scaled_dot_product_attention`` with the score terms as the additive mask. It
-takes an explicit-softmax path only when the scheme declares ``needs_probs``.
+:class:`~posenc.encoders.base.AttentionPositional` in a fixed order. Without a score
+term it runs ``scaled_dot_product_attention`` (fused kernels). With one, or when the
+scheme declares ``needs_probs``, it runs :func:`~posenc.model.scored.scored_attention`
+(one explicit softmax with a hand-written backward), except on CUDA, where SDPA's
+memory-efficient kernel takes the score term as its additive mask.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind
+from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, dense_parts
+from posenc.model.scored import scored_attention
 
 
 def attention_mask(
@@ -131,7 +134,9 @@ class Attention(nn.Module):
             out = self._attend(q, k, v, ctx, key_valid, shift=s - t)
         else:  # the same computation, a block of queries at a time
             parts = []
-            for a in range(0, t, block):
+            # split, not slicing: its backward joins the blocks' gradients in one copy
+            # (a slice's allocates zeros of all of q for each block and sums them).
+            for a, q_block in zip(range(0, t, block), q.split(block, dim=2), strict=True):
                 sub = ctx.slice_queries(a, a + block)
                 # Causal: the block's last query sees keys up to a + block - 1 + (S - T);
                 # the rest are masked for every query of the block, so leave them out.
@@ -141,7 +146,7 @@ class Attention(nn.Module):
                 kv = None if key_valid is None else key_valid[:, :stop]
                 parts.append(
                     self._attend(
-                        q[:, :, a : a + block],
+                        q_block,
                         k[:, :, :stop],
                         v[:, :, :stop],
                         sub,
@@ -174,13 +179,13 @@ class Attention(nn.Module):
     ) -> Tensor:
         """Hooks, mask and attention for queries ``q (B, H, T, D)``; returns ``(B, H, T, D)``."""
         t, s = q.shape[-2], k.shape[-2]
-        bias = self.pos.score_bias(q, k, ctx)
+        parts = self.pos.score_parts(q, k, ctx)
         q, k = self.pos.transform_qk(q, k, ctx)
         causal = ctx.kind is AttnKind.CAUSAL
         scale = self.pos.scale(self.head_dim)
         p_drop = self.dropout if self.training else 0.0
         if (
-            bias is None
+            parts is None
             and key_valid is None
             and causal
             and t == s
@@ -191,8 +196,21 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(
                 q, k, v, dropout_p=p_drop, is_causal=True, scale=scale
             )
+        if self.pos.needs_probs or (parts is not None and not fused_bias_kernel(q)):
+            out, probs = scored_attention(
+                q,
+                k,
+                v,
+                parts,
+                scale=scale,
+                causal_shift=shift if causal else None,
+                key_valid=key_valid,
+                dropout=p_drop,
+            )
+            extra = self.pos.value_term(probs, ctx) if self.pos.needs_probs else None
+            return out if extra is None else out + extra
         mask = attention_mask(
-            bias=bias,
+            bias=None if parts is None else dense_parts(parts, s),
             causal=causal,
             key_valid=key_valid,
             t=t,
@@ -201,14 +219,13 @@ class Attention(nn.Module):
             device=q.device,
             shift=shift,
         )
-        if not self.pos.needs_probs:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p_drop, scale=scale
-            )
-        scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, T, S)
-        if mask is not None:
-            scores = scores + mask
-        probs = F.dropout(scores.float().softmax(-1).to(q.dtype), p_drop, self.training)
-        out = probs @ v
-        extra = self.pos.value_term(probs, ctx)
-        return out if extra is None else out + extra
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p_drop, scale=scale
+        )
+
+
+def fused_bias_kernel(q: Tensor) -> bool:
+    """Whether ``scaled_dot_product_attention`` has a fused kernel for a score term that
+    needs a gradient on ``q``'s device (CUDA's memory-efficient kernel); on CPU it takes
+    its unfused math path, slower than :func:`~posenc.model.scored.scored_attention`."""
+    return q.device.type == "cuda"

@@ -107,6 +107,30 @@ def test_fire_distance_table_path_equals_the_per_pair_mlp(kind: AttnKind) -> Non
     assert not fire._below_threshold(past)
 
 
+@pytest.mark.parametrize("start", [30, 37, 41])
+def test_fire_rows_below_threshold_use_the_table(start: int) -> None:
+    """Causal queries straddling L = 40.5: the rows at or below L take the per-distance
+    table and the rest the per-pair MLP; together they equal the per-pair MLP for every
+    row (values and gradients, L's included)."""
+    fire = Fire(d_model=C, n_heads=H, n_layers=1, threshold=40.5, init_c=0.6).fire
+    q_pos, k_pos = torch.arange(start, start + 8)[None], torch.arange(start + 8)[None]
+    ctx = AttentionContext(q_pos=q_pos, k_pos=k_pos, kind=AttnKind.CAUSAL)
+    assert fire._rows_below_threshold(ctx) == {30: 0, 37: 4, 41: 0}[start]
+    calls = []
+    table = fire._by_distance
+    fire._by_distance = lambda c: calls.append(c.q_pos.shape[-1]) or table(c)
+    fast = fire(ctx)
+    assert calls == ([] if start == 41 else [8] if start == 30 else [4])
+    slow = fire.mlp(fire.inputs(ctx))
+    keep = torch.arange(start + 8)[None, :] <= q_pos[0, :, None]  # unmasked pairs
+    torch.testing.assert_close(fast * keep, slow * keep, atol=1e-6, rtol=1e-6)
+    weights = torch.randn_like(fast) * keep
+    grads = [torch.autograd.grad((b * weights).sum(), list(fire.parameters()))
+             for b in (fast, slow)]
+    for g_fast, g_slow in zip(*grads, strict=True):
+        torch.testing.assert_close(g_fast, g_slow, atol=1e-4, rtol=1e-4)
+
+
 def identity_fire(threshold: float = 4.0) -> Fire:
     """FIRE with c = 1, L = threshold and a hand-set MLP that is the identity:
     width 2, f(u) = relu(u) - relu(-u) = u, the same for both heads."""

@@ -16,7 +16,7 @@ import torch
 
 from posenc.encoders import base as base_mod
 from posenc.encoders import get
-from posenc.encoders.base import AttentionContext, AttnKind, offset_view, run_start
+from posenc.encoders.base import AttentionContext, AttnKind, ScoreParts, offset_view, run_start
 from posenc.encoders.deberta import by_rows, flat_ends
 from posenc.encoders.shaw import offsets_to_slots, slots_to_offsets
 from posenc.model.attention import Attention
@@ -191,13 +191,13 @@ def test_causal_blocks_skip_masked_keys(name: str, monkeypatch: pytest.MonkeyPat
     ref = attn(x, enc.context(pos, pos, AttnKind.CAUSAL))
     (g_ref,) = torch.autograd.grad(ref.square().sum(), x)
     seen: list[tuple[int, int]] = []
-    inner = attn.pos.score_bias
+    inner = attn.pos.score_parts
 
-    def spy(q: torch.Tensor, k: torch.Tensor, ctx: AttentionContext) -> torch.Tensor | None:
+    def spy(q: torch.Tensor, k: torch.Tensor, ctx: AttentionContext) -> ScoreParts | None:
         seen.append((int(ctx.q_pos[0, -1]), k.shape[-2]))
         return inner(q, k, ctx)
 
-    monkeypatch.setattr(attn.pos, "score_bias", spy)
+    monkeypatch.setattr(attn.pos, "score_parts", spy)
     attn.causal_block = 5
     out = attn(x, enc.context(pos, pos, AttnKind.CAUSAL))
     (g_out,) = torch.autograd.grad(out.square().sum(), x)
