@@ -298,6 +298,77 @@ def offset_view(per_offset: Tensor, *, row0: int, col0: int, lo: int, cols: int)
     )
 
 
+@dataclass(frozen=True)
+class OffsetWindow:
+    """The key columns of a context with consecutive positions, split for a term that
+    is constant in each row beyond two offsets (Shaw's clipped distances, DeBERTa's
+    last buckets): columns ``[0, left)`` have offset ``<= n_left`` for every query, columns
+    ``[right, S)`` offset ``>= n_right``, and the window ``[left, right)`` between them needs
+    the offsets ``n_lo .. n_hi`` of a per-offset table (see :func:`offset_window`)."""
+
+    left: int
+    right: int
+    n_lo: int
+    n_hi: int
+
+
+def offset_window(ctx: AttentionContext, n_left: int | None, n_right: int | None) -> OffsetWindow:
+    """Split ``ctx``'s keys (needs ``ctx.starts``) by offset ``n = k_pos - q_pos``: the
+    columns where every query's offset is ``<= n_left``, those where it is ``>= n_right``
+    (not in causal attention, where they are masked), and the window between.
+
+    A constant end then costs one value per row, expanded over its columns, instead of
+    a strided view of a table as wide as all keys; only the window needs the table, with
+    the causal cap of :meth:`AttentionContext.offset_range`.
+    """
+    if ctx.starts is None:
+        raise ValueError("offset_window needs consecutive positions (ctx.starts)")
+    (q0, k0), t, s = ctx.starts, ctx.q_pos.shape[-1], ctx.k_pos.shape[-1]
+    # Column c holds offsets k0 + c - q0 - (T - 1) .. k0 + c - q0 over the queries.
+    left = 0 if n_left is None else min(max(n_left + q0 - k0 + 1, 0), s)
+    right = s
+    if n_right is not None and ctx.kind is not AttnKind.CAUSAL:
+        right = min(max(n_right + q0 + t - 1 - k0, left), s)
+    n_lo, n_hi = k0 + left - (q0 + t - 1), k0 + right - 1 - q0
+    if ctx.kind is AttnKind.CAUSAL:
+        n_hi = max(n_lo, min(n_hi, 1))
+    return OffsetWindow(left=left, right=right, n_lo=n_lo, n_hi=n_hi)
+
+
+def window_parts(
+    ctx: AttentionContext,
+    w: OffsetWindow,
+    *,
+    left: Tensor | None,
+    table: Tensor | None,
+    right: Tensor | None,
+) -> ScoreParts | None:
+    """Score parts of a query-major offset term split by :func:`offset_window`.
+
+    Args:
+        ctx: The context (consecutive positions).
+        w: Its window.
+        left: ``(..., T, 1)`` each row's value on the columns ``[0, w.left)``.
+        table: ``(..., T, w.n_hi - w.n_lo + 1)`` the values per offset of the window.
+        right: ``(..., T, 1)`` each row's value on ``[w.right, S)``.
+
+    Returns:
+        The parts, or None when the window's view does not fit (the caller gathers).
+    """
+    (q0, k0), s = ctx.starts, ctx.k_pos.shape[-1]
+    parts: ScoreParts = []
+    if w.left:
+        parts.append((left.expand(*left.shape[:-1], w.left), 0))
+    if w.right > w.left:
+        view = offset_view(table, row0=q0, col0=k0 + w.left, lo=w.n_lo, cols=w.right - w.left)
+        if view is None:
+            return None
+        parts.append((view, w.left))
+    if w.right < s:
+        parts.append((right.expand(*right.shape[:-1], s - w.right), w.right))
+    return parts
+
+
 def toeplitz(per_offset: Tensor, ctx: AttentionContext) -> Tensor | None:
     """A score term that depends on the offset alone, ``(..., L)`` for the offsets of
     ``ctx.offset_range()``, as the ``(..., T, S)`` matrix of ``ctx``'s pairs (needs

@@ -36,6 +36,8 @@ from posenc.encoders.base import (
     dense_parts,
     gather_rel,
     offset_view,
+    offset_window,
+    window_parts,
 )
 from posenc.encoders.registry import register
 
@@ -149,31 +151,49 @@ class _DebertaAttention(AttentionPositional):
 
     def _by_view(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreParts | None:
         """Consecutive positions: per-offset scores read as strided views (no gather);
-        None when a view does not fit (the caller gathers). The p2c term comes in key
-        chunks, each added onto its own columns (no (T, S) sum of the chunks)."""
+        None when a view does not fit (the caller gathers). Beyond the last bucket a
+        term is constant along a row (c2p) or a column (p2c): those key columns get one
+        value per query or per key, expanded, and only the window between them is
+        scored per offset. The p2c window comes in key chunks, each added onto its own
+        columns."""
         x = ctx.extra
         table, rows, lo = x["table"], x["rows"], x["lo"]
-        (q0, k0), t, s = ctx.starts, q.shape[-2], k.shape[-2]
-        n_lo, n_hi = ctx.offset_range()  # key-minus-query offsets n = j - i = -(i - j)
-        first, last = -n_hi - lo, -n_lo - lo  # rows entries of distances -n_hi .. -n_lo
-        if self.w_kr is None or first < 0 or last >= rows.shape[0]:
+        if self.w_kr is None:
             return None
-        # c2p: delta(i, j) of distance -n, for n = n_lo .. n_hi
+        # c2p: q_i . K^r[rows[d - lo]] for distance d = i - j = -n. Lookup entries up to
+        # flat[0] share a row (d small: n large), so do those from flat[1] (n small).
+        (a, b), (q0, k0), t = x["flat"], ctx.starts, q.shape[-2]
+        w = offset_window(ctx, -(lo + b), -(lo + a))
+        first, last = -w.n_hi - lo, -w.n_lo - lo  # lookup entries of distances -n_hi..-n_lo
+        if first < 0 or last >= rows.shape[0]:
+            return None
         kr = self._project(self.w_kr, table, q.dtype)  # (H, P, D)
-        per_n = by_rows(q, kr, rows, first, last, x["flat"], reverse=True)
-        bias = offset_view(per_n, row0=q0, col0=k0, lo=n_lo, cols=s)
-        if bias is None:
-            return None
-        parts = [(bias, 0)]
-        if self.w_qr is None:
+        parts = window_parts(
+            ctx,
+            w,
+            left=q @ kr[:, rows[b], None].transpose(-1, -2),  # (B, H, T, 1)
+            table=by_rows(q, kr, rows, first, last, x["flat"], reverse=True),
+            right=q @ kr[:, rows[a], None].transpose(-1, -2),
+        )
+        if parts is None or self.w_qr is None:
             return parts
-        # p2c: rows are keys, columns queries, offset i - j = d for d = -n_hi .. -n_lo;
-        # delta(j, i) is the row of distance j - i = -d: rows_neg[d - lo]. A key meets
-        # only T of those distances, so keys go in chunks of T, each against its own
-        # 2T - 1 distances (all of them for every key would cost S x (T + S)).
+        # p2c: k_j . Q^r[rows_neg[d - lo]], d = i - j again; constant (per key) where the
+        # lookup is flat, so the same split with rows_neg's ends.
+        (a, b) = x["flat_neg"]
+        w = offset_window(ctx, -(lo + b), -(lo + a))
         qr = self._project(self.w_qr, table, k.dtype)  # (H, P, D)
-        for c0 in range(0, s, t):
-            c1 = min(s, c0 + t)
+        if w.left:
+            per_key = k[..., : w.left, :] @ qr[:, x["rows_neg"][b], None].transpose(-1, -2)
+            parts.append((per_key.transpose(-1, -2).expand(*per_key.shape[:-3], -1, t, -1), 0))
+        if w.right < k.shape[-2]:
+            per_key = k[..., w.right :, :] @ qr[:, x["rows_neg"][a], None].transpose(-1, -2)
+            end = per_key.transpose(-1, -2).expand(*per_key.shape[:-3], -1, t, -1)
+            parts.append((end, w.right))
+        # In the window, rows are keys and columns queries, offset i - j = d. A key meets
+        # only T distances, so keys go in chunks of T, each against its own 2T - 1
+        # distances (all of them for every key would cost S x (T + S)).
+        for c0 in range(w.left, w.right, t):
+            c1 = min(w.right, c0 + t)
             # the chunk's distances that the lookup covers (masked ones included)
             d_lo = max(q0 - (k0 + c1 - 1), lo)
             d_hi = min(q0 + t - 1 - (k0 + c0), lo + rows.shape[0] - 1)

@@ -29,8 +29,12 @@ from posenc.encoders.base import (
     AttentionPositional,
     AttnKind,
     PositionalEncoder,
+    ScoreParts,
+    dense_parts,
     gather_rel,
     offset_view,
+    offset_window,
+    window_parts,
 )
 from posenc.encoders.registry import register
 
@@ -102,17 +106,25 @@ class _ShawAttention(AttentionPositional):
         return ctx.rel().neg_().clamp_(-k, k).add_(k)
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
+        return dense_parts(self.score_parts(q, k, ctx), k.shape[-2])
+
+    def score_parts(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreParts:
         key_table, _ = self._tables(ctx)
         scale = self.scale(q.shape[-1])
         per_slot = (q @ key_table.to(q.dtype).T) * scale  # (B, H, T, 2K+1), scaled while small
         if ctx.starts is not None:  # per offset, read as a strided view: no gather
-            n_lo, n_hi = ctx.offset_range()
-            per_n = slots_to_offsets(per_slot, n_lo, n_hi, ctx.extra["clip"])  # (B,H,T,L)
-            (q0, k0), s = ctx.starts, k.shape[-2]
-            view = offset_view(per_n, row0=q0, col0=k0, lo=n_lo, cols=s)
-            if view is not None:
-                return view
-        return gather_rel(per_slot, self._slot(ctx))
+            clip = ctx.extra["clip"]
+            w = offset_window(ctx, -clip, clip)  # beyond +-K a row's score is constant
+            parts = window_parts(
+                ctx,
+                w,
+                left=per_slot[..., :1],
+                table=slots_to_offsets(per_slot, w.n_lo, w.n_hi, clip),  # (B, H, T, L)
+                right=per_slot[..., 2 * clip :],
+            )
+            if parts is not None:
+                return parts
+        return [(gather_rel(per_slot, self._slot(ctx)), 0)]
 
     def value_term(self, probs: Tensor, ctx: AttentionContext) -> Tensor | None:
         _, value_table = self._tables(ctx)
@@ -120,15 +132,24 @@ class _ShawAttention(AttentionPositional):
             return None
         b, h, t, s = probs.shape
         if ctx.starts is not None:
-            # Lay the probabilities out by offset (the inverse of the score's view; rows
-            # of the view never overlap), then sum the offsets that share a row.
-            n_lo, n_hi = ctx.offset_range()
-            mass = probs.new_zeros(b, h, t, n_hi - n_lo + 1)  # (B, H, T, L)
+            # The window's probabilities laid out by offset (the inverse of the score's
+            # view; its rows never overlap), summed per row; the constant ends add their
+            # columns' total to the first and last row.
+            clip = ctx.extra["clip"]
+            w = offset_window(ctx, -clip, clip)
+            mass = probs.new_zeros(b, h, t, w.n_hi - w.n_lo + 1)  # (B, H, T, L)
             (q0, k0) = ctx.starts
-            view = offset_view(mass, row0=q0, col0=k0, lo=n_lo, cols=s)
-            if view is not None:
-                view.copy_(probs)
-                per_slot = offsets_to_slots(mass, n_lo, ctx.extra["clip"])  # (B,H,T,2K+1)
+            view = offset_view(
+                mass, row0=q0, col0=k0 + w.left, lo=w.n_lo, cols=w.right - w.left
+            )
+            if view is not None or w.right == w.left:
+                if view is not None:
+                    view.copy_(probs[..., w.left : w.right])
+                per_slot = offsets_to_slots(mass, w.n_lo, clip)  # (B, H, T, 2K+1)
+                ends = [probs[..., : w.left].sum(-1, keepdim=True)]
+                ends += [per_slot.new_zeros(b, h, t, 2 * clip - 1)]
+                ends += [probs[..., w.right :].sum(-1, keepdim=True)]
+                per_slot = per_slot + torch.cat(ends, dim=-1)
                 return per_slot @ value_table.to(probs.dtype)  # (B, H, T, D)
         slot = self._slot(ctx)[:, None].expand(b, h, t, s)
         # Sum the probabilities that fall into each clipped distance, then mix rows.

@@ -47,15 +47,21 @@ def _scores(
     ``k3 (B*H, S, D)``: ``(B, H, T, S)``, contiguous."""
     (b, h), t, s = heads, q3.shape[-2], k3.shape[-2]
     scores = torch.empty(b, h, t, s, dtype=q3.dtype, device=q3.device)
-    beta, rest = 0.0, parts  # beta 0: the product ignores the (uninitialised) buffer
-    if parts and parts[0][1] == 0 and parts[0][0].shape[-1] == s:
-        scores.copy_(parts[0][0])  # one pass; broadcasts a (1, H, T, S) or (B, 1, T, S) term
-        beta, rest = 1.0, parts[1:]
-    elif parts:
-        scores.zero_()
-        beta = 1.0
+    # Parts that tile the columns from the left are copied in (one pass each, broadcast
+    # as needed); the rest of the buffer is zeroed and the other parts added on top.
+    filled, rest = 0, []
+    for term, c0 in parts:
+        if c0 == filled:
+            scores[..., c0 : c0 + term.shape[-1]].copy_(term)
+            filled += term.shape[-1]
+        else:
+            rest.append((term, c0))
+    if parts and filled < s:
+        scores[..., filled:].zero_()
     for term, c0 in rest:
         scores[..., c0 : c0 + term.shape[-1]].add_(term)
+    # beta 0 without parts: the product ignores the (uninitialised) buffer
+    beta = 1.0 if parts else 0.0
     scores.view(b * h, t, s).baddbmm_(q3, k3.transpose(1, 2), beta=beta, alpha=scale)
     if causal_shift is not None and causal_shift + 1 < s:
         # Query i sees keys j <= i + shift: only columns past the shift can be masked.

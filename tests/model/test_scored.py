@@ -90,7 +90,28 @@ def pieces(leaves):
     return [(leaves[0], 1), (leaves[1].transpose(-1, -2), 4), (leaves[2], 2)]
 
 
-@pytest.mark.parametrize("parts_fn", [full, broadcast_heads, broadcast_batch, strided, pieces])
+def tiles(leaves):
+    """Parts that tile the columns (copied in), then one added on top, then a gap."""
+    if leaves == "shapes":
+        return [(B, H, T, 1), (1, H, T, 3), (B, H, T, 2), (B, H, T, 3)]
+    return [
+        (leaves[0].expand(B, H, T, 2), 0),
+        (leaves[1], 2),
+        (leaves[3], 1),
+        (leaves[2], 5),
+    ]
+
+
+def tiles_with_gap(leaves):
+    if leaves == "shapes":
+        return [(B, H, T, 2), (B, 1, T, 2)]
+    return [(leaves[0], 0), (leaves[1], 4)]
+
+
+PARTS = [full, broadcast_heads, broadcast_batch, strided, pieces, tiles, tiles_with_gap]
+
+
+@pytest.mark.parametrize("parts_fn", PARTS)
 @pytest.mark.parametrize("causal_shift", [None, 0, 2])
 def test_equals_autograd_of_the_formula(parts_fn, causal_shift) -> None:
     check(parts_fn, causal_shift=causal_shift)
