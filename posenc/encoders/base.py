@@ -19,7 +19,10 @@ A positional scheme is split in two objects:
   2. ``transform_qk(q, k, ctx)`` -> the q and k used for the content score;
   3. the content score ``q @ k^T * scale(D)`` plus the bias, masked, softmaxed;
   4. ``value_term(probs, ctx)`` -> ``(B, H, T, D)`` added to ``probs @ v``
-     (only when ``needs_probs`` is true; otherwise the fused kernel runs).
+     (only when ``needs_probs`` is true).
+
+Without a score term or a value term, step 3 is ``scaled_dot_product_attention``
+with its fused kernels; otherwise :func:`posenc.model.scored.scored_attention`.
 
 Every hook defaults to "nothing", so a scheme overrides only what it uses.
 """
