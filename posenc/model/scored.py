@@ -150,7 +150,11 @@ def _may_have_empty_rows(causal_shift: int | None, key_valid: Tensor | None) -> 
 
 
 def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
-    """Sum ``grad`` over the dims a tensor of ``shape`` was broadcast along."""
+    """Sum ``grad`` over the dims a tensor of ``shape`` was broadcast along (leading
+    dims it lacks, and dims of size 1)."""
+    lead = grad.dim() - len(shape)
+    if lead:
+        grad = grad.sum(tuple(range(lead)))
     dims = [i for i, (g, n) in enumerate(zip(grad.shape, shape, strict=True)) if n == 1 and g != 1]
     return grad.sum(dims, keepdim=True) if dims else grad
 

@@ -90,6 +90,11 @@ def pieces(leaves):
     return [(leaves[0], 1), (leaves[1].transpose(-1, -2), 4), (leaves[2], 2)]
 
 
+def three_dims(leaves):
+    """A (H, T, S) term without the batch dim (broadcast like the README's example)."""
+    return [(H, T, S)] if leaves == "shapes" else [(leaves[0], 0)]
+
+
 def tiles(leaves):
     """Parts that tile the columns (copied in), then one added on top, then a gap."""
     if leaves == "shapes":
@@ -108,7 +113,7 @@ def tiles_with_gap(leaves):
     return [(leaves[0], 0), (leaves[1], 4)]
 
 
-PARTS = [full, broadcast_heads, broadcast_batch, strided, pieces, tiles, tiles_with_gap]
+PARTS = [full, broadcast_heads, broadcast_batch, three_dims, strided, pieces, tiles, tiles_with_gap]
 
 
 @pytest.mark.parametrize("parts_fn", PARTS)
