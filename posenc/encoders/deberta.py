@@ -182,13 +182,14 @@ class _DebertaAttention(AttentionPositional):
         (a, b) = x["flat_neg"]
         w = offset_window(ctx, -(lo + b), -(lo + a))
         qr = self._project(self.w_qr, table, k.dtype)  # (H, P, D)
+        def per_key(keys: Tensor, row: Tensor) -> Tensor:  # (B, H, T, n): one value per key
+            col = keys @ qr[:, row, None].transpose(-1, -2)  # (B, H, n, 1)
+            return col.transpose(-1, -2).expand(*col.shape[:-2], t, col.shape[-2])
+
         if w.left:
-            per_key = k[..., : w.left, :] @ qr[:, x["rows_neg"][b], None].transpose(-1, -2)
-            parts.append((per_key.transpose(-1, -2).expand(*per_key.shape[:-3], -1, t, -1), 0))
+            parts.append((per_key(k[..., : w.left, :], x["rows_neg"][b]), 0))
         if w.right < k.shape[-2]:
-            per_key = k[..., w.right :, :] @ qr[:, x["rows_neg"][a], None].transpose(-1, -2)
-            end = per_key.transpose(-1, -2).expand(*per_key.shape[:-3], -1, t, -1)
-            parts.append((end, w.right))
+            parts.append((per_key(k[..., w.right :, :], x["rows_neg"][a]), w.right))
         # In the window, rows are keys and columns queries, offset i - j = d. A key meets
         # only T distances, so keys go in chunks of T, each against its own 2T - 1
         # distances (all of them for every key would cost S x (T + S)).
