@@ -137,7 +137,7 @@ def dense_parts(parts: ScoreParts, s: int) -> Tensor:
         full = F.pad(term, (c0, s - c0 - term.shape[-1]))
         out = full if out is None else out + full
     if out is None:
-        raise ValueError("dense: no score parts")
+        raise ValueError("dense_parts: no score parts")
     return out
 
 

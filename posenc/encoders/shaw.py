@@ -142,9 +142,8 @@ class _ShawAttention(AttentionPositional):
             view = offset_view(
                 mass, row0=q0, col0=k0 + w.left, lo=w.n_lo, cols=w.right - w.left
             )
-            if view is not None or w.right == w.left:
-                if view is not None:
-                    view.copy_(probs[..., w.left : w.right])
+            if view is not None:
+                view.copy_(probs[..., w.left : w.right])
                 per_slot = offsets_to_slots(mass, w.n_lo, clip)  # (B, H, T, 2K+1)
                 ends = [probs[..., : w.left].sum(-1, keepdim=True)]
                 ends += [per_slot.new_zeros(b, h, t, 2 * clip - 1)]
