@@ -39,7 +39,7 @@ SECTIONS = ("rope", "train", "memory", "overhead")
 
 # Sizes per mode. The full sizes are the issue's; quick ones only exercise the code.
 FULL: dict[str, Any] = {
-    "rope": {"shape": (8, 8, 1024, 64), "rounds": 15, "number": 5},
+    "rope": {"shape": (8, 8, 1024, 64), "rounds": 30, "number": 5},
     "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512, "dropout": 0.0},
     "vocab": 65,
     "train": {"shapes": [(8, 256), (2, 1024)], "rounds": 5, "steps": 2},

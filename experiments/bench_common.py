@@ -82,7 +82,12 @@ class Row:
 
 
 def interleaved(
-    measure: dict[str, Callable[[], float]], *, baseline: str, rounds: int, warmup: int = 1
+    measure: dict[str, Callable[[], float]],
+    *,
+    baseline: str,
+    rounds: int,
+    warmup: int = 1,
+    before_round: Callable[[], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Measure every candidate once per round, in an order rotated each round.
 
@@ -95,6 +100,9 @@ def interleaved(
         baseline: Name of the baseline.
         rounds: Measured rounds (after ``warmup`` unrecorded ones).
         warmup: Rounds run first and thrown away (caches, allocator, lazy init).
+        before_round: Called before each round, e.g. to draw fresh inputs, so that
+            no candidate's ratio hangs on where one set of inputs happens to lie in
+            memory.
 
     Returns:
         Name -> ``{"times_s", "ratios", "median_s", "ratio", "ratio_min", "ratio_max"}``.
@@ -105,6 +113,8 @@ def interleaved(
             measure[name]()
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
+        if before_round is not None:
+            before_round()
         # Rotate and alternate direction so no candidate always runs right after
         # the same neighbour (turbo/thermal state and cache contents carry over).
         k = r % len(names)

@@ -69,6 +69,8 @@ class AttentionContext:
             usual case, where relative terms can be read off a per-offset table as a
             strided view, :func:`offset_view`); None otherwise (per-row or randomized
             positions). Found from the positions when not given.
+        memo: Per-forward results a layer computes once and reuses for every block of
+            queries (see :meth:`once`). Slices of a context share it.
     """
 
     q_pos: Tensor
@@ -78,6 +80,7 @@ class AttentionContext:
     query_dims: dict[str, int] = field(default_factory=dict)
     key_dims: dict[str, int] = field(default_factory=dict)
     starts: tuple[int, int] | None | str = "find"
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.starts == "find":
@@ -101,6 +104,15 @@ class AttentionContext:
         for key, dim in self.key_dims.items():
             extra[key] = extra[key].narrow(dim, 0, stop)
         return replace(self, k_pos=self.k_pos[:, :stop], extra=extra, starts=self.starts)
+
+    def once(self, owner: nn.Module, name: str, make: Any) -> Any:
+        """``make()`` computed once per forward pass for ``owner``, e.g. a layer's
+        projection of a shared table that every block of queries reads. The context
+        lives one forward pass, so the result never outlives the weights it used."""
+        key = (id(owner), name)
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
     def offset_range(self) -> tuple[int, int]:
         """Smallest and largest key-minus-query offset ``n = k_pos[j] - q_pos[i]`` a

@@ -101,7 +101,7 @@ def by_rows(
     a = min(max(flat[0], first), last)  # entries first..a share entry a's row
     b = max(min(flat[1], last), first)  # entries b..last share entry b's row
     idx = rows[a : b + 1]
-    mid = x @ proj[:, idx.flip(0) if reverse else idx].transpose(-1, -2)
+    mid = x @ proj.index_select(1, idx.flip(0) if reverse else idx).transpose(-1, -2)
     before, after = (last - b, a - first) if reverse else (a - first, last - b)
     if not before and not after:
         return mid
@@ -130,8 +130,14 @@ class _DebertaAttention(AttentionPositional):
     def scale(self, head_dim: int) -> float:
         return (self.n_terms * head_dim) ** -0.5  # 1/sqrt(3D) with both terms
 
-    def _project(self, w: nn.Linear, table: Tensor, dtype: torch.dtype) -> Tensor:
-        return w(table.to(dtype)).unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, P, D)
+    def _project(self, w: nn.Linear, ctx: AttentionContext, dtype: torch.dtype) -> Tensor:
+        """``(H, P, D)``: the shared table through ``w``, once per layer and forward."""
+        table = ctx.extra["table"]
+        return ctx.once(
+            w,
+            str(dtype),
+            lambda: w(table.to(dtype)).unflatten(-1, (self.n_heads, -1)).transpose(0, 1),
+        )
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
         parts = self.score_parts(q, k, ctx)
@@ -157,7 +163,7 @@ class _DebertaAttention(AttentionPositional):
         scored per offset. The p2c window comes in key chunks, each added onto its own
         columns."""
         x = ctx.extra
-        table, rows, lo = x["table"], x["rows"], x["lo"]
+        rows, lo = x["rows"], x["lo"]
         if self.w_kr is None:
             return None
         # c2p: q_i . K^r[rows[d - lo]] for distance d = i - j = -n. Lookup entries up to
@@ -167,7 +173,7 @@ class _DebertaAttention(AttentionPositional):
         first, last = -w.n_hi - lo, -w.n_lo - lo  # lookup entries of distances -n_hi..-n_lo
         if first < 0 or last >= rows.shape[0]:
             return None
-        kr = self._project(self.w_kr, table, q.dtype)  # (H, P, D)
+        kr = self._project(self.w_kr, ctx, q.dtype)  # (H, P, D)
         parts = window_parts(
             ctx,
             w,
@@ -181,7 +187,7 @@ class _DebertaAttention(AttentionPositional):
         # lookup is flat, so the same split with rows_neg's ends.
         (a, b) = x["flat_neg"]
         w = offset_window(ctx, -(lo + b), -(lo + a))
-        qr = self._project(self.w_qr, table, k.dtype)  # (H, P, D)
+        qr = self._project(self.w_qr, ctx, k.dtype)  # (H, P, D)
         def per_key(keys: Tensor, row: Tensor) -> Tensor:  # (B, H, T, n): one value per key
             col = keys @ qr[:, row, None].transpose(-1, -2)  # (B, H, n, 1)
             return col.transpose(-1, -2).expand(*col.shape[:-2], t, col.shape[-2])
@@ -210,14 +216,14 @@ class _DebertaAttention(AttentionPositional):
 
     def _by_gather(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
         x = ctx.extra
-        table, rows, lo = x["table"], x["rows"], x["lo"]
+        rows, lo = x["rows"], x["lo"]
         rel = ctx.rel() - lo  # (B|1, T, S): i - j, offset into the rows lookup
         bias = None
         if self.w_kr is not None:  # content-to-position: q_i . K^r[delta(i, j)]
-            per_row = q @ self._project(self.w_kr, table, q.dtype).transpose(-1, -2)  # (B,H,T,P)
+            per_row = q @ self._project(self.w_kr, ctx, q.dtype).transpose(-1, -2)  # (B,H,T,P)
             bias = gather_rel(per_row, rows[rel])
         if self.w_qr is not None:  # position-to-content: k_j . Q^r[delta(j, i)]
-            per_row = k @ self._project(self.w_qr, table, k.dtype).transpose(-1, -2)  # (B,H,S,P)
+            per_row = k @ self._project(self.w_qr, ctx, k.dtype).transpose(-1, -2)  # (B,H,S,P)
             # delta(j, i) is the row of distance j - i = -(i - j): index (B|1, S, T).
             p2c_rows = x["rows_neg"][rel.transpose(-1, -2)]
             p2c = gather_rel(per_row, p2c_rows).transpose(-1, -2)  # (B, H, T, S)

@@ -68,7 +68,14 @@ def rope_frequencies(rot_dim: int, base: float = 10000.0, device=None) -> Tensor
     return base ** (-2.0 * i / rot_dim)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved") -> Tensor:
+def apply_rope(
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    layout: str = "interleaved",
+    *,
+    factors: Tensor | None = None,
+) -> Tensor:
     """Rotate the first ``R = 2 * cos.shape[-1]`` dims of ``x``; pass the rest through.
 
     The rotation is done in float32 and the result cast back to ``x.dtype``, so
@@ -83,6 +90,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved")
         cos: ``(B|1, 1, T, R/2)`` float32 cosines of the angles.
         sin: Same shape, sines.
         layout: ``interleaved`` or ``half``.
+        factors: ``torch.complex(cos, sin)``, when the caller has it already (the RoPE
+            module builds it once per forward pass for every layer); interleaved only.
 
     Returns:
         ``(B, H, T, D)`` in ``x.dtype``.
@@ -93,7 +102,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved")
         if rot.stride(-1) != 1 or any(st % 2 for st in rot.stride()[:-1]):
             rot = rot.contiguous()  # view_as_complex needs adjacent, aligned pairs
         z = torch.view_as_complex(rot.unflatten(-1, (half, 2)))  # (B, H, T, R/2)
-        out = torch.view_as_real(z * torch.complex(cos, sin)).flatten(-2)
+        factors = torch.complex(cos, sin) if factors is None else factors
+        out = torch.view_as_real(z * factors).flatten(-2)
     elif layout == "half":
         x1, x2 = rot[..., :half], rot[..., half:]
         out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
@@ -223,9 +233,10 @@ class _RotateQK(AttentionPositional):
     """Per-layer hook: rotate q and k with the stack's cached tables."""
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        layout = ctx.extra["layout"]
-        q = apply_rope(q, ctx.extra["q_cos"], ctx.extra["q_sin"], layout)
-        k = apply_rope(k, ctx.extra["k_cos"], ctx.extra["k_sin"], layout)
+        x = ctx.extra
+        layout = x["layout"]
+        q = apply_rope(q, x["q_cos"], x["q_sin"], layout, factors=x.get("q_rot"))
+        k = apply_rope(k, x["k_cos"], x["k_sin"], layout, factors=x.get("k_rot"))
         tail = ctx.extra.get("pass_scale")
         if tail is not None:  # YaRN temperature on the unrotated dims of a partial rotation
             rot = 2 * ctx.extra["q_cos"].shape[-1]
@@ -396,6 +407,12 @@ class RoPE(PositionalEncoder):
         ctx.extra.update(layout=self.layout, q_cos=q_cos, q_sin=q_sin, k_cos=k_cos, k_sin=k_sin)
         ctx.query_dims.update(q_cos=-2, q_sin=-2)
         ctx.key_dims.update(k_cos=-2, k_sin=-2)
+        if self.layout == "interleaved":  # the complex factors, once for every layer
+            q_rot = torch.complex(q_cos, q_sin)
+            k_rot = q_rot if k_pos is q_pos else torch.complex(k_cos, k_sin)
+            ctx.extra.update(q_rot=q_rot, k_rot=k_rot)
+            ctx.query_dims.update(q_rot=-2)
+            ctx.key_dims.update(k_rot=-2)
         if self._mscale != 1.0 and self.rot_dim < self.head_dim:
             ctx.extra["pass_scale"] = self._mscale
         return ctx

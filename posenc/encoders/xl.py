@@ -43,7 +43,8 @@ class _XLAttention(AttentionPositional):
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
         x = ctx.extra
-        r = self.w_r(x["R"].to(q.dtype))  # (L, H*D), row m for distance lo + m
+        # (L, H*D), row m for distance lo + m; once per layer, not per block of queries
+        r = ctx.once(self, "r", lambda: self.w_r(x["R"].to(q.dtype)))
         # (q + v) * scale: scaling the (B, H, T, D) factor, not the (B, H, T, S) term.
         qv = (q + x["v"][:, None].to(q.dtype)) * self.scale(q.shape[-1])
         if ctx.starts is not None:  # consecutive positions: a Toeplitz view, no gather

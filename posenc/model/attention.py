@@ -134,25 +134,22 @@ class Attention(nn.Module):
             out = self._attend(q, k, v, ctx, key_valid, shift=s - t)
         else:  # the same computation, a block of queries at a time
             parts = []
-            # split, not slicing: its backward joins the blocks' gradients in one copy
-            # (a slice's allocates zeros of all of q for each block and sums them).
-            for a, q_block in zip(range(0, t, block), q.split(block, dim=2), strict=True):
+            starts = range(0, t, block)
+            # Causal: the block's last query sees keys up to a + block - 1 + (S - T);
+            # the rest are masked for every query of the block, so leave them out.
+            stops = [min(s, a + block + s - t) if causal else s for a in starts]
+            # split, not slicing, for q, and key_prefixes for k and v: their backward
+            # joins the blocks' gradients in one buffer (a slice's allocates zeros of the
+            # whole tensor for each block and sums them).
+            q_blocks = q.split(block, dim=2)
+            k_blocks, v_blocks = key_prefixes(k, stops), key_prefixes(v, stops)
+            for i, a in enumerate(starts):
                 sub = ctx.slice_queries(a, a + block)
-                # Causal: the block's last query sees keys up to a + block - 1 + (S - T);
-                # the rest are masked for every query of the block, so leave them out.
-                stop = min(s, a + block + s - t) if causal else s
-                if stop < s:
-                    sub = sub.slice_keys(stop)
-                kv = None if key_valid is None else key_valid[:, :stop]
+                if stops[i] < s:
+                    sub = sub.slice_keys(stops[i])
+                kv = None if key_valid is None else key_valid[:, : stops[i]]
                 parts.append(
-                    self._attend(
-                        q_block,
-                        k[:, :, :stop],
-                        v[:, :, :stop],
-                        sub,
-                        kv,
-                        shift=a + s - t,
-                    )
+                    self._attend(q_blocks[i], k_blocks[i], v_blocks[i], sub, kv, shift=a + s - t)
                 )
             out = torch.cat(parts, dim=2)
         return self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, T, C)
@@ -222,6 +219,45 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=p_drop, scale=scale
         )
+
+
+class _KeyPrefixes(torch.autograd.Function):
+    """``x[..., :stop, :]`` for each stop, as views; the backward adds their gradients
+    into one buffer in place."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, stops: tuple[int, ...]) -> tuple[Tensor, ...]:  # noqa: ANN001
+        ctx.set_materialize_grads(False)
+        ctx.stops, ctx.shape = stops, x.shape
+        return tuple(x.narrow(-2, 0, stop) for stop in stops)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, None]:  # noqa: ANN001
+        given = sorted(
+            ((stop, g) for stop, g in zip(ctx.stops, grads, strict=True) if g is not None),
+            key=lambda pair: -pair[0],
+        )
+        if not given:
+            return None, None
+        (top, first), rest = given[0], given[1:]
+        out = first.new_empty(ctx.shape)
+        out.narrow(-2, 0, top).copy_(first)
+        out.narrow(-2, top, ctx.shape[-2] - top).zero_()
+        for stop, g in rest:
+            out.narrow(-2, 0, stop).add_(g)
+        return out, None
+
+
+def key_prefixes(x: Tensor, stops: list[int]) -> tuple[Tensor, ...]:
+    """The first ``stops[i]`` keys of ``x (B, H, S, D)`` for each block of queries.
+
+    The same values as ``x[:, :, :stop]`` for each stop, but the gradient is one
+    ``(B, H, S, D)`` buffer that every block adds its prefix into, where slicing would
+    pad each block's gradient with zeros to the full length and sum the padded ones.
+    """
+    if not x.requires_grad:
+        return tuple(x[:, :, :stop] for stop in stops)
+    return _KeyPrefixes.apply(x, tuple(stops))
 
 
 def fused_bias_kernel(q: Tensor) -> bool:

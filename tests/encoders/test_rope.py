@@ -212,3 +212,24 @@ def test_cross_attention_is_untouched() -> None:
     ctx = enc.context(torch.arange(3)[None], torch.arange(5)[None], AttnKind.CROSS)
     q2, k2 = hook.transform_qk(q, k, ctx)
     assert q2 is q and k2 is k
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_layer_hook_equals_the_textbook_form(layout: str) -> None:
+    """The hook attention calls, with the tables (and, interleaved, the complex factors)
+    the module builds once per forward pass, on the whole context and on a block of
+    queries cut from it."""
+    rope = RoPE(d_model=2 * D, n_heads=2, n_layers=1, layout=layout)
+    pos = torch.arange(3, 13)[None]
+    ctx = rope.context(pos, pos, AttnKind.CAUSAL)
+    assert ("q_rot" in ctx.extra) == (layout == "interleaved")
+    hook = rope.for_attention(layer=0, kind=AttnKind.CAUSAL)
+    q, k = torch.randn(2, 2, 10, D), torch.randn(2, 2, 10, D)
+    for sub, rows in ((ctx, slice(0, 10)), (ctx.slice_queries(4, 7), slice(4, 7))):
+        rq, rk = hook.transform_qk(q[:, :, rows], k, sub)
+        for b in range(2):
+            for h in range(2):
+                want_q = elementwise_reference(q[b, h, rows], pos[0, rows], layout)
+                want_k = elementwise_reference(k[b, h], pos[0], layout)
+                torch.testing.assert_close(rq[b, h].double(), want_q, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(rk[b, h].double(), want_k, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,7 @@ import torch
 
 from posenc.encoders import build
 from posenc.encoders.base import AttentionPositional, AttnKind
-from posenc.model.attention import Attention, attention_mask
+from posenc.model.attention import Attention, attention_mask, key_prefixes
 from tests.conftest import heads, merge, softmax_attend
 
 
@@ -106,3 +106,68 @@ def test_query_blocks_give_the_same_result(name: str, kind: AttnKind) -> None:
     (g_out,) = torch.autograd.grad(out.square().sum(), x)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(g_out, g_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_key_prefixes_equal_slices_in_values_and_gradients() -> None:
+    """key_prefixes' views are x[:, :, :stop]; its backward, which adds every block's
+    gradient into one buffer, gives what slicing's zero-padded sum gives, also when
+    some prefixes get no gradient."""
+    stops = [3, 6, 9, 9]
+    x = torch.randn(2, 3, 9, 4, dtype=torch.float64, requires_grad=True)
+    weights = [torch.randn(2, 3, s, 4, dtype=torch.float64) for s in stops]
+    for used in ([0, 1, 2, 3], [0, 2], [1]):
+        got = key_prefixes(x, stops)
+        for p, s in zip(got, stops, strict=True):
+            assert torch.equal(p, x[:, :, :s])
+        (g_got,) = torch.autograd.grad(sum((got[i] * weights[i]).sum() for i in used), x)
+        (g_ref,) = torch.autograd.grad(
+            sum((x[:, :, : stops[i]] * weights[i]).sum() for i in used), x
+        )
+        torch.testing.assert_close(g_got, g_ref)
+    assert torch.autograd.gradcheck(lambda t: key_prefixes(t, [2, 5, 9]), (x,))
+    plain = x.detach()
+    assert [p.shape[-2] for p in key_prefixes(plain, stops)] == stops
+
+
+@pytest.mark.parametrize("name", ["shaw", "xl", "deberta", "t5", "alibi", "fire"])
+def test_query_blocks_give_the_same_parameter_gradients(name: str) -> None:
+    """Blocks of causal queries share per-layer work (a table projected once per
+    forward, keys and values cut by key_prefixes): every parameter's gradient, the
+    attention's and the scheme's, equals that of one block."""
+    enc = build(name, d_model=16, n_heads=2, n_layers=1)
+    att = Attention(
+        d_model=16, n_heads=2, dropout=0.0, pos=enc.for_attention(layer=0, kind=AttnKind.CAUSAL)
+    ).eval()
+    params = [p for p in [*att.parameters(), *enc.parameters()] if p.requires_grad]
+    x = torch.randn(2, 13, 16)
+    pos = torch.arange(2, 15)[None]
+
+    def grads() -> list[torch.Tensor]:
+        out = att(x, enc.context(pos, pos, AttnKind.CAUSAL))
+        return torch.autograd.grad(out.square().sum(), params, allow_unused=True)
+
+    ref = grads()
+    att.causal_block = 4  # blocks of 4, 4, 4, 1 queries
+    calls = []
+    linears = [m for m in att.pos.modules() if isinstance(m, torch.nn.Linear)]
+    hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in linears]
+    got = grads()
+    for h in hooks:
+        h.remove()
+    assert len(calls) == len(linears)  # xl's W_k,R, deberta's two: once, not once per block
+    for p, g, r in zip(params, got, ref, strict=True):
+        if r is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=lambda m, p=p: f"{p.shape}: {m}")
+
+
+def test_context_memo_is_shared_by_slices_not_by_forwards() -> None:
+    enc = build("xl", d_model=16, n_heads=2, n_layers=1)
+    pos = torch.arange(6)[None]
+    ctx = enc.context(pos, pos, AttnKind.CAUSAL)
+    made = []
+    value = ctx.once(enc, "t", lambda: made.append(1) or len(made))
+    assert ctx.slice_queries(2, 4).slice_keys(4).once(enc, "t", lambda: 99) == value == 1
+    assert enc.context(pos, pos, AttnKind.CAUSAL).once(enc, "t", lambda: 7) == 7
+    assert made == [1]
