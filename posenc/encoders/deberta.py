@@ -285,6 +285,10 @@ class DebertaRelative(PositionalEncoder):
         lo = int(q_pos.min()) - int(k_pos.max())
         hi = int(q_pos.max()) - int(k_pos.min())
         dist = torch.arange(lo, hi + 1, device=q_pos.device)
+        if kind is AttnKind.CAUSAL:
+            # Keys after the query (distance < 0) are masked: give them distance 0's
+            # rows, so the lookup is flat there and their columns need no products.
+            dist = dist.clamp(min=0)
         rows, rows_neg = self.row(dist), self.row(-dist)
         ctx.extra.update(table=self.table, lo=lo, rows=rows, rows_neg=rows_neg)
         # Beyond the largest distance told apart, rows repeat: score those ends once.

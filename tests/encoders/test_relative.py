@@ -196,6 +196,24 @@ def test_deberta_matches_the_paper(kind: AttnKind, bucket: int) -> None:
     torch.testing.assert_close(out, merge(ref), atol=1e-5, rtol=1e-5)
 
 
+def test_deberta_causal_lookup_is_flat_over_masked_keys() -> None:
+    """Causal: distances < 0 (keys after the query, masked) take distance 0's rows, so
+    no product is spent on them; allowed distances keep the paper's rows, and
+    bidirectional attention keeps every distance's own."""
+    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=4)
+    pos = positions(10)
+    causal = enc.context(pos, pos, AttnKind.CAUSAL).extra
+    both = enc.context(pos, pos, AttnKind.BIDIRECTIONAL).extra
+    dist = torch.arange(causal["lo"], causal["lo"] + causal["rows"].shape[0])
+    allowed = dist >= 0
+    for key, sign in (("rows", 1), ("rows_neg", -1)):
+        want = enc.row(sign * dist)
+        assert torch.equal(causal[key][allowed], want[allowed])
+        assert torch.equal(both[key], want)
+        assert (causal[key][~allowed] == enc.row(torch.tensor(0))).all()
+    assert causal["flat"][0] == int((~allowed).sum())  # the masked run is one flat end
+
+
 def test_deberta_unequal_query_and_key_lengths() -> None:
     enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=8, bucket_size=4)
     hook = enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)

@@ -159,7 +159,9 @@ def test_query_blocks_give_the_same_parameter_gradients(name: str) -> None:
         if r is None:
             assert g is None
         else:
-            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=lambda m, p=p: f"{p.shape}: {m}")
+            torch.testing.assert_close(
+                g, r, atol=1e-5, rtol=1e-5, msg=lambda m, p=p: f"{tuple(p.shape)}: {m}"
+            )
 
 
 def test_context_memo_is_shared_by_slices_not_by_forwards() -> None:
