@@ -63,37 +63,28 @@ def rope_dense(x: Tensor, rot: Tensor) -> Tensor:
     return torch.einsum("bhtd,ted->bhte", x, rot)
 
 
-def rope_half_out(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """``half`` layout written into one preallocated output: no stack/cat copies.
-
-    Not in posenc; timed to show what removing the intermediate copies is worth.
-    """
-    h = cos.shape[-1]
-    x1, x2 = x[..., :h], x[..., h:]
-    out = torch.empty_like(x)
-    o1, o2 = out[..., :h], out[..., h:]
-    torch.mul(x1, cos, out=o1)
-    o1.addcmul_(x2, sin, value=-1.0)
-    torch.mul(x2, cos, out=o2)
-    o2.addcmul_(x1, sin)
-    return out
-
-
 def make_inputs(shape: tuple[int, int, int, int], device: torch.device) -> dict[str, Tensor]:
     """q, k and every form's tables, the cos/sin ones exactly as the RoPE module caches them."""
     b, h, t, d = shape
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(shape, generator=gen).to(device) for _ in range(2))
-    module = RoPE(d_model=h * d, n_heads=h, n_layers=1, cache_len=t).to(device)
     pos = torch.arange(t, device=device)[None]
-    ctx = module.context(pos, pos, AttnKind.CAUSAL)  # what every layer of a forward reads
-    cos, sin = ctx.extra["q_cos"], ctx.extra["q_sin"]  # (1, 1, T, D/2)
+    ctx = {  # what every layer of a forward pass reads, for each layout
+        layout: RoPE(d_model=h * d, n_heads=h, n_layers=1, cache_len=t, layout=layout)
+        .to(device)
+        .context(pos, pos, AttnKind.CAUSAL)
+        .extra
+        for layout in ("interleaved", "half")
+    }
+    cos, sin = ctx["half"]["q_cos"], ctx["half"]["q_sin"]  # (1, 1, T, D/2)
     return {
         "q": q,
         "k": k,
         "cos": cos,
         "sin": sin,
-        "module_rot": ctx.extra["q_rot"],  # torch.complex(cos, sin), built once per forward
+        # rope_factors of each layout, built once per forward pass by the module
+        "factors_interleaved": ctx["interleaved"]["q_rot"],
+        "factors_half": ctx["half"]["q_rot"],
         "cos_full": torch.cat((cos, cos), -1),  # (1, 1, T, D)
         "sin_full": torch.cat((sin, sin), -1),
         "freqs": torch.complex(cos, sin),  # (1, 1, T, D/2) complex64
@@ -109,9 +100,12 @@ def forms(x: dict[str, Tensor]) -> dict[str, tuple[str | None, Callable[[Tensor]
         "copy: x.clone()": (None, lambda t: t.clone()),
         "posenc apply_rope, interleaved": (
             "interleaved",
-            lambda t: apply_rope(t, cos, sin, "interleaved", factors=x["module_rot"]),
+            lambda t: apply_rope(t, cos, sin, "interleaved", factors=x["factors_interleaved"]),
         ),
-        "posenc apply_rope, half": ("half", lambda t: apply_rope(t, cos, sin, "half")),
+        "posenc apply_rope, half": (
+            "half",
+            lambda t: apply_rope(t, cos, sin, "half", factors=x["factors_half"]),
+        ),
         "ref: dense block-diagonal R (interleaved)": (
             "interleaved",
             lambda t: rope_dense(t, x["rot"]),
@@ -123,10 +117,6 @@ def forms(x: dict[str, Tensor]) -> dict[str, tuple[str | None, Callable[[Tensor]
         "ref: complex multiply (interleaved)": (
             "interleaved",
             lambda t: rope_complex(t, x["freqs"]),
-        ),
-        "idea: half into preallocated out, addcmul": (
-            "half",
-            lambda t: rope_half_out(t, cos, sin),
         ),
     }
 

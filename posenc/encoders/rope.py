@@ -68,6 +68,24 @@ def rope_frequencies(rot_dim: int, base: float = 10000.0, device=None) -> Tensor
     return base ** (-2.0 * i / rot_dim)
 
 
+def rope_factors(cos: Tensor, sin: Tensor, layout: str) -> Tensor:
+    """What :func:`apply_rope` multiplies by, built from the ``(..., T, R/2)`` tables.
+
+    ``interleaved``: ``cos + i sin`` as complex64, ``(..., T, R/2)``. ``half``: the
+    real factors of ``x * [cos, cos] + swap(x) * [-sin, sin]`` per half, stacked as
+    ``(2, ..., T, 2, R/2)``. The position axis is :data:`FACTOR_T_DIM` of the layout.
+    """
+    if layout == "interleaved":
+        return torch.complex(cos, sin)
+    if layout == "half":
+        return torch.stack((torch.stack((cos, cos), -2), torch.stack((-sin, sin), -2)))
+    raise ValueError(f"rope: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+
+
+#: The position axis of :func:`rope_factors` per layout (for cutting blocks of queries).
+FACTOR_T_DIM = {"interleaved": -2, "half": -3}
+
+
 def apply_rope(
     x: Tensor,
     cos: Tensor,
@@ -81,34 +99,35 @@ def apply_rope(
     The rotation is done in float32 and the result cast back to ``x.dtype``, so
     bf16/fp16 inputs keep the precision of the angle at large positions. The
     interleaved layout runs as one complex product (pairs are adjacent, so ``x`` is
-    viewed as complex without a copy): about as fast as an elementwise copy, where the
-    textbook ``x1*cos - x2*sin, x1*sin + x2*cos`` form is several times slower
-    (``experiments/bench.py``). The ``half`` layout has no such view and uses that form.
+    viewed as complex without a copy), where the textbook ``x1*cos - x2*sin,
+    x1*sin + x2*cos`` form makes several passes over ``x``. The ``half`` layout has no
+    such view: ``x`` as ``(..., 2, R/2)`` halves, swapped by one flip, then two in-place
+    products with the stacked factors (``experiments/bench.py`` times both layouts).
 
     Args:
         x: ``(B, H, T, D)``.
         cos: ``(B|1, 1, T, R/2)`` float32 cosines of the angles.
         sin: Same shape, sines.
         layout: ``interleaved`` or ``half``.
-        factors: ``torch.complex(cos, sin)``, when the caller has it already (the RoPE
-            module builds it once per forward pass for every layer); interleaved only.
+        factors: :func:`rope_factors` of ``cos, sin, layout``, when the caller has them
+            already (the RoPE module builds them once per forward pass for every layer).
 
     Returns:
         ``(B, H, T, D)`` in ``x.dtype``.
     """
     half = cos.shape[-1]
     rot = x[..., : 2 * half].float()
+    if factors is None:
+        factors = rope_factors(cos, sin, layout)
     if layout == "interleaved":
         if rot.stride(-1) != 1 or any(st % 2 for st in rot.stride()[:-1]):
             rot = rot.contiguous()  # view_as_complex needs adjacent, aligned pairs
         z = torch.view_as_complex(rot.unflatten(-1, (half, 2)))  # (B, H, T, R/2)
-        factors = torch.complex(cos, sin) if factors is None else factors
         out = torch.view_as_real(z * factors).flatten(-2)
-    elif layout == "half":
-        x1, x2 = rot[..., :half], rot[..., half:]
-        out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    else:
-        raise ValueError(f"rope: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+    else:  # half (rope_factors has checked the name)
+        halves = rot.unflatten(-1, (2, half))  # (B, H, T, 2, R/2): [x1, x2]
+        # [x2, x1] * [-sin, sin] + [x1, x2] * [cos, cos]: the flip is the one new tensor
+        out = halves.flip(-2).mul_(factors[1]).addcmul_(halves, factors[0]).flatten(-2)
     out = out.to(x.dtype)
     return out if 2 * half == x.shape[-1] else torch.cat((out, x[..., 2 * half :]), dim=-1)
 
@@ -407,12 +426,12 @@ class RoPE(PositionalEncoder):
         ctx.extra.update(layout=self.layout, q_cos=q_cos, q_sin=q_sin, k_cos=k_cos, k_sin=k_sin)
         ctx.query_dims.update(q_cos=-2, q_sin=-2)
         ctx.key_dims.update(k_cos=-2, k_sin=-2)
-        if self.layout == "interleaved":  # the complex factors, once for every layer
-            q_rot = torch.complex(q_cos, q_sin)
-            k_rot = q_rot if k_pos is q_pos else torch.complex(k_cos, k_sin)
-            ctx.extra.update(q_rot=q_rot, k_rot=k_rot)
-            ctx.query_dims.update(q_rot=-2)
-            ctx.key_dims.update(k_rot=-2)
+        # the factors apply_rope multiplies by, once for every layer
+        q_rot = rope_factors(q_cos, q_sin, self.layout)
+        k_rot = q_rot if k_pos is q_pos else rope_factors(k_cos, k_sin, self.layout)
+        ctx.extra.update(q_rot=q_rot, k_rot=k_rot)
+        ctx.query_dims.update(q_rot=FACTOR_T_DIM[self.layout])
+        ctx.key_dims.update(k_rot=FACTOR_T_DIM[self.layout])
         if self._mscale != 1.0 and self.rot_dim < self.head_dim:
             ctx.extra["pass_scale"] = self._mscale
         return ctx

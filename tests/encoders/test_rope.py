@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from posenc.encoders.base import AttnKind
-from posenc.encoders.rope import RoPE, apply_rope, rope_frequencies
+from posenc.encoders.rope import RoPE, apply_rope, rope_factors, rope_frequencies
 
 D = 8
 
@@ -216,13 +216,11 @@ def test_cross_attention_is_untouched() -> None:
 
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_layer_hook_equals_the_textbook_form(layout: str) -> None:
-    """The hook attention calls, with the tables (and, interleaved, the complex factors)
-    the module builds once per forward pass, on the whole context and on a block of
-    queries cut from it."""
+    """The hook attention calls, with the factors the module builds once per forward
+    pass, on the whole context and on a block of queries cut from it."""
     rope = RoPE(d_model=2 * D, n_heads=2, n_layers=1, layout=layout)
     pos = torch.arange(3, 13)[None]
     ctx = rope.context(pos, pos, AttnKind.CAUSAL)
-    assert ("q_rot" in ctx.extra) == (layout == "interleaved")
     hook = rope.for_attention(layer=0, kind=AttnKind.CAUSAL)
     q, k = torch.randn(2, 2, 10, D), torch.randn(2, 2, 10, D)
     for sub, rows in ((ctx, slice(0, 10)), (ctx.slice_queries(4, 7), slice(4, 7))):
@@ -233,3 +231,28 @@ def test_layer_hook_equals_the_textbook_form(layout: str) -> None:
                 want_k = elementwise_reference(k[b, h], pos[0], layout)
                 torch.testing.assert_close(rq[b, h].double(), want_q, atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(rk[b, h].double(), want_k, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+@pytest.mark.parametrize("rot_dim", [D, D // 2])
+def test_gradients_equal_the_textbook_forms(layout: str, rot_dim: int) -> None:
+    """Backward through apply_rope (its in-place half-layout products included), with
+    and without precomputed factors, and with a partial rotation."""
+    x = torch.randn(2, 3, 6, D, requires_grad=True)
+    w = torch.randn(2, 3, 6, D)
+    ang = torch.arange(6).double()[:, None] * rope_frequencies(rot_dim).double()
+    cos, sin = ang.cos().float()[None, None], ang.sin().float()[None, None]
+
+    def textbook(t: torch.Tensor) -> torch.Tensor:
+        rotated = [
+            torch.stack([elementwise_reference(t[b, h, :, :rot_dim], torch.arange(6), layout)
+                         for h in range(3)])
+            for b in range(2)
+        ]
+        return torch.cat((torch.stack(rotated).float(), t[..., rot_dim:]), -1)
+
+    (want,) = torch.autograd.grad((textbook(x) * w).sum(), x)
+    for factors in (None, rope_factors(cos, sin, layout)):
+        out = apply_rope(x, cos, sin, layout, factors=factors)
+        (got,) = torch.autograd.grad((out * w).sum(), x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
