@@ -4,7 +4,9 @@ Notation: B batch, H heads, T positions, D head dim (all of it rotated here).
 
 RoPE is elementwise: it reads q and k once and writes them once, so its floor is
 the cost of one out-of-place elementwise pass over q and k. Each form below
-rotates both q and k, as ``posenc.encoders.rope._RotateQK`` does.
+rotates both q and k, as ``posenc.encoders.rope._RotateQK`` does. ``apply_rope``
+runs the native kernel (``posenc/native/rope.c``) on the CPU when it is built; its
+PyTorch forms, used otherwise, are timed as well.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from bench_common import Goal, Row, interleaved
 from torch import Tensor
 from torch.utils.benchmark import Timer
 
+from posenc import native
 from posenc.encoders.base import AttnKind
 from posenc.encoders.rope import RoPE, apply_rope
 
@@ -106,6 +109,17 @@ def forms(x: dict[str, Tensor]) -> dict[str, tuple[str | None, Callable[[Tensor]
             "half",
             lambda t: apply_rope(t, cos, sin, "half", factors=x["factors_half"]),
         ),
+        # What apply_rope runs where the native kernel is off or cannot be built.
+        "posenc PyTorch form, interleaved": (
+            "interleaved",
+            lambda t: apply_rope(
+                t, cos, sin, "interleaved", factors=x["factors_interleaved"], native=False
+            ),
+        ),
+        "posenc PyTorch form, half": (
+            "half",
+            lambda t: apply_rope(t, cos, sin, "half", factors=x["factors_half"], native=False),
+        ),
         "ref: dense block-diagonal R (interleaved)": (
             "interleaved",
             lambda t: rope_dense(t, x["rot"]),
@@ -178,13 +192,20 @@ def run(
             what=name,
             median=s["median_s"],
             ratio=s["ratio"],
-            goal=GOAL if name.startswith("posenc") else None,
+            goal=GOAL if name.startswith("posenc apply_rope") else None,
             raw=s,
         )
         for name, s in stats.items()
     ]
     return {
-        "config": {"shape_BHTD": list(shape), "dtype": "float32", "number": number},
+        "config": {
+            "shape_BHTD": list(shape),
+            "dtype": "float32",
+            "number": number,
+            # apply_rope's path on these inputs: the native kernel or the PyTorch forms
+            "apply_rope": "native" if native.rope_supported(x["q"], x["cos"], x["sin"])
+            else f"pytorch ({native.build_error() or 'POSENC_NATIVE off or not the CPU'})",
+        },
         "baseline": BASELINE,
         "unit": "seconds per call (q and k)",
         "checks": checks,

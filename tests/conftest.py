@@ -93,3 +93,23 @@ def compose_run(tmp_path: Path, *overrides: str) -> DictConfig:
         return compose("config", overrides=[
             *TINY, f"paths.output_dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}",
             *overrides])
+
+
+def require_native_rope() -> None:
+    """Skip when there is no C compiler; fail when there is one and the build fails."""
+    from posenc import native
+
+    if native.library() is None:
+        if native.compiler() is None:
+            pytest.skip("no C compiler: the native RoPE kernel cannot be built here")
+        pytest.fail(f"the native RoPE kernel did not build: {native.build_error()}")
+
+
+@pytest.fixture(params=["native", "torch"])
+def both_rope_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test once with the native RoPE kernel and once with the PyTorch forms
+    (``POSENC_NATIVE=0``), which must give the same values."""
+    monkeypatch.setenv("POSENC_NATIVE", "1" if request.param == "native" else "0")
+    if request.param == "native":
+        require_native_rope()
+    return request.param

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from posenc import native
 from posenc.encoders import available
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,8 +59,12 @@ def test_rope_agreement_checks_ran(report: dict[str, Any]) -> None:
     rope = report["sections"]["rope"]
     assert rope["checks_passed"] is True
     checked = {name.rsplit(" [", 1)[0] for name in rope["checks"]}
-    for form in ("posenc apply_rope, half", "ref: dense", "ref: naive rotate_half", "ref: complex"):
+    forms = ("posenc apply_rope, half", "posenc PyTorch form, interleaved",
+             "posenc PyTorch form, half", "ref: dense", "ref: naive rotate_half", "ref: complex")
+    for form in forms:
         assert any(c.startswith(form) for c in checked), form
+    if native.compiler() is not None:  # then the timed apply_rope is the native kernel
+        assert rope["config"]["apply_rope"] == "native"
     assert all(c["ok"] and c["max_abs_err"] < 1e-4 for c in rope["checks"].values())
     timed = {r["what"] for r in rope["rows"]}
     assert {"posenc apply_rope, interleaved", "posenc apply_rope, half"} <= timed

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from posenc import native as native_kernels
 from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
 from posenc.encoders.registry import register
 
@@ -93,8 +94,13 @@ def apply_rope(
     layout: str = "interleaved",
     *,
     factors: Tensor | None = None,
+    native: bool = True,
 ) -> Tensor:
     """Rotate the first ``R = 2 * cos.shape[-1]`` dims of ``x``; pass the rest through.
+
+    On the CPU, float32 and float64 inputs go to :mod:`posenc.native`'s one-pass
+    kernel when it is available (``native=False`` or ``POSENC_NATIVE=0`` turn it off);
+    everything else takes the PyTorch forms below, which give the same values.
 
     The rotation is done in float32 and the result cast back to ``x.dtype``, so
     bf16/fp16 inputs keep the precision of the angle at large positions. The
@@ -111,10 +117,15 @@ def apply_rope(
         layout: ``interleaved`` or ``half``.
         factors: :func:`rope_factors` of ``cos, sin, layout``, when the caller has them
             already (the RoPE module builds them once per forward pass for every layer).
+        native: Use the native CPU kernel for inputs it supports.
 
     Returns:
         ``(B, H, T, D)`` in ``x.dtype``.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"rope: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+    if native and native_kernels.rope_supported(x, cos, sin):
+        return native_kernels.rope(x, cos, sin, layout)
     half = cos.shape[-1]
     rot = x[..., : 2 * half].float()
     if factors is None:

@@ -10,6 +10,9 @@ import torch
 from posenc.encoders.base import AttnKind
 from posenc.encoders.rope import RoPE, apply_rope, rope_factors, rope_frequencies
 
+# Every test here runs on the native kernel and on the PyTorch forms.
+pytestmark = pytest.mark.usefixtures("both_rope_paths")
+
 D = 8
 
 

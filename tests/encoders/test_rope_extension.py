@@ -24,6 +24,9 @@ from posenc.encoders.rope import (
     yarn_mscale,
 )
 
+# Every test here runs on the native kernel and on the PyTorch forms.
+pytestmark = pytest.mark.usefixtures("both_rope_paths")
+
 METHODS = SCALINGS[1:]
 L = 16  # original (training) length in these tests
 

@@ -1,0 +1,193 @@
+"""Native CPU kernels, built on first use with the system's C compiler.
+
+PyTorch's eager elementwise ops each make a pass over memory, so a RoPE written with
+them makes several (a complex product is the fewest, and still more arithmetic per
+element than one pass can hide on a CPU). ``rope.c`` rotates q or k in one pass, for
+either layout, with its backward (the inverse rotation) from the same kernel.
+
+The library is compiled once per source and compiler into ``$POSENC_NATIVE_CACHE``
+(default ``~/.cache/posenc/native``) and loaded with :mod:`ctypes`; a build is
+written under a temporary name and renamed, so parallel jobs sharing the cache do not
+see half-written files. Without a C compiler, or with ``POSENC_NATIVE=0``, or on any
+other device than the CPU, posenc uses its PyTorch forms (same values, slower): a
+failed build warns once with the compiler's message and never stops a run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+_SOURCE = Path(__file__).with_name("rope.c")
+# Portable flags: no -march=native, since a cache in a shared home directory can be
+# read by cluster nodes with other CPUs (one pass over memory is bandwidth-bound anyway).
+_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11"]
+_LOCK = threading.Lock()
+# "lib": CDLL | None once tried, "error": str; each dtype: its kernel's ctypes function
+_STATE: dict[object, object] = {}
+_KERNELS = {
+    torch.float32: ("posenc_rope_f32", ctypes.c_float),
+    torch.float64: ("posenc_rope_f64", ctypes.c_double),
+}
+
+
+def enabled() -> bool:
+    """False when ``POSENC_NATIVE`` is ``0``/``false``/``no``/``off``."""
+    return os.environ.get("POSENC_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    """Where built libraries go: ``$POSENC_NATIVE_CACHE`` or ``~/.cache/posenc/native``."""
+    env = os.environ.get("POSENC_NATIVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "posenc" / "native"
+
+
+def compiler() -> str | None:
+    """The C compiler a build would use: $CC, else cc, gcc or clang on the PATH."""
+    found = (c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c))
+    return next(found, None)
+
+
+def _build() -> ctypes.CDLL:
+    """Compile ``rope.c`` (with OpenMP when the compiler has it) unless a build of the
+    same source, flags and compiler is cached; load it."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (tried $CC, cc, gcc, clang)")
+    source = _SOURCE.read_bytes()
+    attempts = [[*_FLAGS, "-fopenmp"], _FLAGS]  # clang on macOS has no -fopenmp
+    errors = []
+    for flags in attempts:
+        key = hashlib.sha256(
+            source + " ".join([shutil.which(cc) or cc, *flags, platform.machine()]).encode()
+        ).hexdigest()[:16]
+        target = cache_dir() / f"posenc_rope_{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            proc = subprocess.run(
+                [cc, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                os.unlink(tmp)
+                errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-2000:]}")
+                continue
+            os.replace(tmp, target)
+        lib = ctypes.CDLL(str(target))
+        for dtype, (name, ctype) in _KERNELS.items():
+            fn = getattr(lib, name)
+            fn.restype = None
+            pointers_and_sizes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 10
+            fn.argtypes = [*pointers_and_sizes, ctypes.c_bool, ctype, ctypes.c_int]
+            _STATE[dtype] = fn
+        return lib
+    raise RuntimeError("building posenc/native/rope.c failed:\n" + "\n".join(errors))
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None when disabled or unbuildable (warns once why)."""
+    if not enabled():
+        return None
+    with _LOCK:
+        if "lib" not in _STATE:
+            try:
+                _STATE["lib"] = _build()
+            except (OSError, RuntimeError) as err:
+                _STATE["lib"], _STATE["error"] = None, str(err)
+                warnings.warn(
+                    f"posenc: native RoPE kernel unavailable, using the PyTorch form "
+                    f"(same values, slower). Set POSENC_NATIVE=0 to silence. Reason: {err}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    return _STATE["lib"]  # type: ignore[return-value]
+
+
+def build_error() -> str | None:
+    """Why the last build attempt failed (the compiler's message), or None."""
+    return _STATE.get("error")  # type: ignore[return-value]
+
+
+def rope_supported(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether :func:`rope` takes these inputs: CPU, float32/float64 ``x``, constant
+    tables (no gradient), and the kernels available."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _KERNELS
+        and x.dim() == 4
+        and not (cos.requires_grad or sin.requires_grad)
+        and library() is not None
+    )
+
+
+def _launch(x: Tensor, cos: Tensor, sin: Tensor, layout: str, sign: float) -> Tensor:
+    """One kernel call; ``x (B, H, T, D)``, ``cos``/``sin (B|1, 1, T, R/2)``."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    nb, nh, nt, d = x.shape
+    half = cos.shape[-1]
+    if cos.shape[-2] != nt or cos.shape[0] not in (1, nb) or 2 * half > d:
+        raise ValueError(
+            f"rope: tables {tuple(cos.shape)} do not fit x {tuple(x.shape)}: need "
+            f"(B|1, 1, T, R/2) with T={nt} and R <= {d}"
+        )
+    y = torch.empty((nb, nh, nt, d), dtype=x.dtype)
+    xs = x.stride()
+    _STATE[x.dtype](
+        x.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        nb, nh, nt, d, 2 * half, xs[0], xs[1], xs[2],
+        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-2),
+        layout == "half", sign, torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    """``[[c, -s], [s, c]]`` on every pair (``s`` times ``sign``). The gradient is the
+    transpose, the same map with ``-sign``, so it differentiates to any order. Tables
+    need not be unit norm (YaRN folds its temperature into them)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, layout: str, sign: float) -> Tensor:  # noqa: ANN001
+        ctx.save_for_backward(cos, sin)
+        ctx.layout, ctx.sign = layout, sign
+        return _launch(x, cos, sin, layout, sign)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
+        cos, sin = ctx.saved_tensors
+        return _Rope.apply(grad, cos, sin, ctx.layout, -ctx.sign), None, None, None, None
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
+    """Rotate the first ``R = 2 * cos.shape[-1]`` dims of ``x (B, H, T, D)`` (the rest
+    pass through), as :func:`posenc.encoders.rope.apply_rope`; check
+    :func:`rope_supported` first.
+
+    Args:
+        x: ``(B, H, T, D)`` float32 or float64, any strides with a unit last one.
+        cos: ``(B|1, 1, T, R/2)`` cosines of the angles; sin: their sines.
+        layout: ``interleaved`` or ``half``.
+
+    Returns:
+        A new contiguous ``(B, H, T, D)`` tensor of ``x.dtype``.
+    """
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rope.apply(x, cos, sin, layout, 1.0)
+    return _launch(x, cos, sin, layout, 1.0)  # no graph to record: skip autograd's cost

@@ -1,0 +1,209 @@
+"""The native RoPE kernel (posenc/native/rope.c) against the formulas, its gradients,
+the model path that uses it, and what happens when it cannot be built."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import warnings
+
+import pytest
+import torch
+
+from posenc import native
+from posenc.encoders.rope import RoPE, apply_rope
+from posenc.model.transformer import DecoderLM
+from tests.conftest import require_native_rope
+
+pytestmark = pytest.mark.usefixtures("_kernel")
+
+
+@pytest.fixture
+def _kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POSENC_NATIVE", "1")
+    require_native_rope()
+
+
+def textbook(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
+    """Eq. (34) of RoFormer in float64, per pair, on the given tables; dims past R kept."""
+    x, c, s = x.double(), cos.double(), sin.double()
+    r = 2 * c.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    if layout == "interleaved":
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), -1).flatten(-2)
+    else:
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+        out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), -1)
+    return torch.cat((out, rest), -1)
+
+
+def tables(b: int, t: int, half: int, dtype: torch.dtype = torch.float32):  # noqa: ANN201
+    ang = torch.rand(b, 1, t, half, dtype=torch.float64) * 50
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("shape", "rot"),
+    [((2, 3, 5, 8), 8), ((2, 3, 7, 10), 6), ((2, 4, 512, 64), 64), ((1, 2, 300, 64), 32)],
+)
+def test_values_equal_the_textbook_form(layout, dtype, shape, rot) -> None:  # noqa: ANN001
+    """Contiguous and (B, T, H, D)-transposed inputs, shared and per-batch tables; the
+    (2, 4, 512, 64) case is large enough to run on several threads."""
+    b, h, t, d = shape
+    strided = torch.randn(b, t, h, d, dtype=dtype).transpose(1, 2)
+    for x in (torch.randn(shape, dtype=dtype), strided):
+        for tb in (1, b):
+            cos, sin = tables(tb, t, rot // 2)
+            got = native.rope(x, cos, sin, layout)
+            assert got.dtype == dtype and got.is_contiguous()
+            tol = 1e-12 if dtype == torch.float64 else 2e-6
+            want = textbook(x, cos, sin, layout)
+            torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+            # apply_rope takes this path and agrees with its PyTorch form
+            torch.testing.assert_close(apply_rope(x, cos, sin, layout), got)
+            torch.testing.assert_close(
+                apply_rope(x.float(), cos, sin, layout, native=False), got.float(),
+                atol=2e-6, rtol=2e-6,
+            )
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_threads_split_rows_anywhere(layout: str) -> None:
+    """1, 2 and 3 threads give identical results where the rows (3 x 5 x 301) split in
+    the middle of a head and of a batch row, with per-batch tables and strided x."""
+    x = torch.randn(3, 301, 5, 48).transpose(1, 2)
+    cos, sin = tables(3, 301, 16)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(native.rope(x, cos, sin, layout))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    want = textbook(x, cos, sin, layout)
+    torch.testing.assert_close(outs[0].double(), want, atol=2e-6, rtol=2e-6)
+
+
+def test_sliced_tables_of_a_query_block() -> None:
+    """A block of queries reads a slice of the tables: a row stride and an offset."""
+    cos, sin = tables(1, 20, 4)
+    x = torch.randn(2, 3, 6, 8)
+    got = native.rope(x, cos[:, :, 9:15], sin[:, :, 9:15], "interleaved")
+    want = textbook(x, cos[:, :, 9:15], sin[:, :, 9:15], "interleaved")
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+@pytest.mark.parametrize("rot", [6, 4])
+def test_gradients_to_second_order(layout: str, rot: int) -> None:
+    """The backward is the same kernel with the sine negated (the transpose); checked
+    numerically, twice differentiated, with tables that are not unit norm (YaRN)."""
+    x = torch.randn(2, 2, 3, 6, dtype=torch.float64, requires_grad=True)
+    cos, sin = tables(2, 3, rot // 2, torch.float64)
+    cos, sin = cos * 1.3, sin * 1.3
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return native.rope(t, cos, sin, layout)
+
+    assert torch.autograd.gradcheck(fn, (x,))
+    assert torch.autograd.gradgradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_backward_equals_the_pytorch_form(layout: str) -> None:
+    x = torch.randn(2, 5, 3, 16).transpose(1, 2).requires_grad_()
+    w = torch.randn(2, 3, 5, 16)
+    cos, sin = tables(2, 5, 6)
+    (want,) = torch.autograd.grad((apply_rope(x, cos, sin, layout, native=False) * w).sum(), x)
+    (got,) = torch.autograd.grad((apply_rope(x, cos, sin, layout) * w).sum(), x)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_tables_that_do_not_fit_are_an_error() -> None:
+    cos, sin = tables(1, 4, 4)
+    with pytest.raises(ValueError, match=r"tables \(1, 1, 4, 4\) do not fit x \(2, 2, 5, 8\)"):
+        native.rope(torch.randn(2, 2, 5, 8), cos, sin, "half")
+    with pytest.raises(ValueError, match="unknown layout 'pairs'"):
+        apply_rope(torch.randn(2, 2, 4, 8), cos, sin, "pairs")
+
+
+def test_what_the_kernel_does_not_take_goes_to_pytorch() -> None:
+    cos, sin = tables(1, 4, 4)
+    x = torch.randn(1, 2, 4, 8)
+    assert native.rope_supported(x, cos, sin)
+    assert not native.rope_supported(x.bfloat16(), cos, sin)
+    assert not native.rope_supported(x, cos.requires_grad_(), sin)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_a_model_step_is_the_same_on_both_paths(layout: str, monkeypatch) -> None:  # noqa: ANN001
+    """One forward and backward of the decoder: the kernel runs for q and k in every
+    layer (and again in the backward), and the loss and every gradient equal the
+    PyTorch forms'."""
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = DecoderLM(
+            vocab_size=11, d_model=32, n_heads=2, n_layers=2,
+            encoder=functools.partial(RoPE, layout=layout),
+        )  # fmt: skip
+        tokens = torch.randint(0, 11, (2, 24))
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    calls = []
+    launch = native._launch
+    monkeypatch.setattr(native, "_launch", lambda *a: calls.append(a[-1]) or launch(*a))
+    loss, grads = step()
+    assert calls.count(1.0) == 4 and calls.count(-1.0) == 4  # 2 layers x (q, k)
+    monkeypatch.setenv("POSENC_NATIVE", "0")
+    calls.clear()
+    loss_ref, grads_ref = step()
+    assert not calls
+    torch.testing.assert_close(loss, loss_ref)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
+
+
+def test_disabled_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POSENC_NATIVE", "0")
+    assert native.library() is None
+    assert not native.rope_supported(torch.randn(1, 1, 2, 4), *tables(1, 2, 2))
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setenv("POSENC_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setattr(native, "compiler", lambda: "false")
+    cos, sin = tables(1, 4, 4)
+    x = torch.randn(1, 2, 4, 8)
+    with pytest.warns(RuntimeWarning, match="native RoPE kernel unavailable.*building posenc"):
+        out = apply_rope(x, cos, sin, "half")
+    torch.testing.assert_close(out.double(), textbook(x, cos, sin, "half"), atol=2e-6, rtol=2e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_rope(x, cos, sin, "half")  # no second warning
+    assert native.build_error() is not None
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+def test_a_build_is_cached(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    monkeypatch.setenv("POSENC_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_STATE", {})
+    assert native.library() is not None
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert len(built) == 1 and built[0].endswith(".so")
+
+    def no_compiler(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert native.library() is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == built
