@@ -363,7 +363,8 @@ def window_parts(
     Args:
         ctx: The context (consecutive positions).
         w: Its window.
-        left: ``(..., T, 1)`` each row's value on the columns ``[0, w.left)``.
+        left: ``(..., T, 1)`` each row's value on the columns ``[0, w.left)``, or None
+            for none (zero: no part).
         table: ``(..., T, w.n_hi - w.n_lo + 1)`` the values per offset of the window.
         right: ``(..., T, 1)`` each row's value on ``[w.right, S)``.
 
@@ -372,7 +373,7 @@ def window_parts(
     """
     (q0, k0), s = ctx.starts, ctx.k_pos.shape[-1]
     parts: ScoreParts = []
-    if w.left:
+    if w.left and left is not None:
         parts.append((left.expand(*left.shape[:-1], w.left), 0))
     if w.right > w.left:
         view = offset_view(table, row0=q0, col0=k0 + w.left, lo=w.n_lo, cols=w.right - w.left)

@@ -17,6 +17,16 @@ distance ``i - j`` to a row of P: clipped to ``[-span, span)``, and, with
 distinct row, ``(B, H, T, P)``, gathered with explicit query and key positions. Either
 way T != S is handled (the original gather assumes equal query and key lengths).
 
+Far keys cost no score pass. Beyond the last bucket both terms are constant: c2p adds
+one value per query row (``q_i . K^r[end]``), p2c one value per key column
+(``k_j . Q^r[end]``). The row value is dropped: c2p is scored with ``K^r - K^r[end]``,
+which subtracts it from every key of the row, and a softmax does not change when a row
+is shifted. The column value is a product with ``k_j`` and the fixed
+vector ``Q^r[end]``, so it moves into the content score: ``q_i . k_j + k_j . Q^r[end] =
+(q_i + Q^r[end]) . k_j`` (``transform_qk``), and p2c is scored with ``Q^r - Q^r[end]``.
+Same attention and gradients (the scores differ by one constant per row); the far
+keys' columns then hold the content score alone, with no score pass of their own.
+
 Cross-attention: nothing (no relative distance between two sequences).
 """
 
@@ -139,6 +149,25 @@ class _DebertaAttention(AttentionPositional):
             lambda: w(table.to(dtype)).unflatten(-1, (self.n_heads, -1)).transpose(0, 1),
         )
 
+    def _shifted(self, w: nn.Linear, ctx: AttentionContext, dtype: torch.dtype, end: str) -> Tensor:
+        """``(H, P, D)``: :meth:`_project` minus its row ``ctx.extra[end]`` (the far
+        keys' row), once per layer and forward."""
+        row = ctx.extra[end]
+
+        def make() -> Tensor:
+            proj = self._project(w, ctx, dtype)
+            return proj - proj[:, row, None]
+
+        return ctx.once(w, f"{dtype} - row {row}", make)
+
+    def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+        if self.w_qr is None:
+            return q, k
+        # (q_i + Q^r[end]) . k_j: the content score plus p2c's far-key value (the
+        # score's scale multiplies both, as it does p2c in score_parts).
+        end = self._project(self.w_qr, ctx, q.dtype)[:, ctx.extra["p2c_end"]]  # (H, D)
+        return q + end[:, None, :], k
+
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
         parts = self.score_parts(q, k, ctx)
         return None if parts is None else dense_parts(parts, k.shape[-2])
@@ -173,13 +202,14 @@ class _DebertaAttention(AttentionPositional):
         first, last = -w.n_hi - lo, -w.n_lo - lo  # lookup entries of distances -n_hi..-n_lo
         if first < 0 or last >= rows.shape[0]:
             return None
-        kr = self._project(self.w_kr, ctx, q.dtype)  # (H, P, D)
+        # K^r - K^r[rows[b]]: the far keys' row value is 0 (the row is shifted by it).
+        kr = self._shifted(self.w_kr, ctx, q.dtype, "c2p_end")  # (H, P, D)
         parts = window_parts(
             ctx,
             w,
-            left=q @ kr[:, rows[b], None].transpose(-1, -2),  # (B, H, T, 1)
+            left=None,
             table=by_rows(q, kr, rows, first, last, x["flat"], reverse=True),
-            right=q @ kr[:, rows[a], None].transpose(-1, -2),
+            right=q @ kr[:, rows[a], None].transpose(-1, -2),  # (B, H, T, 1)
         )
         if parts is None or self.w_qr is None:
             return parts
@@ -187,13 +217,14 @@ class _DebertaAttention(AttentionPositional):
         # lookup is flat, so the same split with rows_neg's ends.
         (a, b) = x["flat_neg"]
         w = offset_window(ctx, -(lo + b), -(lo + a))
-        qr = self._project(self.w_qr, ctx, k.dtype)  # (H, P, D)
+        # Q^r - Q^r[end]: the far keys (columns before w.left) get 0; transform_qk has
+        # put k_j . Q^r[end] into the content score of every column.
+        qr = self._shifted(self.w_qr, ctx, k.dtype, "p2c_end")  # (H, P, D)
+
         def per_key(keys: Tensor, row: Tensor) -> Tensor:  # (B, H, T, n): one value per key
             col = keys @ qr[:, row, None].transpose(-1, -2)  # (B, H, n, 1)
             return col.transpose(-1, -2).expand(*col.shape[:-2], t, col.shape[-2])
 
-        if w.left:
-            parts.append((per_key(k[..., : w.left, :], x["rows_neg"][b]), 0))
         if w.right < k.shape[-2]:
             parts.append((per_key(k[..., w.right :, :], x["rows_neg"][a]), w.right))
         # In the window, rows are keys and columns queries, offset i - j = d. A key meets
@@ -220,10 +251,14 @@ class _DebertaAttention(AttentionPositional):
         rel = ctx.rel() - lo  # (B|1, T, S): i - j, offset into the rows lookup
         bias = None
         if self.w_kr is not None:  # content-to-position: q_i . K^r[delta(i, j)]
-            per_row = q @ self._project(self.w_kr, ctx, q.dtype).transpose(-1, -2)  # (B,H,T,P)
+            # shifted as in the view path, so both paths give the same term
+            kr = self._shifted(self.w_kr, ctx, q.dtype, "c2p_end")
+            per_row = q @ kr.transpose(-1, -2)  # (B, H, T, P)
             bias = gather_rel(per_row, rows[rel])
         if self.w_qr is not None:  # position-to-content: k_j . Q^r[delta(j, i)]
-            per_row = k @ self._project(self.w_qr, ctx, k.dtype).transpose(-1, -2)  # (B,H,S,P)
+            # shifted by the row transform_qk moved into the content score
+            qr = self._shifted(self.w_qr, ctx, k.dtype, "p2c_end")
+            per_row = k @ qr.transpose(-1, -2)  # (B, H, S, P)
             # delta(j, i) is the row of distance j - i = -(i - j): index (B|1, S, T).
             p2c_rows = x["rows_neg"][rel.transpose(-1, -2)]
             p2c = gather_rel(per_row, p2c_rows).transpose(-1, -2)  # (B, H, T, S)
@@ -292,7 +327,11 @@ class DebertaRelative(PositionalEncoder):
         rows, rows_neg = self.row(dist), self.row(-dist)
         ctx.extra.update(table=self.table, lo=lo, rows=rows, rows_neg=rows_neg)
         # Beyond the largest distance told apart, rows repeat: score those ends once.
-        ctx.extra.update(flat=flat_ends(rows), flat_neg=flat_ends(rows_neg))
+        flat, flat_neg = flat_ends(rows), flat_ends(rows_neg)
+        ctx.extra.update(flat=flat, flat_neg=flat_neg)
+        # The far keys' rows (a query's farthest keys): their c2p value is dropped from
+        # each query row and their p2c value moved into q (module docstring).
+        ctx.extra.update(c2p_end=int(rows[flat[1]]), p2c_end=int(rows_neg[flat_neg[1]]))
         return ctx
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:

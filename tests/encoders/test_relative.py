@@ -180,9 +180,15 @@ def deberta_scores(enc: DebertaRelative, layer, q, k, qp, kp) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bucket", [0, 4])
-def test_deberta_matches_the_paper(kind: AttnKind, bucket: int) -> None:
+@pytest.mark.parametrize("view", [False, True])
+def test_deberta_matches_the_paper(kind: AttnKind, bucket: int, view: bool) -> None:
+    """Attention outputs against eq. (4); ``view``: the strided-view path, with the far
+    keys' values moved out of the score terms, in causal blocks of 4 queries."""
     enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=bucket)
     attn = identity_attention(enc, kind)
+    if view:
+        attn.pos.view_keys_per_row = 0.0
+        attn.causal_block = 4
     with torch.no_grad():
         enc.table.normal_()
     x = torch.randn(1, 12, C)  # distances up to 11 exercise clipping and log buckets
@@ -214,6 +220,22 @@ def test_deberta_causal_lookup_is_flat_over_masked_keys() -> None:
     assert causal["flat"][0] == int((~allowed).sum())  # the masked run is one flat end
 
 
+def test_deberta_far_keys_get_no_score_part() -> None:
+    """Past the last bucket c2p is one value per query row (dropped: the softmax does
+    not see it) and p2c one value per key (moved into q by transform_qk), so the parts
+    leave the far keys' columns to the content score."""
+    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=4)
+    hook = enc.for_attention(layer=0, kind=AttnKind.CAUSAL)
+    hook.view_keys_per_row = 0.0
+    pos = positions(40)
+    ctx = enc.context(pos, pos, AttnKind.CAUSAL).slice_queries(32, 40)
+    q, k = torch.randn(1, H, 8, Dh), torch.randn(1, H, 40, Dh)
+    parts = hook.score_parts(q, k, ctx)
+    assert min(c0 for _, c0 in parts) >= 40 - 8 - 6  # keys 6+ before the block's first query
+    tq, tk = hook.transform_qk(q, k, ctx)
+    assert tk is k and not torch.equal(tq, q)
+
+
 def test_deberta_unequal_query_and_key_lengths() -> None:
     enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=8, bucket_size=4)
     hook = enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)
@@ -221,11 +243,15 @@ def test_deberta_unequal_query_and_key_lengths() -> None:
         enc.table.normal_()
     q, k = torch.randn(1, H, 3, Dh), torch.randn(1, H, 9, Dh)
     qp, kp = torch.tensor([[6, 7, 8]]), torch.arange(9)[None]
+    ctx = enc.context(qp, kp, AttnKind.BIDIRECTIONAL)
     with torch.no_grad():
-        got = hook.score_bias(q, k, enc.context(qp, kp, AttnKind.BIDIRECTIONAL))
-        got = got + q @ k.transpose(-1, -2) * hook.scale(Dh)
+        # the score term goes with the content score of the hook's q and k
+        tq, tk = hook.transform_qk(q, k, ctx)
+        got = hook.score_bias(q, k, ctx) + tq @ tk.transpose(-1, -2) * hook.scale(Dh)
         ref = deberta_scores(enc, hook, q[0], k[0], qp, kp)
-    torch.testing.assert_close(got[0], ref, atol=1e-5, rtol=1e-5)
+    # Equal up to one constant per query row (c2p's far-key value is dropped from the
+    # row), which the softmax does not see.
+    torch.testing.assert_close(got[0] - got[0, ..., :1], ref - ref[..., :1], atol=1e-5, rtol=1e-5)
 
 
 def test_deberta_scale_is_one_over_sqrt_3d() -> None:
