@@ -1,9 +1,10 @@
 """Native CPU kernels, built on first use with the system's C compiler.
 
-PyTorch's eager elementwise ops each make a pass over memory, so a RoPE written with
-them makes several (a complex product is the fewest, and still more arithmetic per
-element than one pass can hide on a CPU). ``rope.c`` rotates q or k in one pass, for
-either layout, with its backward (the inverse rotation) from the same kernel.
+PyTorch's eager elementwise ops each make a pass over memory: a RoPE written with them
+takes one pass for the interleaved layout (a complex product) and several for the
+split-half one. ``rope.c`` rotates q or k in one pass for either layout, reading each
+row of the cos/sin tables once for several rows of q or k, and its backward (the
+transpose: the same rotation with the sine negated) is the same kernel.
 
 The library is compiled once per source and compiler into ``$POSENC_NATIVE_CACHE``
 (default ``~/.cache/posenc/native``) and loaded with :mod:`ctypes`; a build is
@@ -31,7 +32,8 @@ from torch import Tensor
 
 _SOURCE = Path(__file__).with_name("rope.c")
 # Portable flags: no -march=native, since a cache in a shared home directory can be
-# read by cluster nodes with other CPUs (one pass over memory is bandwidth-bound anyway).
+# read by cluster nodes with other CPUs; rope.c asks GCC for an AVX2 clone of its loop,
+# chosen at load time where the CPU has it.
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11"]
 _LOCK = threading.Lock()
 # "lib": CDLL | None once tried, "error": str; each dtype: its kernel's ctypes function
