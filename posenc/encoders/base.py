@@ -23,6 +23,9 @@ A positional scheme is split in two objects:
 
 Without a score term or a value term, step 3 is ``scaled_dot_product_attention``
 with its fused kernels; otherwise :func:`posenc.model.scored.scored_attention`.
+What counts is the softmax of step 3: a scheme may shift a query row of its bias by
+one constant, or move a part of its term that is a product with k into q in step 2
+(DeBERTa does both, so its bias alone is not the paper's term).
 
 Every hook defaults to "nothing", so a scheme overrides only what it uses.
 """
