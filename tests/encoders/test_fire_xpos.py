@@ -286,6 +286,7 @@ def xpos_scores(enc, q, k, qp, kp) -> torch.Tensor:
     return q2.float() @ k2.float().transpose(-1, -2)
 
 
+@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_xpos_scores_match_the_formula(layout: str) -> None:
     enc = XPos(d_model=C, n_heads=H, n_layers=1, layout=layout, scale_base=16.0)
@@ -298,6 +299,7 @@ def test_xpos_scores_match_the_formula(layout: str) -> None:
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 def test_xpos_pinned_value() -> None:
     # D = 2: one pair, theta_0 = 1, zeta_0 = 0.4 / 1.4 = 2/7. q = k = (1, 0), n - m = 512:
     # score = (2/7)^(512/512) * cos(512 rad).
@@ -307,6 +309,7 @@ def test_xpos_pinned_value() -> None:
     assert got.item() == pytest.approx(2 / 7 * math.cos(512), abs=1e-5)
 
 
+@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 def test_xpos_attention_output() -> None:
     enc = XPos(d_model=C, n_heads=H, n_layers=1, scale_base=8.0)
     attn = identity_attention(enc, AttnKind.CAUSAL)
@@ -320,6 +323,7 @@ def test_xpos_attention_output() -> None:
     torch.testing.assert_close(out, merge(ref), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_xpos_score_depends_only_on_relative_position(layout: str) -> None:
     # scale_base 64: uncentred, the key factor at m = 5000 would be
@@ -337,6 +341,7 @@ def test_xpos_score_depends_only_on_relative_position(layout: str) -> None:
         torch.testing.assert_close(got, base, atol=5e-4, rtol=1e-4)
 
 
+@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_xpos_without_decay_is_rope(layout: str) -> None:
     enc = XPos(d_model=C, n_heads=H, n_layers=1, layout=layout, scale_base=1e12)
@@ -348,6 +353,7 @@ def test_xpos_without_decay_is_rope(layout: str) -> None:
     torch.testing.assert_close(xpos_scores(enc, q, k, pos, pos), rq @ rk.transpose(-1, -2))
 
 
+@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 def test_xpos_decays_with_distance() -> None:
     # q = k with all weight in the slowest pair (angle ~ 0): the score is ~zeta^(dist/B).
     enc = XPos(d_model=C, n_heads=H, n_layers=1, scale_base=32.0)
