@@ -102,7 +102,7 @@ def apply_rope(
     kernel when it is available (``native=False`` or ``POSENC_NATIVE=0`` turn it off);
     everything else takes the PyTorch forms below, which give the same values.
 
-    The rotation is done in float32 and the result cast back to ``x.dtype``, so
+    The PyTorch forms rotate in float32 and cast the result back to ``x.dtype``, so
     bf16/fp16 inputs keep the precision of the angle at large positions. The
     interleaved layout runs as one complex product (pairs are adjacent, so ``x`` is
     viewed as complex without a copy), where the textbook ``x1*cos - x2*sin,

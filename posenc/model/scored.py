@@ -56,18 +56,18 @@ def _scores(
             filled += term.shape[-1]
         else:
             rest.append((term, c0))
-    # beta 0 when no part starts at column 0: the product ignores the (uninitialised)
-    # buffer and writes it, and the parts, all narrower than S, are added after it.
-    # Otherwise the columns no copied part covers are zeroed and it accumulates.
-    after = parts and not filled
-    if parts and not after:
+    # A part at column 0 was copied in: zero the columns no copied part covers and let
+    # the product accumulate. Otherwise (or without parts) the product ignores the
+    # uninitialised buffer (beta 0) and writes it, and the parts are added after it.
+    accumulate = filled > 0
+    if accumulate:
         if filled < s:
             scores[..., filled:].zero_()
         for term, c0 in rest:
             scores[..., c0 : c0 + term.shape[-1]].add_(term)
-    beta = 1.0 if parts and not after else 0.0
+    beta = 1.0 if accumulate else 0.0
     scores.view(b * h, t, s).baddbmm_(q3, k3.transpose(1, 2), beta=beta, alpha=scale)
-    if after:
+    if not accumulate:
         for term, c0 in rest:
             scores[..., c0 : c0 + term.shape[-1]].add_(term)
     if causal_shift is not None and causal_shift + 1 < s:

@@ -36,8 +36,8 @@ _SOURCE = Path(__file__).with_name("rope.c")
 # chosen at load time where the CPU has it.
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11"]
 _LOCK = threading.Lock()
-# "lib": CDLL | None once tried, "error": str; each dtype: its kernel's ctypes function
-_STATE: dict[object, object] = {}
+_STATE: dict[str, object] = {}  # "lib": CDLL | None once tried; "error": str
+_FUNCS: dict[torch.dtype, ctypes._CFuncPtr] = {}  # dtype -> its kernel
 _KERNELS = {
     torch.float32: ("posenc_rope_f32", ctypes.c_float),
     torch.float64: ("posenc_rope_f64", ctypes.c_double),
@@ -93,7 +93,7 @@ def _build() -> ctypes.CDLL:
             fn.restype = None
             pointers_and_sizes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 10
             fn.argtypes = [*pointers_and_sizes, ctypes.c_bool, ctype, ctypes.c_int]
-            _STATE[dtype] = fn
+            _FUNCS[dtype] = fn
         return lib
     raise RuntimeError("building posenc/native/rope.c failed:\n" + "\n".join(errors))
 
@@ -151,7 +151,7 @@ def _launch(x: Tensor, cos: Tensor, sin: Tensor, layout: str, sign: float) -> Te
         )
     y = torch.empty((nb, nh, nt, d), dtype=x.dtype)
     xs = x.stride()
-    _STATE[x.dtype](
+    _FUNCS[x.dtype](
         x.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         nb, nh, nt, d, 2 * half, xs[0], xs[1], xs[2],
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-2),

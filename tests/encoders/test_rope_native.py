@@ -178,6 +178,7 @@ def test_disabled_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path) -> None:  # noqa: ANN001
     monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native, "_FUNCS", {})
     monkeypatch.setenv("POSENC_NATIVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     monkeypatch.setattr(native, "compiler", lambda: "false")
@@ -196,6 +197,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path) -> None
 def test_a_build_is_cached(monkeypatch, tmp_path) -> None:  # noqa: ANN001
     monkeypatch.setenv("POSENC_NATIVE_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native, "_FUNCS", {})
     assert native.library() is not None
     built = sorted(p.name for p in tmp_path.iterdir())
     assert len(built) == 1 and built[0].endswith(".so")
@@ -204,6 +206,7 @@ def test_a_build_is_cached(monkeypatch, tmp_path) -> None:  # noqa: ANN001
         raise AssertionError("compiled again")
 
     monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native, "_FUNCS", {})
     monkeypatch.setattr(subprocess, "run", no_compiler)
     assert native.library() is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == built
