@@ -1,6 +1,6 @@
 """Performance benchmark of posenc's encoders (GitHub issue 6).
 
-    python experiments/bench.py [--quick] [--json out.json] [--sections rope,train,memory,overhead]
+    python experiments/bench.py [--quick] [--json out.json] [--sections rope,tiles,train,...]
 
 Every number is a ratio against a baseline measured in the same process and the
 same interleaved rounds (the memory section uses one child process per
@@ -9,6 +9,8 @@ range, and the median absolute value. Sections:
 
 * ``rope``: posenc's ``apply_rope`` (both layouts) and reference forms against a
   memory-bound copy of q and k; the forms are checked equal before timing.
+* ``tiles``: DeBERTa's key-major position-to-content part added to the scores, and its
+  gradient copied back, with ``posenc.native.copy_tiled`` against PyTorch's ops.
 * ``train``: training-step tokens/s of every registered encoder relative to
   ``none``, at two lengths with equal tokens per step.
 * ``memory``: peak memory of a no-grad forward at 16x the training length,
@@ -35,11 +37,12 @@ from typing import Any
 import torch
 from bench_common import Row, fmt_seconds, markdown_table
 
-SECTIONS = ("rope", "train", "memory", "overhead")
+SECTIONS = ("rope", "tiles", "train", "memory", "overhead")
 
 # Sizes per mode. The full sizes are the issue's; quick ones only exercise the code.
 FULL: dict[str, Any] = {
     "rope": {"shape": (8, 8, 1024, 64), "rounds": 30, "number": 5},
+    "tiles": {"shape": (2, 4, 128, 1024), "rounds": 30, "number": 20},
     "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512, "dropout": 0.0},
     "vocab": 65,
     "train": {"shapes": [(8, 256), (2, 1024)], "rounds": 5, "steps": 2},
@@ -48,6 +51,7 @@ FULL: dict[str, Any] = {
 }
 QUICK: dict[str, Any] = {
     "rope": {"shape": (2, 4, 256, 64), "rounds": 3, "number": 3},
+    "tiles": {"shape": (1, 2, 64, 256), "rounds": 3, "number": 3},
     "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "d_ff": 128, "dropout": 0.0},
     "vocab": 65,
     "train": {"shapes": [(4, 64), (1, 256)], "rounds": 2, "steps": 1},
@@ -108,6 +112,10 @@ def run_section(
         import bench_rope
 
         return bench_rope.run(device=device, **sizes["rope"])
+    if name == "tiles":
+        import bench_tiles
+
+        return bench_tiles.run(device=device, **sizes["tiles"])
     if name == "train":
         import bench_train
 
@@ -134,6 +142,7 @@ def run_section(
 
 TITLES = {
     "rope": "RoPE on q and k, speed relative to one elementwise copy of q and k",
+    "tiles": "DeBERTa's key-major p2c part and its gradient, speed relative to PyTorch's op",
     "train": "Training step (fwd + bwd + clip + AdamW), tokens/s relative to `none`",
     "memory": "Peak memory of a no-grad forward at 16x the training length, relative to `none`",
     "overhead": "Lightning Trainer.fit vs a bare PyTorch loop, tokens/s",
@@ -147,8 +156,9 @@ def render(name: str, result: dict[str, Any]) -> str:
     if "checks" in result:
         worst = max(c["max_abs_err"] for c in result["checks"].values())
         status = "passed" if result["checks_passed"] else "FAILED"
+        reference = "apply_rope" if name == "rope" else "PyTorch's ops"
         lines.append(
-            f"agreement with apply_rope: {status} ({len(result['checks'])} checks, "
+            f"agreement with {reference}: {status} ({len(result['checks'])} checks, "
             f"max abs error {worst:.2g})"
         )
     lines.append("")
@@ -159,7 +169,8 @@ def render(name: str, result: dict[str, Any]) -> str:
             fmt=lambda v: "-" if v is None else f"{v:.1f} MiB",
         )
     else:
-        value = "time / step" if name in ("train", "overhead") else "time (q and k)"
+        value = {"train": "time / step", "overhead": "time / step", "tiles": "time / call"}
+        value = value.get(name, "time (q and k)")
         table = markdown_table(result["rows"], value_name=value, fmt=fmt_seconds)
     lines.append(table)
     return "\n".join(lines)

@@ -95,14 +95,14 @@ def compose_run(tmp_path: Path, *overrides: str) -> DictConfig:
             *overrides])
 
 
-def require_native_rope() -> None:
+def require_native() -> None:
     """Skip when there is no C compiler; fail when there is one and the build fails."""
     from posenc import native
 
     if native.library() is None:
         if native.compiler() is None:
-            pytest.skip("no C compiler: the native RoPE kernel cannot be built here")
-        pytest.fail(f"the native RoPE kernel did not build: {native.build_error()}")
+            pytest.skip("no C compiler: the native kernels cannot be built here")
+        pytest.fail(f"the native kernels did not build: {native.build_error()}")
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -111,5 +111,5 @@ def both_rope_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
     (``POSENC_NATIVE=0``), which must give the same values."""
     monkeypatch.setenv("POSENC_NATIVE", "1" if request.param == "native" else "0")
     if request.param == "native":
-        require_native_rope()
+        require_native()
     return request.param

@@ -38,7 +38,7 @@ def test_header(report: dict[str, Any]) -> None:
     assert meta["torch"] == torch.__version__
     assert meta["threads"] == 1
     assert "--quick" in meta["command"]
-    assert list(report["sections"]) == ["rope", "train", "memory", "overhead"]
+    assert list(report["sections"]) == ["rope", "tiles", "train", "memory", "overhead"]
     assert isinstance(report["unmet_goals"], list)
 
 
@@ -70,6 +70,14 @@ def test_rope_agreement_checks_ran(report: dict[str, Any]) -> None:
     assert {"posenc apply_rope, interleaved", "posenc apply_rope, half"} <= timed
     for row in rope["rows"]:  # per-round raw numbers, one ratio per time
         assert len(row["raw"]["times_s"]) == len(row["raw"]["ratios"]) >= 2
+
+
+def test_tiles_checks_ran_and_both_directions_are_timed(report: dict[str, Any]) -> None:
+    tiles = report["sections"]["tiles"]
+    assert tiles["checks_passed"] is True and set(tiles["checks"]) == {"add", "copy"}
+    timed = {r["what"] for r in tiles["rows"] if r["ratio"] is not None}
+    assert {"PyTorch add_ (forward)", "posenc copy_tiled, add (forward)"} <= timed
+    assert {"PyTorch copy_ (backward)", "posenc copy_tiled (backward)"} <= timed
 
 
 def test_train_covers_every_encoder_at_two_lengths(report: dict[str, Any]) -> None:

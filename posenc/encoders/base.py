@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posenc import native
+
 
 class AttnKind(str, Enum):
     """Which attention a context is for."""
@@ -280,7 +282,9 @@ def run_start(pos: Tensor) -> int | None:
     return p0
 
 
-def offset_view(per_offset: Tensor, *, row0: int, col0: int, lo: int, cols: int) -> Tensor | None:
+def offset_view(
+    per_offset: Tensor, *, row0: int, col0: int, lo: int, cols: int, tiled_grad: bool = False
+) -> Tensor | None:
     """Read a per-offset table as a per-pair matrix, as a strided view (no gather).
 
     ``out[..., r, c] = per_offset[..., r, (col0 + c) - (row0 + r) - lo]``: row r (a query
@@ -296,6 +300,10 @@ def offset_view(per_offset: Tensor, *, row0: int, col0: int, lo: int, cols: int)
         row0: Position of row 0. col0: Position of column 0.
         lo: Offset of table entry 0.
         cols: Number of columns S.
+        tiled_grad: Write the table's gradient with :func:`posenc.native.copy_tiled`,
+            for a view that is used transposed (a key-major table added to query-major
+            scores): its gradient then arrives in the other memory order, which
+            autograd's own ``as_strided`` backward copies one cache line per element.
 
     Returns:
         ``(..., R, S)`` view, or None when the view would leave the table's storage
@@ -309,11 +317,45 @@ def offset_view(per_offset: Tensor, *, row0: int, col0: int, lo: int, cols: int)
     if c < 0 or last > rows * width - 1 or (rows > 1 and width <= cols):
         return None
     lead = per_offset.shape[:-2]
-    return per_offset.as_strided(
-        (*lead, rows, cols),
-        (*per_offset.stride()[:-2], width - 1, 1),
-        per_offset.storage_offset() + c,
-    )
+    size, stride = (*lead, rows, cols), (*per_offset.stride()[:-2], width - 1, 1)
+    if tiled_grad and per_offset.dim() == 4:
+        return _TiledView.apply(per_offset, (per_offset.shape, size, stride, c))
+    return per_offset.as_strided(size, stride, per_offset.storage_offset() + c)
+
+
+class _TiledView(torch.autograd.Function):
+    """``table.as_strided(size, stride, offset)`` for a contiguous 4-D table (``offset``
+    counted from the table's first element) with non-overlapping elements; the
+    gradient is a zero table with the view's gradient written in by
+    :func:`posenc.native.copy_tiled`. The two maps are each other's adjoint, so each
+    one's backward is the other and gradients go to any order."""
+
+    @staticmethod
+    def forward(ctx, table: Tensor, geometry: tuple) -> Tensor:  # noqa: ANN001
+        ctx.geometry = geometry
+        _, size, stride, offset = geometry
+        return table.as_strided(size, stride, table.storage_offset() + offset)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
+        return _TiledScatter.apply(grad, ctx.geometry), None
+
+
+class _TiledScatter(torch.autograd.Function):
+    """The adjoint of :class:`_TiledView`: a zero table holding ``view`` at the view's
+    place."""
+
+    @staticmethod
+    def forward(ctx, view: Tensor, geometry: tuple) -> Tensor:  # noqa: ANN001
+        ctx.geometry = geometry
+        shape, size, stride, offset = geometry
+        table = view.new_zeros(shape)
+        native.copy_tiled(table.as_strided(size, stride, offset), view)
+        return table
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
+        return _TiledView.apply(grad.contiguous(), ctx.geometry), None
 
 
 @dataclass(frozen=True)

@@ -239,7 +239,7 @@ class _DebertaAttention(AttentionPositional):
                 return None
             kc = k[..., c0:c1, :]
             per_d = by_rows(kc, qr, x["rows_neg"], d_lo - lo, d_hi - lo, x["flat_neg"])
-            part = offset_view(per_d, row0=k0 + c0, col0=q0, lo=d_lo, cols=t)
+            part = offset_view(per_d, row0=k0 + c0, col0=q0, lo=d_lo, cols=t, tiled_grad=True)
             if part is None:
                 return None
             parts.append((part.transpose(-1, -2), c0))  # (B, H, T, c1 - c0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from posenc import native
 from posenc.encoders.base import ScoreParts
 
 
@@ -48,11 +49,12 @@ def _scores(
     (b, h), t, s = heads, q3.shape[-2], k3.shape[-2]
     scores = torch.empty(b, h, t, s, dtype=q3.dtype, device=q3.device)
     # Parts that tile the columns from the left are copied in (one pass each, broadcast
-    # as needed); the rest of the buffer is zeroed and the other parts added on top.
+    # as needed); the rest of the buffer is zeroed and the other parts added on top. A
+    # part read across its memory order (DeBERTa's key-major p2c) goes in square tiles.
     filled, rest = 0, []
     for term, c0 in parts:
         if c0 == filled:
-            scores[..., c0 : c0 + term.shape[-1]].copy_(term)
+            native.copy_tiled(scores[..., c0 : c0 + term.shape[-1]], term)
             filled += term.shape[-1]
         else:
             rest.append((term, c0))
@@ -64,12 +66,12 @@ def _scores(
         if filled < s:
             scores[..., filled:].zero_()
         for term, c0 in rest:
-            scores[..., c0 : c0 + term.shape[-1]].add_(term)
+            native.copy_tiled(scores[..., c0 : c0 + term.shape[-1]], term, accumulate=True)
     beta = 1.0 if accumulate else 0.0
     scores.view(b * h, t, s).baddbmm_(q3, k3.transpose(1, 2), beta=beta, alpha=scale)
     if not accumulate:
         for term, c0 in rest:
-            scores[..., c0 : c0 + term.shape[-1]].add_(term)
+            native.copy_tiled(scores[..., c0 : c0 + term.shape[-1]], term, accumulate=True)
     if causal_shift is not None and causal_shift + 1 < s:
         # Query i sees keys j <= i + shift: only columns past the shift can be masked.
         c0 = max(0, causal_shift + 1)

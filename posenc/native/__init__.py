@@ -4,9 +4,12 @@ PyTorch's eager elementwise ops each make a pass over memory: a RoPE written wit
 takes one pass for the interleaved layout (a complex product) and several for the
 split-half one. ``rope.c`` rotates q or k in one pass for either layout, reading each
 row of the cos/sin tables once for several rows of q or k, and its backward (the
-transpose: the same rotation with the sine negated) is the same kernel.
+transpose: the same rotation with the sine negated) is the same kernel. ``tiles.c``
+copies or adds a tensor whose fast axis is not the destination's in cache-sized square
+tiles (DeBERTa's position-to-content term, a key-major table added to query-major
+scores, and its gradient).
 
-The library is compiled once per source and compiler into ``$POSENC_NATIVE_CACHE``
+The library is compiled once per set of sources and compiler into ``$POSENC_NATIVE_CACHE``
 (default ``~/.cache/posenc/native``) and loaded with :mod:`ctypes`; a build is
 written under a temporary name and renamed, so parallel jobs sharing the cache do not
 see half-written files. Without a C compiler, or with ``POSENC_NATIVE=0``, or on any
@@ -30,17 +33,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-_SOURCE = Path(__file__).with_name("rope.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("rope.c", "tiles.c")]
 # Portable flags: no -march=native, since a cache in a shared home directory can be
 # read by cluster nodes with other CPUs; rope.c asks GCC for an AVX2 clone of its loop,
 # chosen at load time where the CPU has it.
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11"]
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "lib": CDLL | None once tried; "error": str
-_FUNCS: dict[torch.dtype, ctypes._CFuncPtr] = {}  # dtype -> its kernel
+_FUNCS: dict[torch.dtype, ctypes._CFuncPtr] = {}  # dtype -> its RoPE kernel
+_TILED: dict[torch.dtype, ctypes._CFuncPtr] = {}  # dtype -> its tiled copy/add
 _KERNELS = {
-    torch.float32: ("posenc_rope_f32", ctypes.c_float),
-    torch.float64: ("posenc_rope_f64", ctypes.c_double),
+    torch.float32: ("posenc_rope_f32", "posenc_tiled_f32", ctypes.c_float),
+    torch.float64: ("posenc_rope_f64", "posenc_tiled_f64", ctypes.c_double),
 }
 
 
@@ -62,25 +66,25 @@ def compiler() -> str | None:
 
 
 def _build() -> ctypes.CDLL:
-    """Compile ``rope.c`` (with OpenMP when the compiler has it) unless a build of the
-    same source, flags and compiler is cached; load it."""
+    """Compile the sources into one library (with OpenMP when the compiler has it)
+    unless a build of the same sources, flags and compiler is cached; load it."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (tried $CC, cc, gcc, clang)")
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     attempts = [[*_FLAGS, "-fopenmp"], _FLAGS]  # clang on macOS has no -fopenmp
     errors = []
     for flags in attempts:
         key = hashlib.sha256(
             source + " ".join([shutil.which(cc) or cc, *flags, platform.machine()]).encode()
         ).hexdigest()[:16]
-        target = cache_dir() / f"posenc_rope_{key}.so"
+        target = cache_dir() / f"posenc_native_{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
             os.close(fd)
             proc = subprocess.run(
-                [cc, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True
+                [cc, *flags, *map(str, _SOURCES), "-o", tmp], capture_output=True, text=True
             )
             if proc.returncode != 0:
                 os.unlink(tmp)
@@ -88,14 +92,20 @@ def _build() -> ctypes.CDLL:
                 continue
             os.replace(tmp, target)
         lib = ctypes.CDLL(str(target))
-        for dtype, (name, ctype) in _KERNELS.items():
-            fn = getattr(lib, name)
+        for dtype, (rope_name, tiled_name, ctype) in _KERNELS.items():
+            fn = getattr(lib, rope_name)
             fn.restype = None
             pointers_and_sizes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 10
             fn.argtypes = [*pointers_and_sizes, ctypes.c_bool, ctype, ctypes.c_int]
             _FUNCS[dtype] = fn
+            fn = getattr(lib, tiled_name)
+            fn.restype = None
+            sizes_and_strides = [ctypes.c_int64] * 11
+            fn.argtypes = [ctypes.c_void_p] * 2 + sizes_and_strides + [ctypes.c_bool, ctypes.c_int]
+            _TILED[dtype] = fn
         return lib
-    raise RuntimeError("building posenc/native/rope.c failed:\n" + "\n".join(errors))
+    names = " and ".join(f"posenc/native/{path.name}" for path in _SOURCES)
+    raise RuntimeError(f"building {names} failed:\n" + "\n".join(errors))
 
 
 def library() -> ctypes.CDLL | None:
@@ -109,7 +119,7 @@ def library() -> ctypes.CDLL | None:
             except (OSError, RuntimeError) as err:
                 _STATE["lib"], _STATE["error"] = None, str(err)
                 warnings.warn(
-                    f"posenc: native RoPE kernel unavailable, using the PyTorch form "
+                    f"posenc: native kernels unavailable, using the PyTorch forms "
                     f"(same values, slower). Set POSENC_NATIVE=0 to silence. Reason: {err}",
                     RuntimeWarning,
                     stacklevel=3,
@@ -193,3 +203,38 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _Rope.apply(x, cos, sin, layout, 1.0)
     return _launch(x, cos, sin, layout, 1.0)  # no graph to record: skip autograd's cost
+
+
+def copy_tiled(dst: Tensor, src: Tensor, *, accumulate: bool = False) -> None:
+    """``dst.copy_(src)``, or ``dst.add_(src)`` with ``accumulate``, in square tiles.
+
+    For a ``src`` whose fast axis is not ``dst``'s (a transposed or key-major view):
+    row-order element loops, as PyTorch's, read such a source one cache line per
+    element; ``tiles.c`` reads and writes a cache-sized block at a time. Other inputs,
+    or without the native library, take PyTorch's op (same values: each output element
+    is one add or copy either way).
+
+    Args:
+        dst: ``(B, H, I, J)`` CPU tensor with a unit stride along J, written in place.
+        src: Same shape and dtype (float32 or float64 for the kernel), any strides.
+    """
+    if (
+        dst.device.type == "cpu"
+        and src.device == dst.device
+        and dst.dtype == src.dtype
+        and dst.dtype in _KERNELS
+        and dst.dim() == 4
+        and src.shape == dst.shape
+        and dst.stride(-1) == 1
+        and src.stride(-1) > 1  # not contiguous or broadcast along J
+        and library() is not None
+    ):
+        ds, ss = dst.stride(), src.stride()
+        _TILED[dst.dtype](
+            dst.data_ptr(), src.data_ptr(), *dst.shape, ds[0], ds[1], ds[2], *ss,
+            accumulate, torch.get_num_threads(),
+        )  # fmt: skip
+    elif accumulate:
+        dst.add_(src)
+    else:
+        dst.copy_(src)

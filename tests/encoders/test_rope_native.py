@@ -13,7 +13,7 @@ import torch
 from posenc import native
 from posenc.encoders.rope import RoPE, apply_rope
 from posenc.model.transformer import DecoderLM
-from tests.conftest import require_native_rope
+from tests.conftest import require_native
 
 pytestmark = pytest.mark.usefixtures("_kernel")
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("_kernel")
 @pytest.fixture
 def _kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POSENC_NATIVE", "1")
-    require_native_rope()
+    require_native()
 
 
 def textbook(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
@@ -184,7 +184,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path) -> None
     monkeypatch.setattr(native, "compiler", lambda: "false")
     cos, sin = tables(1, 4, 4)
     x = torch.randn(1, 2, 4, 8)
-    with pytest.warns(RuntimeWarning, match="native RoPE kernel unavailable.*building posenc"):
+    with pytest.warns(RuntimeWarning, match="native kernels unavailable.*building posenc"):
         out = apply_rope(x, cos, sin, "half")
     torch.testing.assert_close(out.double(), textbook(x, cos, sin, "half"), atol=2e-6, rtol=2e-6)
     with warnings.catch_warnings():
