@@ -1,4 +1,4 @@
-/* A strided copy or add in square tiles: the CPU kernel behind posenc.native.tiled.
+/* A strided copy or add in square tiles: the CPU kernel behind posenc.native.copy_tiled.
  *
  * dst[b, h, i, j] = src[b, h, i, j]   (or +=, with accumulate)
  *
@@ -7,8 +7,8 @@
  * key-major table read as a (query, key) matrix, so walking a row of the score
  * buffer walks a column of the table, one cache line per element. PyTorch's add
  * walks the destination in row order and pays that for every element; here a
- * TILE x TILE block of both sides stays in the L1 cache while it is read in the
- * source's order and written in the destination's.
+ * TILE x TILE block of both sides stays in the L1 cache while it is walked, so a
+ * line that is read once serves all of its elements.
  *
  * dst: strides (d0, d1, d2, 1). src: strides (s0, s1, s2, s3); 0 broadcasts.
  *
