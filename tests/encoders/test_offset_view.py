@@ -184,6 +184,37 @@ def test_view_path_equals_gather_path(
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", [AttnKind.CAUSAL, AttnKind.BIDIRECTIONAL])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_deberta_p2c_chunk_sizes_agree(kind: AttnKind, shape: tuple[int, int, int, int]) -> None:
+    """The view path's position-to-content window in key chunks of T, 2T (the default)
+    or 3T: the same score and the same gradients, and more chunks for smaller sizes."""
+    t, s, q0, k0 = shape
+    enc = _build("deberta")
+    hooks = enc.for_attention(layer=0, kind=kind)
+    hooks.view_keys_per_row = 0.0
+    q = torch.randn(2, H, t, D, requires_grad=True)
+    k = torch.randn(2, H, s, D, requires_grad=True)
+    weights = torch.randn(2, H, t, s)
+    params = [q, k, *enc.parameters(), *hooks.parameters()]
+
+    def run(chunk: int) -> tuple[int, list[torch.Tensor]]:
+        hooks.p2c_chunk = chunk
+        ctx = enc.context(torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None], kind)
+        parts = hooks.score_parts(q, k, ctx)
+        assert parts is not None
+        dense = base_mod.dense_parts(parts, s)
+        grads = torch.autograd.grad((dense * weights).sum(), params)
+        return len(parts), [dense.detach(), *grads]
+
+    n_ref, ref = run(1)
+    for chunk in (2, 3):
+        n, got = run(chunk)
+        assert n <= n_ref
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["shaw", "xl", "deberta", "alibi", "t5"])
 def test_causal_blocks_skip_masked_keys(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Causal attention in query blocks leaves out the keys masked for a whole block:
