@@ -137,11 +137,11 @@ class _DebertaAttention(AttentionPositional):
     #: 2-core CPU: gather faster at S <= 256, the view from S = 512, with P = 64).
     view_keys_per_row: float = 4.0
     #: The view path's position-to-content window goes in chunks of c = this many times
-    #: T keys, each scored against the (c + 1)T - 1 distances its keys meet, so a key
-    #: gets (c + 1)/c times the T products it needs; larger c means fewer, larger ops
-    #: and a larger (B, H, cT, (c + 1)T) intermediate. Measured fwd+bwd at T = 1024 on a 2-core CPU
-    #: against c = 1, paired runs: 0.99-1.08x the speed at 2 threads, 1.00-1.05x at 1;
-    #: c = 4 no faster.
+    #: T keys (T: the queries of a block), each scored against the (c + 1)T - 1 distances
+    #: its keys meet, so a key gets (c + 1)/c times the T products it needs; larger c
+    #: means fewer, larger ops and a larger (B, H, cT, (c + 1)T) intermediate. Measured
+    #: on a 2-core CPU, 2x1024 fwd+bwd, against c = 1 (paired runs): 0.99-1.08x the
+    #: speed with 2 threads, 1.00-1.05x with 1; c = 4 no faster than 2.
     p2c_chunk: int = 2
 
     def scale(self, head_dim: int) -> float:
