@@ -1,6 +1,7 @@
 """Performance benchmark of posenc's encoders (GitHub issue 6).
 
     python experiments/bench.py [--quick] [--json out.json] [--sections rope,tiles,train,...]
+    python experiments/bench.py --pool run1.json run2.json ...
 
 Every number is a ratio against a baseline measured in the same process and the
 same interleaved rounds (the memory section uses one child process per
@@ -17,6 +18,8 @@ range, and the median absolute value. Sections:
   relative to ``none``.
 * ``overhead``: Lightning ``Trainer.fit`` of ``LMTask`` vs a bare PyTorch loop.
 
+``--pool a.json b.json ...`` measures nothing: it puts the rows of several ``--json``
+reports side by side and judges the goals on the median of all their rounds pooled.
 ``--quick`` shrinks everything to run in about a minute (the smoke test uses it);
 the full run takes a few minutes on 2 cores. Results on a shared machine are
 noisy; ``--threads 1`` trades speed for much steadier ratios there.
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import Row, fmt_seconds, markdown_table
+from bench_common import Row, fmt_seconds, markdown_table, pool_runs, pooled_table
 
 SECTIONS = ("rope", "tiles", "train", "memory", "overhead")
 
@@ -67,6 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    p.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: put the rows of two or more --json reports side by side, "
+        "with the median of all their rounds pooled",
+    )
     # The memory section re-runs this script in a child process per encoder.
     p.add_argument("--_child-memory", dest="child_memory", help=argparse.SUPPRESS)
     p.add_argument("--_child-config", dest="child_config", help=argparse.SUPPRESS)
@@ -180,6 +191,35 @@ def to_json(result: dict[str, Any]) -> dict[str, Any]:
     return {k: [r.to_json() for r in v] if k == "rows" else v for k, v in result.items()}
 
 
+def pool(paths: list[Path]) -> int:
+    """Print :func:`bench_common.pool_runs` of the reports at ``paths``."""
+    reports = []
+    for path in paths:
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            print(f"bench.py --pool: cannot read {path}: {e}", file=sys.stderr)
+            return 2
+        if "sections" not in reports[-1]:
+            print(f"bench.py --pool: {path} is not a bench.py --json report", file=sys.stderr)
+            return 2
+    try:
+        pooled = pool_runs(reports)
+    except ValueError as e:
+        print(f"bench.py --pool: {e}", file=sys.stderr)
+        return 2
+    print(f"# posenc benchmark, {len(reports)} runs pooled\n")
+    for path, r in zip(paths, reports, strict=True):
+        print(f"- `{path}`: `{r['meta']['command']}`, started {r['meta'].get('started', '?')}")
+    unmet = []
+    for name, rows in pooled.items():
+        print(f"\n## {name}: {TITLES[name]}\n\n{pooled_table(rows)}")
+        unmet += [f"{name}: {r['what']}" for r in rows if r["met"] is False]
+    listed = ": " + "; ".join(unmet) if unmet else ""
+    print(f"\n{len(unmet)} goal(s) not met over the pooled rounds{listed}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child_memory:
@@ -188,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         out = bench_memory.child(args.child_memory, json.loads(args.child_config))
         print(json.dumps(out))
         return 0
+    if args.pool:
+        return pool(args.pool)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)

@@ -169,3 +169,73 @@ def markdown_table(rows: list[Row], *, value_name: str, fmt: Callable[[float | N
         goal = str(row.goal) if row.goal else "-"
         lines.append(f"| {what} | {fmt(row.median)} | {ratio} | {goal} | {mark} |")
     return "\n".join(lines)
+
+
+def parse_goal(text: str | None) -> Goal | None:
+    """The inverse of ``str(Goal)``: ``">= 0.6x"`` -> ``Goal(">=", 0.6)``."""
+    if text is None:
+        return None
+    op, value = text.split()
+    return Goal(op, float(value.rstrip("x")))
+
+
+def pool_runs(reports: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Rows of several ``--json`` reports of the same benchmark, side by side.
+
+    For each section in every report, and each row in all of them (matched by
+    ``what``, in the first report's order): the per-run ratios, their median, and
+    the median, min and max of all per-round ratios pooled, with the goal judged on
+    the pooled median. A run's machine load moves all its rounds together, so the
+    pooled median weighs every round once where a single run's median can flip.
+
+    Raises:
+        ValueError: fewer than two reports, or reports with no section in common.
+    """
+    if len(reports) < 2:
+        raise ValueError(f"pooling needs at least two --json reports, got {len(reports)}")
+    names = [n for n in reports[0]["sections"] if all(n in r["sections"] for r in reports)]
+    if not names:
+        raise ValueError("the reports have no section in common")
+    pooled: dict[str, list[dict[str, Any]]] = {}
+    for name in names:
+        by_run = [{row["what"]: row for row in r["sections"][name]["rows"]} for r in reports]
+        rows = []
+        for what in by_run[0]:
+            runs = [b.get(what) for b in by_run]
+            if any(r is None or r["ratio"] is None for r in runs):
+                continue  # missing from a run (other sizes or encoders) or skipped
+            ratios = [x for r in runs for x in r["raw"].get("ratios") or [r["ratio"]]]
+            goal = parse_goal(runs[0]["goal"])
+            median = statistics.median(ratios)
+            rows.append(
+                {
+                    "what": what,
+                    "runs": [r["ratio"] for r in runs],
+                    "median_of_runs": statistics.median(r["ratio"] for r in runs),
+                    "pooled": median,
+                    "pooled_min": min(ratios),
+                    "pooled_max": max(ratios),
+                    "rounds": len(ratios),
+                    "goal": None if goal is None else str(goal),
+                    "met": None if goal is None else goal.met(median),
+                }
+            )
+        pooled[name] = rows
+    return pooled
+
+
+def pooled_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown for one section of :func:`pool_runs`."""
+    lines = [
+        "| what | ratio per run | median of runs | pooled rounds: median [min, max] (n) "
+        "| goal | met? (pooled) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        runs = ", ".join(f"{x:.2f}" for x in r["runs"])
+        spread = f"{r['pooled']:.3f} [{r['pooled_min']:.2f}, {r['pooled_max']:.2f}] ({r['rounds']})"
+        mark = {True: "yes", False: "**no**", None: "-"}[r["met"]]
+        goal = r["goal"] or "-"
+        median = f"{r['median_of_runs']:.3f}"
+        lines.append(f"| {r['what']} | {runs} | {median} | {spread} | {goal} | {mark} |")
+    return "\n".join(lines)

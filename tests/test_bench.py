@@ -6,6 +6,7 @@ No timing thresholds: the numbers depend on the machine and its load.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,84 @@ def test_a_wrong_rope_form_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> N
     forms["ref: complex multiply (interleaved)"] = (layout, lambda t: t * 1.001)
     with pytest.raises(AssertionError):
         bench_rope.check_agreement(x, forms)
+
+
+def _report(rows: dict[str, list[float]], goal: str = ">= 0.6x") -> dict[str, Any]:
+    """A --json report with one train section whose rows have these per-round ratios."""
+    out = []
+    for what, ratios in rows.items():
+        base = what.startswith("none")
+        out.append(
+            {
+                "what": what,
+                "median": 0.1,
+                "ratio": statistics.median(ratios),
+                "goal": None if base else goal,
+                "met": None,
+                "note": "",
+                "raw": {"ratios": ratios},
+            }
+        )
+    return {
+        "meta": {"command": "bench.py", "started": "today"},
+        "sections": {"train": {"rows": out}},
+    }
+
+
+def test_pooling_judges_goals_on_all_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run medians 0.64 and 0.52 (their median 0.58 misses 0.6x); the six rounds pooled
+    have median 0.615, which meets it. A row missing from one run is left out."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from bench_common import pool_runs
+
+    one = _report({"none": [1.0, 1.0, 1.0], "x": [0.62, 0.64, 0.66], "y": [0.9]})
+    two = _report({"none": [1.0, 1.0, 1.0], "x": [0.50, 0.52, 0.61]})
+    (row_none, row_x) = pool_runs([one, two])["train"]
+    assert row_none["what"] == "none" and row_none["met"] is None
+    assert row_x["runs"] == [0.64, 0.52]
+    assert row_x["median_of_runs"] == pytest.approx(0.58)
+    assert row_x["pooled"] == pytest.approx(0.615)
+    assert (row_x["pooled_min"], row_x["pooled_max"], row_x["rounds"]) == (0.50, 0.66, 6)
+    assert row_x["met"] is True
+    strict = pool_runs([_report({"x": [0.62, 0.64]}, ">= 0.7x"), _report({"x": [0.7]}, ">= 0.7x")])
+    assert strict["train"][0]["met"] is False  # pooled median 0.64
+
+    paths = []
+    for i, rep in enumerate((one, two)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(rep))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--pool", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| x | 0.64, 0.52 | 0.580 | 0.615 [0.50, 0.66] (6) | >= 0.6x | yes |" in proc.stdout
+    assert "0 goal(s) not met over the pooled rounds" in proc.stdout
+
+
+@pytest.mark.parametrize("case", ["one file", "not a report", "missing"])
+def test_pooling_refuses_bad_input(tmp_path: Path, case: str) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_report({"x": [0.7]})))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"rows": []}))
+    files = {
+        "one file": [good],
+        "not a report": [good, other],
+        "missing": [good, tmp_path / "nope.json"],
+    }[case]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--pool", *map(str, files)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    want = {"one file": "at least two", "not a report": "not a bench.py", "missing": "cannot read"}
+    assert want[case] in proc.stderr
