@@ -93,6 +93,7 @@ def by_rows(
     flat: tuple[int, int],
     *,
     reverse: bool = False,
+    zero_ends: bool = False,
 ) -> Tensor:
     """``x @ proj[:, rows[e]]`` for entries ``e = first .. last`` (or ``last .. first``
     with ``reverse``), computing each repeated end value once and expanding it.
@@ -104,6 +105,10 @@ def by_rows(
         first: First entry. last: Last entry.
         flat: :func:`flat_ends` of ``rows``.
         reverse: Output entries in descending order.
+        zero_ends: The repeated ends may be zeros instead: each is either zero already
+            (the far keys' row, shifted to 0) or unused (causal attention's masked
+            distances). Zeros pad the ends, and the backward is a slice, where expanded
+            ends would be summed back into their column.
 
     Returns:
         ``(B, H, N, last - first + 1)``.
@@ -115,6 +120,8 @@ def by_rows(
     before, after = (last - b, a - first) if reverse else (a - first, last - b)
     if not before and not after:
         return mid
+    if zero_ends:
+        return nn.functional.pad(mid, (before, after))
     lead = mid.shape[:-1]
     parts = [mid[..., :1].expand(*lead, before)] if before else []
     parts.append(mid)
@@ -205,6 +212,11 @@ class _DebertaAttention(AttentionPositional):
         # c2p: q_i . K^r[rows[d - lo]] for distance d = i - j = -n. Lookup entries up to
         # flat[0] share a row (d small: n large), so do those from flat[1] (n small).
         (a, b), (q0, k0), t = x["flat"], ctx.starts, q.shape[-2]
+        # Causal with keys up to the queries (lo <= 0): a lookup's flat run at one end is
+        # the masked distances (< 0; distance 0 has a row of its own), at the other the
+        # far keys' row, which the shift below makes 0, so by_rows pads both with 0.
+        # (With lo > 0 the first distances may share a log bucket: real values.)
+        causal = ctx.kind is AttnKind.CAUSAL and lo <= 0
         w = offset_window(ctx, -(lo + b), -(lo + a))
         first, last = -w.n_hi - lo, -w.n_lo - lo  # lookup entries of distances -n_hi..-n_lo
         if first < 0 or last >= rows.shape[0]:
@@ -215,7 +227,7 @@ class _DebertaAttention(AttentionPositional):
             ctx,
             w,
             left=None,
-            table=by_rows(q, kr, rows, first, last, x["flat"], reverse=True),
+            table=by_rows(q, kr, rows, first, last, x["flat"], reverse=True, zero_ends=causal),
             right=q @ kr[:, rows[a], None].transpose(-1, -2),  # (B, H, T, 1)
         )
         if parts is None or self.w_qr is None:
@@ -246,7 +258,9 @@ class _DebertaAttention(AttentionPositional):
             if d_hi < d_lo:
                 return None
             kc = k[..., c0:c1, :]
-            per_d = by_rows(kc, qr, x["rows_neg"], d_lo - lo, d_hi - lo, x["flat_neg"])
+            per_d = by_rows(
+                kc, qr, x["rows_neg"], d_lo - lo, d_hi - lo, x["flat_neg"], zero_ends=causal
+            )
             part = offset_view(per_d, row0=k0 + c0, col0=q0, lo=d_lo, cols=t, tiled_grad=True)
             if part is None:
                 return None

@@ -215,6 +215,37 @@ def test_deberta_p2c_chunk_sizes_agree(kind: AttnKind, shape: tuple[int, int, in
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_deberta_causal_queries_after_their_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Causal, with every key before the queries (lo > 0: no masked distance), and the
+    nearest distances sharing a log bucket: the view path's lookup starts with a flat
+    run of real values, which it must expand, not pad with zeros as it may when that
+    run is masked distances."""
+    enc = get("deberta")(d_model=H * D, n_heads=H, n_layers=1, max_distance=128, bucket_size=32)
+    hooks = enc.for_attention(layer=0, kind=AttnKind.CAUSAL)
+    hooks.view_keys_per_row = 0.0
+    t, s, q0, k0 = 4, 12, 60, 30  # distances 19 .. 33
+    q_pos, k_pos = torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None]
+    fast = enc.context(q_pos, k_pos, AttnKind.CAUSAL)
+    assert fast.extra["lo"] == 19
+    assert fast.extra["rows"][0] == fast.extra["rows"][1]  # 19 and 20: one bucket
+    assert fast.extra["rows_neg"][0] == fast.extra["rows_neg"][1]
+    slow = dataclasses.replace(fast, starts=None, memo={})
+    q = torch.randn(2, H, t, D, requires_grad=True)
+    k = torch.randn(2, H, s, D, requires_grad=True)
+    weights = torch.randn(2, H, t, s)
+    params = [q, k, *enc.parameters(), *hooks.parameters()]
+
+    def run(ctx: AttentionContext) -> list[torch.Tensor]:
+        bias = hooks.score_bias(q, k, ctx)
+        return [bias.detach(), *torch.autograd.grad((bias * weights).sum(), params)]
+
+    with monkeypatch.context() as m:
+        m.setattr(AttentionContext, "rel", None)  # the view path, or this test fails
+        got = run(fast)
+    for a, b in zip(got, run(slow), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["shaw", "xl", "deberta", "alibi", "t5"])
 def test_causal_blocks_skip_masked_keys(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Causal attention in query blocks leaves out the keys masked for a whole block:
