@@ -136,6 +136,11 @@ def _report(rows: dict[str, list[float]], goal: str = ">= 0.6x") -> dict[str, An
     }
 
 
+def _pool(files: list[Path]) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, str(BENCH), "--pool", *map(str, files)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
 def test_pooling_judges_goals_on_all_rounds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -160,13 +165,7 @@ def test_pooling_judges_goals_on_all_rounds(
     for i, rep in enumerate((one, two)):
         paths.append(tmp_path / f"run{i}.json")
         paths[-1].write_text(json.dumps(rep))
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--pool", *map(str, paths)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    proc = _pool(paths)
     assert proc.returncode == 0, proc.stderr
     assert "| x | 0.64, 0.52 | 0.580 | 0.615 [0.50, 0.66] (6) | >= 0.6x | yes |" in proc.stdout
     assert "0 goal(s) not met over the pooled rounds" in proc.stdout
@@ -183,13 +182,7 @@ def test_pooling_refuses_bad_input(tmp_path: Path, case: str) -> None:
         "not a report": [good, other],
         "missing": [good, tmp_path / "nope.json"],
     }[case]
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--pool", *map(str, files)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    proc = _pool(files)
     assert proc.returncode == 2
     want = {"one file": "at least two", "not a report": "not a bench.py", "missing": "cannot read"}
     assert want[case] in proc.stderr
