@@ -8,6 +8,7 @@ seconds apart, with the order rotated each round, drifts far less.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -189,7 +190,8 @@ def pool_runs(reports: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     pooled median weighs every round once where a single run's median can flip.
 
     Raises:
-        ValueError: fewer than two reports, or reports with no section in common.
+        ValueError: fewer than two reports, reports with no section in common, or a
+            section run with different configurations (sizes, dtypes) in different reports.
     """
     if len(reports) < 2:
         raise ValueError(f"pooling needs at least two --json reports, got {len(reports)}")
@@ -198,6 +200,12 @@ def pool_runs(reports: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         raise ValueError("the reports have no section in common")
     pooled: dict[str, list[dict[str, Any]]] = {}
     for name in names:
+        configs = {json.dumps(r["sections"][name].get("config"), sort_keys=True) for r in reports}
+        if len(configs) > 1:
+            raise ValueError(
+                f"section {name!r} was run with different configurations ({len(configs)}): "
+                "pool runs of one command (for example, not --quick with a full run)"
+            )
         by_run = [{row["what"]: row for row in r["sections"][name]["rows"]} for r in reports]
         rows = []
         for what in by_run[0]:

@@ -171,18 +171,27 @@ def test_pooling_judges_goals_on_all_rounds(
     assert "0 goal(s) not met over the pooled rounds" in proc.stdout
 
 
-@pytest.mark.parametrize("case", ["one file", "not a report", "missing"])
+@pytest.mark.parametrize("case", ["one file", "not a report", "missing", "other config"])
 def test_pooling_refuses_bad_input(tmp_path: Path, case: str) -> None:
     good = tmp_path / "good.json"
     good.write_text(json.dumps(_report({"x": [0.7]})))
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"rows": []}))
+    quick = _report({"x": [0.7]})
+    quick["sections"]["train"]["config"] = {"shapes_BT": [[4, 64]]}
+    (tmp_path / "quick.json").write_text(json.dumps(quick))
     files = {
         "one file": [good],
         "not a report": [good, other],
         "missing": [good, tmp_path / "nope.json"],
+        "other config": [good, tmp_path / "quick.json"],
     }[case]
     proc = _pool(files)
     assert proc.returncode == 2
-    want = {"one file": "at least two", "not a report": "not a bench.py", "missing": "cannot read"}
+    want = {
+        "one file": "at least two",
+        "not a report": "not a bench.py",
+        "missing": "cannot read",
+        "other config": "different configurations",
+    }
     assert want[case] in proc.stderr
