@@ -2,15 +2,15 @@
 the scores and its gradient copied back, with ``posenc.native.copy_tiled`` against
 PyTorch's ``add_`` and ``copy_`` (what posenc ran before it).
 
-Notation: B batch, H heads, T queries of a causal block, W keys of a p2c chunk, N = 2W - 1
-distances per key, S keys of the block.
+Notation: B batch, H heads, T queries of a causal block, W = cT keys of a p2c chunk (c:
+``_DebertaAttention.p2c_chunk``), N = W + T - 1 distances per key, S keys of the block.
 
 The position-to-content term is a key-major table ``(B, H, W, N)`` of per-key,
 per-distance scores, read as a ``(T, W)`` block of the query-major score buffer (a
 transposed Toeplitz view). The forward adds it into the buffer; the backward writes the
 buffer's gradient slice back into a zero table through the same view. Both walk one
 tensor across its memory order. The shapes are those of the training section's 2x1024
-step (blocks of 128 queries, the last block's 1024 keys).
+step (blocks of 128 queries, the last block's 1024 keys, its chunk on the diagonal).
 """
 
 from __future__ import annotations
@@ -24,16 +24,24 @@ from torch import Tensor
 from torch.utils.benchmark import Timer
 
 from posenc import native
+from posenc.encoders.deberta import _DebertaAttention
 
 BASELINE = "PyTorch"  # each group's baseline row starts with it
 FORWARD, BACKWARD = "PyTorch add_ (forward)", "PyTorch copy_ (backward)"
 
 
+def chunk_keys(t: int, s: int) -> int:
+    """W: the keys of one p2c chunk, as DeBERTa's view path cuts them."""
+    return min(s, t * _DebertaAttention.p2c_chunk)
+
+
 def make_inputs(b: int, h: int, t: int, s: int, gen: torch.Generator) -> dict[str, Tensor]:
     """A score buffer and its gradient ``(B, H, T, S)``, a key-major table and a zero one
-    for its gradient ``(B, H, T, 2T - 1)``, with the chunk's views into them."""
-    w, n, c0 = t, 2 * t - 1, s - t  # the chunk of keys on the block's diagonal
-    geometry = ((b, h, w, t), (h * w * n, w * n, n - 1, 1), 0)
+    for its gradient ``(B, H, W, N)``, with the chunk's views into them."""
+    w = chunk_keys(t, s)
+    n, c0 = w + t - 1, s - w  # the chunk of keys on the block's diagonal
+    # key r, query i (the block's last T of S): distance entry w - 1 + i - r of row r
+    geometry = ((b, h, w, t), (h * w * n, w * n, n - 1, 1), w - 1)
     scores, grad = (torch.randn(b, h, t, s, generator=gen) for _ in range(2))
     table, table_grad = torch.randn(b, h, w, n, generator=gen), torch.zeros(b, h, w, n)
     return {
@@ -122,7 +130,7 @@ def run(
     return {
         "config": {
             "shape_BHTS": list(shape),
-            "table_BHWN": [b, h, t, 2 * t - 1],
+            "table_BHWN": [b, h, chunk_keys(t, s), chunk_keys(t, s) + t - 1],
             "dtype": "float32",
             "number": number,
             "copy_tiled": "native"
