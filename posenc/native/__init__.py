@@ -112,6 +112,8 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None when disabled or unbuildable (warns once why)."""
     if not enabled():
         return None
+    if "lib" in _STATE:  # tried already: no lock on the per-call path
+        return _STATE["lib"]  # type: ignore[return-value]
     with _LOCK:
         if "lib" not in _STATE:
             try:

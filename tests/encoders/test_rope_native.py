@@ -47,11 +47,21 @@ def tables(b: int, t: int, half: int, dtype: torch.dtype = torch.float32):  # no
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
     ("shape", "rot"),
-    [((2, 3, 5, 8), 8), ((2, 3, 7, 10), 6), ((2, 4, 512, 64), 64), ((1, 2, 300, 64), 32)],
+    [
+        ((2, 3, 5, 8), 8),
+        ((2, 3, 7, 10), 6),
+        ((2, 4, 512, 64), 64),
+        ((1, 2, 300, 64), 32),
+        ((2, 5, 9, 32), 32),
+        ((1, 3, 7, 128), 128),
+        ((1, 3, 7, 128), 64),
+    ],
 )
 def test_values_equal_the_textbook_form(layout, dtype, shape, rot) -> None:  # noqa: ANN001
     """Contiguous and (B, T, H, D)-transposed inputs, shared and per-batch tables; the
-    (2, 4, 512, 64) case is large enough to run on several threads."""
+    (2, 4, 512, 64) case is large enough to run on several threads. R = D = 32, 64 and
+    128 take the kernel's loops compiled for those sizes, the other cases its general
+    loop."""
     b, h, t, d = shape
     strided = torch.randn(b, t, h, d, dtype=dtype).transpose(1, 2)
     for x in (torch.randn(shape, dtype=dtype), strided):
@@ -115,10 +125,12 @@ def test_gradients_to_second_order(layout: str, rot: int) -> None:
 
 
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
-def test_backward_equals_the_pytorch_form(layout: str) -> None:
-    x = torch.randn(2, 5, 3, 16).transpose(1, 2).requires_grad_()
-    w = torch.randn(2, 3, 5, 16)
-    cos, sin = tables(2, 5, 6)
+@pytest.mark.parametrize(("d", "rot"), [(16, 12), (64, 64)])
+def test_backward_equals_the_pytorch_form(layout: str, d: int, rot: int) -> None:
+    """The transposed rotation, through the general loop and the one for R = D = 64."""
+    x = torch.randn(2, 5, 3, d).transpose(1, 2).requires_grad_()
+    w = torch.randn(2, 3, 5, d)
+    cos, sin = tables(2, 5, rot // 2)
     (want,) = torch.autograd.grad((apply_rope(x, cos, sin, layout, native=False) * w).sum(), x)
     (got,) = torch.autograd.grad((apply_rope(x, cos, sin, layout) * w).sum(), x)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
