@@ -74,9 +74,8 @@ static void thread_share(int64_t n, int64_t *u0, int64_t *u1) {
 
 #define ROPE_KERNEL(NAME, T_)                                                             \
     static inline POSENC_INLINE void NAME##_row(                                          \
-        const T_ *restrict xr, T_ *restrict yr,                                           \
-                                  const T_ *restrict c, const T_ *restrict s, int64_t d,  \
-                                  int64_t r, _Bool half_layout, T_ sign) {                \
+        const T_ *restrict xr, T_ *restrict yr, const T_ *restrict c,                     \
+        const T_ *restrict s, int64_t d, int64_t r, _Bool half_layout, T_ sign) {         \
         const int64_t h2 = r / 2;                                                         \
         if (half_layout) {                                                                \
             for (int64_t i = 0; i < h2; i++) {                                            \
