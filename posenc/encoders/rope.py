@@ -125,7 +125,7 @@ def apply_rope(
     if layout not in LAYOUTS:
         raise ValueError(f"rope: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
     if native and native_kernels.rope_supported(x, cos, sin):
-        return native_kernels.rope(x, cos, sin, layout)
+        return native_kernels.rope(x, cos, sin, layout, factors=factors)
     half = cos.shape[-1]
     rot = x[..., : 2 * half].float()
     if factors is None:

@@ -3,8 +3,9 @@
 PyTorch's eager elementwise ops each make a pass over memory: a RoPE written with them
 takes one pass for the interleaved layout (a complex product) and several for the
 split-half one. ``rope.c`` rotates q or k in one pass for either layout, reading each
-row of the cos/sin tables once for several rows of q or k, and its backward (the
-transpose: the same rotation with the sine negated) is the same kernel. ``tiles.c``
+row of the tables once for several rows of q or k, and its backward (the transpose:
+the same rotation with the sine negated) is the same kernel. For the interleaved
+layout it reads one table of (cos, sin) pairs laid out as the pairs of x (:func:`rope`). ``tiles.c``
 copies or adds a tensor whose fast axis is not the destination's in cache-sized square
 tiles (DeBERTa's position-to-content term, a key-major table added to query-major
 scores, and its gradient).
@@ -138,7 +139,7 @@ def rope_supported(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     """Whether :func:`rope` takes these inputs: CPU, float32/float64 ``x``, constant
     tables (no gradient), and the kernels available."""
     return (
-        x.device.type == "cpu"
+        x.is_cpu
         and x.dtype in _KERNELS
         and x.dim() == 4
         and not (cos.requires_grad or sin.requires_grad)
@@ -146,27 +147,24 @@ def rope_supported(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     )
 
 
-def _launch(x: Tensor, cos: Tensor, sin: Tensor, layout: str, sign: float) -> Tensor:
-    """One kernel call; ``x (B, H, T, D)``, ``cos``/``sin (B|1, 1, T, R/2)``."""
+# The complex dtype whose (real, imaginary) pairs are the kernel's (cos, sin) pairs.
+_PAIRED = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def _launch(
+    x: Tensor, tab: Tensor, tab2: Tensor, strides: tuple[int, int, int], layout: str, sign: float
+) -> Tensor:
+    """One kernel call on ``x (B, H, T, D)`` with tables and ``(R, cs0, cs1)`` from
+    :func:`rope` (strides in elements of ``x``'s dtype)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if cos.dtype != x.dtype:
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
     nb, nh, nt, d = x.shape
-    half = cos.shape[-1]
-    if cos.shape[-2] != nt or cos.shape[0] not in (1, nb) or 2 * half > d:
-        raise ValueError(
-            f"rope: tables {tuple(cos.shape)} do not fit x {tuple(x.shape)}: need "
-            f"(B|1, 1, T, R/2) with T={nt} and R <= {d}"
-        )
     y = torch.empty((nb, nh, nt, d), dtype=x.dtype)
     xs = x.stride()
+    rot, cs0, cs1 = strides
     _FUNCS[x.dtype](
-        x.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        nb, nh, nt, d, 2 * half, xs[0], xs[1], xs[2],
-        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-2),
+        x.data_ptr(), y.data_ptr(), tab.data_ptr(), tab2.data_ptr(),
+        nb, nh, nt, d, rot, xs[0], xs[1], xs[2], cs0, cs1,
         layout == "half", sign, torch.get_num_threads(),
     )  # fmt: skip
     return y
@@ -178,33 +176,69 @@ class _Rope(torch.autograd.Function):
     need not be unit norm (YaRN folds its temperature into them)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, layout: str, sign: float) -> Tensor:  # noqa: ANN001
-        ctx.save_for_backward(cos, sin)
-        ctx.layout, ctx.sign = layout, sign
-        return _launch(x, cos, sin, layout, sign)
+    def forward(ctx, x, tab, tab2, strides, layout, sign):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(tab, tab2)
+        ctx.strides, ctx.layout, ctx.sign = strides, layout, sign
+        return _launch(x, tab, tab2, strides, layout, sign)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
-        cos, sin = ctx.saved_tensors
-        return _Rope.apply(grad, cos, sin, ctx.layout, -ctx.sign), None, None, None, None
+        tab, tab2 = ctx.saved_tensors
+        out = _Rope.apply(grad, tab, tab2, ctx.strides, ctx.layout, -ctx.sign)
+        return out, None, None, None, None, None
 
 
-def rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
+def rope(
+    x: Tensor, cos: Tensor, sin: Tensor, layout: str, *, factors: Tensor | None = None
+) -> Tensor:
     """Rotate the first ``R = 2 * cos.shape[-1]`` dims of ``x (B, H, T, D)`` (the rest
     pass through), as :func:`posenc.encoders.rope.apply_rope`; check
     :func:`rope_supported` first.
+
+    The ``half`` layout reads ``cos`` and ``sin``. The ``interleaved`` one reads one
+    table of ``(cos_i, sin_i)`` pairs laid out as the pairs of ``x``, so that one vector
+    load brings the factors of four pairs: the complex ``factors`` are that table
+    already (their real and imaginary parts alternate in memory); without them it is
+    stacked here, one pass over the tables.
 
     Args:
         x: ``(B, H, T, D)`` float32 or float64, any strides with a unit last one.
         cos: ``(B|1, 1, T, R/2)`` cosines of the angles; sin: their sines.
         layout: ``interleaved`` or ``half``.
+        factors: Optional :func:`posenc.encoders.rope.rope_factors` of the tables.
 
     Returns:
         A new contiguous ``(B, H, T, D)`` tensor of ``x.dtype``.
     """
+    cshape, xshape = cos.shape, x.shape
+    if cshape[-2] != xshape[-2] or cshape[0] not in (1, xshape[0]) or 2 * cshape[-1] > xshape[-1]:
+        raise ValueError(
+            f"rope: tables {tuple(cshape)} do not fit x {tuple(xshape)}: need "
+            f"(B|1, 1, T, R/2) with T={xshape[-2]} and R <= {xshape[-1]}"
+        )
+    dtype, scale = x.dtype, 1
+    if layout == "half":
+        if cos.dtype != dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        tab, tab2 = cos, sin
+    else:
+        if (
+            factors is not None
+            and factors.dtype == _PAIRED[dtype]
+            and factors.shape == cshape
+            and factors.stride(-1) == 1
+        ):
+            tab, scale = factors, 2  # strides in complex elements: two reals each
+        else:
+            tab = torch.stack((cos, sin), -1).flatten(-2).to(dtype).contiguous()
+        tab2 = tab  # not read for this layout
+    cs0 = scale * tab.stride(0) if cshape[0] > 1 else 0
+    strides = (2 * cshape[-1], cs0, scale * tab.stride(-2))
     if torch.is_grad_enabled() and x.requires_grad:
-        return _Rope.apply(x, cos, sin, layout, 1.0)
-    return _launch(x, cos, sin, layout, 1.0)  # no graph to record: skip autograd's cost
+        return _Rope.apply(x, tab, tab2, strides, layout, 1.0)
+    return _launch(x, tab, tab2, strides, layout, 1.0)  # no graph to record: skip autograd
 
 
 def copy_tiled(dst: Tensor, src: Tensor, *, accumulate: bool = False) -> None:

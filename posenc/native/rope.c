@@ -8,8 +8,12 @@
  * and s multiplied by sign. sign = -1 applies the transpose: the backward pass.
  *
  * x: strides (xs0, xs1, xs2) over (B, H, T), unit stride over D. y: contiguous.
- * cos, sin: (B|1, T, R/2) with strides (cs0, cs1) over (batch, T), unit stride last;
- * cs0 = 0 when all batch rows share the tables.
+ * Tables, strides (cs0, cs1) over (batch, T), unit stride last, cs0 = 0 when all batch
+ * rows share them:
+ *   half:        cosv and sinv, (B|1, T, R/2) each;
+ *   interleaved: cosv alone, (B|1, T, R) with (c, s) of pair i at 2i, 2i+1, laid out
+ *                as x's pairs, so that one vector load holds the factors of the pairs
+ *                of one vector of x; sinv is not read.
  *
  * Order: positions outer, GROUP (batch, head) rows inner, so each table row is read
  * once for GROUP rows of x while x is read as GROUP sequential streams. In plain row
@@ -19,13 +23,17 @@
  *
  * Row length: the row loops are short (D/2 pairs), so their trip count, the aliasing
  * checks and the vector epilogue take a large share of the time unless the compiler
- * knows D and R. The kernel therefore calls its loop body with constant (D, R, layout)
- * for the usual head sizes (R = D = 32, 64 or 128) and with run-time values otherwise.
- * Against the run-time-only loop (scratch timings on the same EPYC, both builds called
- * through ctypes in one process): 4.2 -> 4.8-5.1 G elements/s on one core with
- * L2-resident data; 1.02-1.09x its speed at experiments/bench.py's rope shape
- * (8, 8, 1024, 64), median of 400 alternated calls, six runs with 2 threads; 1.03-1.06x
- * in four with 1.
+ * knows D and R. The kernel therefore calls its loop body with constant (D, R, layout,
+ * rows in the group) for the usual head sizes (R = D = 32, 64 or 128) and with
+ * run-time values otherwise.
+ *
+ * Why the speed of the arithmetic matters for a memory-bound pass: on a shared machine
+ * the core's share of compute varies, and when it drops the pass is bound by its
+ * instructions, where a plain add is cheaper than a rotation. Measured on the 2-core
+ * EPYC (scratch timings, not kept), G elements/s on one core, data in L2, the kernel
+ * called in a C loop: interleaved 8.2 with separate cos/sin tables and run-time sizes
+ * -> 9.4 with the pair table and the compiled sizes; half 9.3 -> 10.0; a C loop adding
+ * 0 to every element 12-14.
  *
  * Threads: OpenMP, as many as the caller passes (torch.get_num_threads()), each on a
  * contiguous range of (group, position) units; inputs under 64K elements stay on one
@@ -52,13 +60,21 @@
 #define POSENC_INLINE
 #endif
 
-/* The span loop of kernel NAME with R = D = D_ known to the compiler, either layout. */
-#define POSENC_SPANS(NAME, D_)                                                          \
+/* The span loop of kernel NAME with the group size and R = D = D_ known to the
+ * compiler (a full group; a short last group passes its n), for either layout. */
+#define POSENC_SPAN(NAME, N_, D_)                                                         \
     do {                                                                                \
         if (half_layout)                                                                \
-            NAME##_span(xg, yg, cg, sg, n, t0, t1, xs2, cs1, D_, D_, 1, sign);           \
+            NAME##_span(xg, yg, cg, sg, N_, t0, t1, xs2, cs1, D_, D_, 1, sign);           \
         else                                                                            \
-            NAME##_span(xg, yg, cg, sg, n, t0, t1, xs2, cs1, D_, D_, 0, sign);           \
+            NAME##_span(xg, yg, cg, sg, N_, t0, t1, xs2, cs1, D_, D_, 0, sign);           \
+    } while (0)
+#define POSENC_SPANS(NAME, D_)                                                          \
+    do {                                                                                \
+        if (n == GROUP)                                                                 \
+            POSENC_SPAN(NAME, GROUP, D_);                                               \
+        else                                                                            \
+            POSENC_SPAN(NAME, n, D_);                                                   \
     } while (0)
 
 /* This thread's share [*u0, *u1) of n units. */
@@ -73,22 +89,28 @@ static void thread_share(int64_t n, int64_t *u0, int64_t *u1) {
 }
 
 #define ROPE_KERNEL(NAME, T_)                                                             \
-    static inline POSENC_INLINE void NAME##_row(                                          \
+    /* interleaved: pair i is (x[2i], x[2i+1]); p[2i], p[2i+1] hold its (c, s). */       \
+    static inline POSENC_INLINE void NAME##_pairs(                                        \
+        const T_ *restrict xr, T_ *restrict yr, const T_ *restrict p, int64_t d,          \
+        int64_t r, T_ sign) {                                                             \
+        for (int64_t i = 0; i < r / 2; i++) {                                             \
+            const T_ c = p[2 * i], si = sign * p[2 * i + 1];                              \
+            const T_ x0 = xr[2 * i], x1 = xr[2 * i + 1];                                  \
+            yr[2 * i] = x0 * c - x1 * si;                                                 \
+            yr[2 * i + 1] = x1 * c + x0 * si;                                             \
+        }                                                                                 \
+        for (int64_t j = r; j < d; j++) yr[j] = xr[j];                                    \
+    }                                                                                     \
+                                                                                          \
+    /* half: pair i is (x[i], x[i + R/2]); c[i], s[i] hold its (c, s). */                 \
+    static inline POSENC_INLINE void NAME##_halves(                                       \
         const T_ *restrict xr, T_ *restrict yr, const T_ *restrict c,                     \
-        const T_ *restrict s, int64_t d, int64_t r, _Bool half_layout, T_ sign) {         \
+        const T_ *restrict s, int64_t d, int64_t r, T_ sign) {                            \
         const int64_t h2 = r / 2;                                                         \
-        if (half_layout) {                                                                \
-            for (int64_t i = 0; i < h2; i++) {                                            \
-                const T_ x0 = xr[i], x1 = xr[i + h2], si = sign * s[i];                   \
-                yr[i] = x0 * c[i] - x1 * si;                                              \
-                yr[i + h2] = x1 * c[i] + x0 * si;                                         \
-            }                                                                             \
-        } else {                                                                          \
-            for (int64_t i = 0; i < h2; i++) {                                            \
-                const T_ x0 = xr[2 * i], x1 = xr[2 * i + 1], si = sign * s[i];            \
-                yr[2 * i] = x0 * c[i] - x1 * si;                                          \
-                yr[2 * i + 1] = x1 * c[i] + x0 * si;                                      \
-            }                                                                             \
+        for (int64_t i = 0; i < h2; i++) {                                                \
+            const T_ x0 = xr[i], x1 = xr[i + h2], si = sign * s[i];                       \
+            yr[i] = x0 * c[i] - x1 * si;                                                  \
+            yr[i + h2] = x1 * c[i] + x0 * si;                                             \
         }                                                                                 \
         for (int64_t j = r; j < d; j++) yr[j] = xr[j];                                    \
     }                                                                                     \
@@ -99,9 +121,14 @@ static void thread_share(int64_t n, int64_t *u0, int64_t *u1) {
         int64_t n, int64_t t0, int64_t t1, int64_t xs2, int64_t cs1, int64_t d,           \
         int64_t r, _Bool half_layout, T_ sign) {                                          \
         for (int64_t t = t0; t < t1; t++)                                                 \
-            for (int64_t g = 0; g < n; g++)                                               \
-                NAME##_row(xg[g] + t * xs2, yg[g] + t * d, cg[g] + t * cs1,               \
-                           sg[g] + t * cs1, d, r, half_layout, sign);                     \
+            for (int64_t g = 0; g < n; g++) {                                             \
+                if (half_layout)                                                          \
+                    NAME##_halves(xg[g] + t * xs2, yg[g] + t * d, cg[g] + t * cs1,        \
+                                  sg[g] + t * cs1, d, r, sign);                           \
+                else                                                                      \
+                    NAME##_pairs(xg[g] + t * xs2, yg[g] + t * d, cg[g] + t * cs1, d, r,   \
+                                 sign);                                                   \
+            }                                                                             \
     }                                                                                     \
                                                                                           \
     POSENC_CLONES void NAME(const T_ *x, T_ *y, const T_ *cosv, const T_ *sinv,           \
@@ -118,14 +145,14 @@ static void thread_share(int64_t n, int64_t *u0, int64_t *u1) {
                 const int64_t bh0 = (u / nt) * GROUP, t0 = u % nt;                        \
                 const int64_t t1 = nt < t0 + u1 - u ? nt : t0 + u1 - u;                   \
                 const int64_t n = nbh - bh0 < GROUP ? nbh - bh0 : GROUP;                  \
-                const T_ *xg[GROUP], *cg[GROUP], *sg[GROUP];                              \
-                T_ *yg[GROUP];                                                            \
+                const T_ *xg[GROUP] = {0}, *cg[GROUP] = {0}, *sg[GROUP] = {0};            \
+                T_ *yg[GROUP] = {0};                                                      \
                 for (int64_t g = 0; g < n; g++) {                                         \
                     const int64_t b = (bh0 + g) / nh, hh = (bh0 + g) % nh;                \
                     xg[g] = x + b * xs0 + hh * xs1;                                       \
                     yg[g] = y + (bh0 + g) * nt * d;                                       \
                     cg[g] = cosv + b * cs0;                                               \
-                    sg[g] = sinv + b * cs0;                                               \
+                    sg[g] = half_layout ? sinv + b * cs0 : cg[g];                         \
                 }                                                                         \
                 if (d == r && d == 64)                                                    \
                     POSENC_SPANS(NAME, 64);                                               \

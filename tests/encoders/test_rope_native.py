@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from posenc import native
-from posenc.encoders.rope import RoPE, apply_rope
+from posenc.encoders.rope import RoPE, apply_rope, rope_factors
 from posenc.model.transformer import DecoderLM
 from tests.conftest import require_native
 
@@ -126,13 +126,41 @@ def test_gradients_to_second_order(layout: str, rot: int) -> None:
 
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 @pytest.mark.parametrize(("d", "rot"), [(16, 12), (64, 64)])
-def test_backward_equals_the_pytorch_form(layout: str, d: int, rot: int) -> None:
-    """The transposed rotation, through the general loop and the one for R = D = 64."""
+@pytest.mark.parametrize("with_factors", [False, True])
+def test_backward_equals_the_pytorch_form(
+    layout: str, d: int, rot: int, with_factors: bool
+) -> None:
+    """The transposed rotation, through the general loop and the one for R = D = 64,
+    with the interleaved pair table stacked from cos/sin or read from the factors."""
     x = torch.randn(2, 5, 3, d).transpose(1, 2).requires_grad_()
     w = torch.randn(2, 3, 5, d)
     cos, sin = tables(2, 5, rot // 2)
+    fac = rope_factors(cos, sin, layout) if with_factors else None
     (want,) = torch.autograd.grad((apply_rope(x, cos, sin, layout, native=False) * w).sum(), x)
-    (got,) = torch.autograd.grad((apply_rope(x, cos, sin, layout) * w).sum(), x)
+    (got,) = torch.autograd.grad((apply_rope(x, cos, sin, layout, factors=fac) * w).sum(), x)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_interleaved_reads_the_complex_factors_in_place() -> None:
+    """The complex ``cos + i sin`` factors are the kernel's (cos, sin) pair table as they
+    lie in memory, also as a view of a block of queries with per-batch tables: the
+    result equals the table stacked from cos and sin, and the textbook form. Factors of
+    other angles change the result, so the kernel does read them; float64 inputs, which
+    complex64 factors do not fit, stack their table instead."""
+    x = torch.randn(2, 3, 20, 16)
+    cos, sin = tables(2, 30, 8)
+    fac = rope_factors(cos, sin, "interleaved")
+    blk = slice(7, 27)
+    c, s, f = cos[:, :, blk], sin[:, :, blk], fac[:, :, blk]
+    got = native.rope(x, c, s, "interleaved", factors=f)
+    torch.testing.assert_close(got, native.rope(x, c, s, "interleaved"), atol=0, rtol=0)
+    want = textbook(x, c, s, "interleaved")
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
+    other_c, other_s = tables(2, 20, 8)
+    got = native.rope(x, c, s, "interleaved", factors=rope_factors(other_c, other_s, "interleaved"))
+    torch.testing.assert_close(got, native.rope(x, other_c, other_s, "interleaved"))
+    x64 = x.double()
+    got = native.rope(x64, c, s, "interleaved", factors=f)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
