@@ -27,13 +27,12 @@
  * rows in the group) for the usual head sizes (R = D = 32, 64 or 128) and with
  * run-time values otherwise.
  *
- * Why the speed of the arithmetic matters for a memory-bound pass: on a shared machine
- * the core's share of compute varies, and when it drops the pass is bound by its
- * instructions, where a plain add is cheaper than a rotation. Measured on the 2-core
- * EPYC (scratch timings, not kept), G elements/s on one core, data in L2, the kernel
- * called in a C loop: interleaved 8.2 with separate cos/sin tables and run-time sizes
- * -> 9.4 with the pair table and the compiled sizes; half 9.3 -> 10.0; a C loop adding
- * 0 to every element 12-14.
+ * The pass is memory-bound only while the arithmetic keeps up; on a shared machine it
+ * often does not, and a plain add needs fewer instructions than a rotation. Measured
+ * on the 2-core EPYC (scratch timings, not kept), G elements/s on one core, data in L2,
+ * the kernel called in a C loop, three runs: interleaved 4.9 with separate cos/sin
+ * tables and run-time sizes, 5.8 with the compiled sizes, 7.3 with the pair table too;
+ * half 5.5 -> 7.2 -> 7.8; a C loop adding 0 to every element 12.
  *
  * Threads: OpenMP, as many as the caller passes (torch.get_num_threads()), each on a
  * contiguous range of (group, position) units; inputs under 64K elements stay on one
