@@ -5,10 +5,10 @@ takes one pass for the interleaved layout (a complex product) and several for th
 split-half one. ``rope.c`` rotates q or k in one pass for either layout, reading each
 row of the tables once for several rows of q or k, and its backward (the transpose:
 the same rotation with the sine negated) is the same kernel. For the interleaved
-layout it reads one table of (cos, sin) pairs laid out as the pairs of x (:func:`rope`). ``tiles.c``
-copies or adds a tensor whose fast axis is not the destination's in cache-sized square
-tiles (DeBERTa's position-to-content term, a key-major table added to query-major
-scores, and its gradient).
+layout it reads one table of (cos, sin) pairs laid out as the pairs of x
+(:func:`rope`). ``tiles.c`` copies or adds a tensor whose fast axis is not the
+destination's in cache-sized square tiles (DeBERTa's position-to-content term, a
+key-major table added to query-major scores, and its gradient).
 
 The library is compiled once per set of sources and compiler into ``$POSENC_NATIVE_CACHE``
 (default ``~/.cache/posenc/native``) and loaded with :mod:`ctypes`; a build is
