@@ -87,6 +87,22 @@ def rope_factors(cos: Tensor, sin: Tensor, layout: str) -> Tensor:
 FACTOR_T_DIM = {"interleaved": -2, "half": -3}
 
 
+def put_rotation_tables(
+    ctx: AttentionContext, layout: str, q: tuple[Tensor, Tensor], k: tuple[Tensor, Tensor]
+) -> None:
+    """Store the ``(cos, sin)`` tables of the queries and keys in ``ctx`` for every layer's
+    :func:`apply_rope`, with their :func:`rope_factors` built once (the same object for
+    ``k`` when it is ``q``'s tables), and the axes a block of queries is cut along."""
+    ctx.extra.update(layout=layout, q_cos=q[0], q_sin=q[1], k_cos=k[0], k_sin=k[1])
+    ctx.query_dims.update(q_cos=-2, q_sin=-2)
+    ctx.key_dims.update(k_cos=-2, k_sin=-2)
+    q_rot = rope_factors(*q, layout)
+    k_rot = q_rot if k is q else rope_factors(*k, layout)
+    ctx.extra.update(q_rot=q_rot, k_rot=k_rot)
+    ctx.query_dims.update(q_rot=FACTOR_T_DIM[layout])
+    ctx.key_dims.update(k_rot=FACTOR_T_DIM[layout])
+
+
 def apply_rope(
     x: Tensor,
     cos: Tensor,
@@ -432,17 +448,9 @@ class RoPE(PositionalEncoder):
         # dynamic_ntk's l, the keys' length; the other settings need no (synchronising) max.
         dynamic = self.scaling.method == "dynamic_ntk" and k_pos.numel() > 0
         length = int(k_pos.max()) + 1 if dynamic else None
-        q_cos, q_sin = self.tables(q_pos, length)
-        k_cos, k_sin = (q_cos, q_sin) if k_pos is q_pos else self.tables(k_pos, length)
-        ctx.extra.update(layout=self.layout, q_cos=q_cos, q_sin=q_sin, k_cos=k_cos, k_sin=k_sin)
-        ctx.query_dims.update(q_cos=-2, q_sin=-2)
-        ctx.key_dims.update(k_cos=-2, k_sin=-2)
-        # the factors apply_rope multiplies by, once for every layer
-        q_rot = rope_factors(q_cos, q_sin, self.layout)
-        k_rot = q_rot if k_pos is q_pos else rope_factors(k_cos, k_sin, self.layout)
-        ctx.extra.update(q_rot=q_rot, k_rot=k_rot)
-        ctx.query_dims.update(q_rot=FACTOR_T_DIM[self.layout])
-        ctx.key_dims.update(k_rot=FACTOR_T_DIM[self.layout])
+        q_tables = self.tables(q_pos, length)
+        k_tables = q_tables if k_pos is q_pos else self.tables(k_pos, length)
+        put_rotation_tables(ctx, self.layout, q_tables, k_tables)
         if self._mscale != 1.0 and self.rot_dim < self.head_dim:
             ctx.extra["pass_scale"] = self._mscale
         return ctx

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
 from posenc.encoders.registry import register
-from posenc.encoders.rope import LAYOUTS, apply_rope, rope_frequencies
+from posenc.encoders.rope import LAYOUTS, apply_rope, put_rotation_tables, rope_frequencies
 
 
 def xpos_zeta(rot_dim: int, gamma: float = 0.4, device=None) -> Tensor:
@@ -60,9 +60,10 @@ class _ScaledRotateQK(AttentionPositional):
     """Per-layer hook: rotate and scale q and k with the stack's per-forward tables."""
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        layout = ctx.extra["layout"]
-        q = apply_rope(q, ctx.extra["q_cos"], ctx.extra["q_sin"], layout)
-        k = apply_rope(k, ctx.extra["k_cos"], ctx.extra["k_sin"], layout)
+        x = ctx.extra
+        layout = x["layout"]
+        q = apply_rope(q, x["q_cos"], x["q_sin"], layout, factors=x["q_rot"])
+        k = apply_rope(k, x["k_cos"], x["k_sin"], layout, factors=x["k_rot"])
         return q, k
 
 
@@ -148,11 +149,10 @@ class XPos(PositionalEncoder):
             centre = (k_pos.amin(-1, keepdim=True) + k_pos.amax(-1, keepdim=True)) // 2
         else:
             centre = k_pos.new_zeros(k_pos.shape[0], 1)
-        q_cos, q_sin = self.tables(q_pos, centre, 1.0)
-        k_cos, k_sin = self.tables(k_pos, centre, -1.0)
-        ctx.extra.update(layout=self.layout, q_cos=q_cos, q_sin=q_sin, k_cos=k_cos, k_sin=k_sin)
-        ctx.query_dims.update(q_cos=-2, q_sin=-2)
-        ctx.key_dims.update(k_cos=-2, k_sin=-2)
+        # q's tables grow and k's decay, so they are never one object
+        put_rotation_tables(
+            ctx, self.layout, self.tables(q_pos, centre, 1.0), self.tables(k_pos, centre, -1.0)
+        )
         return ctx
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
