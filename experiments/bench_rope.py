@@ -7,6 +7,11 @@ the cost of one out-of-place elementwise pass over q and k. Each form below
 rotates both q and k, as ``posenc.encoders.rope._RotateQK`` does. ``apply_rope``
 runs the native kernel (``posenc/native/rope.c``) on the CPU when it is built; its
 PyTorch forms, used otherwise, are timed as well.
+
+q and k are laid out as the attention layer makes them: ``(B, H, T, D)`` views of a
+``(B, T, H * D)`` projection, so the heads of a position are adjacent in memory. The
+goal rows are timed on those. ``apply_rope`` on contiguous ``(B, H, T, D)`` tensors
+(the kernel's other loop order) is timed too, with a copy of the same tensors.
 """
 
 from __future__ import annotations
@@ -66,11 +71,24 @@ def rope_dense(x: Tensor, rot: Tensor) -> Tensor:
     return torch.einsum("bhtd,ted->bhte", x, rot)
 
 
+def as_heads(flat: Tensor, heads: int) -> Tensor:
+    """``(B, T, H * D) -> (B, H, T, D)`` view, as the attention layer leaves a projection."""
+    return flat.unflatten(-1, (heads, flat.shape[-1] // heads)).transpose(1, 2)
+
+
+def draw_qk(shape: tuple[int, int, int, int], gen: torch.Generator, device: torch.device) -> dict:
+    """New q and k in both memory orders: as the attention layer makes them, and contiguous."""
+    b, h, t, d = shape
+    out = {}
+    for which in ("q", "k"):
+        out[which] = as_heads(torch.randn(b, t, h * d, generator=gen).to(device), h)
+        out[which + "_contiguous"] = torch.randn(shape, generator=gen).to(device)
+    return out
+
+
 def make_inputs(shape: tuple[int, int, int, int], device: torch.device) -> dict[str, Tensor]:
     """q, k and every form's tables, the cos/sin ones exactly as the RoPE module caches them."""
     b, h, t, d = shape
-    gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(shape, generator=gen).to(device) for _ in range(2))
     pos = torch.arange(t, device=device)[None]
     ctx = {  # what every layer of a forward pass reads, for each layout
         layout: RoPE(d_model=h * d, n_heads=h, n_layers=1, cache_len=t, layout=layout)
@@ -81,8 +99,7 @@ def make_inputs(shape: tuple[int, int, int, int], device: torch.device) -> dict[
     }
     cos, sin = ctx["half"]["q_cos"], ctx["half"]["q_sin"]  # (1, 1, T, D/2)
     return {
-        "q": q,
-        "k": k,
+        **draw_qk(shape, torch.Generator().manual_seed(0), device),
         "cos": cos,
         "sin": sin,
         # rope_factors of each layout, built once per forward pass by the module
@@ -95,31 +112,27 @@ def make_inputs(shape: tuple[int, int, int, int], device: torch.device) -> dict[
     }
 
 
+# Rows timed on contiguous (B, H, T, D) q and k: information, no goal.
+CONTIGUOUS = "contiguous (B, H, T, D) q, k: "
+
+
 def forms(x: dict[str, Tensor]) -> dict[str, tuple[str | None, Callable[[Tensor], Tensor]]]:
-    """Name -> (layout it must agree with, or None for copies; the per-tensor function)."""
+    """Name -> (layout it must agree with, or None for copies; the per-tensor function).
+    Names starting with :data:`CONTIGUOUS` take the contiguous q and k."""
     cos, sin = x["cos"], x["sin"]
+
+    def posenc(layout: str, native: bool = True) -> Callable[[Tensor], Tensor]:
+        factors = x["factors_" + layout]
+        return lambda t: apply_rope(t, cos, sin, layout, factors=factors, native=native)
+
     return {
         BASELINE: (None, lambda t: torch.add(t, 0)),
         "copy: x.clone()": (None, lambda t: t.clone()),
-        "posenc apply_rope, interleaved": (
-            "interleaved",
-            lambda t: apply_rope(t, cos, sin, "interleaved", factors=x["factors_interleaved"]),
-        ),
-        "posenc apply_rope, half": (
-            "half",
-            lambda t: apply_rope(t, cos, sin, "half", factors=x["factors_half"]),
-        ),
+        "posenc apply_rope, interleaved": ("interleaved", posenc("interleaved")),
+        "posenc apply_rope, half": ("half", posenc("half")),
         # What apply_rope runs where the native kernel is off or cannot be built.
-        "posenc PyTorch form, interleaved": (
-            "interleaved",
-            lambda t: apply_rope(
-                t, cos, sin, "interleaved", factors=x["factors_interleaved"], native=False
-            ),
-        ),
-        "posenc PyTorch form, half": (
-            "half",
-            lambda t: apply_rope(t, cos, sin, "half", factors=x["factors_half"], native=False),
-        ),
+        "posenc PyTorch form, interleaved": ("interleaved", posenc("interleaved", False)),
+        "posenc PyTorch form, half": ("half", posenc("half", False)),
         "ref: dense block-diagonal R (interleaved)": (
             "interleaved",
             lambda t: rope_dense(t, x["rot"]),
@@ -132,7 +145,15 @@ def forms(x: dict[str, Tensor]) -> dict[str, tuple[str | None, Callable[[Tensor]
             "interleaved",
             lambda t: rope_complex(t, x["freqs"]),
         ),
+        CONTIGUOUS + BASELINE: (None, lambda t: torch.add(t, 0)),
+        CONTIGUOUS + "posenc apply_rope, interleaved": ("interleaved", posenc("interleaved")),
+        CONTIGUOUS + "posenc apply_rope, half": ("half", posenc("half")),
     }
+
+
+def inputs_of(name: str) -> tuple[str, str]:
+    """The keys of the q and k a form is timed on."""
+    return ("q_contiguous", "k_contiguous") if name.startswith(CONTIGUOUS) else ("q", "k")
 
 
 def check_agreement(x: dict[str, Tensor], table: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +162,7 @@ def check_agreement(x: dict[str, Tensor], table: dict[str, Any]) -> dict[str, An
     for name, (layout, fn) in table.items():
         if layout is None:
             continue
-        for which in ("q", "k"):
+        for which in inputs_of(name):
             want = apply_rope(x[which], x["cos"], x["sin"], layout)
             got = fn(x[which])
             err = (got - want).abs().max().item()
@@ -168,21 +189,21 @@ def run(
         # New q and k each round: a copy and a rotation of 16 MB tensors straddle the
         # last-level cache, so one pair of buffers' place in memory moved whole runs'
         # ratios by 0.2-0.3 here; drawing new ones averages that out over the rounds.
-        for which in ("q", "k"):
-            x[which] = torch.randn(shape, generator=gen).to(device)
+        x.update(draw_qk(shape, gen, device))
 
-    def measurer(fn: Callable[[Tensor], Tensor]) -> Callable[[], float]:
+    def measurer(name: str, fn: Callable[[Tensor], Tensor]) -> Callable[[], float]:
         # Timer runs the statement at the process's thread count (its default is
         # 1) and synchronises CUDA around the block.
+        q, k = inputs_of(name)
         timer = Timer(
-            stmt="fn(x['q']); fn(x['k'])",
+            stmt=f"fn(x['{q}']); fn(x['{k}'])",
             globals={"fn": fn, "x": x},
             num_threads=torch.get_num_threads(),
         )
         return lambda: timer.timeit(number).mean
 
     stats = interleaved(
-        {name: measurer(fn) for name, (_, fn) in table.items()},
+        {name: measurer(name, fn) for name, (_, fn) in table.items()},
         baseline=BASELINE,
         rounds=rounds,
         before_round=fresh_inputs,
@@ -192,7 +213,8 @@ def run(
             what=name,
             median=s["median_s"],
             ratio=s["ratio"],
-            goal=GOAL if name.startswith("posenc apply_rope") else None,
+            goal=GOAL if name in ("posenc apply_rope, interleaved", "posenc apply_rope, half")
+            else None,
             raw=s,
         )
         for name, s in stats.items()
@@ -200,6 +222,8 @@ def run(
     return {
         "config": {
             "shape_BHTD": list(shape),
+            "q_k": "views (B, H, T, D) of (B, T, H * D) projections, as the attention "
+            "layer makes them; rows marked contiguous: contiguous (B, H, T, D)",
             "dtype": "float32",
             "number": number,
             # apply_rope's path on these inputs: the native kernel or the PyTorch forms

@@ -140,8 +140,10 @@ def apply_rope(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"rope: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
-    if native and native_kernels.rope_supported(x, cos, sin):
-        return native_kernels.rope(x, cos, sin, layout, factors=factors)
+    if native:
+        out = native_kernels.try_rope(x, cos, sin, layout, factors)
+        if out is not None:
+            return out
     half = cos.shape[-1]
     rot = x[..., : 2 * half].float()
     if factors is None:

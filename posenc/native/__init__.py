@@ -4,7 +4,10 @@ PyTorch's eager elementwise ops each make a pass over memory: a RoPE written wit
 takes one pass for the interleaved layout (a complex product) and several for the
 split-half one. ``rope.c`` rotates q or k in one pass for either layout, reading each
 row of the tables once for several rows of q or k, and its backward (the transpose:
-the same rotation with the sine negated) is the same kernel. For the interleaved
+the same rotation with the sine negated) is the same kernel. It walks q or k in their
+memory order and writes the result in the same order: the attention layer's q and k
+are ``(B, H, T, D)`` views of a ``(B, T, H, D)`` projection, so their results are too
+(see :func:`rope`). For the interleaved
 layout it reads one table of (cos, sin) pairs laid out as the pairs of x
 (:func:`rope`). ``tiles.c`` copies or adds a tensor whose fast axis is not the
 destination's in cache-sized square tiles (DeBERTa's position-to-content term, a
@@ -40,7 +43,8 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("rope.c", "tiles.c")]
 # chosen at load time where the CPU has it.
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11"]
 _LOCK = threading.Lock()
-_STATE: dict[str, object] = {}  # "lib": CDLL | None once tried; "error": str
+# "on": POSENC_NATIVE's switch once read; "lib": CDLL | None once tried; "error": str
+_STATE: dict[str, object] = {}
 _FUNCS: dict[torch.dtype, ctypes._CFuncPtr] = {}  # dtype -> its RoPE kernel
 _TILED: dict[torch.dtype, ctypes._CFuncPtr] = {}  # dtype -> its tiled copy/add
 _KERNELS = {
@@ -50,8 +54,20 @@ _KERNELS = {
 
 
 def enabled() -> bool:
-    """False when ``POSENC_NATIVE`` is ``0``/``false``/``no``/``off``."""
-    return os.environ.get("POSENC_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    """False when ``POSENC_NATIVE`` is ``0``/``false``/``no``/``off``.
+
+    Read once per process, at the first kernel call, since reading the environment
+    costs more than a small kernel call; :func:`refresh` reads it again."""
+    on = _STATE.get("on")
+    if on is None:
+        value = os.environ.get("POSENC_NATIVE", "1").strip().lower()
+        on = _STATE["on"] = value not in ("0", "false", "no", "off")
+    return on  # type: ignore[return-value]
+
+
+def refresh() -> None:
+    """Read ``POSENC_NATIVE`` again at the next kernel call (after changing it at run time)."""
+    _STATE.pop("on", None)
 
 
 def cache_dir() -> Path:
@@ -96,7 +112,7 @@ def _build() -> ctypes.CDLL:
         for dtype, (rope_name, tiled_name, ctype) in _KERNELS.items():
             fn = getattr(lib, rope_name)
             fn.restype = None
-            pointers_and_sizes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 10
+            pointers_and_sizes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 13
             fn.argtypes = [*pointers_and_sizes, ctypes.c_bool, ctype, ctypes.c_int]
             _FUNCS[dtype] = fn
             fn = getattr(lib, tiled_name)
@@ -155,16 +171,22 @@ def _launch(
     x: Tensor, tab: Tensor, tab2: Tensor, strides: tuple[int, int, int], layout: str, sign: float
 ) -> Tensor:
     """One kernel call on ``x (B, H, T, D)`` with tables and ``(R, cs0, cs1)`` from
-    :func:`rope` (strides in elements of ``x``'s dtype)."""
+    :func:`rope` (strides in elements of ``x``'s dtype). The result is laid out in the
+    memory order the kernel walks (``rope.c``): a view of a ``(B, T, H, D)`` tensor when
+    x's heads are adjacent, as the attention layer's q and k, else contiguous."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     nb, nh, nt, d = x.shape
-    y = torch.empty((nb, nh, nt, d), dtype=x.dtype)
     xs = x.stride()
+    if xs[1] < xs[2]:
+        y = torch.empty((nb, nt, nh, d), dtype=x.dtype).transpose(1, 2)
+    else:
+        y = torch.empty((nb, nh, nt, d), dtype=x.dtype)
+    ys = y.stride()
     rot, cs0, cs1 = strides
     _FUNCS[x.dtype](
         x.data_ptr(), y.data_ptr(), tab.data_ptr(), tab2.data_ptr(),
-        nb, nh, nt, d, rot, xs[0], xs[1], xs[2], cs0, cs1,
+        nb, nh, nt, d, rot, xs[0], xs[1], xs[2], ys[0], ys[1], ys[2], cs0, cs1,
         layout == "half", sign, torch.get_num_threads(),
     )  # fmt: skip
     return y
@@ -192,8 +214,7 @@ def rope(
     x: Tensor, cos: Tensor, sin: Tensor, layout: str, *, factors: Tensor | None = None
 ) -> Tensor:
     """Rotate the first ``R = 2 * cos.shape[-1]`` dims of ``x (B, H, T, D)`` (the rest
-    pass through), as :func:`posenc.encoders.rope.apply_rope`; check
-    :func:`rope_supported` first.
+    pass through), as :func:`posenc.encoders.rope.apply_rope`.
 
     The ``half`` layout reads ``cos`` and ``sin``. The ``interleaved`` one reads one
     table of ``(cos_i, sin_i)`` pairs laid out as the pairs of ``x``, so that one vector
@@ -208,15 +229,42 @@ def rope(
         factors: Optional :func:`posenc.encoders.rope.rope_factors` of the tables.
 
     Returns:
-        A new contiguous ``(B, H, T, D)`` tensor of ``x.dtype``.
+        A new ``(B, H, T, D)`` tensor of ``x.dtype``: a view of a ``(B, T, H, D)`` one
+        when the heads of ``x`` are adjacent in memory (stride 1 < stride 2, as the
+        attention layer's q and k), else contiguous.
+
+    Raises:
+        ValueError: The tables do not fit ``x``, or :func:`rope_supported` is false.
     """
+    out = try_rope(x, cos, sin, layout, factors)
+    if out is None:
+        raise ValueError(
+            f"rope: the native kernel does not take x {x.dtype} {x.dim()}-d on "
+            f"{x.device} with tables that require grad={cos.requires_grad or sin.requires_grad}"
+            f" ({build_error() or 'or POSENC_NATIVE is off'}); check rope_supported first"
+        )
+    return out
+
+
+def try_rope(
+    x: Tensor, cos: Tensor, sin: Tensor, layout: str, factors: Tensor | None = None
+) -> Tensor | None:
+    """:func:`rope` where :func:`rope_supported`, else None: the check and the call in
+    one step, since apply_rope runs this for q and k in every layer."""
+    if not x.is_cpu or x.dim() != 4 or cos.requires_grad or sin.requires_grad:
+        return None
+    dtype = x.dtype
+    if (not _STATE.get("on") or dtype not in _FUNCS) and (
+        library() is None or dtype not in _FUNCS  # the first call builds the library
+    ):
+        return None
     cshape, xshape = cos.shape, x.shape
     if cshape[-2] != xshape[-2] or cshape[0] not in (1, xshape[0]) or 2 * cshape[-1] > xshape[-1]:
         raise ValueError(
             f"rope: tables {tuple(cshape)} do not fit x {tuple(xshape)}: need "
             f"(B|1, 1, T, R/2) with T={xshape[-2]} and R <= {xshape[-1]}"
         )
-    dtype, scale = x.dtype, 1
+    scale = 1
     if layout == "half":
         if cos.dtype != dtype:
             cos, sin = cos.to(dtype), sin.to(dtype)
@@ -236,7 +284,7 @@ def rope(
         tab2 = tab  # not read for this layout
     cs0 = scale * tab.stride(0) if cshape[0] > 1 else 0
     strides = (2 * cshape[-1], cs0, scale * tab.stride(-2))
-    if torch.is_grad_enabled() and x.requires_grad:
+    if x.requires_grad and torch.is_grad_enabled():
         return _Rope.apply(x, tab, tab2, strides, layout, 1.0)
     return _launch(x, tab, tab2, strides, layout, 1.0)  # no graph to record: skip autograd
 

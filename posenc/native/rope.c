@@ -7,7 +7,8 @@
  * with c, s the tables' entries for (t, i) (cos and sin of t theta_i, possibly scaled)
  * and s multiplied by sign. sign = -1 applies the transpose: the backward pass.
  *
- * x: strides (xs0, xs1, xs2) over (B, H, T), unit stride over D. y: contiguous.
+ * x: strides (xs0, xs1, xs2) over (B, H, T), unit stride over D; y: (ys0, ys1, ys2)
+ * likewise. posenc.native.rope allocates y in x's memory order when x is dense.
  * Tables, strides (cs0, cs1) over (batch, T), unit stride last, cs0 = 0 when all batch
  * rows share them:
  *   half:        cosv and sinv, (B|1, T, R/2) each;
@@ -15,11 +16,18 @@
  *                as x's pairs, so that one vector load holds the factors of the pairs
  *                of one vector of x; sinv is not read.
  *
- * Order: positions outer, GROUP (batch, head) rows inner, so each table row is read
- * once for GROUP rows of x while x is read as GROUP sequential streams. In plain row
- * order the table is re-read for every row and the pass was clearly slower than a copy
- * (a scratch timing on a 2-core EPYC); 2 or 4 streams beat the copy, 8 were too many.
- * experiments/bench.py times the result against a copy.
+ * Order: each of the two memory orders of q and k that occur gets the loop order that
+ * walks x and y front to back and reads each table row once for several rows of x.
+ *  - Heads adjacent (xs1 < xs2): the attention layer's q and k, views (B, H, T, D) of
+ *    a (B, T, H, D) projection. The work units are (b, t): the H rows of a position
+ *    lie side by side in x and y and share one table row. With y contiguous instead
+ *    (the kernel before it took y's strides), the pass ran at 0.4-0.5x a copy of the
+ *    same views; in this order at 1.0x (scratch timings on a 2-core EPYC).
+ *  - Positions adjacent (contiguous (B, H, T, D)): positions outer, GROUP (batch,
+ *    head) rows inner, so x is read as GROUP sequential streams. In plain row order
+ *    the table is re-read for every row and the pass was clearly slower than a copy
+ *    (a scratch timing); 2 or 4 streams beat the copy, 8 were too many.
+ * experiments/bench.py times both against a copy.
  *
  * Row length: the row loops are short (D/2 pairs), so their trip count, the aliasing
  * checks and the vector epilogue take a large share of the time unless the compiler
@@ -59,21 +67,36 @@
 #define POSENC_INLINE
 #endif
 
-/* The span loop of kernel NAME with the group size and R = D = D_ known to the
- * compiler (a full group; a short last group passes its n), for either layout. */
-#define POSENC_SPAN(NAME, N_, D_)                                                         \
-    do {                                                                                \
-        if (half_layout)                                                                \
-            NAME##_span(xg, yg, cg, sg, N_, t0, t1, xs2, cs1, D_, D_, 1, sign);           \
-        else                                                                            \
-            NAME##_span(xg, yg, cg, sg, N_, t0, t1, xs2, cs1, D_, D_, 0, sign);           \
+/* CALL(NAME, D_, R_, HALF_) with (D, R, layout) known to the compiler for R = D = 32, 64
+ * or 128 and either layout; with run-time values otherwise. */
+#define POSENC_BY_LAYOUT(NAME, CALL, D_)                                                   \
+    do {                                                                                  \
+        if (half_layout)                                                                  \
+            CALL(NAME, D_, D_, 1);                                                        \
+        else                                                                              \
+            CALL(NAME, D_, D_, 0);                                                        \
     } while (0)
-#define POSENC_SPANS(NAME, D_)                                                          \
-    do {                                                                                \
-        if (n == GROUP)                                                                 \
-            POSENC_SPAN(NAME, GROUP, D_);                                               \
-        else                                                                            \
-            POSENC_SPAN(NAME, n, D_);                                                   \
+#define POSENC_BY_SIZE(NAME, CALL)                                                        \
+    do {                                                                                  \
+        if (d == r && d == 64)                                                            \
+            POSENC_BY_LAYOUT(NAME, CALL, 64);                                             \
+        else if (d == r && d == 128)                                                      \
+            POSENC_BY_LAYOUT(NAME, CALL, 128);                                            \
+        else if (d == r && d == 32)                                                       \
+            POSENC_BY_LAYOUT(NAME, CALL, 32);                                             \
+        else                                                                              \
+            CALL(NAME, d, r, half_layout);                                                \
+    } while (0)
+/* The H rows of one position; a group's span of positions, the group size known to the
+ * compiler when the group is full. */
+#define POSENC_HEADS(NAME, D_, R_, HALF_)                                                 \
+    NAME##_heads(xr, yr, c, sn, nh, xs1, ys1, D_, R_, HALF_, sign)
+#define POSENC_GROUP(NAME, D_, R_, HALF_)                                                 \
+    do {                                                                                  \
+        if (n == GROUP)                                                                   \
+            NAME##_span(xg, yg, cg, sg, GROUP, t0, t1, xs2, ys2, cs1, D_, R_, HALF_, sign); \
+        else                                                                              \
+            NAME##_span(xg, yg, cg, sg, n, t0, t1, xs2, ys2, cs1, D_, R_, HALF_, sign);     \
     } while (0)
 
 /* This thread's share [*u0, *u1) of n units. */
@@ -117,26 +140,55 @@ static void thread_share(int64_t n, int64_t *u0, int64_t *u1) {
     /* Positions [t0, t1) of the n rows of one group. */                                 \
     static inline POSENC_INLINE void NAME##_span(                                         \
         const T_ *const *xg, T_ *const *yg, const T_ *const *cg, const T_ *const *sg,     \
-        int64_t n, int64_t t0, int64_t t1, int64_t xs2, int64_t cs1, int64_t d,           \
-        int64_t r, _Bool half_layout, T_ sign) {                                          \
+        int64_t n, int64_t t0, int64_t t1, int64_t xs2, int64_t ys2, int64_t cs1,         \
+        int64_t d, int64_t r, _Bool half_layout, T_ sign) {                               \
         for (int64_t t = t0; t < t1; t++)                                                 \
             for (int64_t g = 0; g < n; g++) {                                             \
                 if (half_layout)                                                          \
-                    NAME##_halves(xg[g] + t * xs2, yg[g] + t * d, cg[g] + t * cs1,        \
+                    NAME##_halves(xg[g] + t * xs2, yg[g] + t * ys2, cg[g] + t * cs1,      \
                                   sg[g] + t * cs1, d, r, sign);                           \
                 else                                                                      \
-                    NAME##_pairs(xg[g] + t * xs2, yg[g] + t * d, cg[g] + t * cs1, d, r,   \
+                    NAME##_pairs(xg[g] + t * xs2, yg[g] + t * ys2, cg[g] + t * cs1, d, r, \
                                  sign);                                                   \
             }                                                                             \
     }                                                                                     \
                                                                                           \
+    /* The nh rows of one position, at strides xs1 (x) and ys1 (y), one table row. */    \
+    static inline POSENC_INLINE void NAME##_heads(                                        \
+        const T_ *xr, T_ *yr, const T_ *c, const T_ *sn, int64_t nh, int64_t xs1,         \
+        int64_t ys1, int64_t d, int64_t r, _Bool half_layout, T_ sign) {                  \
+        for (int64_t h = 0; h < nh; h++) {                                                \
+            if (half_layout)                                                              \
+                NAME##_halves(xr + h * xs1, yr + h * ys1, c, sn, d, r, sign);             \
+            else                                                                          \
+                NAME##_pairs(xr + h * xs1, yr + h * ys1, c, d, r, sign);                  \
+        }                                                                                 \
+    }                                                                                     \
+                                                                                          \
     POSENC_CLONES void NAME(const T_ *x, T_ *y, const T_ *cosv, const T_ *sinv,           \
                             int64_t nb, int64_t nh, int64_t nt, int64_t d, int64_t r,     \
-                            int64_t xs0, int64_t xs1, int64_t xs2, int64_t cs0,           \
-                            int64_t cs1, _Bool half_layout, T_ sign, int threads) {       \
-        const int64_t nbh = nb * nh, groups = (nbh + GROUP - 1) / GROUP;                  \
-        const int team = nbh * nt * d >= 65536 ? threads : 1;                             \
+                            int64_t xs0, int64_t xs1, int64_t xs2, int64_t ys0,           \
+                            int64_t ys1, int64_t ys2, int64_t cs0, int64_t cs1,           \
+                            _Bool half_layout, T_ sign, int threads) {                    \
+        const int team = nb * nh * nt * d >= 65536 ? threads : 1;                         \
         (void)team;                                                                       \
+        if (xs1 < xs2) { /* heads adjacent: units are positions (b, t) */                 \
+            _Pragma("omp parallel num_threads(team)") {                                   \
+                int64_t u, u1;                                                            \
+                thread_share(nb * nt, &u, &u1);                                           \
+                for (; u < u1; u++) {                                                     \
+                    const int64_t b = u / nt, t = u % nt;                                 \
+                    const T_ *xr = x + b * xs0 + t * xs2;                                 \
+                    T_ *yr = y + b * ys0 + t * ys2;                                       \
+                    const T_ *c = cosv + b * cs0 + t * cs1;                               \
+                    const T_ *sn = half_layout ? sinv + b * cs0 + t * cs1 : c;            \
+                    POSENC_BY_SIZE(NAME, POSENC_HEADS);                                   \
+                }                                                                         \
+            }                                                                             \
+            return;                                                                       \
+        }                                                                                 \
+        /* positions adjacent: units are (group of rows, position) */                    \
+        const int64_t nbh = nb * nh, groups = (nbh + GROUP - 1) / GROUP;                  \
         _Pragma("omp parallel num_threads(team)") {                                       \
             int64_t u, u1;                                                                \
             thread_share(groups * nt, &u, &u1);                                           \
@@ -149,19 +201,11 @@ static void thread_share(int64_t n, int64_t *u0, int64_t *u1) {
                 for (int64_t g = 0; g < n; g++) {                                         \
                     const int64_t b = (bh0 + g) / nh, hh = (bh0 + g) % nh;                \
                     xg[g] = x + b * xs0 + hh * xs1;                                       \
-                    yg[g] = y + (bh0 + g) * nt * d;                                       \
+                    yg[g] = y + b * ys0 + hh * ys1;                                       \
                     cg[g] = cosv + b * cs0;                                               \
                     sg[g] = half_layout ? sinv + b * cs0 : cg[g];                         \
                 }                                                                         \
-                if (d == r && d == 64)                                                    \
-                    POSENC_SPANS(NAME, 64);                                               \
-                else if (d == r && d == 128)                                              \
-                    POSENC_SPANS(NAME, 128);                                              \
-                else if (d == r && d == 32)                                               \
-                    POSENC_SPANS(NAME, 32);                                               \
-                else                                                                      \
-                    NAME##_span(xg, yg, cg, sg, n, t0, t1, xs2, cs1, d, r, half_layout,   \
-                                sign);                                                    \
+                POSENC_BY_SIZE(NAME, POSENC_GROUP);                                       \
                 u += t1 - t0;                                                             \
             }                                                                             \
         }                                                                                 \

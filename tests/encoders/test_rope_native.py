@@ -13,14 +13,14 @@ import torch
 from posenc import native
 from posenc.encoders.rope import RoPE, apply_rope, rope_factors
 from posenc.model.transformer import DecoderLM
-from tests.conftest import require_native
+from tests.conftest import require_native, set_native
 
 pytestmark = pytest.mark.usefixtures("_kernel")
 
 
 @pytest.fixture
 def _kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("POSENC_NATIVE", "1")
+    set_native(monkeypatch, True)
     require_native()
 
 
@@ -58,17 +58,24 @@ def tables(b: int, t: int, half: int, dtype: torch.dtype = torch.float32):  # no
     ],
 )
 def test_values_equal_the_textbook_form(layout, dtype, shape, rot) -> None:  # noqa: ANN001
-    """Contiguous and (B, T, H, D)-transposed inputs, shared and per-batch tables; the
+    """Contiguous inputs (the kernel's positions-adjacent order), (B, T, H, D)-transposed
+    ones as the attention layer makes them and a slice of a fused (B, T, 3, H, D)
+    projection (its heads-adjacent order), shared and per-batch tables; the
     (2, 4, 512, 64) case is large enough to run on several threads. R = D = 32, 64 and
     128 take the kernel's loops compiled for those sizes, the other cases its general
-    loop."""
+    loop. The result keeps the memory order of its order of work."""
     b, h, t, d = shape
-    strided = torch.randn(b, t, h, d, dtype=dtype).transpose(1, 2)
-    for x in (torch.randn(shape, dtype=dtype), strided):
+    inputs = {
+        "contiguous": torch.randn(shape, dtype=dtype),
+        "transposed": torch.randn(b, t, h, d, dtype=dtype).transpose(1, 2),
+        "fused slice": torch.randn(b, t, 3, h, d, dtype=dtype)[:, :, 1].transpose(1, 2),
+    }
+    for name, x in inputs.items():
         for tb in (1, b):
             cos, sin = tables(tb, t, rot // 2)
             got = native.rope(x, cos, sin, layout)
-            assert got.dtype == dtype and got.is_contiguous()
+            in_order = got if name == "contiguous" or h == 1 else got.transpose(1, 2)
+            assert got.dtype == dtype and in_order.is_contiguous()
             tol = 1e-12 if dtype == torch.float64 else 2e-6
             want = textbook(x, cos, sin, layout)
             torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
@@ -82,21 +89,22 @@ def test_values_equal_the_textbook_form(layout, dtype, shape, rot) -> None:  # n
 
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_threads_split_rows_anywhere(layout: str) -> None:
-    """1, 2 and 3 threads give identical results where the rows (3 x 5 x 301) split in
-    the middle of a head and of a batch row, with per-batch tables and strided x."""
-    x = torch.randn(3, 301, 5, 48).transpose(1, 2)
+    """1, 2 and 3 threads give identical results where the work (3 x 5 x 301 rows)
+    splits in the middle of a head and of a batch row, with per-batch tables, in both
+    of the kernel's orders (heads or positions adjacent)."""
     cos, sin = tables(3, 301, 16)
     threads = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            outs.append(native.rope(x, cos, sin, layout))
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    want = textbook(x, cos, sin, layout)
-    torch.testing.assert_close(outs[0].double(), want, atol=2e-6, rtol=2e-6)
+    for x in (torch.randn(3, 301, 5, 48).transpose(1, 2), torch.randn(3, 5, 301, 48)):
+        try:
+            outs = []
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                outs.append(native.rope(x, cos, sin, layout))
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        want = textbook(x, cos, sin, layout)
+        torch.testing.assert_close(outs[0].double(), want, atol=2e-6, rtol=2e-6)
 
 
 def test_sliced_tables_of_a_query_block() -> None:
@@ -201,7 +209,7 @@ def test_a_model_step_is_the_same_on_both_paths(layout: str, monkeypatch) -> Non
     monkeypatch.setattr(native, "_launch", lambda *a: calls.append(a[-1]) or launch(*a))
     loss, grads = step()
     assert calls.count(1.0) == 4 and calls.count(-1.0) == 4  # 2 layers x (q, k)
-    monkeypatch.setenv("POSENC_NATIVE", "0")
+    set_native(monkeypatch, False)
     calls.clear()
     loss_ref, grads_ref = step()
     assert not calls
@@ -211,9 +219,20 @@ def test_a_model_step_is_the_same_on_both_paths(layout: str, monkeypatch) -> Non
 
 
 def test_disabled_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("POSENC_NATIVE", "0")
+    set_native(monkeypatch, False)
     assert native.library() is None
     assert not native.rope_supported(torch.randn(1, 1, 2, 4), *tables(1, 2, 2))
+
+
+def test_the_switch_is_read_once_until_refreshed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """POSENC_NATIVE is read at the first call, not per call (it costs more than a
+    small kernel call); refresh() reads it again."""
+    set_native(monkeypatch, True)
+    assert native.enabled()
+    monkeypatch.setenv("POSENC_NATIVE", "off")
+    assert native.enabled()
+    native.refresh()
+    assert not native.enabled() and native.library() is None
 
 
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path) -> None:  # noqa: ANN001

@@ -13,13 +13,13 @@ from posenc import native
 from posenc.encoders.base import offset_view
 from posenc.encoders.deberta import DebertaRelative
 from posenc.model.transformer import DecoderLM
-from tests.conftest import require_native
+from tests.conftest import require_native, set_native
 
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """The native library built, and a record of each kernel call's ``accumulate``."""
-    monkeypatch.setenv("POSENC_NATIVE", "1")
+    set_native(monkeypatch, True)
     require_native()
     record: list[bool] = []
     for dtype, fn in list(native._TILED.items()):
@@ -81,7 +81,7 @@ def test_inputs_the_kernel_does_not_take_use_torch(calls: list[bool], monkeypatc
         native.copy_tiled(dst, src, accumulate=True)
         torch.testing.assert_close(dst, want, atol=0, rtol=0)
     assert calls == []
-    monkeypatch.setenv("POSENC_NATIVE", "0")
+    set_native(monkeypatch, False)
     dst = torch.zeros(2, 2, 6, 5)
     native.copy_tiled(dst, t_across)
     assert torch.equal(dst, t) and calls == []
@@ -139,7 +139,7 @@ def test_deberta_step_is_the_same_with_and_without_the_kernel(
 
     loss, grads = step()
     assert calls.count(True) >= 2 and calls.count(False) >= 2  # adds forward, copies backward
-    monkeypatch.setenv("POSENC_NATIVE", "0")
+    set_native(monkeypatch, False)
     calls.clear()
     loss_ref, grads_ref = step()
     assert calls == []
