@@ -9,7 +9,8 @@ measurement); the tables report the median of the per-round ratios with their
 range, and the median absolute value. Sections:
 
 * ``rope``: posenc's ``apply_rope`` (both layouts) and reference forms against a
-  memory-bound copy of q and k; the forms are checked equal before timing.
+  memory-bound copy of q and k, laid out as the attention layer makes them (and
+  contiguous, for information); the forms are checked equal before timing.
 * ``tiles``: DeBERTa's key-major position-to-content part added to the scores, and its
   gradient copied back, with ``posenc.native.copy_tiled`` against PyTorch's ops.
 * ``train``: training-step tokens/s of every registered encoder relative to

@@ -21,8 +21,9 @@
  *  - Heads adjacent (xs1 < xs2): the attention layer's q and k, views (B, H, T, D) of
  *    a (B, T, H, D) projection. The work units are (b, t): the H rows of a position
  *    lie side by side in x and y and share one table row. With y contiguous instead
- *    (the kernel before it took y's strides), the pass ran at 0.4-0.5x a copy of the
- *    same views; in this order at 1.0x (scratch timings on a 2-core EPYC).
+ *    (the kernel before it took y's strides), the pass ran at 0.36-0.55x a copy of
+ *    the same views (scratch timings on a 2-core EPYC); in this order at 0.95-1.09x
+ *    (six runs of experiments/bench.py).
  *  - Positions adjacent (contiguous (B, H, T, D)): positions outer, GROUP (batch,
  *    head) rows inner, so x is read as GROUP sequential streams. In plain row order
  *    the table is re-read for every row and the pass was clearly slower than a copy
