@@ -238,10 +238,13 @@ def rope(
     """
     out = try_rope(x, cos, sin, layout, factors)
     if out is None:
+        why = build_error() or ("POSENC_NATIVE is off" if not enabled() else None)
         raise ValueError(
-            f"rope: the native kernel does not take x {x.dtype} {x.dim()}-d on "
-            f"{x.device} with tables that require grad={cos.requires_grad or sin.requires_grad}"
-            f" ({build_error() or 'or POSENC_NATIVE is off'}); check rope_supported first"
+            f"rope: the native kernel takes a 4-d float32/float64 CPU x and tables without "
+            f"gradient; got a {x.dim()}-d {x.dtype} x on {x.device}, tables requiring grad: "
+            f"{cos.requires_grad or sin.requires_grad}{f' ({why})' if why else ''}. "
+            f"Check rope_supported() first, or call posenc.encoders.rope.apply_rope, "
+            f"which falls back to the PyTorch forms"
         )
     return out
 

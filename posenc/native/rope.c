@@ -8,7 +8,7 @@
  * and s multiplied by sign. sign = -1 applies the transpose: the backward pass.
  *
  * x: strides (xs0, xs1, xs2) over (B, H, T), unit stride over D; y: (ys0, ys1, ys2)
- * likewise. posenc.native.rope allocates y in x's memory order when x is dense.
+ * likewise. posenc.native.rope allocates y in the order the kernel walks (below).
  * Tables, strides (cs0, cs1) over (batch, T), unit stride last, cs0 = 0 when all batch
  * rows share them:
  *   half:        cosv and sinv, (B|1, T, R/2) each;

@@ -186,6 +186,14 @@ def test_what_the_kernel_does_not_take_goes_to_pytorch() -> None:
     assert native.rope_supported(x, cos, sin)
     assert not native.rope_supported(x.bfloat16(), cos, sin)
     assert not native.rope_supported(x, cos.requires_grad_(), sin)
+    with pytest.raises(ValueError, match=r"takes a 4-d float32/float64 CPU x.*got a 4-d "
+                       r"torch.bfloat16 x on cpu.*rope_supported\(\) first"):
+        native.rope(x.bfloat16(), cos.detach(), sin, "half")
+    xb = x.bfloat16()  # apply_rope rotates it in float32 with its PyTorch form
+    torch.testing.assert_close(
+        apply_rope(xb, cos.detach(), sin, "half"),
+        apply_rope(xb.float(), cos.detach(), sin, "half").bfloat16(),
+    )
 
 
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
