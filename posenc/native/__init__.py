@@ -153,7 +153,8 @@ def build_error() -> str | None:
 
 def rope_supported(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     """Whether :func:`rope` takes these inputs: CPU, float32/float64 ``x``, constant
-    tables (no gradient), and the kernels available."""
+    tables (no gradient), and the kernels available. :func:`try_rope` makes the same
+    checks inline, without this call, on its per-call path."""
     return (
         x.is_cpu
         and x.dtype in _KERNELS
@@ -257,9 +258,8 @@ def try_rope(
     if not x.is_cpu or x.dim() != 4 or cos.requires_grad or sin.requires_grad:
         return None
     dtype = x.dtype
-    if (not _STATE.get("on") or dtype not in _FUNCS) and (
-        library() is None or dtype not in _FUNCS  # the first call builds the library
-    ):
+    # Switched on and built: no call. Otherwise library() reads the switch, builds once.
+    if not (_STATE.get("on") and dtype in _FUNCS) and (library() is None or dtype not in _FUNCS):
         return None
     cshape, xshape = cos.shape, x.shape
     if cshape[-2] != xshape[-2] or cshape[0] not in (1, xshape[0]) or 2 * cshape[-1] > xshape[-1]:

@@ -44,8 +44,8 @@
  * half 5.5 -> 7.2 -> 7.8; a C loop adding 0 to every element 12.
  *
  * Threads: OpenMP, as many as the caller passes (torch.get_num_threads()), each on a
- * contiguous range of (group, position) units; inputs under 64K elements stay on one
- * thread. Built without OpenMP, it runs on one.
+ * contiguous range of the order's units (positions, or (group, position) pairs); inputs
+ * under 64K elements stay on one thread. Built without OpenMP, it runs on one.
  */
 #include <stdint.h>
 #ifdef _OPENMP
