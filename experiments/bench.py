@@ -1,6 +1,6 @@
 """Performance benchmark of posenc's encoders (GitHub issue 6).
 
-    python experiments/bench.py [--quick] [--json out.json] [--sections rope,tiles,train,...]
+    python experiments/bench.py [--quick] [--json out.json] [--sections train,memory,...]
     python experiments/bench.py --pool run1.json run2.json ...
 
 Every number is a ratio against a baseline measured in the same process and the
@@ -8,16 +8,13 @@ same interleaved rounds (the memory section uses one child process per
 measurement); the tables report the median of the per-round ratios with their
 range, and the median absolute value. Sections:
 
-* ``rope``: posenc's ``apply_rope`` (both layouts) and reference forms against a
-  memory-bound copy of q and k, laid out as the attention layer makes them (and
-  contiguous, for information); the forms are checked equal before timing.
-* ``tiles``: DeBERTa's key-major position-to-content part added to the scores, and its
-  gradient copied back, with ``posenc.native.copy_tiled`` against PyTorch's ops.
 * ``train``: training-step tokens/s of every registered encoder relative to
   ``none``, at two lengths with equal tokens per step.
 * ``memory``: peak memory of a no-grad forward at 16x the training length,
   relative to ``none``.
 * ``overhead``: Lightning ``Trainer.fit`` of ``LMTask`` vs a bare PyTorch loop.
+* ``compile``: each encoder's training step under ``torch.compile`` relative to eager
+  (reported, no goal on a CPU; it compiles every encoder, a few minutes in all).
 
 ``--pool a.json b.json ...`` measures nothing: it puts the rows of several ``--json``
 reports side by side and judges the goals on the median of all their rounds pooled.
@@ -41,26 +38,26 @@ from typing import Any
 import torch
 from bench_common import Row, fmt_seconds, markdown_table, pool_runs, pooled_table
 
-SECTIONS = ("rope", "tiles", "train", "memory", "overhead")
+SECTIONS = ("train", "memory", "overhead", "compile")
 
 # Sizes per mode. The full sizes are the issue's; quick ones only exercise the code.
 FULL: dict[str, Any] = {
-    "rope": {"shape": (8, 8, 1024, 64), "rounds": 30, "number": 5},
-    "tiles": {"shape": (2, 4, 128, 1024), "rounds": 30, "number": 20},
     "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512, "dropout": 0.0},
     "vocab": 65,
     "train": {"shapes": [(8, 256), (2, 1024)], "rounds": 5, "steps": 2},
     "memory": {"train_length": 128, "multiplier": 16, "batch": 4, "rounds": 1},
     "overhead": {"encoder": "rope", "batch": 8, "length": 256, "steps": 10, "rounds": 5},
+    "compile": {"shape": (8, 256), "rounds": 5, "steps": 2, "backend": "inductor",
+                "encoders": None},
 }
 QUICK: dict[str, Any] = {
-    "rope": {"shape": (2, 4, 256, 64), "rounds": 3, "number": 3},
-    "tiles": {"shape": (1, 2, 64, 256), "rounds": 3, "number": 3},
     "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "d_ff": 128, "dropout": 0.0},
     "vocab": 65,
     "train": {"shapes": [(4, 64), (1, 256)], "rounds": 2, "steps": 1},
     "memory": {"train_length": 32, "multiplier": 16, "batch": 2, "rounds": 1},
     "overhead": {"encoder": "rope", "batch": 4, "length": 64, "steps": 3, "rounds": 2},
+    "compile": {"shape": (4, 64), "rounds": 2, "steps": 1, "backend": "eager",
+                "encoders": ["none", "rope", "deberta"]},
 }
 
 
@@ -120,14 +117,10 @@ def run_section(
 ) -> dict[str, Any]:
     """Run one section; its modules are imported lazily (Lightning only for ``overhead``)."""
     model, vocab = sizes["model"], sizes["vocab"]
-    if name == "rope":
-        import bench_rope
+    if name == "compile":
+        import bench_compile
 
-        return bench_rope.run(device=device, **sizes["rope"])
-    if name == "tiles":
-        import bench_tiles
-
-        return bench_tiles.run(device=device, **sizes["tiles"])
+        return bench_compile.run(model_cfg=model, vocab=vocab, device=device, **sizes["compile"])
     if name == "train":
         import bench_train
 
@@ -153,11 +146,10 @@ def run_section(
 
 
 TITLES = {
-    "rope": "RoPE on q and k, speed relative to one elementwise copy of q and k",
-    "tiles": "DeBERTa's key-major p2c part and its gradient, speed relative to PyTorch's op",
     "train": "Training step (fwd + bwd + clip + AdamW), tokens/s relative to `none`",
     "memory": "Peak memory of a no-grad forward at 16x the training length, relative to `none`",
     "overhead": "Lightning Trainer.fit vs a bare PyTorch loop, tokens/s",
+    "compile": "Training step under torch.compile, speed relative to eager",
 }
 
 
@@ -168,7 +160,7 @@ def render(name: str, result: dict[str, Any]) -> str:
     if "checks" in result:
         worst = max(c["max_abs_err"] for c in result["checks"].values())
         status = "passed" if result["checks_passed"] else "FAILED"
-        reference = "apply_rope" if name == "rope" else "PyTorch's ops"
+        reference = "PyTorch's ops"
         lines.append(
             f"agreement with {reference}: {status} ({len(result['checks'])} checks, "
             f"max abs error {worst:.2g})"
@@ -181,8 +173,7 @@ def render(name: str, result: dict[str, Any]) -> str:
             fmt=lambda v: "-" if v is None else f"{v:.1f} MiB",
         )
     else:
-        value = {"train": "time / step", "overhead": "time / step", "tiles": "time / call"}
-        value = value.get(name, "time (q and k)")
+        value = "time / step"
         table = markdown_table(result["rows"], value_name=value, fmt=fmt_seconds)
     lines.append(table)
     return "\n".join(lines)

@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from omegaconf import DictConfig, ListConfig
+from pytorch_lightning.accelerators import CUDAAccelerator
 
 from posenc.runner import write_json_atomic
 from posenc.train import train
@@ -54,17 +55,26 @@ def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path:
     return path
 
 
-def local_processes(devices: object) -> int:
-    """How many processes ``trainer.devices`` asks for on this node (-1 counts as several).
+def local_processes(devices: object, accelerator: object = "auto") -> int:
+    """How many processes ``trainer.devices`` asks for on this node, counted as Lightning
+    counts them: on a GPU (``accelerator`` gpu/cuda, or auto with CUDA present) by
+    Lightning's own device parser, so ``auto`` and ``-1`` are every GPU of the node;
+    on a CPU, ``devices`` is a process count (``auto``: one).
 
     Args:
         devices: ``trainer.devices``: an int, ``"auto"``, ``"2"``, ``"0,1"`` or a list.
+        accelerator: ``trainer.accelerator``.
     """
+    acc = str(accelerator).strip()
+    if acc in ("gpu", "cuda") or (acc == "auto" and CUDAAccelerator.is_available()):
+        if str(devices).strip() == "auto":
+            return CUDAAccelerator.auto_device_count()
+        return len(CUDAAccelerator.parse_devices(devices) or [])
     if isinstance(devices, list | ListConfig):
         return len(devices)
     text = str(devices).strip()
     if text == "auto":
-        return 1  # one device on CPU, the only case posenc can check without probing GPUs
+        return 1
     if "," in text:
         return len([d for d in text.split(",") if d.strip()])
     return 2 if int(text) == -1 else int(text)
@@ -80,7 +90,7 @@ def check_ddp_in_multirun(cfg: DictConfig) -> None:
     Raises:
         ValueError: ``trainer.devices`` asks for several processes and no cluster made them.
     """
-    n = local_processes(cfg.trainer.get("devices", 1))
+    n = local_processes(cfg.trainer.get("devices", 1), cfg.trainer.get("accelerator", "auto"))
     if n > 1 and not (SLURMEnvironment.detect() or TorchElasticEnvironment.detect()):
         raise ValueError(
             f"trainer.devices={cfg.trainer.devices} in a local multirun: Lightning would "

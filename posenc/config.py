@@ -49,6 +49,12 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"model.n_heads={m.n_heads}: must divide model.d_model={m.d_model}")
     if not _number(m.dropout) or not 0.0 <= float(m.dropout) < 1.0:
         problems.append(f"model.dropout={m.dropout!r}: must be a number in [0, 1)")
+    if not isinstance(m.get("compile", False), bool):
+        problems.append(f"model.compile={m.compile!r}: must be true or false")
+    budget = m.get("score_budget_mib", 8)
+    if not _number(budget) or not float(budget) >= 0:
+        problems.append(f"model.score_budget_mib={budget!r}: must be a number >= 0 (MiB; 0: "
+                        f"no query blocking)")
     _random_positions(cfg, problems)
     if cfg.task.name == "lm":
         _validate_lm(cfg, problems)
@@ -315,6 +321,7 @@ def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:
     model_cls = EncoderDecoder if cfg.task.name == "mt" else DecoderLM
     allowed = _params(model_cls.__init__, ("vocab_size", "src_vocab_size", "tgt_vocab_size",
                                            "encoder"))
+    allowed.append("compile")  # read by the LightningModule, not the model
     if cfg.task.name == "lm":  # MT-only model keys are reported by _reject_mt_options
         allowed += list(MT_MODEL_KEYS)
     _check_keys(problems, "model.", list(cfg.model), allowed)

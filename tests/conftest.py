@@ -10,7 +10,6 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from posenc import native
 from posenc.encoders.base import AttentionContext, AttnKind, PositionalEncoder
 from posenc.model.attention import Attention
 
@@ -33,20 +32,6 @@ os.environ.setdefault("POSENC_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
-
-
-@pytest.fixture(autouse=True)
-def _native_switch_per_test() -> object:
-    """posenc.native reads POSENC_NATIVE once; let each test read its own value."""
-    native.refresh()
-    yield
-    native.refresh()
-
-
-def set_native(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
-    """Switch the native kernels on or off for the rest of this test."""
-    monkeypatch.setenv("POSENC_NATIVE", "1" if on else "0")
-    native.refresh()
 
 
 def identity_attention(enc: PositionalEncoder, kind: AttnKind, layer: int = 0) -> Attention:
@@ -108,21 +93,3 @@ def compose_run(tmp_path: Path, *overrides: str) -> DictConfig:
         return compose("config", overrides=[
             *TINY, f"paths.output_dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}",
             *overrides])
-
-
-def require_native() -> None:
-    """Skip when there is no C compiler; fail when there is one and the build fails."""
-    if native.library() is None:
-        if native.compiler() is None:
-            pytest.skip("no C compiler: the native kernels cannot be built here")
-        pytest.fail(f"the native kernels did not build: {native.build_error()}")
-
-
-@pytest.fixture(params=["native", "torch"])
-def both_rope_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test once with the native RoPE kernel and once with the PyTorch forms
-    (``POSENC_NATIVE=0``), which must give the same values."""
-    set_native(monkeypatch, request.param == "native")
-    if request.param == "native":
-        require_native()
-    return request.param

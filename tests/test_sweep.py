@@ -154,6 +154,22 @@ def test_ddp_is_refused_inside_a_local_multirun() -> None:
     run.check_ddp_in_multirun(OmegaConf.create({"trainer": {"devices": 1}}))
 
 
+def test_ddp_guard_counts_gpus_with_lightnings_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a node with 4 GPUs, ``devices=auto`` (and -1) is four processes, not one."""
+    from pytorch_lightning.accelerators import CUDAAccelerator
+
+    monkeypatch.setattr(CUDAAccelerator, "is_available", staticmethod(lambda: True))
+    monkeypatch.setattr(CUDAAccelerator, "auto_device_count", staticmethod(lambda: 4))
+    monkeypatch.setattr(CUDAAccelerator, "parse_devices",
+                        staticmethod(lambda d: [0, 1, 2, 3] if str(d) == "-1" else [0, 1]))
+    assert run.local_processes("auto") == run.local_processes(-1, "gpu") == 4
+    assert run.local_processes("0,1", "cuda") == 2
+    assert run.local_processes(2, "cpu") == 2
+    cfg = OmegaConf.create({"trainer": {"devices": "auto", "accelerator": "auto"}})
+    with pytest.raises(ValueError, match="trainer.devices=auto in a local multirun"):
+        run.check_ddp_in_multirun(cfg)
+
+
 def test_local_parallel_launcher_config() -> None:
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     launcher = instantiate(compose_hydra("hydra/launcher=local_parallel").hydra.launcher)

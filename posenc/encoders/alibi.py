@@ -82,11 +82,9 @@ class ALiBi(PositionalEncoder):
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
 
-    def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
-        ctx = super().context(q_pos, k_pos, kind)
-        if kind is not AttnKind.CROSS:
-            ctx.extra["slopes"] = self.slopes
-        return ctx
+    def prepare(self, ctx: AttentionContext) -> None:
+        if ctx.kind is not AttnKind.CROSS:
+            ctx.put("slopes", self.slopes)
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         return AttentionPositional() if kind is AttnKind.CROSS else _AlibiAttention()

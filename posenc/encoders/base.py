@@ -40,8 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posenc import native
-
 
 class AttnKind(str, Enum):
     """Which attention a context is for."""
@@ -59,21 +57,28 @@ class AttnKind(str, Enum):
 class AttentionContext:
     """Per-forward state shared by all layers of one stack for one attention kind.
 
+    What the caller knows of the positions comes as Python values (``starts``,
+    ``bound``), never read back from the position tensors: a forward pass makes no host
+    read, so it traces as one graph under ``torch.compile`` and never stalls a GPU.
+
     Attributes:
         q_pos: Query positions, ``(B|1, T)`` int64.
         k_pos: Key positions, ``(B|1, S)`` int64.
         kind: Causal, bidirectional or cross attention.
-        extra: Scheme-specific shared tensors (tables, gather indices).
-        query_dims: For each entry of ``extra`` indexed by query, the dim that is, so
-            attention can cut the context into blocks of queries (see
-            :meth:`slice_queries`). A scheme that puts a per-query tensor in ``extra``
-            must list it here.
-        key_dims: The same for entries indexed by key (see :meth:`slice_keys`).
         starts: ``(q0, k0)`` when the positions are one shared run of consecutive
             integers, ``q_pos = q0 + arange(T)`` and ``k_pos = k0 + arange(S)`` (the
-            usual case, where relative terms can be read off a per-offset table as a
-            strided view, :func:`offset_view`); None otherwise (per-row or randomized
-            positions). Found from the positions when not given.
+            default positions, at an offset): relative terms can then be read off a
+            per-offset table as a strided view (:mod:`posenc.encoders.offsets`). None for
+            per-row or randomized positions, which take a per-pair gather.
+        bound: Every position is in ``[0, bound)``: the size of a per-distance table
+            when ``starts`` is None.
+        extra: Scheme-specific shared tensors (tables, gather indices), put there by
+            :meth:`PositionalEncoder.prepare`.
+        query_dims: For each entry of ``extra`` indexed by query, the dim that is, so
+            attention can cut the context into blocks of queries (see
+            :meth:`slice_queries`); an entry indexed by query that is not listed here
+            would reach every block whole. :meth:`put` fills it.
+        key_dims: The same for entries indexed by key (see :meth:`slice_keys`).
         memo: Per-forward results a layer computes once and reuses for every block of
             queries (see :meth:`once`). Slices of a context share it.
     """
@@ -81,16 +86,23 @@ class AttentionContext:
     q_pos: Tensor
     k_pos: Tensor
     kind: AttnKind
+    starts: tuple[int, int] | None = None
+    bound: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     query_dims: dict[str, int] = field(default_factory=dict)
     key_dims: dict[str, int] = field(default_factory=dict)
-    starts: tuple[int, int] | None | str = "find"
     memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        if self.starts == "find":
-            q0, k0 = run_start(self.q_pos), run_start(self.k_pos)
-            self.starts = None if q0 is None or k0 is None else (q0, k0)
+    def put(
+        self, name: str, value: Any, *, query_dim: int | None = None, key_dim: int | None = None
+    ) -> None:
+        """Store a shared entry; ``query_dim``/``key_dim`` name its query or key axis, so
+        blocks of queries (and their visible keys) get the matching slice."""
+        self.extra[name] = value
+        if query_dim is not None:
+            self.query_dims[name] = query_dim
+        if key_dim is not None:
+            self.key_dims[name] = key_dim
 
     def slice_queries(self, start: int, stop: int) -> AttentionContext:
         """The context of queries ``start:stop`` only (keys unchanged)."""
@@ -134,6 +146,16 @@ class AttentionContext:
         if self.kind is AttnKind.CAUSAL:
             hi = max(lo, min(hi, 1))
         return lo, hi
+
+    def distance_range(self) -> tuple[int, int]:
+        """Smallest and largest query-minus-key distance ``i - j`` of any pair, as Python
+        ints: exact from ``starts``, else the widest ``bound`` allows."""
+        if self.starts is not None:
+            (q0, k0), t, s = self.starts, self.q_pos.shape[-1], self.k_pos.shape[-1]
+            return q0 - (k0 + s - 1), q0 + t - 1 - k0
+        if self.bound is None:
+            raise ValueError("distance_range needs ctx.starts or ctx.bound")
+        return -(self.bound - 1), self.bound - 1
 
     def rel(self) -> Tensor:
         """Relative distance ``i - j`` (query minus key position), ``(B|1, T, S)``."""
@@ -240,208 +262,65 @@ class PositionalEncoder(nn.Module):
         self.n_layers = n_layers
         self.head_dim = d_model // n_heads
 
+    def check_length(self, bound: int) -> None:
+        """Refuse positions reaching ``bound`` (exclusive) that the scheme cannot encode.
+        Called by the stack before the forward pass, with Python ints only.
+
+        Raises:
+            ValueError: ``bound`` exceeds :attr:`max_length`.
+        """
+        if self.max_length is not None and bound > self.max_length:
+            raise ValueError(
+                f"{type(self).__name__}: positions up to {bound - 1} but it encodes at most "
+                f"{self.max_length}; evaluate at lengths <= {self.max_length}"
+            )
+
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         """Hook (a): act on token embeddings ``x (B, T, C)`` at ``positions (B|1, T)``."""
         return x
 
-    def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
-        """Build the shared per-forward state for one attention kind of the stack."""
-        return AttentionContext(q_pos=q_pos, k_pos=k_pos, kind=kind)
+    def context(
+        self,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        kind: AttnKind,
+        *,
+        starts: tuple[int, int] | None = None,
+        bound: int | None = None,
+    ) -> AttentionContext:
+        """Build the shared per-forward state for one attention kind of the stack.
+
+        Args:
+            q_pos: ``(B|1, T)`` query positions.
+            k_pos: ``(B|1, S)`` key positions.
+            kind: The attention kind.
+            starts: ``(q0, k0)`` when both are consecutive runs (see
+                :class:`AttentionContext`); the stack passes it for its default positions.
+            bound: Exclusive upper bound of all positions. When neither is given (a
+                direct call with explicit positions) it is read off the tensors: one
+                host read, for eager use; the stack always passes one or the other.
+        """
+        if starts is None and bound is None:
+            bound = position_bound(q_pos, k_pos)
+        ctx = AttentionContext(q_pos=q_pos, k_pos=k_pos, kind=kind, starts=starts, bound=bound)
+        self.prepare(ctx)
+        return ctx
+
+    def prepare(self, ctx: AttentionContext) -> None:
+        """Hook: put what every layer shares into ``ctx`` (:meth:`AttentionContext.put`),
+        once per forward pass and attention kind (``ctx.kind``)."""
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         """Make the per-layer hooks for attention module ``layer`` of ``kind``."""
         return AttentionPositional()
 
 
-def gather_rel(table: Tensor, index: Tensor) -> Tensor:
-    """Pick per-pair scores from per-distance scores.
-
-    Args:
-        table: ``(B, H, T, R)`` scores of each query against each of R distance slots.
-        index: ``(B|1, T, S)`` slot of each (query, key) pair, values in ``[0, R)``.
-
-    Returns:
-        ``(B, H, T, S)`` with ``out[b, h, i, j] = table[b, h, i, index[b, i, j]]``.
-    """
-    b, h, t, _ = table.shape
-    idx = index[:, None].expand(b, h, t, index.shape[-1])  # (B, H, T, S), no copy
-    return torch.gather(table, -1, idx)
-
-
-def run_start(pos: Tensor) -> int | None:
-    """``p0`` if ``pos`` is ``(1, N)`` and equal to ``p0 + arange(N)``, else None (one
-    host sync)."""
-    if pos.dim() != 2 or pos.shape[0] != 1 or pos.is_floating_point():
-        return None
-    n = pos.shape[-1]
-    if n == 0:
-        return None
-    p0 = int(pos[0, 0])
-    if n > 1 and not bool((pos[0, 1:] - pos[0, :-1] == 1).all()):
-        return None
-    return p0
-
-
-def offset_view(
-    per_offset: Tensor, *, row0: int, col0: int, lo: int, cols: int, tiled_grad: bool = False
-) -> Tensor | None:
-    """Read a per-offset table as a per-pair matrix, as a strided view (no gather).
-
-    ``out[..., r, c] = per_offset[..., r, (col0 + c) - (row0 + r) - lo]``: row r (a query
-    at position ``row0 + r``) picks, for each column c (a key at ``col0 + c``), the entry
-    of their offset. With the offset axis contiguous, moving one row down and one
-    column right keeps the offset, so the matrix is ``as_strided`` with strides
-    ``(L - 1, 1)``: a Toeplitz view (the "skew" of Huang et al. 2018, Music Transformer,
-    without its padding copy). Pairs whose offset falls outside ``[lo, lo + L)`` read
-    an entry of a neighbouring row, which is only allowed for masked pairs.
-
-    Args:
-        per_offset: ``(..., R, L)`` scores per row and offset ``lo .. lo + L - 1``.
-        row0: Position of row 0. col0: Position of column 0.
-        lo: Offset of table entry 0.
-        cols: Number of columns S.
-        tiled_grad: Write the table's gradient with :func:`posenc.native.copy_tiled`,
-            for a view that is used transposed (a key-major table added to query-major
-            scores): its gradient then arrives in the other memory order, which
-            autograd's own ``as_strided`` backward copies one cache line per element.
-
-    Returns:
-        ``(..., R, S)`` view, or None when the view would leave the table's storage
-        or its rows would overlap (``L <= S``, which would make gradients of aliased
-        entries collide); the caller then gathers.
-    """
-    per_offset = per_offset.contiguous()
-    rows, width = per_offset.shape[-2], per_offset.shape[-1]
-    c = col0 - row0 - lo  # table index of (row 0, column 0)
-    last = (rows - 1) * (width - 1) + cols - 1 + c  # flat index of the last pair
-    if c < 0 or last > rows * width - 1 or (rows > 1 and width <= cols):
-        return None
-    lead = per_offset.shape[:-2]
-    size, stride = (*lead, rows, cols), (*per_offset.stride()[:-2], width - 1, 1)
-    if tiled_grad and per_offset.dim() == 4:
-        return _TiledView.apply(per_offset, (per_offset.shape, size, stride, c))
-    return per_offset.as_strided(size, stride, per_offset.storage_offset() + c)
-
-
-class _TiledView(torch.autograd.Function):
-    """``table.as_strided(size, stride, offset)`` for a contiguous 4-D table (``offset``
-    counted from the table's first element) with non-overlapping elements; the
-    gradient is a zero table with the view's gradient written in by
-    :func:`posenc.native.copy_tiled`. The two maps are each other's adjoint, so each
-    one's backward is the other and gradients go to any order."""
-
-    @staticmethod
-    def forward(ctx, table: Tensor, geometry: tuple) -> Tensor:  # noqa: ANN001
-        ctx.geometry = geometry
-        _, size, stride, offset = geometry
-        return table.as_strided(size, stride, table.storage_offset() + offset)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
-        return _TiledScatter.apply(grad, ctx.geometry), None
-
-
-class _TiledScatter(torch.autograd.Function):
-    """The adjoint of :class:`_TiledView`: a zero table holding ``view`` at the view's
-    place."""
-
-    @staticmethod
-    def forward(ctx, view: Tensor, geometry: tuple) -> Tensor:  # noqa: ANN001
-        ctx.geometry = geometry
-        shape, size, stride, offset = geometry
-        table = view.new_zeros(shape)
-        native.copy_tiled(table.as_strided(size, stride, offset), view)
-        return table
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
-        return _TiledView.apply(grad.contiguous(), ctx.geometry), None
-
-
-@dataclass(frozen=True)
-class OffsetWindow:
-    """The key columns of a context with consecutive positions, split for a term that
-    is constant in each row beyond two offsets (Shaw's clipped distances, DeBERTa's
-    last buckets): columns ``[0, left)`` have offset ``<= n_left`` for every query, columns
-    ``[right, S)`` offset ``>= n_right``, and the window ``[left, right)`` between them needs
-    the offsets ``n_lo .. n_hi`` of a per-offset table (see :func:`offset_window`)."""
-
-    left: int
-    right: int
-    n_lo: int
-    n_hi: int
-
-
-def offset_window(ctx: AttentionContext, n_left: int | None, n_right: int | None) -> OffsetWindow:
-    """Split ``ctx``'s keys (needs ``ctx.starts``) by offset ``n = k_pos - q_pos``: the
-    columns where every query's offset is ``<= n_left``, those where it is ``>= n_right``
-    (not in causal attention, where they are masked), and the window between.
-
-    A constant end then costs one value per row, expanded over its columns, instead of
-    a strided view of a table as wide as all keys; only the window needs the table, with
-    the causal cap of :meth:`AttentionContext.offset_range`.
-    """
-    if ctx.starts is None:
-        raise ValueError("offset_window needs consecutive positions (ctx.starts)")
-    (q0, k0), t, s = ctx.starts, ctx.q_pos.shape[-1], ctx.k_pos.shape[-1]
-    # Column c holds offsets k0 + c - q0 - (T - 1) .. k0 + c - q0 over the queries.
-    left = 0 if n_left is None else min(max(n_left + q0 - k0 + 1, 0), s)
-    right = s
-    if n_right is not None and ctx.kind is not AttnKind.CAUSAL:
-        right = min(max(n_right + q0 + t - 1 - k0, left), s)
-    n_lo, n_hi = k0 + left - (q0 + t - 1), k0 + right - 1 - q0
-    if ctx.kind is AttnKind.CAUSAL:
-        n_hi = max(n_lo, min(n_hi, 1))
-    return OffsetWindow(left=left, right=right, n_lo=n_lo, n_hi=n_hi)
-
-
-def window_parts(
-    ctx: AttentionContext,
-    w: OffsetWindow,
-    *,
-    left: Tensor | None,
-    table: Tensor | None,
-    right: Tensor | None,
-) -> ScoreParts | None:
-    """Score parts of a query-major offset term split by :func:`offset_window`.
-
-    Args:
-        ctx: The context (consecutive positions).
-        w: Its window.
-        left: ``(..., T, 1)`` each row's value on the columns ``[0, w.left)``, or None
-            for none (zero: no part).
-        table: ``(..., T, w.n_hi - w.n_lo + 1)`` the values per offset of the window.
-        right: ``(..., T, 1)`` each row's value on ``[w.right, S)``.
-
-    Returns:
-        The parts, or None when the window's view does not fit (the caller gathers).
-    """
-    (q0, k0), s = ctx.starts, ctx.k_pos.shape[-1]
-    parts: ScoreParts = []
-    if w.left and left is not None:
-        parts.append((left.expand(*left.shape[:-1], w.left), 0))
-    if w.right > w.left:
-        view = offset_view(table, row0=q0, col0=k0 + w.left, lo=w.n_lo, cols=w.right - w.left)
-        if view is None:
-            return None
-        parts.append((view, w.left))
-    if w.right < s:
-        parts.append((right.expand(*right.shape[:-1], s - w.right), w.right))
-    return parts
-
-
-def toeplitz(per_offset: Tensor, ctx: AttentionContext) -> Tensor | None:
-    """A score term that depends on the offset alone, ``(..., L)`` for the offsets of
-    ``ctx.offset_range()``, as the ``(..., T, S)`` matrix of ``ctx``'s pairs (needs
-    ``ctx.starts``): the table repeated per query row, then :func:`offset_view`. Its
-    gradient is a sum over rows, where a per-pair gather's is a scatter. None when the
-    view does not fit (the caller gathers)."""
-    if ctx.starts is None:
-        return None
-    (q0, k0), t, s = ctx.starts, ctx.q_pos.shape[-1], ctx.k_pos.shape[-1]
-    n_lo, _ = ctx.offset_range()
-    rows = per_offset.unsqueeze(-2).expand(*per_offset.shape[:-1], t, per_offset.shape[-1])
-    return offset_view(rows.contiguous(), row0=q0, col0=k0, lo=n_lo, cols=s)
+def position_bound(*positions: Tensor) -> int:
+    """``1 + max`` over explicit position tensors: one host read, for callers that pass
+    explicit positions without saying their bound (tests, eager use). The model never
+    calls it on its own paths: default positions have ``starts``, randomized ones the
+    range they were drawn from."""
+    return 1 + max([int(torch.max(p)) for p in positions if p.numel()] + [0])
 
 
 def positions_like(x: Tensor, offset: int = 0) -> Tensor:

@@ -44,11 +44,8 @@ from posenc.encoders.base import (
     PositionalEncoder,
     ScoreParts,
     dense_parts,
-    gather_rel,
-    offset_view,
-    offset_window,
-    window_parts,
 )
+from posenc.encoders.offsets import gather_rel, offset_view, offset_window, window_parts
 from posenc.encoders.registry import register
 
 
@@ -75,13 +72,19 @@ def log_bucket(rel: Tensor, bucket_size: int, max_distance: int) -> Tensor:
     return torch.where(mag <= mid, rel, torch.sign(rel) * far)
 
 
-def flat_ends(rows: Tensor) -> tuple[int, int]:
-    """``(a, b)`` with ``rows[i] == rows[a]`` for all ``i <= a`` and ``rows[i] == rows[b]``
-    for all ``i >= b``, ``a <= b`` (the constant runs at both ends of a 1-D lookup)."""
-    change = (rows[1:] != rows[:-1]).nonzero().flatten()
-    if change.numel() == 0:
-        return rows.shape[0] - 1, rows.shape[0] - 1
-    return int(change[0]), int(change[-1]) + 1
+def flat_ends(lo: int, hi: int, saturation: int, causal: bool) -> tuple[int, int]:
+    """``(a, b)``: entries ``0 .. a`` of a lookup over distances ``lo .. hi`` share one
+    table row, and so do entries ``b ..`` (the constant runs at both ends), ``a <= b``.
+
+    Found from Python ints alone, never from the lookup's values (no host read): every
+    distance with ``|d| >= saturation`` has its side's end row, and in causal attention
+    every ``d <= 0`` has distance 0's row (masked keys, see ``prepare``). The runs may
+    be longer than this says; only their entries must share a row.
+    """
+    last = hi - lo
+    a = min(max((0 if causal else -saturation) - lo, 0), last)
+    b = min(max(saturation - lo, a), last)
+    return a, b
 
 
 def by_rows(
@@ -170,17 +173,17 @@ class _DebertaAttention(AttentionPositional):
 
         def make() -> Tensor:
             proj = self._project(w, ctx, dtype)
-            return proj - proj[:, row, None]
+            return proj - proj.index_select(1, row)
 
-        return ctx.once(w, f"{dtype} - row {row}", make)
+        return ctx.once(w, f"{dtype} - {end}", make)
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         if self.w_qr is None:
             return q, k
         # (q_i + Q^r[end]) . k_j: the content score plus p2c's far-key value (the
         # score's scale multiplies both, as it does p2c in score_parts).
-        end = self._project(self.w_qr, ctx, q.dtype)[:, ctx.extra["p2c_end"]]  # (H, D)
-        return q + end[:, None, :], k
+        end = self._project(self.w_qr, ctx, q.dtype).index_select(1, ctx.extra["p2c_end"])
+        return q + end, k  # end: (H, 1, D)
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
         parts = self.score_parts(q, k, ctx)
@@ -228,7 +231,7 @@ class _DebertaAttention(AttentionPositional):
             w,
             left=None,
             table=by_rows(q, kr, rows, first, last, x["flat"], reverse=True, zero_ends=causal),
-            right=q @ kr[:, rows[a], None].transpose(-1, -2),  # (B, H, T, 1)
+            right=q @ kr.index_select(1, rows[a : a + 1]).transpose(-1, -2),  # (B, H, T, 1)
         )
         if parts is None or self.w_qr is None:
             return parts
@@ -241,11 +244,11 @@ class _DebertaAttention(AttentionPositional):
         qr = self._shifted(self.w_qr, ctx, k.dtype, "p2c_end")  # (H, P, D)
 
         def per_key(keys: Tensor, row: Tensor) -> Tensor:  # (B, H, T, n): one value per key
-            col = keys @ qr[:, row, None].transpose(-1, -2)  # (B, H, n, 1)
+            col = keys @ qr.index_select(1, row).transpose(-1, -2)  # (B, H, n, 1)
             return col.transpose(-1, -2).expand(*col.shape[:-2], t, col.shape[-2])
 
         if w.right < k.shape[-2]:
-            parts.append((per_key(k[..., w.right :, :], x["rows_neg"][a]), w.right))
+            parts.append((per_key(k[..., w.right :, :], x["rows_neg"][a : a + 1]), w.right))
         # In the window, rows are keys and columns queries, offset i - j = d. A key meets
         # only T distances, so keys go in chunks of cT, each against its own (c + 1)T - 1
         # distances (all of them for every key would cost S x (T + S)).
@@ -261,7 +264,7 @@ class _DebertaAttention(AttentionPositional):
             per_d = by_rows(
                 kc, qr, x["rows_neg"], d_lo - lo, d_hi - lo, x["flat_neg"], zero_ends=causal
             )
-            part = offset_view(per_d, row0=k0 + c0, col0=q0, lo=d_lo, cols=t, tiled_grad=True)
+            part = offset_view(per_d, row0=k0 + c0, col0=q0, lo=d_lo, cols=t)
             if part is None:
                 return None
             parts.append((part.transpose(-1, -2), c0))  # (B, H, T, c1 - c0)
@@ -326,6 +329,22 @@ class DebertaRelative(PositionalEncoder):
         self.c2p, self.p2c = c2p, p2c
         self.span = bucket_size if bucket_size else max_distance
         self.table = nn.Parameter(torch.randn(2 * self.span, d_model) * 0.02)
+        self.saturation = self._saturation()
+
+    def _saturation(self) -> int:
+        """Smallest D with one table row for all distances ``d >= D`` and one for all
+        ``d <= -D`` (found once, here, so forward passes need no host read). Log buckets
+        grow past ``bucket_size`` beyond ``max_distance`` before the row clamp holds them:
+        at the latest where ``(mid - 1) * ratio > mid + 1``, a distance of
+        ``mid * ((max_distance - 1) / mid)^((mid + 1) / (mid - 1))``."""
+        if not self.bucket_size:
+            return self.max_distance
+        mid = self.bucket_size // 2
+        far = mid * ((self.max_distance - 1) / mid) ** ((mid + 1) / (mid - 1))
+        d = torch.arange(math.ceil(far) + 2)
+        rows, rows_neg = self.row(d), self.row(-d)
+        moved = (rows != rows[-1]) | (rows_neg != rows_neg[-1])
+        return int(moved.nonzero().max()) + 1
 
     def row(self, rel: Tensor) -> Tensor:
         """Row of the table for signed distances ``rel`` (delta in the paper)."""
@@ -333,28 +352,31 @@ class DebertaRelative(PositionalEncoder):
             rel = log_bucket(rel, self.bucket_size, self.max_distance)
         return (rel + self.span).clamp(0, 2 * self.span - 1)
 
-    def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
-        ctx = super().context(q_pos, k_pos, kind)
-        if kind is AttnKind.CROSS:
-            return ctx
-        # delta for each distance present, from the extreme positions: O(T + S) lookups
-        # that the layers index per pair (rows[d - lo] for d = i - j; rows_neg for -d).
-        lo = int(q_pos.min()) - int(k_pos.max())
-        hi = int(q_pos.max()) - int(k_pos.min())
-        dist = torch.arange(lo, hi + 1, device=q_pos.device)
-        if kind is AttnKind.CAUSAL:
+    def prepare(self, ctx: AttentionContext) -> None:
+        if ctx.kind is AttnKind.CROSS:
+            return
+        # delta for each distance present (or that the positions' bound allows), from
+        # Python ints: O(T + S) lookups that the layers index per pair (rows[d - lo] for
+        # d = i - j; rows_neg for -d).
+        lo, hi = ctx.distance_range()
+        dist = torch.arange(lo, hi + 1, device=ctx.q_pos.device)
+        causal = ctx.kind is AttnKind.CAUSAL
+        if causal:
             # Keys after the query (distance < 0) are masked: give them distance 0's
             # rows, so the lookup is flat there and their columns need no products.
             dist = dist.clamp(min=0)
         rows, rows_neg = self.row(dist), self.row(-dist)
-        ctx.extra.update(table=self.table, lo=lo, rows=rows, rows_neg=rows_neg)
         # Beyond the largest distance told apart, rows repeat: score those ends once.
-        flat, flat_neg = flat_ends(rows), flat_ends(rows_neg)
-        ctx.extra.update(flat=flat, flat_neg=flat_neg)
-        # The far keys' rows (a query's farthest keys): their c2p value is dropped from
-        # each query row and their p2c value moved into q (module docstring).
-        ctx.extra.update(c2p_end=int(rows[flat[1]]), p2c_end=int(rows_neg[flat_neg[1]]))
-        return ctx
+        flat = flat_ends(lo, hi, self.saturation, causal)
+        for name, value in (("table", self.table), ("lo", lo), ("rows", rows)):
+            ctx.put(name, value)
+        for name, value in (("rows_neg", rows_neg), ("flat", flat), ("flat_neg", flat)):
+            ctx.put(name, value)
+        # The far keys' rows (a query's farthest keys), as tensors: their c2p value
+        # is dropped from each query row and their p2c value moved into q (module
+        # docstring).
+        ctx.put("c2p_end", rows[flat[1] : flat[1] + 1])  # (1,): a row index for index_select
+        ctx.put("p2c_end", rows_neg[flat[1] : flat[1] + 1])
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

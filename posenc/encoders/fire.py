@@ -41,17 +41,13 @@ Cross-attention: nothing (positions of two different sequences are not comparabl
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
-from posenc.encoders.base import (
-    AttentionContext,
-    AttentionPositional,
-    AttnKind,
-    PositionalEncoder,
-    toeplitz,
-)
+from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.offsets import toeplitz
 from posenc.encoders.registry import register
 
 
@@ -111,7 +107,15 @@ class FireFunction(nn.Module):
         return rel.sign() * self.psi(rel.abs()) / norm
 
     def forward(self, ctx: AttentionContext) -> Tensor:
-        """The bias ``b(i, j)`` of every pair of ``ctx``, ``(B|1, H, T, S)``."""
+        """The bias ``b(i, j)`` of every pair of ``ctx``, ``(B|1, H, T, S)``.
+
+        Which rows may take the per-distance table depends on the learned L. Under
+        ``torch.compile`` the choice between the table and the per-pair MLP is one
+        ``torch.cond`` (one graph, no host read). Eager code reads L instead, since an
+        eager ``torch.cond`` costs about 0.3 s a call in torch 2.13 (a 2-layer step at
+        T = 16 went from 3 ms to 310 ms), and then also splits causal rows at L."""
+        if torch.compiler.is_compiling():
+            return self._by_cond(ctx)
         if self._below_threshold(ctx):
             return self._by_distance(ctx)
         split = self._rows_below_threshold(ctx)
@@ -122,11 +126,36 @@ class FireFunction(nn.Module):
             return torch.cat((low, high), dim=-2)  # (1, H, T, S)
         return self.mlp(self.inputs(ctx))
 
+    def _by_cond(self, ctx: AttentionContext) -> Tensor:
+        """:meth:`forward` as one ``torch.cond`` on "every normaliser is psi(L)"."""
+
+        def branch(by_distance: bool):  # noqa: ANN202
+            def run(q_pos: Tensor, k_pos: Tensor) -> Tensor:
+                sub = replace(ctx, q_pos=q_pos, k_pos=k_pos)
+                bias = self._by_distance(sub) if by_distance else self.mlp(self.inputs(sub))
+                return bias.contiguous()  # both branches must give one memory layout
+
+            return run
+
+        # cond refuses operands that share memory (a block's q_pos and k_pos are slices
+        # of one tensor): the positions are small, so copy them.
+        operands = (ctx.q_pos.clone(), ctx.k_pos.clone())
+        return torch.cond(self._top(ctx) <= self.threshold, branch(True), branch(False), operands)
+
+    def _top(self, ctx: AttentionContext) -> Tensor:
+        """The largest position whose normaliser counts: queries (causal), or queries and
+        keys (bidirectional), as a 0-d float tensor."""
+        top = ctx.q_pos.amax() if ctx.q_pos.numel() else ctx.q_pos.new_zeros(())
+        if ctx.kind is not AttnKind.CAUSAL and ctx.k_pos.numel():
+            top = torch.maximum(top, ctx.k_pos.amax())
+        return top.float()
+
     def _rows_below_threshold(self, ctx: AttentionContext) -> int:
         """Causal attention over consecutive positions: how many leading query rows have
         the normaliser ``psi(L)`` (positions ``<= L``), so only the rest need the per-pair
         MLP (a learned L just under the training length would otherwise send a whole
-        block of queries to it); 0 when no rows or all rows qualify, or otherwise."""
+        block of queries to it); 0 when no rows or all rows qualify, or otherwise.
+        Eager only (reads L)."""
         if ctx.kind is not AttnKind.CAUSAL or ctx.starts is None:
             return 0
         q0, t = ctx.starts[0], ctx.q_pos.shape[-1]
@@ -135,11 +164,8 @@ class FireFunction(nn.Module):
 
     def _below_threshold(self, ctx: AttentionContext) -> bool:
         """True when every normaliser of ``ctx`` is ``psi(L)``: no query (causal) or no
-        position at all (bidirectional) lies past L."""
-        top = ctx.q_pos.max()
-        if ctx.kind is not AttnKind.CAUSAL:
-            top = torch.maximum(top, ctx.k_pos.max())
-        return bool(top.float() <= self.threshold)
+        position at all (bidirectional) lies past L. Eager only (reads L)."""
+        return bool(self._top(ctx) <= self.threshold)
 
     def _table(self, lo: int, hi: int, causal: bool) -> Tensor:
         """``(H, hi - lo + 1)``: the bias of each distance ``lo .. hi`` below L. Causal:
@@ -164,8 +190,7 @@ class FireFunction(nn.Module):
             bias = toeplitz(self._table(-n_hi, -n_lo, causal).flip(-1), ctx)  # (H, T, S)
             if bias is not None:
                 return bias[None]
-        lo = int(ctx.q_pos.min()) - int(ctx.k_pos.max())
-        hi = int(ctx.q_pos.max()) - int(ctx.k_pos.min())
+        lo, hi = ctx.distance_range()
         if causal:  # later keys are masked; they read the row of distance 0
             lo, hi = max(lo, 0), max(hi, 0)
         table = self._table(lo, hi, causal)  # (H, R) for the R distances lo..hi
@@ -236,11 +261,9 @@ class Fire(PositionalEncoder):
         )
         self.fire = None if per_layer else FireFunction(**self._fire_args)
 
-    def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
-        ctx = super().context(q_pos, k_pos, kind)
-        if kind is not AttnKind.CROSS and self.fire is not None:
-            ctx.extra["fire"] = self.fire
-        return ctx
+    def prepare(self, ctx: AttentionContext) -> None:
+        if ctx.kind is not AttnKind.CROSS and self.fire is not None:
+            ctx.put("fire", self.fire)
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

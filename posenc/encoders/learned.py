@@ -36,12 +36,13 @@ class LearnedAbsolute(PositionalEncoder):
         self.table = nn.Embedding(max_len, d_model)
         nn.init.normal_(self.table.weight, std=init_std)
 
-    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
-        top = int(positions.max()) + 1 if positions.numel() else 0
-        if top > self.max_len or (positions.numel() and int(positions.min()) < 0):
+    def check_length(self, bound: int) -> None:
+        if bound > self.max_len:
             raise ValueError(
-                f"learned: asked for a sequence of length {top} but max_len={self.max_len}; "
+                f"learned: asked for a sequence of length {bound} but max_len={self.max_len}; "
                 f"learned absolute positions cannot extrapolate. Raise encoder.max_len "
                 f"(before training) or evaluate at lengths <= {self.max_len}."
             )
+
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         return x + self.table(positions).to(x.dtype)  # (B|1, T, C) broadcast over B

@@ -47,7 +47,6 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from posenc import native as native_kernels
 from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
 from posenc.encoders.registry import register
 
@@ -58,15 +57,19 @@ SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
 NEEDS_LENGTH = ("dynamic_ntk", "yarn")
 
 
-def rope_frequencies(rot_dim: int, base: float = 10000.0, device=None) -> Tensor:
-    """``theta_i = base^(-2i/R)`` for ``i = 0 .. R/2-1``, float32, shape ``(R/2,)``."""
+def rope_frequencies(rot_dim: int, base: float | Tensor = 10000.0, device=None) -> Tensor:
+    """``theta_i = base^(-2i/R)`` for ``i = 0 .. R/2-1``, float32, shape ``(R/2,)``.
+
+    Computed in float64 and rounded once. ``base`` may be a 0-d tensor (dynamic NTK's
+    base depends on the pass's length), so no host read is needed."""
     if rot_dim <= 0 or rot_dim % 2:
         raise ValueError(
             f"rope: the rotated dimension must be a positive even number, got {rot_dim}; "
             f"choose head_dim and fraction so that head_dim * fraction is even"
         )
-    i = torch.arange(rot_dim // 2, device=device, dtype=torch.float32)
-    return base ** (-2.0 * i / rot_dim)
+    i = torch.arange(rot_dim // 2, device=device, dtype=torch.float64)
+    base = torch.as_tensor(base, dtype=torch.float64, device=device)
+    return (base ** (-2.0 * i / rot_dim)).float()
 
 
 def rope_factors(cos: Tensor, sin: Tensor, layout: str) -> Tensor:
@@ -88,19 +91,24 @@ FACTOR_T_DIM = {"interleaved": -2, "half": -3}
 
 
 def put_rotation_tables(
-    ctx: AttentionContext, layout: str, q: tuple[Tensor, Tensor], k: tuple[Tensor, Tensor]
+    ctx: AttentionContext,
+    layout: str,
+    q: tuple[Tensor, Tensor],
+    k: tuple[Tensor, Tensor] | None = None,
 ) -> None:
-    """Store the ``(cos, sin)`` tables of the queries and keys in ``ctx`` for every layer's
-    :func:`apply_rope`, with their :func:`rope_factors` built once (the same object for
-    ``k`` when it is ``q``'s tables), and the axes a block of queries is cut along."""
-    ctx.extra.update(layout=layout, q_cos=q[0], q_sin=q[1], k_cos=k[0], k_sin=k[1])
-    ctx.query_dims.update(q_cos=-2, q_sin=-2)
-    ctx.key_dims.update(k_cos=-2, k_sin=-2)
+    """Store the ``(cos, sin)`` tables of the queries and keys (None: the queries') in
+    ``ctx`` for every layer's :func:`apply_rope`, with their :func:`rope_factors` built
+    once, and the axes a block of queries is cut along."""
+    same = k is None
+    k = q if same else k
+    ctx.put("layout", layout)
+    for name, value in (("cos", q[0]), ("sin", q[1])):
+        ctx.put(f"q_{name}", value, query_dim=-2)
+    for name, value in (("cos", k[0]), ("sin", k[1])):
+        ctx.put(f"k_{name}", value, key_dim=-2)
     q_rot = rope_factors(*q, layout)
-    k_rot = q_rot if k is q else rope_factors(*k, layout)
-    ctx.extra.update(q_rot=q_rot, k_rot=k_rot)
-    ctx.query_dims.update(q_rot=FACTOR_T_DIM[layout])
-    ctx.key_dims.update(k_rot=FACTOR_T_DIM[layout])
+    ctx.put("q_rot", q_rot, query_dim=FACTOR_T_DIM[layout])
+    ctx.put("k_rot", q_rot if same else rope_factors(*k, layout), key_dim=FACTOR_T_DIM[layout])
 
 
 def apply_rope(
@@ -110,15 +118,10 @@ def apply_rope(
     layout: str = "interleaved",
     *,
     factors: Tensor | None = None,
-    native: bool = True,
 ) -> Tensor:
     """Rotate the first ``R = 2 * cos.shape[-1]`` dims of ``x``; pass the rest through.
 
-    On the CPU, float32 and float64 inputs go to :mod:`posenc.native`'s one-pass
-    kernel when it is available (``native=False`` or ``POSENC_NATIVE=0`` turn it off);
-    everything else takes the PyTorch forms below, which give the same values.
-
-    The PyTorch forms rotate in float32 and cast the result back to ``x.dtype``, so
+    The rotation runs in float32 and casts the result back to ``x.dtype``, so
     bf16/fp16 inputs keep the precision of the angle at large positions. The
     interleaved layout runs as one complex product (pairs are adjacent, so ``x`` is
     viewed as complex without a copy), where the textbook ``x1*cos - x2*sin,
@@ -133,17 +136,12 @@ def apply_rope(
         layout: ``interleaved`` or ``half``.
         factors: :func:`rope_factors` of ``cos, sin, layout``, when the caller has them
             already (the RoPE module builds them once per forward pass for every layer).
-        native: Use the native CPU kernel for inputs it supports.
 
     Returns:
         ``(B, H, T, D)`` in ``x.dtype``.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"rope: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
-    if native:
-        out = native_kernels.try_rope(x, cos, sin, layout, factors)
-        if out is not None:
-            return out
     half = cos.shape[-1]
     rot = x[..., : 2 * half].float()
     if factors is None:
@@ -210,9 +208,9 @@ class Scaling:
             )
 
     def at_length(self, length: int) -> Scaling:
-        """The static setting for a forward pass whose keys reach length ``length``:
+        """The static setting of a pass whose keys reach length ``length``:
         ``dynamic_ntk`` becomes ``ntk`` with its ``s'``, and every s = 1 becomes plain
-        RoPE (so equal settings compare equal and share a cache)."""
+        RoPE (:data:`PLAIN`)."""
         if self.method == "dynamic_ntk":
             s = dynamic_ntk_factor(self.factor, length, self.original_length)
             return replace(self, method="ntk", factor=s) if s > 1.0 else PLAIN
@@ -235,6 +233,17 @@ def dynamic_ntk_factor(alpha: float, length: int, original_length: int) -> float
     return max(1.0, alpha * length / original_length - (alpha - 1.0))
 
 
+def dynamic_ntk_frequencies(
+    rot_dim: int, base: float, alpha: float, original_length: int, length: Tensor
+) -> Tensor:
+    """Dynamic NTK's ``theta'`` for a pass whose keys reach ``length`` (a 0-d tensor, so
+    the pass needs no host read): :func:`ntk_base` with :func:`dynamic_ntk_factor`'s
+    ``s'``, in float64. At ``l <= L``, ``s' = 1`` and this is :func:`rope_frequencies`."""
+    s = (alpha * length.double() / original_length - (alpha - 1.0)).clamp(min=1.0)
+    new_base = base * s ** (rot_dim / (rot_dim - 2)) if rot_dim > 2 else base
+    return rope_frequencies(rot_dim, new_base, device=length.device)
+
+
 def yarn_mscale(factor: float) -> float:
     """``sqrt(1/t) = 0.1 ln(s) + 1`` (YaRN section 3.4); it multiplies both q and k."""
     return 0.1 * math.log(factor) + 1.0
@@ -253,8 +262,8 @@ def scaled_frequencies(
     Args:
         rot_dim: Rotated dims R.
         base: RoPE base.
-        scaling: A setting with a static method (``dynamic_ntk`` resolved by
-            :meth:`Scaling.at_length` first).
+        scaling: A setting with a static method (``dynamic_ntk`` is
+            :func:`dynamic_ntk_frequencies`).
         device: Device of the result.
 
     Returns:
@@ -278,7 +287,7 @@ def scaled_frequencies(
 
 
 class _RotateQK(AttentionPositional):
-    """Per-layer hook: rotate q and k with the stack's cached tables."""
+    """Per-layer hook: rotate q and k with the stack's per-forward tables."""
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         x = ctx.extra
@@ -297,12 +306,15 @@ class _RotateQK(AttentionPositional):
 class RoPE(PositionalEncoder):
     """Rotary embedding of queries and keys in self-attention.
 
+    The cos/sin tables are built per forward pass from the positions (``(T, R/2)``
+    products, cheaper than one layer's projections): no cache to grow, no host read,
+    and they stay float32 whatever the module is cast to.
+
     Args:
         base: ``theta_i = base^(-2i/R)``; 10000 in the paper.
         layout: ``interleaved`` (RoFormer) or ``half`` (GPT-NeoX / rotate_half).
         fraction: Share of each head's dims that is rotated (GPT-NeoX's
             ``rotary_pct``); the first ``head_dim * fraction`` dims rotate.
-        cache_len: Initial length of the cos/sin cache; it grows on demand.
         scaling: Context extension: ``none``, ``linear``, ``ntk``, ``dynamic_ntk`` or
             ``yarn`` (module docstring).
         scaling_factor: s >= 1 (the alpha of ``dynamic_ntk``).
@@ -328,7 +340,6 @@ class RoPE(PositionalEncoder):
         base: float = 10000.0,
         layout: str = "interleaved",
         fraction: float = 1.0,
-        cache_len: int = 2048,
         scaling: str = "none",
         scaling_factor: float = 1.0,
         original_length: int | None = None,
@@ -352,14 +363,6 @@ class RoPE(PositionalEncoder):
         self.base = float(base)
         self.layout = layout
         self.scaling = Scaling(scaling, scaling_factor, original_length, yarn_alpha, yarn_beta)
-        self.register_buffer(
-            "inv_freq", rope_frequencies(self.rot_dim, self.base), persistent=False
-        )
-        self.register_buffer("_cos", torch.empty(0, self.rot_dim // 2), persistent=False)
-        self.register_buffer("_sin", torch.empty(0, self.rot_dim // 2), persistent=False)
-        # What the cache holds: a static setting (Scaling.at_length) and its multiplier.
-        self._key, self._mscale = PLAIN, 1.0
-        self._grow(cache_len)
 
     def set_scaling(
         self, method: str | Scaling = "none", factor: float = 1.0,
@@ -385,7 +388,7 @@ class RoPE(PositionalEncoder):
         else:
             self.scaling = replace(previous, method=method, factor=factor,
                                    original_length=original_length)
-        return previous  # the cache is keyed by setting: the next forward rebuilds it
+        return previous
 
     @contextmanager
     def scaled(
@@ -398,76 +401,54 @@ class RoPE(PositionalEncoder):
         finally:
             self.set_scaling(previous)
 
-    def _grow(self, n: int) -> None:
-        """Extend the float32 cos/sin cache to at least ``n`` positions (powers of two)."""
-        size = max(1, self._cos.shape[0])
-        while size < n:
-            size *= 2
-        if size <= self._cos.shape[0]:
-            return
-        if self._key == PLAIN:
-            inv_freq, mscale = self.inv_freq, 1.0
-        else:
-            inv_freq, mscale = scaled_frequencies(
-                self.rot_dim, self.base, self._key, device=self.inv_freq.device
-            )
-        pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
-        angle = torch.outer(pos, inv_freq)  # (N, R/2), float32 even under autocast
-        self._cos, self._sin = angle.cos(), angle.sin()
-        if mscale != 1.0:
-            self._cos, self._sin = self._cos * mscale, self._sin * mscale
-        self._mscale = mscale
+    def frequencies(self, length: int | Tensor, device=None) -> tuple[Tensor, float]:
+        """``theta'`` ``(R/2,)`` float32 and the cos/sin multiplier of the current scaling
+        for a pass whose keys reach ``length`` (only ``dynamic_ntk`` reads it)."""
+        sc = self.scaling
+        if sc.method != "dynamic_ntk":
+            return scaled_frequencies(self.rot_dim, self.base, sc, device=device)
+        length = torch.as_tensor(length, device=device)
+        freq = dynamic_ntk_frequencies(
+            self.rot_dim, self.base, sc.factor, sc.original_length, length
+        )
+        return freq, 1.0
 
-    def _use(self, key: Scaling) -> None:
-        """Make the cache hold the tables of ``key`` (never serve another setting's)."""
-        if key != self._key:
-            n = self._cos.shape[0]
-            self._key = key
-            self._cos = self._sin = self.inv_freq.new_empty(0, self.rot_dim // 2)
-            self._grow(n)
-
-    def tables(self, positions: Tensor, length: int | None = None) -> tuple[Tensor, Tensor]:
+    def tables(
+        self, positions: Tensor, length: int | Tensor | None = None, *, theta=None
+    ) -> tuple[Tensor, Tensor]:
         """cos and sin at ``positions (B|1, T)``, each ``(B|1, 1, T, R/2)`` float32.
 
         Args:
             positions: Integer positions >= 0.
             length: The pass's key length l for ``dynamic_ntk``; default max position + 1.
+            theta: ``(frequencies, multiplier)`` from :meth:`frequencies`, when known.
         """
-        if positions.numel() == 0:
-            empty = self._cos.new_empty(positions.shape[0], 1, 0, self.rot_dim // 2)
-            return empty, empty
-        if int(positions.min()) < 0:
-            raise ValueError("rope: positions must be >= 0 (the cache is indexed by position)")
-        n = int(positions.max()) + 1
-        self._use(self.scaling.at_length(n if length is None else length))
-        self._grow(n)
-        return self._cos[positions][:, None], self._sin[positions][:, None]
+        if theta is None:
+            if length is None:
+                length = positions.amax() + 1 if positions.numel() else 0
+            theta = self.frequencies(length, positions.device)
+        freq, mscale = theta
+        angle = positions.float()[..., None] * freq  # (B|1, T, R/2), float32 under autocast
+        cos, sin = angle.cos(), angle.sin()
+        if mscale != 1.0:
+            cos, sin = cos * mscale, sin * mscale
+        return cos[:, None], sin[:, None]
 
-    def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
-        ctx = super().context(q_pos, k_pos, kind)
-        if kind is AttnKind.CROSS:
-            return ctx
-        # dynamic_ntk's l, the keys' length; the other settings need no (synchronising) max.
-        dynamic = self.scaling.method == "dynamic_ntk" and k_pos.numel() > 0
-        length = int(k_pos.max()) + 1 if dynamic else None
-        q_tables = self.tables(q_pos, length)
-        k_tables = q_tables if k_pos is q_pos else self.tables(k_pos, length)
+    def prepare(self, ctx: AttentionContext) -> None:
+        if ctx.kind is AttnKind.CROSS:
+            return
+        # dynamic_ntk's l, the keys' length: known from the run, else a 0-d tensor.
+        if ctx.starts is not None:
+            length = ctx.starts[1] + ctx.k_pos.shape[-1]
+        else:
+            length = ctx.k_pos.amax() + 1 if ctx.k_pos.numel() else 0
+        theta = self.frequencies(length, ctx.q_pos.device)
+        q_tables = self.tables(ctx.q_pos, theta=theta)
+        same = ctx.k_pos is ctx.q_pos
+        k_tables = None if same else self.tables(ctx.k_pos, theta=theta)
         put_rotation_tables(ctx, self.layout, q_tables, k_tables)
-        if self._mscale != 1.0 and self.rot_dim < self.head_dim:
-            ctx.extra["pass_scale"] = self._mscale
-        return ctx
+        if theta[1] != 1.0 and self.rot_dim < self.head_dim:
+            ctx.put("pass_scale", theta[1])
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         return AttentionPositional() if kind is AttnKind.CROSS else _RotateQK()
-
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
-        # A module cast (.half(), .to(bfloat16)) must not round the angles: rebuild
-        # the frequencies and the cache in float32 on the new device.
-        out = super()._apply(fn, recurse)
-        if self.inv_freq.dtype != torch.float32:
-            n = self._cos.shape[0]
-            device = self.inv_freq.device
-            self.inv_freq = rope_frequencies(self.rot_dim, self.base, device=device)
-            self._cos = self._sin = torch.empty(0, self.rot_dim // 2, device=device)
-            self._grow(n)
-        return out

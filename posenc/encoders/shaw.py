@@ -31,6 +31,8 @@ from posenc.encoders.base import (
     PositionalEncoder,
     ScoreParts,
     dense_parts,
+)
+from posenc.encoders.offsets import (
     gather_rel,
     offset_view,
     offset_window,
@@ -189,15 +191,13 @@ class ShawRelative(PositionalEncoder):
             self.key_table = _table(max_distance, self.head_dim)
             self.value_table = _table(max_distance, self.head_dim) if value else None
 
-    def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
-        ctx = super().context(q_pos, k_pos, kind)
-        if kind is AttnKind.CROSS:
-            return ctx
-        ctx.extra["clip"] = self.max_distance
+    def prepare(self, ctx: AttentionContext) -> None:
+        if ctx.kind is AttnKind.CROSS:
+            return
+        ctx.put("clip", self.max_distance)
         if not self.per_layer:
-            ctx.extra["key_table"] = self.key_table
-            ctx.extra["value_table"] = self.value_table
-        return ctx
+            ctx.put("key_table", self.key_table)
+            ctx.put("value_table", self.value_table)
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

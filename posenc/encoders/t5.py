@@ -40,8 +40,8 @@ from posenc.encoders.base import (
     AttentionPositional,
     AttnKind,
     PositionalEncoder,
-    toeplitz,
 )
+from posenc.encoders.offsets import toeplitz
 from posenc.encoders.registry import register
 
 
@@ -196,16 +196,14 @@ class T5Bias(PositionalEncoder):
             )
             self.register_buffer(name, buckets, persistent=False)
 
-    def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
-        ctx = super().context(q_pos, k_pos, kind)
-        if kind is AttnKind.CROSS:
-            return ctx
-        causal = kind is AttnKind.CAUSAL
-        ctx.extra["buckets"] = self.buckets_causal if causal else self.buckets_bidirectional
-        ctx.extra["max_distance"] = self.max_distance
+    def prepare(self, ctx: AttentionContext) -> None:
+        if ctx.kind is AttnKind.CROSS:
+            return
+        causal = ctx.kind is AttnKind.CAUSAL
+        ctx.put("buckets", self.buckets_causal if causal else self.buckets_bidirectional)
+        ctx.put("max_distance", self.max_distance)
         if self.bias_table is not None:
-            ctx.extra["table"] = self.bias_table.weight
-        return ctx
+            ctx.put("table", self.bias_table.weight)
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

@@ -11,7 +11,7 @@ with R the sinusoid of the distance ``i - j``, ``W_r`` a per-layer projection an
 "relative shift" (which fills the upper triangle with wrong values and is only
 right under a causal mask) we score each query against the L distinct distances
 present, ``(B, H, T, L)``, and pick the entry each pair (i, j) needs: a strided
-view when positions are consecutive (:func:`~posenc.encoders.base.offset_view`),
+view when positions are consecutive (:func:`~posenc.encoders.offsets.offset_view`),
 a gather otherwise (per-row or randomized positions). Both are exact for causal,
 bidirectional and offset positions.
 
@@ -28,9 +28,8 @@ from posenc.encoders.base import (
     AttentionPositional,
     AttnKind,
     PositionalEncoder,
-    gather_rel,
-    offset_view,
 )
+from posenc.encoders.offsets import gather_rel, offset_view
 from posenc.encoders.registry import register
 from posenc.encoders.sinusoidal import sinusoid
 
@@ -87,20 +86,19 @@ class TransformerXL(PositionalEncoder):
         self.u = nn.Parameter(torch.randn(n_heads, self.head_dim) * 0.02)
         self.v = nn.Parameter(torch.randn(n_heads, self.head_dim) * 0.02)
 
-    def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
-        ctx = super().context(q_pos, k_pos, kind)
-        if kind is AttnKind.CROSS:
-            return ctx
-        # The distances present, from the extreme positions: O(T + S), not O(T * S).
-        lo = int(q_pos.min()) - int(k_pos.max())
-        hi = int(q_pos.max()) - int(k_pos.min())
-        if kind is AttnKind.CAUSAL:
+    def prepare(self, ctx: AttentionContext) -> None:
+        if ctx.kind is AttnKind.CROSS:
+            return
+        # The distances present (or that the positions' bound allows): O(T + S) rows.
+        lo, hi = ctx.distance_range()
+        if ctx.kind is AttnKind.CAUSAL:
             # Keys after the query are masked out anyway; don't build their distances
             # beyond -1 (which the strided view needs, see offset_range).
             lo, hi = max(lo, -1), max(hi, 0)
-        dist = torch.arange(lo, hi + 1, device=q_pos.device)
-        ctx.extra.update(R=sinusoid(dist, self.d_model, base=self.base), lo=lo, u=self.u, v=self.v)
-        return ctx
+        dist = torch.arange(lo, hi + 1, device=ctx.q_pos.device)
+        ctx.put("R", sinusoid(dist, self.d_model, base=self.base))
+        for name, value in (("lo", lo), ("u", self.u), ("v", self.v)):
+            ctx.put(name, value)
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

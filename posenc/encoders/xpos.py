@@ -139,12 +139,12 @@ class XPos(PositionalEncoder):
         scale = torch.exp(shifted * (sign * log_zeta / self.scale_base))  # (B|1, T, R/2)
         return (angle.cos() * scale)[:, None], (angle.sin() * scale)[:, None]
 
-    def context(self, q_pos: Tensor, k_pos: Tensor, kind: AttnKind) -> AttentionContext:
-        ctx = super().context(q_pos, k_pos, kind)
-        if kind is AttnKind.CROSS:
-            return ctx
-        if kind is AttnKind.BIDIRECTIONAL:
+    def prepare(self, ctx: AttentionContext) -> None:
+        if ctx.kind is AttnKind.CROSS:
+            return
+        if ctx.kind is AttnKind.BIDIRECTIONAL:
             raise _bidirectional_refusal()
+        q_pos, k_pos = ctx.q_pos, ctx.k_pos
         if k_pos.shape[-1]:
             centre = (k_pos.amin(-1, keepdim=True) + k_pos.amax(-1, keepdim=True)) // 2
         else:
@@ -153,7 +153,6 @@ class XPos(PositionalEncoder):
         put_rotation_tables(
             ctx, self.layout, self.tables(q_pos, centre, 1.0), self.tables(k_pos, centre, -1.0)
         )
-        return ctx
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.BIDIRECTIONAL:

@@ -75,18 +75,27 @@ class Attention(nn.Module):
         n_heads: Number of heads H (must divide C).
         dropout: Dropout on the attention probabilities.
         pos: The positional hooks for this module (from ``encoder.for_attention``).
+        score_budget: CPU query blocking: see ``max_score_bytes``.
     """
 
-    #: Upper bound on one (B, H, T, S) score matrix of a scheme that adds score terms;
-    #: longer inputs are processed a block of queries at a time (same result).
-    max_score_bytes: int = 8 * 2**20
     #: Most queries per block in causal attention with score terms (see query_block).
     causal_block: int = 128
 
     def __init__(
-        self, *, d_model: int, n_heads: int, dropout: float, pos: AttentionPositional
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        dropout: float,
+        pos: AttentionPositional,
+        score_budget: int | None = 8 * 2**20,
     ) -> None:
         super().__init__()
+        #: On a CPU, the most bytes of one (B, H, T, S) score matrix of a scheme that
+        #: adds score terms; longer inputs go a block of queries at a time (same
+        #: result), which keeps them in cache and skips causally masked keys. None: no
+        #: blocking. GPUs never block: one kernel over all queries is what they want.
+        self.max_score_bytes = score_budget
         if d_model % n_heads:
             raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
         self.n_heads = n_heads
@@ -128,7 +137,7 @@ class Attention(nn.Module):
         s = k.shape[-2]
         causal = ctx.kind is AttnKind.CAUSAL
         block = t
-        if self.pos.adds_scores:
+        if self.pos.adds_scores and self.max_score_bytes and q.device.type == "cpu":
             block = self.query_block(b, h, t, s, q.element_size(), causal=causal)
         if block >= t:
             out = self._attend(q, k, v, ctx, key_valid, shift=s - t)

@@ -27,6 +27,7 @@ class Block(nn.Module):
         dropout: Dropout on residual branches and attention probabilities.
         self_pos: Positional hooks for self-attention.
         cross_pos: Positional hooks for cross-attention, or None for no cross-attention.
+        score_budget: CPU query blocking of attention with score terms (bytes; None: off).
     """
 
     def __init__(
@@ -38,16 +39,14 @@ class Block(nn.Module):
         dropout: float,
         self_pos: AttentionPositional,
         cross_pos: AttentionPositional | None = None,
+        score_budget: int | None = 8 * 2**20,
     ) -> None:
         super().__init__()
+        sizes = dict(d_model=d_model, n_heads=n_heads, dropout=dropout, score_budget=score_budget)
         self.ln_self = nn.LayerNorm(d_model)
-        self.self_attn = Attention(d_model=d_model, n_heads=n_heads, dropout=dropout, pos=self_pos)
+        self.self_attn = Attention(pos=self_pos, **sizes)
         self.ln_cross = nn.LayerNorm(d_model) if cross_pos is not None else None
-        self.cross_attn = (
-            Attention(d_model=d_model, n_heads=n_heads, dropout=dropout, pos=cross_pos)
-            if cross_pos is not None
-            else None
-        )
+        self.cross_attn = Attention(pos=cross_pos, **sizes) if cross_pos is not None else None
         self.ln_ff = nn.LayerNorm(d_model)
         self.ff = FeedForward(d_model, d_ff, dropout)
         self.drop = nn.Dropout(dropout)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from posenc import native
 from posenc.encoders.base import ScoreParts
 
 
@@ -49,12 +48,11 @@ def _scores(
     (b, h), t, s = heads, q3.shape[-2], k3.shape[-2]
     scores = torch.empty(b, h, t, s, dtype=q3.dtype, device=q3.device)
     # Parts that tile the columns from the left are copied in (one pass each, broadcast
-    # as needed); the rest of the buffer is zeroed and the other parts added on top. A
-    # part read across its memory order (DeBERTa's key-major p2c) goes in square tiles.
+    # as needed); the rest of the buffer is zeroed and the other parts added on top.
     filled, rest = 0, []
     for term, c0 in parts:
         if c0 == filled:
-            native.copy_tiled(scores[..., c0 : c0 + term.shape[-1]], term)
+            scores[..., c0 : c0 + term.shape[-1]].copy_(term)
             filled += term.shape[-1]
         else:
             rest.append((term, c0))
@@ -66,12 +64,12 @@ def _scores(
         if filled < s:
             scores[..., filled:].zero_()
         for term, c0 in rest:
-            native.copy_tiled(scores[..., c0 : c0 + term.shape[-1]], term, accumulate=True)
+            scores[..., c0 : c0 + term.shape[-1]].add_(term)
     beta = 1.0 if accumulate else 0.0
     scores.view(b * h, t, s).baddbmm_(q3, k3.transpose(1, 2), beta=beta, alpha=scale)
     if not accumulate:
         for term, c0 in rest:
-            native.copy_tiled(scores[..., c0 : c0 + term.shape[-1]], term, accumulate=True)
+            scores[..., c0 : c0 + term.shape[-1]].add_(term)
     if causal_shift is not None and causal_shift + 1 < s:
         # Query i sees keys j <= i + shift: only columns past the shift can be masked.
         c0 = max(0, causal_shift + 1)
@@ -152,10 +150,9 @@ class _ScoredAttention(torch.autograd.Function):
 
 
 def _may_have_empty_rows(causal_shift: int | None, key_valid: Tensor | None) -> bool:
-    """Whether some query may see no key at all (its softmax row would be NaN)."""
-    if causal_shift is not None and causal_shift < 0:
-        return True
-    return key_valid is not None and not bool(key_valid.any(-1).all())
+    """Whether some query may see no key at all (its softmax row would be NaN), from
+    what is known without reading ``key_valid`` (no host read)."""
+    return (causal_shift is not None and causal_shift < 0) or key_valid is not None
 
 
 def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from posenc.encoders import registry
-from posenc.encoders.base import AttnKind, PositionalEncoder, positions_like
+from posenc.encoders.base import AttnKind, PositionalEncoder, position_bound, positions_like
 from posenc.model.layers import Block
 
 EncoderFactory = Callable[..., PositionalEncoder]
@@ -59,6 +59,7 @@ class Stack(nn.Module):
         random_positions: In training mode, when no positions are given, draw them as a
             sorted random subset of ``0 .. random_positions-1`` per sequence; None: off.
             Evaluation (``.eval()``) always uses ``0 .. T-1``.
+        score_budget: CPU query blocking of attention with score terms (bytes; None: off).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class Stack(nn.Module):
         causal: bool,
         cross: bool = False,
         random_positions: int | None = None,
+        score_budget: int | None = 8 * 2**20,
     ) -> None:
         super().__init__()
         if random_positions is not None and random_positions < 1:
@@ -90,6 +92,7 @@ class Stack(nn.Module):
                 dropout=dropout,
                 self_pos=encoder.for_attention(layer=i, kind=self.kind),
                 cross_pos=encoder.for_attention(layer=i, kind=AttnKind.CROSS) if cross else None,
+                score_budget=score_budget,
             )
             for i in range(n_layers)
         )
@@ -101,6 +104,8 @@ class Stack(nn.Module):
         x: Tensor,
         positions: Tensor | None = None,
         *,
+        offset: int = 0,
+        bound: int | None = None,
         valid: Tensor | None = None,
         memory: Tensor | None = None,
         memory_positions: Tensor | None = None,
@@ -108,38 +113,53 @@ class Stack(nn.Module):
     ) -> Tensor:
         """Run the stack.
 
+        What is known of the positions is passed on as Python values, never read back
+        from the tensors (see :class:`~posenc.encoders.base.AttentionContext`).
+
         Args:
             x: Token embeddings ``(B, T, C)``.
-            positions: ``(B|1, T)`` integer positions; default ``0 .. T-1``.
+            positions: ``(B|1, T)`` explicit integer positions (per-row positions); None
+                for the default ``offset .. offset+T-1`` (or, in training with
+                ``random_positions``, a random sorted draw).
+            offset: First default position (a decoding step past a cached prefix).
+            bound: With explicit positions, an exclusive upper bound of them; None reads
+                it off the tensor (one host read: eager use only).
             valid: ``(B, T)`` True for real tokens (keys that may be attended).
             memory: Encoder output ``(B, S, C)`` for cross-attention.
-            memory_positions: ``(B|1, S)`` positions of the memory.
+            memory_positions: ``(B|1, S)`` positions of the memory (default ``0..S-1``).
             memory_valid: ``(B, S)`` True for real source tokens.
 
         Returns:
             ``(B, T, C)``.
         """
-        if positions is None:
-            positions = self.default_positions(x)
+        t, starts = x.shape[1], None
+        if positions is not None:
+            bound = position_bound(positions) if bound is None else bound
+        elif self.training and self.random_positions is not None:
+            positions = random_positions(x.shape[0], t, self.random_positions, x.device)
+            bound = self.random_positions
+        else:
+            positions, starts, bound = positions_like(x, offset), (offset, offset), offset + t
+        self.encoder.check_length(bound)
         x = self.drop(self.encoder.embed(x, positions))
-        ctx = self.encoder.context(positions, positions, self.kind)
+        ctx = self.encoder.context(positions, positions, self.kind, starts=starts, bound=bound)
         cross_ctx = None
         if memory is not None:
-            memory_positions = (
-                positions_like(memory) if memory_positions is None else memory_positions
+            s = memory.shape[1]
+            if memory_positions is None:
+                memory_positions, k0 = positions_like(memory), 0
+            else:
+                k0, s = None, position_bound(memory_positions)
+            cross_starts = None if starts is None or k0 is None else (starts[0], k0)
+            cross_ctx = self.encoder.context(
+                positions, memory_positions, AttnKind.CROSS, starts=cross_starts,
+                bound=max(bound, s),
             )
-            cross_ctx = self.encoder.context(positions, memory_positions, AttnKind.CROSS)
         for layer in self.layers:
             x = layer(
                 x, ctx, valid=valid, memory=memory, cross_ctx=cross_ctx, memory_valid=memory_valid
             )
         return self.ln_f(x)
-
-    def default_positions(self, x: Tensor) -> Tensor:
-        """``0 .. T-1``, or random sorted positions in training with ``random_positions``."""
-        if self.training and self.random_positions is not None:
-            return random_positions(x.shape[0], x.shape[1], self.random_positions, x.device)
-        return positions_like(x)
 
 
 class TokenEmbedding(nn.Embedding):
@@ -162,6 +182,12 @@ def _init_weights(module: nn.Module, n_layers: int) -> None:
             nn.init.normal_(m.weight, std=std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+
+def _budget(mib: float) -> int | None:
+    if not mib >= 0:
+        raise ValueError(f"model.score_budget_mib={mib}: must be >= 0 (0 turns blocking off)")
+    return int(mib * 2**20) or None
 
 
 def _check_sizes(
@@ -192,6 +218,9 @@ class DecoderLM(nn.Module):
         embed_scale: Multiply token embeddings by ``sqrt(C)``.
         random_positions: Train on random sorted positions from ``0 .. N-1`` (Ruoss et
             al. 2023); evaluation uses ``0 .. T-1``. None: off.
+        score_budget_mib: On a CPU, attention with score terms goes a block of queries
+            at a time once one ``(B, H, T, S)`` score matrix would pass this many MiB
+            (same result, less memory and cache traffic); 0: never. GPUs never block.
     """
 
     def __init__(
@@ -206,6 +235,7 @@ class DecoderLM(nn.Module):
         dropout: float = 0.0,
         embed_scale: bool = False,
         random_positions: int | None = None,
+        score_budget_mib: float = 8.0,
     ) -> None:
         super().__init__()
         d_ff = d_ff or 4 * d_model
@@ -228,6 +258,7 @@ class DecoderLM(nn.Module):
             dropout=dropout,
             causal=True,
             random_positions=random_positions,
+            score_budget=_budget(score_budget_mib),
         )
         _init_weights(self.stack, n_layers)
 
@@ -235,9 +266,10 @@ class DecoderLM(nn.Module):
     def encoder(self) -> PositionalEncoder:
         return self.stack.encoder
 
-    def forward(self, ids: Tensor, positions: Tensor | None = None) -> Tensor:
-        """Logits ``(B, T, V)`` for token ids ``(B, T)``."""
-        h = self.stack(self.embed(ids), positions)
+    def forward(self, ids: Tensor, positions: Tensor | None = None, *, offset: int = 0) -> Tensor:
+        """Logits ``(B, T, V)`` for token ids ``(B, T)`` at ``positions`` (default
+        ``offset .. offset+T-1``)."""
+        h = self.stack(self.embed(ids), positions, offset=offset)
         return h @ self.embed.weight.T  # tied output layer
 
 
@@ -260,6 +292,7 @@ class EncoderDecoder(nn.Module):
         n_dec_layers: Decoder blocks (default n_layers).
         random_positions: Train both stacks on random sorted positions from
             ``0 .. N-1`` (Ruoss et al. 2023); decoding uses ``0 .. T-1``. None: off.
+        score_budget_mib: CPU query blocking, as in :class:`DecoderLM`.
     """
 
     def __init__(
@@ -278,6 +311,7 @@ class EncoderDecoder(nn.Module):
         n_enc_layers: int | None = None,
         n_dec_layers: int | None = None,
         random_positions: int | None = None,
+        score_budget_mib: float = 8.0,
     ) -> None:
         super().__init__()
         d_ff = d_ff or 4 * d_model
@@ -312,6 +346,7 @@ class EncoderDecoder(nn.Module):
             dropout=dropout,
             causal=False,
             random_positions=random_positions,
+            score_budget=_budget(score_budget_mib),
         )
         self.decoder_stack = Stack(
             encoder=make(d_model=d_model, n_heads=n_heads, n_layers=n_dec),
@@ -323,6 +358,7 @@ class EncoderDecoder(nn.Module):
             causal=True,
             cross=True,
             random_positions=random_positions,
+            score_budget=_budget(score_budget_mib),
         )
         _init_weights(self.encoder_stack, n_enc)
         _init_weights(self.decoder_stack, n_dec)

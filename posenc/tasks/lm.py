@@ -36,7 +36,8 @@ class LMTask(pl.LightningModule):
     Args:
         vocab_size: Tokenizer vocabulary.
         encoder: The encoder's Hydra config (``_target_`` + ``_partial_``).
-        model: Model sizes (``conf/model``).
+        model: Model sizes (``conf/model``); ``compile: true`` compiles the model
+            (``torch.compile`` of its forward, in place: checkpoints keep their keys).
         optim: Optimiser settings (``task.optim``).
         max_steps: Length of the LR schedule.
         seq_len: Training context length.
@@ -54,7 +55,10 @@ class LMTask(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = DecoderLM(vocab_size=vocab_size, encoder=instantiate(encoder), **model)
+        sizes = {k: v for k, v in model.items() if k != "compile"}
+        self.model = DecoderLM(vocab_size=vocab_size, encoder=instantiate(encoder), **sizes)
+        if model.get("compile"):
+            self.model.compile()
         self.n_params = count_parameters(self.model)
         self.val_nll = TokenNLL(seq_len)
         self.eval_metrics = nn.ModuleDict()  # loader name -> TokenNLL, set by set_eval_loaders

@@ -100,8 +100,10 @@ class MTTask(pl.LightningModule):
             tgt_vocab_size=vocab_size,
             encoder=instantiate(encoder),
             share_embeddings=share_embeddings,
-            **model,
+            **{k: v for k, v in model.items() if k != "compile"},
         )
+        if model.get("compile"):  # torch.compile of the forward, in place (same keys)
+            self.model.compile()
         self.n_params = count_parameters(self.model)
         self.pad, self.bos, self.eos = ids["pad"], ids["bos"], ids["eos"]
         # Decoder inputs hold BOS at position 0, so an absolute table of L positions allows

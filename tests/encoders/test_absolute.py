@@ -9,6 +9,7 @@ import torch
 
 from posenc.encoders.learned import LearnedAbsolute
 from posenc.encoders.sinusoidal import Sinusoidal, sinusoid
+from posenc.model import DecoderLM
 
 
 def test_sinusoid_values_from_vaswani() -> None:
@@ -43,5 +44,9 @@ def test_learned_looks_up_its_table_and_refuses_longer_sequences() -> None:
     x = torch.randn(1, 4, 8)
     pos = torch.tensor([[3, 4, 5, 6]])
     torch.testing.assert_close(enc.embed(x, pos), x + enc.table.weight[3:7])
+    enc.check_length(16)
     with pytest.raises(ValueError, match=r"length 17 but max_len=16"):
-        enc.embed(torch.randn(1, 17, 8), torch.arange(17)[None])
+        enc.check_length(17)
+    model = DecoderLM(vocab_size=5, encoder="learned", d_model=8, n_heads=2, n_layers=1)
+    with pytest.raises(ValueError, match=r"length 1025 but max_len=1024"):  # before any work
+        model(torch.zeros(1, 1025, dtype=torch.long))

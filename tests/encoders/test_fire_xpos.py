@@ -92,7 +92,7 @@ def test_fire_distance_table_path_equals_the_per_pair_mlp(kind: AttnKind) -> Non
     # path's torch.maximum splits the gradient of L; both are valid subgradients).
     qp = torch.stack([torch.arange(3, 15), torch.tensor([0, 1, 4, 9, 10, 11, 20, 21, 22, 30,
                                                          38, 39])])
-    ctx = AttentionContext(q_pos=qp, k_pos=qp, kind=kind)
+    ctx = AttentionContext(q_pos=qp, k_pos=qp, kind=kind, bound=40)
     assert fire._below_threshold(ctx)  # every normaliser is psi(L)
     fast = fire(ctx)
     slow = fire.mlp(fire.inputs(ctx))
@@ -103,7 +103,7 @@ def test_fire_distance_table_path_equals_the_per_pair_mlp(kind: AttnKind) -> Non
     for g_fast, g_slow in zip(*grads, strict=True):
         torch.testing.assert_close(g_fast, g_slow, atol=1e-4, rtol=1e-4)
     # One position past L (and, bidirectionally, one key past it) leaves the fast path.
-    past = AttentionContext(q_pos=qp + 2, k_pos=qp + 2, kind=kind)
+    past = AttentionContext(q_pos=qp + 2, k_pos=qp + 2, kind=kind, bound=42)
     assert not fire._below_threshold(past)
 
 
@@ -114,7 +114,9 @@ def test_fire_rows_below_threshold_use_the_table(start: int) -> None:
     row (values and gradients, L's included)."""
     fire = Fire(d_model=C, n_heads=H, n_layers=1, threshold=40.5, init_c=0.6).fire
     q_pos, k_pos = torch.arange(start, start + 8)[None], torch.arange(start + 8)[None]
-    ctx = AttentionContext(q_pos=q_pos, k_pos=k_pos, kind=AttnKind.CAUSAL)
+    ctx = AttentionContext(
+        q_pos=q_pos, k_pos=k_pos, kind=AttnKind.CAUSAL, starts=(start, 0), bound=start + 8
+    )
     assert fire._rows_below_threshold(ctx) == {30: 0, 37: 4, 41: 0}[start]
     calls = []
     table = fire._by_distance
@@ -286,7 +288,6 @@ def xpos_scores(enc, q, k, qp, kp) -> torch.Tensor:
     return q2.float() @ k2.float().transpose(-1, -2)
 
 
-@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_xpos_scores_match_the_formula(layout: str) -> None:
     enc = XPos(d_model=C, n_heads=H, n_layers=1, layout=layout, scale_base=16.0)
@@ -299,7 +300,6 @@ def test_xpos_scores_match_the_formula(layout: str) -> None:
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 def test_xpos_pinned_value() -> None:
     # D = 2: one pair, theta_0 = 1, zeta_0 = 0.4 / 1.4 = 2/7. q = k = (1, 0), n - m = 512:
     # score = (2/7)^(512/512) * cos(512 rad).
@@ -309,7 +309,6 @@ def test_xpos_pinned_value() -> None:
     assert got.item() == pytest.approx(2 / 7 * math.cos(512), abs=1e-5)
 
 
-@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 def test_xpos_attention_output() -> None:
     enc = XPos(d_model=C, n_heads=H, n_layers=1, scale_base=8.0)
     attn = identity_attention(enc, AttnKind.CAUSAL)
@@ -323,7 +322,6 @@ def test_xpos_attention_output() -> None:
     torch.testing.assert_close(out, merge(ref), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_xpos_score_depends_only_on_relative_position(layout: str) -> None:
     # scale_base 64: uncentred, the key factor at m = 5000 would be
@@ -341,7 +339,6 @@ def test_xpos_score_depends_only_on_relative_position(layout: str) -> None:
         torch.testing.assert_close(got, base, atol=5e-4, rtol=1e-4)
 
 
-@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_xpos_without_decay_is_rope(layout: str) -> None:
     enc = XPos(d_model=C, n_heads=H, n_layers=1, layout=layout, scale_base=1e12)
@@ -353,7 +350,6 @@ def test_xpos_without_decay_is_rope(layout: str) -> None:
     torch.testing.assert_close(xpos_scores(enc, q, k, pos, pos), rq @ rk.transpose(-1, -2))
 
 
-@pytest.mark.usefixtures("both_rope_paths")  # xPos rotates with apply_rope
 def test_xpos_decays_with_distance() -> None:
     # q = k with all weight in the slowest pair (angle ~ 0): the score is ~zeta^(dist/B).
     enc = XPos(d_model=C, n_heads=H, n_layers=1, scale_base=32.0)

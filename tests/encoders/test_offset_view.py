@@ -16,20 +16,14 @@ import torch
 
 from posenc.encoders import base as base_mod
 from posenc.encoders import get
-from posenc.encoders.base import AttentionContext, AttnKind, ScoreParts, offset_view, run_start
+from posenc.encoders import offsets as offsets_mod
+from posenc.encoders.base import AttentionContext, AttnKind, ScoreParts
 from posenc.encoders.deberta import by_rows, flat_ends
+from posenc.encoders.offsets import offset_view
 from posenc.encoders.shaw import offsets_to_slots, slots_to_offsets
 from posenc.model.attention import Attention
 
 H, D = 2, 8
-
-
-def test_run_start_finds_consecutive_positions_only() -> None:
-    assert run_start(torch.arange(5, 12)[None]) == 5
-    assert run_start(torch.tensor([[3]])) == 3
-    assert run_start(torch.tensor([[0, 1, 3]])) is None  # a gap
-    assert run_start(torch.arange(4)[None].repeat(2, 1)) is None  # per-row positions
-    assert run_start(torch.arange(4.0)[None]) is None
 
 
 @pytest.mark.parametrize(
@@ -93,14 +87,22 @@ def test_deberta_takes_the_view_for_long_keys_only(monkeypatch: pytest.MonkeyPat
     for s in (32, 33):
         pos = torch.arange(s)[None]
         q, k = torch.randn(1, H, s, D), torch.randn(1, H, s, D)
-        hooks.score_bias(q, k, enc.context(pos, pos, AttnKind.BIDIRECTIONAL))
+        hooks.score_bias(q, k, enc.context(pos, pos, AttnKind.BIDIRECTIONAL, starts=(0, 0)))
     assert used == ["_by_gather", "_by_view"]  # 32 = 4 x 8 keys: gather; 33: view
 
 
 def test_deberta_row_runs() -> None:
+    """flat_ends, found from Python ints alone, only claims runs the lookup really has,
+    and by_rows over any range of such a lookup equals the plain per-entry product."""
+    enc = get("deberta")(d_model=H * D, n_heads=H, n_layers=1, max_distance=10, bucket_size=6)
+    for lo, hi, causal in itertools.product((-60, -12, -3, 0, 4), (5, 9, 25, 60), (False, True)):
+        dist = torch.arange(lo, hi + 1)
+        for rows in (enc.row(dist.clamp(min=0) if causal else dist),
+                     enc.row(-(dist.clamp(min=0) if causal else dist))):
+            a, b = flat_ends(lo, hi, enc.saturation, causal)
+            assert 0 <= a <= b <= hi - lo
+            assert (rows[: a + 1] == rows[a]).all() and (rows[b:] == rows[b]).all()
     rows = torch.tensor([0, 0, 0, 1, 2, 2, 3, 5, 5, 5])
-    assert flat_ends(rows) == (2, 7)
-    assert flat_ends(torch.tensor([4, 4, 4])) == (2, 2)
     proj = torch.randn(H, 6, D)
     x = torch.randn(2, H, 3, D)
     for first, last, reverse in itertools.product(range(10), range(10), (False, True)):
@@ -108,8 +110,9 @@ def test_deberta_row_runs() -> None:
             continue
         idx = rows[first : last + 1]
         ref = x @ proj[:, idx.flip(0) if reverse else idx].transpose(-1, -2)
-        got = by_rows(x, proj, rows, first, last, flat_ends(rows), reverse=reverse)
-        torch.testing.assert_close(got, ref)
+        for flat in ((2, 7), (1, 8), (0, 9)):  # exact runs, and shorter ones
+            got = by_rows(x, proj, rows, first, last, flat, reverse=reverse)
+            torch.testing.assert_close(got, ref)
 
 
 ENCODERS = {
@@ -146,10 +149,12 @@ def test_view_path_equals_gather_path(
         hooks.view_keys_per_row = 0.0  # DeBERTa: the view even for these few keys
     q = torch.randn(2, H, t, D, requires_grad=True)
     k = torch.randn(2, H, s, D, requires_grad=True)
-    fast = enc.context(torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None], kind)
+    fast = enc.context(
+        torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None], kind, starts=(q0, k0)
+    )
     assert fast.starts == (q0, k0)
     # its own memo: a context serves one forward pass, and each path runs its own
-    slow = dataclasses.replace(fast, starts=None, memo={})
+    slow = dataclasses.replace(fast, starts=None, bound=max(q0 + t, k0 + s), memo={})
     # allowed pairs; causal attention masks keys after the query
     allowed = torch.ones(t, s, dtype=torch.bool)
     if kind is AttnKind.CAUSAL:
@@ -174,7 +179,7 @@ def test_view_path_equals_gather_path(
     with monkeypatch.context() as m:
         if trimmed:
             m.setattr(AttentionContext, "rel", no_pairs)
-            m.setattr(base_mod, "gather_rel", no_pairs)
+            m.setattr(offsets_mod, "gather_rel", no_pairs)
         got = run(fast)
     ref = run(slow)
     for a, b in zip(got, ref, strict=True):
@@ -200,7 +205,8 @@ def test_deberta_p2c_chunk_sizes_agree(kind: AttnKind, shape: tuple[int, int, in
 
     def run(chunk: int) -> tuple[int, list[torch.Tensor]]:
         hooks.p2c_chunk = chunk
-        ctx = enc.context(torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None], kind)
+        q_pos, k_pos = torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None]
+        ctx = enc.context(q_pos, k_pos, kind, starts=(q0, k0))
         parts = hooks.score_parts(q, k, ctx)
         assert parts is not None
         dense = base_mod.dense_parts(parts, s)
@@ -225,11 +231,11 @@ def test_deberta_causal_queries_after_their_keys(monkeypatch: pytest.MonkeyPatch
     hooks.view_keys_per_row = 0.0
     t, s, q0, k0 = 4, 12, 60, 30  # distances 19 .. 33
     q_pos, k_pos = torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None]
-    fast = enc.context(q_pos, k_pos, AttnKind.CAUSAL)
+    fast = enc.context(q_pos, k_pos, AttnKind.CAUSAL, starts=(q0, k0))
     assert fast.extra["lo"] == 19
     assert fast.extra["rows"][0] == fast.extra["rows"][1]  # 19 and 20: one bucket
     assert fast.extra["rows_neg"][0] == fast.extra["rows_neg"][1]
-    slow = dataclasses.replace(fast, starts=None, memo={})
+    slow = dataclasses.replace(fast, starts=None, bound=max(q0 + t, k0 + s), memo={})
     q = torch.randn(2, H, t, D, requires_grad=True)
     k = torch.randn(2, H, s, D, requires_grad=True)
     weights = torch.randn(2, H, t, s)
@@ -257,7 +263,7 @@ def test_causal_blocks_skip_masked_keys(name: str, monkeypatch: pytest.MonkeyPat
     ).eval()
     x = torch.randn(2, 12, H * D, requires_grad=True)
     pos = torch.arange(12)[None]
-    ref = attn(x, enc.context(pos, pos, AttnKind.CAUSAL))
+    ref = attn(x, enc.context(pos, pos, AttnKind.CAUSAL, starts=(0, 0)))
     (g_ref,) = torch.autograd.grad(ref.square().sum(), x)
     seen: list[tuple[int, int]] = []
     inner = attn.pos.score_parts
@@ -268,7 +274,7 @@ def test_causal_blocks_skip_masked_keys(name: str, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(attn.pos, "score_parts", spy)
     attn.causal_block = 5
-    out = attn(x, enc.context(pos, pos, AttnKind.CAUSAL))
+    out = attn(x, enc.context(pos, pos, AttnKind.CAUSAL, starts=(0, 0)))
     (g_out,) = torch.autograd.grad(out.square().sum(), x)
     assert seen == [(4, 5), (9, 10), (11, 12)]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -280,8 +286,8 @@ def test_slicing_keys_slices_per_key_tables() -> None:
     xPos centres its tables on the keys, so only its scores, not its tables, agree)."""
     enc = get("rope")(d_model=H * D, n_heads=H, n_layers=1)
     q_pos, k_pos = torch.arange(3, 9)[None], torch.arange(9)[None]
-    cut = enc.context(q_pos, k_pos, AttnKind.CAUSAL).slice_keys(5)
-    ref = enc.context(q_pos, k_pos[:, :5], AttnKind.CAUSAL)
+    cut = enc.context(q_pos, k_pos, AttnKind.CAUSAL, starts=(3, 0)).slice_keys(5)
+    ref = enc.context(q_pos, k_pos[:, :5], AttnKind.CAUSAL, starts=(3, 0))
     assert cut.starts == ref.starts == (3, 0)
     for key in ("k_cos", "k_sin", "q_cos", "q_sin"):
         torch.testing.assert_close(cut.extra[key], ref.extra[key])

@@ -228,7 +228,7 @@ def test_deberta_far_keys_get_no_score_part() -> None:
     hook = enc.for_attention(layer=0, kind=AttnKind.CAUSAL)
     hook.view_keys_per_row = 0.0
     pos = positions(40)
-    ctx = enc.context(pos, pos, AttnKind.CAUSAL).slice_queries(32, 40)
+    ctx = enc.context(pos, pos, AttnKind.CAUSAL, starts=(0, 0)).slice_queries(32, 40)
     q, k = torch.randn(1, H, 8, Dh), torch.randn(1, H, 40, Dh)
     parts = hook.score_parts(q, k, ctx)
     assert min(c0 for _, c0 in parts) >= 40 - 8 - 6  # keys 6+ before the block's first query

@@ -233,7 +233,7 @@ def test_deberta_parts_sum_to_its_score_bias() -> None:
     hook.p2c_chunk = 1  # chunks of T = 3 keys: two of them over the 6 keys
     q, k = torch.randn(B, H, 6, D), torch.randn(B, H, 6, D)
     pos = torch.arange(6)[None]
-    ctx = enc.context(pos[:, 2:5], pos, AttnKind.BIDIRECTIONAL)
+    ctx = enc.context(pos[:, 2:5], pos, AttnKind.BIDIRECTIONAL, starts=(2, 0))
     parts = hook.score_parts(q[:, :, 2:5], k, ctx)
     assert len(parts) > 2  # c2p, then p2c chunks
     dense = dense_parts(parts, 6)

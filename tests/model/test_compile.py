@@ -1,0 +1,122 @@
+"""Every encoder traces as one graph under ``torch.compile(fullgraph=True)``.
+
+``backend="eager"`` runs dynamo alone (no code generation), so a graph break, a host read
+of a tensor or data-dependent Python control flow fails here in seconds on a CPU. The
+backward then runs through the traced graph, so gradients reach every parameter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posenc.model import DecoderLM, EncoderDecoder
+from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS
+
+SIZES = dict(d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0)
+#: A short length, and one past the causal query block of score-term schemes (128), so
+#: their blocked path is traced too.
+LENGTHS = (16, 300)
+
+
+def _compiled(model: torch.nn.Module) -> torch.nn.Module:
+    torch._dynamo.reset()
+    return torch.compile(model, fullgraph=True, backend="eager", dynamic=False)
+
+
+def _check_grads(model: torch.nn.Module) -> None:
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, f"no gradient reached {missing}"
+
+
+@pytest.mark.parametrize("t", LENGTHS)
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+def test_decoder_lm_traces_as_one_graph(name: str, t: int) -> None:
+    model = DecoderLM(vocab_size=11, encoder=name, **SIZES)
+    ids = torch.randint(0, 11, (2, t))
+    out = _compiled(model)(ids)
+    torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-5)
+    out.square().mean().backward()
+    _check_grads(model)
+
+
+@pytest.mark.parametrize("t", LENGTHS)
+@pytest.mark.parametrize("name", BIDIRECTIONAL_YAMLS)
+def test_encoder_decoder_traces_as_one_graph(name: str, t: int) -> None:
+    """Bidirectional, causal and cross attention, with source padding."""
+    model = EncoderDecoder(src_vocab_size=13, tgt_vocab_size=13, encoder=name, **SIZES)
+    src, tgt = torch.randint(0, 13, (2, t)), torch.randint(0, 13, (2, t // 2))
+    src_valid = torch.ones(2, t, dtype=torch.bool)
+    src_valid[1, t // 2 :] = False
+    out = _compiled(model)(src, tgt, src_valid)
+    torch.testing.assert_close(out, model(src, tgt, src_valid), rtol=1e-5, atol=1e-5)
+    out.square().mean().backward()
+    _check_grads(model)
+
+
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+def test_random_positions_training_traces_as_one_graph(name: str) -> None:
+    """Randomized positions (Ruoss et al. 2023) take the per-pair path: also one graph."""
+    model = DecoderLM(vocab_size=11, encoder=name, random_positions=64, **SIZES).train()
+    ids = torch.randint(0, 11, (2, 16))
+    out = _compiled(model)(ids)
+    out.square().mean().backward()
+    _check_grads(model)
+
+
+def test_the_stack_says_what_it_knows_of_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Default positions reach the encoder as a run with its start (the strided-view
+    path), randomized ones with the bound they were drawn from: never read back."""
+    model = DecoderLM(vocab_size=11, encoder="xl", random_positions=64, **SIZES)
+    seen: list[tuple] = []
+    inner = model.encoder.context
+
+    def spy(q_pos, k_pos, kind, **where):  # noqa: ANN001, ANN202
+        seen.append((where["starts"], where["bound"]))
+        return inner(q_pos, k_pos, kind, **where)
+
+    monkeypatch.setattr(model.encoder, "context", spy)
+    ids = torch.randint(0, 11, (2, 16))
+    model.eval()(ids)
+    model(ids, offset=5)
+    model.train()(ids)
+    assert seen == [((0, 0), 16), ((5, 5), 21), (None, 64)]
+
+
+def test_offset_equals_explicit_positions() -> None:
+    """``offset=o`` (the view path) gives the logits of explicit positions ``o..o+T-1``
+    (the per-pair path), for an absolute and a relative scheme."""
+    for name in ("sinusoidal", "shaw", "deberta", "t5"):
+        model = DecoderLM(vocab_size=11, encoder=name, **SIZES).eval()
+        ids = torch.randint(0, 11, (2, 12))
+        torch.testing.assert_close(
+            model(ids, offset=7), model(ids, torch.arange(7, 19)[None]), rtol=1e-5, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize("budget", [0.0, 8.0])
+def test_score_budget_sets_cpu_query_blocking(budget: float) -> None:
+    model = DecoderLM(vocab_size=11, encoder="alibi", score_budget_mib=budget, **SIZES)
+    attn = model.stack.layers[0].self_attn
+    assert attn.max_score_bytes == (int(budget * 2**20) or None)
+    calls = []
+    inner = attn.query_block
+    attn.query_block = lambda *a, **k: calls.append(a) or inner(*a, **k)
+    model(torch.randint(0, 11, (1, 300)))
+    assert len(calls) == (0 if budget == 0 else 1)
+
+
+def test_model_compile_option_compiles_in_place() -> None:
+    """``model.compile=true`` compiles the model's forward in place: the parameters and
+    checkpoint keys stay those of the eager model."""
+    from posenc.tasks.lm import LMTask
+
+    sizes = dict(n_layers=1, d_model=16, n_heads=2, d_ff=32, dropout=0.0)
+    tasks = [
+        LMTask(vocab_size=11, encoder={"_target_": "posenc.encoders.rope.RoPE", "_partial_": True},
+               model={**sizes, "compile": flag}, optim={}, max_steps=1, seq_len=8)
+        for flag in (False, True)
+    ]
+    assert tasks[0].model._compiled_call_impl is None
+    assert tasks[1].model._compiled_call_impl is not None
+    assert list(tasks[0].state_dict()) == list(tasks[1].state_dict())
