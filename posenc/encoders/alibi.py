@@ -24,7 +24,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.base import (
+    AttentionContext,
+    AttentionPositional,
+    AttnKind,
+    PositionalEncoder,
+    ScoreMod,
+)
+from posenc.encoders.offsets import pair_distance
 from posenc.encoders.registry import register
 
 
@@ -67,6 +74,10 @@ class _AlibiAttention(AttentionPositional):
         dist = ctx.rel().abs().to(torch.float32)  # (B|1, T, S)
         bias = dist[:, None] * -slopes[None, :, None, None]  # (B|1, H, T, S)
         return bias.to(q.dtype)
+
+    def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod:
+        slopes, dist = ctx.extra["slopes"], pair_distance(ctx)
+        return lambda score, b, h, i, j: score - slopes[h] * dist(b, i, j).abs()
 
 
 @register("alibi")

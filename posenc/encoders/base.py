@@ -16,6 +16,8 @@ A positional scheme is split in two objects:
   1. ``score_bias(q, k, ctx)`` -> additive logits ``(B|1, H|1, T, S)`` or None,
      computed from the *projected* q and k (attention calls ``score_parts``, which
      wraps it unless a scheme hands over its term in column pieces);
+     (or, on the FlexAttention path, ``score_mod(q, k, ctx)``, the same term read by
+     index from small tables);
   2. ``transform_qk(q, k, ctx)`` -> the q and k used for the content score;
   3. the content score ``q @ k^T * scale(D)`` plus the bias, masked, softmaxed;
   4. ``value_term(probs, ctx)`` -> ``(B, H, T, D)`` added to ``probs @ v``
@@ -32,6 +34,7 @@ Every hook defaults to "nothing", so a scheme overrides only what it uses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -162,6 +165,9 @@ class AttentionContext:
         return self.q_pos[:, :, None] - self.k_pos[:, None, :]
 
 
+#: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``.
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
 ScoreParts = list[tuple[Tensor, int]]
 """A score term as parts: ``(term (B|1, H|1, T, n), c0)`` adds ``term`` onto the score
 columns ``c0 .. c0 + n - 1``. One ``(term, 0)`` of width S is a plain ``(T, S)`` term;
@@ -222,6 +228,13 @@ class AttentionPositional(nn.Module):
         pieces on column ranges overrides it (and makes ``score_bias`` their sum)."""
         bias = self.score_bias(q, k, ctx)
         return None if bias is None else [(bias, 0)]
+
+    def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod | None:
+        """The score term as a FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)``
+        that reads small tables built here from q and k (the GPU path, see
+        :mod:`posenc.model.backends`); it must add what :meth:`score_parts` adds. None:
+        the scheme has no such form, and attention uses the explicit path."""
+        return None
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         """Return the queries and keys that enter the content score."""

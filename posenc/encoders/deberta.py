@@ -42,10 +42,17 @@ from posenc.encoders.base import (
     AttentionPositional,
     AttnKind,
     PositionalEncoder,
+    ScoreMod,
     ScoreParts,
     dense_parts,
 )
-from posenc.encoders.offsets import gather_rel, offset_view, offset_window, window_parts
+from posenc.encoders.offsets import (
+    gather_rel,
+    offset_view,
+    offset_window,
+    pair_distance,
+    window_parts,
+)
 from posenc.encoders.registry import register
 
 
@@ -200,6 +207,31 @@ class _DebertaAttention(AttentionPositional):
                 return parts
         bias = self._by_gather(q, k, ctx)
         return None if bias is None else [(bias, 0)]
+
+    def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod:
+        """c2p read from ``(B, H, T, P)`` query-by-row scores, p2c from ``(B, H, S, P)``
+        key-by-row scores, both shifted as in :meth:`score_parts`."""
+        scale = self.scale(q.shape[-1])
+        x = ctx.extra
+        rows, rows_neg, lo, dist = x["rows"], x["rows_neg"], x["lo"], pair_distance(ctx)
+        c2p = p2c = None
+        if self.w_kr is not None:
+            kr = self._shifted(self.w_kr, ctx, q.dtype, "c2p_end")
+            c2p = (q * scale) @ kr.transpose(-1, -2)  # (B, H, T, P)
+        if self.w_qr is not None:
+            qr = self._shifted(self.w_qr, ctx, k.dtype, "p2c_end")
+            p2c = (k * scale) @ qr.transpose(-1, -2)  # (B, H, S, P)
+        last = rows.shape[0] - 1
+
+        def mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            e = (dist(b, i, j) - lo).clamp(0, last)  # lookup entry of the distance
+            if c2p is not None:
+                score = score + c2p[b, h, i, rows[e]]
+            if p2c is not None:
+                score = score + p2c[b, h, j, rows_neg[e]]
+            return score
+
+        return mod
 
     def _by_view(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreParts | None:
         """Consecutive positions: per-offset scores read as strided views (no gather);

@@ -46,8 +46,14 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
-from posenc.encoders.offsets import toeplitz
+from posenc.encoders.base import (
+    AttentionContext,
+    AttentionPositional,
+    AttnKind,
+    PositionalEncoder,
+    ScoreMod,
+)
+from posenc.encoders.offsets import index_positions, toeplitz
 from posenc.encoders.registry import register
 
 
@@ -105,6 +111,29 @@ class FireFunction(nn.Module):
         later = torch.maximum(qp, ctx.k_pos.float()[:, None, :])  # (B|1, T, S)
         norm = self.psi(torch.maximum(later, self.threshold))
         return rel.sign() * self.psi(rel.abs()) / norm
+
+    def score_mod(self, ctx: AttentionContext) -> ScoreMod:
+        """The bias of one pair from its positions, MLP included (W scalar terms), for
+        FlexAttention: exact on both sides of L, with no table and no branch."""
+        q_at, k_at = index_positions(ctx)
+        causal = ctx.kind is AttnKind.CAUSAL
+        c, limit = self.c, self.threshold
+        w1, b1, w2, b2 = self.w1[:, 0], self.b1, self.w2, self.b2
+
+        def mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            qp, kp = q_at(b, i).float(), k_at(b, j).float()
+            d = qp - kp
+            if causal:  # later keys are masked; distance 0 keeps psi finite there
+                u = torch.log1p(c * d.clamp(min=0)) / torch.log1p(c * torch.maximum(qp, limit))
+            else:
+                norm = torch.log1p(c * torch.maximum(torch.maximum(qp, kp), limit))
+                u = d.sign() * torch.log1p(c * d.abs()) / norm
+            out = score + b2[h]
+            for w in range(w1.shape[0]):
+                out = out + w2[h, w] * torch.relu(w1[w] * u + b1[w])
+            return out
+
+        return mod
 
     def forward(self, ctx: AttentionContext) -> Tensor:
         """The bias ``b(i, j)`` of every pair of ``ctx``, ``(B|1, H, T, S)``.
@@ -208,9 +237,14 @@ class _FireAttention(AttentionPositional):
         super().__init__()
         self.fire = fire
 
+    def _fire(self, ctx: AttentionContext) -> FireFunction:
+        return self.fire if self.fire is not None else ctx.extra["fire"]
+
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
-        fire = self.fire if self.fire is not None else ctx.extra["fire"]
-        return fire(ctx)
+        return self._fire(ctx)(ctx)
+
+    def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod:
+        return self._fire(ctx).score_mod(ctx)
 
 
 @register("fire")

@@ -19,6 +19,7 @@ one graph under ``torch.compile``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -161,3 +162,31 @@ def toeplitz(per_offset: Tensor, ctx: AttentionContext) -> Tensor | None:
     n_lo, _ = ctx.offset_range()
     rows = per_offset.unsqueeze(-2).expand(*per_offset.shape[:-1], t, per_offset.shape[-1])
     return offset_view(rows.contiguous(), row0=q0, col0=k0, lo=n_lo, cols=s)
+
+
+IndexFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def index_positions(ctx: AttentionContext) -> tuple[IndexFn, IndexFn]:
+    """``(q_position(b, q_idx), k_position(b, kv_idx))``: the positions a
+    FlexAttention ``score_mod`` sees for its indices (``q0 + q_idx`` for a run, else a
+    lookup in the position tensors, per row or shared)."""
+    if ctx.starts is not None:
+        q0, k0 = ctx.starts
+        return (lambda b, i: i + q0), (lambda b, j: j + k0)
+    qp, kp = ctx.q_pos, ctx.k_pos
+    per_row_q, per_row_k = qp.shape[0] > 1, kp.shape[0] > 1
+    return (
+        lambda b, i: qp[b if per_row_q else 0, i],
+        lambda b, j: kp[b if per_row_k else 0, j],
+    )
+
+
+def pair_distance(ctx: AttentionContext) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """``distance(b, q_idx, kv_idx) = i - j`` (query minus key position), for a
+    FlexAttention ``score_mod``."""
+    if ctx.starts is not None:
+        d0 = ctx.starts[0] - ctx.starts[1]
+        return lambda b, i, j: i - j + d0
+    q_at, k_at = index_positions(ctx)
+    return lambda b, i, j: q_at(b, i) - k_at(b, j)

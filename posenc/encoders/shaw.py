@@ -29,6 +29,7 @@ from posenc.encoders.base import (
     AttentionPositional,
     AttnKind,
     PositionalEncoder,
+    ScoreMod,
     ScoreParts,
     dense_parts,
 )
@@ -36,6 +37,7 @@ from posenc.encoders.offsets import (
     gather_rel,
     offset_view,
     offset_window,
+    pair_distance,
     window_parts,
 )
 from posenc.encoders.registry import register
@@ -127,6 +129,17 @@ class _ShawAttention(AttentionPositional):
             if parts is not None:
                 return parts
         return [(gather_rel(per_slot, self._slot(ctx)), 0)]
+
+    def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod:
+        """The key term (the value term needs the probabilities: explicit path)."""
+        key_table, _ = self._tables(ctx)
+        clip, dist = ctx.extra["clip"], pair_distance(ctx)
+        per_slot = (q @ key_table.to(q.dtype).T) * self.scale(q.shape[-1])  # (B, H, T, 2K+1)
+
+        def mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return score + per_slot[b, h, i, (-dist(b, i, j)).clamp(-clip, clip) + clip]
+
+        return mod
 
     def value_term(self, probs: Tensor, ctx: AttentionContext) -> Tensor | None:
         _, value_table = self._tables(ctx)

@@ -40,8 +40,9 @@ from posenc.encoders.base import (
     AttentionPositional,
     AttnKind,
     PositionalEncoder,
+    ScoreMod,
 )
-from posenc.encoders.offsets import toeplitz
+from posenc.encoders.offsets import pair_distance, toeplitz
 from posenc.encoders.registry import register
 
 
@@ -153,6 +154,11 @@ class _T5Attention(AttentionPositional):
                 return bias[None]
         row = ctx.rel().neg_().clamp_(-m, m).add_(m)  # (B|1, T, S)
         return per_row[:, row].transpose(0, 1)  # (B|1, H, T, S)
+
+    def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod:
+        m, dist = ctx.extra["max_distance"], pair_distance(ctx)
+        per_row = self.table(ctx).to(q.dtype).T[:, ctx.extra["buckets"]]  # (H, 2M+1)
+        return lambda score, b, h, i, j: score + per_row[h, (-dist(b, i, j)).clamp(-m, m) + m]
 
 
 @register("t5")

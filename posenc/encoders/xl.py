@@ -28,8 +28,9 @@ from posenc.encoders.base import (
     AttentionPositional,
     AttnKind,
     PositionalEncoder,
+    ScoreMod,
 )
-from posenc.encoders.offsets import gather_rel, offset_view
+from posenc.encoders.offsets import gather_rel, offset_view, pair_distance
 from posenc.encoders.registry import register
 from posenc.encoders.sinusoidal import sinusoid
 
@@ -63,6 +64,20 @@ class _XLAttention(AttentionPositional):
         if ctx.kind is AttnKind.CAUSAL:
             rel = rel.clamp_(min=0)  # later keys are masked; the table starts at <= 0
         return gather_rel(per_dist, rel.sub_(x["lo"]))
+
+    def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod:
+        x = ctx.extra
+        r = ctx.once(self, "r", lambda: self.w_r(x["R"].to(q.dtype)))  # (L, H*D)
+        r = r.unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, L, D)
+        qv = (q + x["v"][:, None].to(q.dtype)) * self.scale(q.shape[-1])
+        per_dist = qv @ r.transpose(-1, -2)  # (B, H, T, L): distances lo, lo + 1, ...
+        lo, last, dist = x["lo"], r.shape[1] - 1, pair_distance(ctx)
+
+        def mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            # clamped: masked pairs (causal keys after the query) may fall off the table
+            return score + per_dist[b, h, i, (dist(b, i, j) - lo).clamp(0, last)]
+
+        return mod
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         return q + ctx.extra["u"][:, None].to(q.dtype), k  # (H, 1, D) over (B, H, T, D)

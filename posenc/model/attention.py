@@ -2,69 +2,20 @@
 
 Notation: B batch, H heads, T queries, S keys, D head dim, C d_model.
 
-The module knows nothing of any scheme: it calls the hooks of its
-:class:`~posenc.encoders.base.AttentionPositional` in a fixed order. Without a score
-term it runs ``scaled_dot_product_attention`` (fused kernels). With one, or when the
-scheme declares ``needs_probs``, it runs :func:`~posenc.model.scored.scored_attention`
-(one explicit softmax with a hand-written backward), except on CUDA, where SDPA's
-memory-efficient kernel takes the score term as its additive mask.
+The module knows nothing of any scheme: it projects q, k and v and hands them, with
+its :class:`~posenc.encoders.base.AttentionPositional` hooks, to
+:func:`posenc.model.backends.attend`, which picks SDPA, FlexAttention or the explicit
+softmax. On a CPU, long inputs of a scheme with a score term go a block of queries at
+a time (``score_budget``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, dense_parts
-from posenc.model.scored import scored_attention
-
-
-def attention_mask(
-    *,
-    bias: Tensor | None,
-    causal: bool,
-    key_valid: Tensor | None,
-    t: int,
-    s: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    shift: int | None = None,
-) -> Tensor | None:
-    """Combine score bias, causal mask and key padding into one additive mask.
-
-    Causality is by index: query i sees keys ``j <= i + shift``, where the default
-    ``shift = S - T`` aligns the last query with the last key (a cache, or all of a
-    sequence when S = T); a block of queries starting at q0 of T in all uses
-    ``shift = q0 + S - T``.
-
-    Args:
-        bias: ``(B|1, H|1, T, S)`` additive logits or None.
-        causal: Mask keys after each query.
-        key_valid: ``(B, S)`` bool, True for real (non-padding) keys, or None.
-        t: Query length T.
-        s: Key length S.
-        dtype: Mask dtype (must match the queries for SDPA).
-        device: Mask device.
-        shift: Causal offset (see above).
-
-    Returns:
-        ``(B|1, H|1, T, S)`` additive mask with ``-inf`` where attention is not
-        allowed, or None when nothing is masked or added.
-    """
-    mask = None if bias is None else bias.to(dtype)
-    neg = float("-inf")
-    if causal:
-        i = torch.arange(t, device=device)[:, None]
-        j = torch.arange(s, device=device)[None, :]
-        shift = s - t if shift is None else shift
-        blocked = torch.zeros(t, s, dtype=dtype, device=device).masked_fill(j > i + shift, neg)
-        mask = blocked if mask is None else mask + blocked
-    if key_valid is not None:
-        pad = torch.zeros(key_valid.shape, dtype=dtype, device=device)
-        pad = pad.masked_fill(~key_valid, neg)[:, None, None, :]  # (B, 1, 1, S)
-        mask = pad if mask is None else mask + pad
-    return mask
+from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind
+from posenc.model.backends import attend
 
 
 class Attention(nn.Module):
@@ -96,6 +47,9 @@ class Attention(nn.Module):
         #: result), which keeps them in cache and skips causally masked keys. None: no
         #: blocking. GPUs never block: one kernel over all queries is what they want.
         self.max_score_bytes = score_budget
+        #: ``auto`` (by device and scheme), ``flex`` or ``explicit``: see
+        #: :mod:`posenc.model.backends`.
+        self.backend = "auto"
         if d_model % n_heads:
             raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
         self.n_heads = n_heads
@@ -184,50 +138,9 @@ class Attention(nn.Module):
         shift: int,
     ) -> Tensor:
         """Hooks, mask and attention for queries ``q (B, H, T, D)``; returns ``(B, H, T, D)``."""
-        t, s = q.shape[-2], k.shape[-2]
-        parts = self.pos.score_parts(q, k, ctx)
-        q, k = self.pos.transform_qk(q, k, ctx)
-        causal = ctx.kind is AttnKind.CAUSAL
-        scale = self.pos.scale(self.head_dim)
         p_drop = self.dropout if self.training else 0.0
-        if (
-            parts is None
-            and key_valid is None
-            and causal
-            and t == s
-            and shift == 0
-            and not self.pos.needs_probs
-        ):
-            # Nothing to add: let SDPA pick its fused causal kernel.
-            return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=p_drop, is_causal=True, scale=scale
-            )
-        if self.pos.needs_probs or (parts is not None and not fused_bias_kernel(q)):
-            out, probs = scored_attention(
-                q,
-                k,
-                v,
-                parts,
-                scale=scale,
-                causal_shift=shift if causal else None,
-                key_valid=key_valid,
-                dropout=p_drop,
-            )
-            extra = self.pos.value_term(probs, ctx) if self.pos.needs_probs else None
-            return out if extra is None else out + extra
-        mask = attention_mask(
-            bias=None if parts is None else dense_parts(parts, s),
-            causal=causal,
-            key_valid=key_valid,
-            t=t,
-            s=s,
-            dtype=q.dtype,
-            device=q.device,
-            shift=shift,
-        )
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=p_drop, scale=scale
-        )
+        return attend(self.pos, q, k, v, ctx, key_valid=key_valid, shift=shift, p_drop=p_drop,
+                      backend=self.backend)
 
 
 class _KeyPrefixes(torch.autograd.Function):
@@ -267,10 +180,3 @@ def key_prefixes(x: Tensor, stops: list[int]) -> tuple[Tensor, ...]:
     if not x.requires_grad:
         return tuple(x[:, :, :stop] for stop in stops)
     return _KeyPrefixes.apply(x, tuple(stops))
-
-
-def fused_bias_kernel(q: Tensor) -> bool:
-    """Whether ``scaled_dot_product_attention`` has a fused kernel for a score term that
-    needs a gradient on ``q``'s device (CUDA's memory-efficient kernel); on CPU it takes
-    its unfused math path, slower than :func:`~posenc.model.scored.scored_attention`."""
-    return q.device.type == "cuda"

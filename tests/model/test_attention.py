@@ -7,7 +7,8 @@ import torch
 
 from posenc.encoders import build
 from posenc.encoders.base import AttentionPositional, AttnKind
-from posenc.model.attention import Attention, attention_mask, key_prefixes
+from posenc.model.attention import Attention, key_prefixes
+from posenc.model.backends import attention_mask
 from tests.conftest import heads, merge, softmax_attend
 
 

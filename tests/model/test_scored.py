@@ -8,8 +8,7 @@ import torch
 
 from posenc.encoders import available, build
 from posenc.encoders.base import AttnKind, dense_parts
-from posenc.model import attention as attention_module
-from posenc.model import scored
+from posenc.model import backends, scored
 from posenc.model.attention import Attention
 from posenc.model.scored import scored_attention
 
@@ -207,15 +206,15 @@ def test_module_matches_sdpa_with_the_dense_term(monkeypatch, name: str, kind: A
         return out, torch.autograd.grad(out.square().sum(), params, allow_unused=True)
 
     calls = []
-    real = attention_module.scored_attention
+    real = backends.scored_attention
     monkeypatch.setattr(
-        attention_module, "scored_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        backends, "scored_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
     got = run()
     assert calls, "the CPU path should be scored_attention"
     if attn.pos.needs_probs:
         return  # a value term needs the probabilities: there is no SDPA route to compare
-    monkeypatch.setattr(attention_module, "fused_bias_kernel", lambda q: True)
+    monkeypatch.setattr(backends, "fused_bias_kernel", lambda q: True)
     want = run()
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(got[1], want[1], strict=True):

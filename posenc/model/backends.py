@@ -1,0 +1,208 @@
+"""Attention backends: which kernel runs one attention call, chosen by what the scheme
+needs and by the device. The model never branches on a scheme; it calls :func:`attend`.
+
+Notation: B batch, H heads, T queries, S keys, D head dim.
+
+* **SDPA** (``scaled_dot_product_attention``) when the scheme adds no score term: the
+  fused flash / memory-efficient kernels.
+* **FlexAttention** (``torch.nn.attention.flex_attention``) for a score term on a GPU:
+  the scheme's ``score_mod`` reads its small per-offset (or per-bucket) tables by
+  ``q_idx``, ``kv_idx``, so no ``(B, H, T, S)`` bias is ever written, and causality and
+  key padding are a block mask, whose fully masked blocks are skipped.
+* **Explicit**: one softmax written out (:func:`~posenc.model.scored.scored_attention`)
+  where the probabilities are needed (a value term), with dropout (FlexAttention has
+  none), and for training on a CPU, where FlexAttention has no backward in torch 2.13.
+  On a GPU without a ``score_mod``, the term goes to SDPA as its additive mask.
+
+``Attention.backend = "flex"`` or ``"explicit"`` forces one (the parity tests run the
+flex path's forward on a CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, dense_parts
+from posenc.model.scored import scored_attention
+
+BACKENDS = ("auto", "flex", "explicit")
+#: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, FlexAttention's convention.
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def attention_mask(
+    *,
+    bias: Tensor | None,
+    causal: bool,
+    key_valid: Tensor | None,
+    t: int,
+    s: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    shift: int | None = None,
+) -> Tensor | None:
+    """Combine score bias, causal mask and key padding into one additive mask.
+
+    Causality is by index: query i sees keys ``j <= i + shift``, where the default
+    ``shift = S - T`` aligns the last query with the last key (a cache, or all of a
+    sequence when S = T); a block of queries starting at q0 of T in all uses
+    ``shift = q0 + S - T``.
+
+    Args:
+        bias: ``(B|1, H|1, T, S)`` additive logits or None.
+        causal: Mask keys after each query.
+        key_valid: ``(B, S)`` bool, True for real (non-padding) keys, or None.
+        t: Query length T.
+        s: Key length S.
+        dtype: Mask dtype (must match the queries for SDPA).
+        device: Mask device.
+        shift: Causal offset (see above).
+
+    Returns:
+        ``(B|1, H|1, T, S)`` additive mask with ``-inf`` where attention is not
+        allowed, or None when nothing is masked or added.
+    """
+    mask = None if bias is None else bias.to(dtype)
+    neg = float("-inf")
+    if causal:
+        i = torch.arange(t, device=device)[:, None]
+        j = torch.arange(s, device=device)[None, :]
+        shift = s - t if shift is None else shift
+        blocked = torch.zeros(t, s, dtype=dtype, device=device).masked_fill(j > i + shift, neg)
+        mask = blocked if mask is None else mask + blocked
+    if key_valid is not None:
+        pad = torch.zeros(key_valid.shape, dtype=dtype, device=device)
+        pad = pad.masked_fill(~key_valid, neg)[:, None, None, :]  # (B, 1, 1, S)
+        mask = pad if mask is None else mask + pad
+    return mask
+
+
+def fused_bias_kernel(q: Tensor) -> bool:
+    """Whether ``scaled_dot_product_attention`` has a fused kernel for a score term that
+    needs a gradient on ``q``'s device (CUDA's memory-efficient kernel); on a CPU it
+    takes its unfused math path, slower than the explicit one."""
+    return q.device.type == "cuda"
+
+
+def use_flex(backend: str, q: Tensor, pos: AttentionPositional, p_drop: float) -> bool:
+    """FlexAttention for this call: forced, or on a GPU for a scheme with a score term,
+    no value term and no dropout."""
+    if backend == "flex":
+        return True
+    return (
+        backend == "auto"
+        and q.device.type == "cuda"
+        and pos.adds_scores
+        and not pos.needs_probs
+        and p_drop == 0.0
+    )
+
+
+def flex_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    score_mod: ScoreMod | None,
+    *,
+    scale: float,
+    causal_shift: int | None,
+    key_valid: Tensor | None,
+) -> Tensor:
+    """FlexAttention with the causal mask and key padding as a block mask.
+
+    Args:
+        q: ``(B, H, T, D)``. k: ``(B, H, S, D)``. v: ``(B, H, S, D)``.
+        score_mod: The scheme's term, or None.
+        scale: Multiplier of ``q k^T``.
+        causal_shift: None, or query i sees keys ``j <= i + shift``.
+        key_valid: ``(B, S)`` True for real keys, or None.
+
+    Returns:
+        ``(B, H, T, D)``; a query that sees no key gets zeros.
+    """
+    (b, _, t, _), s = q.shape, k.shape[-2]
+    block_mask = None
+    if causal_shift is not None or key_valid is not None:
+
+        def mask_mod(b_i: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            ok = kv_idx >= 0  # all True, of the index's shape
+            if causal_shift is not None:
+                ok = ok & (kv_idx <= q_idx + causal_shift)
+            if key_valid is not None:
+                ok = ok & key_valid[b_i, kv_idx]
+            return ok
+
+        block_mask = create_block_mask(
+            mask_mod, b if key_valid is not None else None, None, t, s, device=q.device
+        )
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+
+
+def dense_score_mod(score_mod: ScoreMod, shape: tuple[int, int, int, int], device) -> Tensor:
+    """A ``score_mod``'s additive term for every ``(b, h, q_idx, kv_idx)`` of ``shape``,
+    ``(B, H, T, S)``, by broadcasting index tensors through it (for tests)."""
+    idx = [torch.arange(n, device=device).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate(shape)]
+    zero = torch.zeros((), device=device)
+    return score_mod(zero, *idx).expand(shape)
+
+
+def attend(
+    pos: AttentionPositional,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ctx: AttentionContext,
+    *,
+    key_valid: Tensor | None,
+    shift: int,
+    p_drop: float,
+    backend: str = "auto",
+) -> Tensor:
+    """One attention call with the scheme's hooks, on the backend that fits.
+
+    Args:
+        pos: The scheme's hooks.
+        q: ``(B, H, T, D)`` projected queries. k: ``(B, H, S, D)``. v: ``(B, H, S, D)``.
+        ctx: The stack's context for these queries and keys.
+        key_valid: ``(B, S)`` True for real keys, or None.
+        shift: Causal offset (:func:`attention_mask`).
+        p_drop: Dropout on the probabilities (0 in evaluation).
+        backend: ``auto``, ``flex`` or ``explicit``.
+
+    Returns:
+        ``(B, H, T, D)``.
+    """
+    t, s = q.shape[-2], k.shape[-2]
+    causal = ctx.kind is AttnKind.CAUSAL
+    scale = pos.scale(q.shape[-1])
+    if use_flex(backend, q, pos, p_drop) and not pos.needs_probs:
+        score_mod = pos.score_mod(q, k, ctx) if pos.adds_scores else None
+        if score_mod is not None or not pos.adds_scores:
+            q, k = pos.transform_qk(q, k, ctx)
+            return flex_attend(q, k, v, score_mod, scale=scale,
+                               causal_shift=shift if causal else None, key_valid=key_valid)
+    parts = pos.score_parts(q, k, ctx)
+    q, k = pos.transform_qk(q, k, ctx)
+    if parts is None and not pos.needs_probs and key_valid is None and causal and t == s \
+            and shift == 0:
+        # Nothing to add: let SDPA pick its fused causal kernel.
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop, is_causal=True,
+                                              scale=scale)
+    if pos.needs_probs or (parts is not None and not fused_bias_kernel(q)):
+        out, probs = scored_attention(q, k, v, parts, scale=scale,
+                                      causal_shift=shift if causal else None,
+                                      key_valid=key_valid, dropout=p_drop)
+        extra = pos.value_term(probs, ctx) if pos.needs_probs else None
+        return out if extra is None else out + extra
+    # SDPA with the term as its additive mask: on CUDA its memory-efficient kernel.
+    mask = attention_mask(bias=None if parts is None else dense_parts(parts, s), causal=causal,
+                          key_valid=key_valid, t=t, s=s, dtype=q.dtype, device=q.device,
+                          shift=shift)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p_drop,
+                                          scale=scale)

@@ -1,0 +1,171 @@
+"""The FlexAttention path equals the explicit path, for every scheme with a score term.
+
+In torch 2.13 FlexAttention has a forward on a CPU but no backward, so values are
+compared here, forward only; gradients are compared on a GPU (tests marked ``cuda``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from posenc.encoders import build
+from posenc.encoders.base import AttnKind
+from posenc.model import DecoderLM, EncoderDecoder
+from posenc.model.attention import Attention
+from posenc.model.backends import dense_score_mod
+from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS
+
+H, D = 4, 8
+#: Every scheme with a score term; Shaw's value term needs the probabilities, so its
+#: flex form is the key term alone.
+SCORED = {
+    "alibi": {},
+    "t5": {"num_buckets": 8, "max_distance": 12},
+    "fire": {"threshold": 9.0},  # positions on both sides of L
+    "shaw": {"max_distance": 3, "value": False},
+    "xl": {},
+    "deberta": {"max_distance": 8, "bucket_size": 4},
+    "deberta_c2p": {"max_distance": 6, "bucket_size": 0, "p2c": False},
+}
+# (T, S, q0, k0): self-attention, offset positions, queries after a cache (T < S), and
+# None for per-row (explicit) positions.
+CASES = [(11, 11, 0, 0), (7, 7, 5, 5), (5, 13, 8, 0), (9, 9, None, None)]
+
+
+def _enc(name: str):  # noqa: ANN202
+    return build(name.split("_")[0], d_model=H * D, n_heads=H, n_layers=1, **SCORED[name])
+
+
+def _positions(t: int, s: int, q0: int | None, k0: int | None):  # noqa: ANN202
+    if q0 is None:  # per-row positions with gaps, as randomized positions give
+        pos = torch.stack([torch.arange(t) * 2, torch.arange(t) * 3 + 1])
+        return pos, pos, None
+    return torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None], (q0, k0)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_eager_flex() -> None:
+    warnings.filterwarnings("ignore", message=".*flex_attention.*")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kind", [AttnKind.CAUSAL, AttnKind.BIDIRECTIONAL])
+@pytest.mark.parametrize("name", list(SCORED))
+def test_score_mod_is_the_score_term(name: str, kind: AttnKind, case: tuple) -> None:
+    """Read through every (b, h, q_idx, kv_idx), the score_mod adds what score_parts adds
+    (on the pairs attention keeps: causal masks keys after the query)."""
+    t, s, q0, k0 = case
+    enc = _enc(name)
+    hook = enc.for_attention(layer=0, kind=kind)
+    q_pos, k_pos, starts = _positions(t, s, q0, k0)
+    ctx = enc.context(q_pos, k_pos, kind, starts=starts, bound=None if starts else 64)
+    b = 2
+    q, k = torch.randn(b, H, t, D), torch.randn(b, H, k_pos.shape[-1], D)
+    with torch.no_grad():
+        ref = hook.score_bias(q, k, ctx).expand(b, H, t, k.shape[-2])
+        got = dense_score_mod(hook.score_mod(q, k, ctx), ref.shape, q.device)
+    keep = torch.ones_like(ref, dtype=torch.bool)
+    if kind is AttnKind.CAUSAL:
+        keep = (ctx.rel() >= 0)[:, None].expand_as(ref)
+    torch.testing.assert_close(got[keep], ref[keep], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kind", [AttnKind.CAUSAL, AttnKind.BIDIRECTIONAL])
+@pytest.mark.parametrize("name", list(SCORED))
+def test_flex_equals_explicit(name: str, kind: AttnKind, case: tuple) -> None:
+    """One attention layer, forward: FlexAttention with its block mask (causality, key
+    padding) against the explicit softmax, to float32 rounding."""
+    t, s, q0, k0 = case
+    enc = _enc(name)
+    attn = Attention(d_model=H * D, n_heads=H, dropout=0.0,
+                     pos=enc.for_attention(layer=0, kind=kind)).eval()
+    q_pos, k_pos, starts = _positions(t, s, q0, k0)
+    x = torch.randn(2, t, H * D)
+    memory = torch.randn(2, k_pos.shape[-1], H * D)
+    valid = torch.ones(2, k_pos.shape[-1], dtype=torch.bool)
+    valid[1, -2:] = False
+    ctx = enc.context(q_pos, k_pos, kind, starts=starts, bound=None if starts else 64)
+    outs = []
+    for backend in ("explicit", "flex"):
+        attn.backend = backend
+        with torch.no_grad():
+            outs.append(attn(x, ctx, memory=memory, key_valid=valid))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+
+
+def _flex_everywhere(model: torch.nn.Module, backend: str) -> None:
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.backend = backend
+
+
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+def test_flex_model_equals_explicit_model(name: str) -> None:
+    """Whole models, every encoder (schemes without a score term run SDPA either way),
+    long enough for the CPU's query blocks."""
+    lm = DecoderLM(vocab_size=11, encoder=name, d_model=H * D, n_heads=H, n_layers=2).eval()
+    ids = torch.randint(0, 11, (2, 150))
+    outs = []
+    for backend in ("explicit", "flex"):
+        _flex_everywhere(lm, backend)
+        with torch.no_grad():
+            outs.append(lm(ids))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", BIDIRECTIONAL_YAMLS)
+def test_flex_translation_model_equals_explicit(name: str) -> None:
+    mt = EncoderDecoder(src_vocab_size=13, tgt_vocab_size=13, encoder=name, d_model=H * D,
+                        n_heads=H, n_layers=1).eval()
+    src, tgt = torch.randint(0, 13, (2, 17)), torch.randint(0, 13, (2, 9))
+    src_valid = torch.ones(2, 17, dtype=torch.bool)
+    src_valid[0, 12:] = False
+    outs = []
+    for backend in ("explicit", "flex"):
+        _flex_everywhere(mt, backend)
+        with torch.no_grad():
+            outs.append(mt(src, tgt, src_valid))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+
+
+# ------------------------------------------------------------------ on a GPU (skipped here)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("name", list(SCORED))
+def test_flex_gradients_equal_explicit_on_cuda(name: str) -> None:
+    enc = _enc(name).cuda()
+    attn = Attention(d_model=H * D, n_heads=H, dropout=0.0,
+                     pos=enc.for_attention(layer=0, kind=AttnKind.CAUSAL)).cuda()
+    pos = torch.arange(64, device="cuda")[None]
+    x = torch.randn(2, 64, H * D, device="cuda", requires_grad=True)
+    results = []
+    for backend in ("explicit", "flex"):
+        attn.backend = backend
+        out = attn(x, enc.context(pos, pos, AttnKind.CAUSAL, starts=(0, 0)))
+        params = [x, *attn.parameters(), *enc.parameters()]
+        grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
+        results.append([out, *[g for g in grads if g is not None]])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+def test_bf16_training_step_on_cuda(name: str) -> None:
+    model = DecoderLM(vocab_size=50, encoder=name, d_model=64, n_heads=4, n_layers=2).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 50, (4, 256), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(),
+                                                 ids[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
