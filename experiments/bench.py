@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     p.add_argument(
+        "--plain-softmax",
+        action="store_true",
+        help="the explicit softmax through plain autograd instead of its written-out backward",
+    )
+    p.add_argument(
         "--pool",
         nargs="+",
         type=Path,
@@ -108,6 +113,7 @@ def header(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "load_average_at_start": load,
         "quick": args.quick,
         "sections": args.sections,
+        "plain_softmax": args.plain_softmax,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -224,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         return pool(args.pool)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.plain_softmax:
+        from posenc.model import backends
+
+        backends.HAND_WRITTEN_BACKWARD = False
     device = resolve_device(args.device)
     meta = header(args, device)
     print(f"# posenc benchmark\n\ncommand: `{meta['command']}`")

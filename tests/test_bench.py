@@ -167,3 +167,13 @@ def test_pooling_refuses_bad_input(tmp_path: Path, case: str) -> None:
         "other config": "different configurations",
     }
     assert want[case] in proc.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_runs_on_cuda(tmp_path: Path) -> None:
+    out = tmp_path / "cuda.json"
+    cmd = [sys.executable, str(BENCH), "--quick", "--device", "cuda", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text())["meta"]["device"].startswith("cuda")

@@ -239,3 +239,31 @@ def test_deberta_parts_sum_to_its_score_bias() -> None:
     torch.testing.assert_close(dense, hook.score_bias(q[:, :, 2:5], k, ctx))
     hook.view_keys_per_row = 1e9  # the gather path: the reference
     torch.testing.assert_close(dense, hook.score_bias(q[:, :, 2:5], k, ctx))
+
+
+@pytest.mark.parametrize("name", ["shaw", "xl", "deberta", "alibi", "t5", "fire"])
+@pytest.mark.parametrize("kind", [AttnKind.CAUSAL, AttnKind.BIDIRECTIONAL])
+def test_hand_written_backward_equals_plain_autograd(
+    name: str, kind: AttnKind, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The written-out backward is an optimisation only: plain autograd through the same
+    softmax (backends.plain_attention) gives the same output and gradients, value terms,
+    key padding and query blocks included."""
+    enc = build(name, d_model=H * D, n_heads=H, n_layers=1)
+    hook = enc.for_attention(layer=0, kind=kind)
+    attn = Attention(d_model=H * D, n_heads=H, dropout=0.0, pos=hook)
+    attn.max_score_bytes = 4 * H * 40 * 4 * 7  # blocks of 7 queries
+    x = torch.randn(4, 40, H * D, requires_grad=True)
+    valid = torch.ones(4, 40, dtype=torch.bool)
+    valid[2, 30:] = False
+    pos = torch.arange(40)[None]
+    params = [x, *attn.parameters(), *enc.parameters()]
+    results = []
+    for hand in (True, False):
+        monkeypatch.setattr(backends, "HAND_WRITTEN_BACKWARD", hand)
+        out = attn(x, enc.context(pos, pos, kind, starts=(0, 0)), key_valid=valid)
+        grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
+        results.append([out, *[g for g in grads if g is not None]])
+    assert len(results[0]) == len(results[1]) > 2
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
