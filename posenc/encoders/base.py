@@ -6,25 +6,30 @@ A positional scheme is split in two objects:
 
 * :class:`PositionalEncoder`, one per transformer stack. It owns what the whole
   stack shares (tables, global vectors), may act on the token embeddings
-  (:meth:`PositionalEncoder.embed`), and once per forward pass builds an
-  :class:`AttentionContext` that every layer of the stack reads (so tables and
-  gather indices are computed once, not once per layer).
+  (:meth:`PositionalEncoder.embed`), and once per forward pass fills, in
+  :meth:`PositionalEncoder.prepare`, the :class:`AttentionContext` that every layer of
+  the stack reads (so tables and gather indices are computed once, not once per
+  layer). The context carries what the caller knows of the positions as Python values
+  (``starts``, ``bound``): no hook ever reads a tensor back to the host, so the model
+  traces as one graph under ``torch.compile``.
 * :class:`AttentionPositional`, one per attention module, made by
   :meth:`PositionalEncoder.for_attention`. It owns per-layer parameters and
   implements the hooks that attention calls, always in this order:
 
   1. ``score_bias(q, k, ctx)`` -> additive logits ``(B|1, H|1, T, S)`` or None,
      computed from the *projected* q and k (attention calls ``score_parts``, which
-     wraps it unless a scheme hands over its term in column pieces);
-     (or, on the FlexAttention path, ``score_mod(q, k, ctx)``, the same term read by
-     index from small tables);
+     wraps it unless a scheme hands over its term in column pieces), or, on the
+     FlexAttention path, ``score_mod(q, k, ctx)``, the same term read by index from
+     small tables;
   2. ``transform_qk(q, k, ctx)`` -> the q and k used for the content score;
   3. the content score ``q @ k^T * scale(D)`` plus the bias, masked, softmaxed;
   4. ``value_term(probs, ctx)`` -> ``(B, H, T, D)`` added to ``probs @ v``
      (only when ``needs_probs`` is true).
 
-Without a score term or a value term, step 3 is ``scaled_dot_product_attention``
-with its fused kernels; otherwise :func:`posenc.model.scored.scored_attention`.
+:mod:`posenc.model.backends` runs step 3: ``scaled_dot_product_attention`` without a
+score term or a value term, FlexAttention for a score term on a GPU, otherwise one
+explicit softmax. A scheme adds a score term when it overrides ``score_bias`` or
+``score_parts`` (:attr:`AttentionPositional.adds_scores`).
 What counts is the softmax of step 3: a scheme may shift a query row of its bias by
 one constant, or move a part of its term that is a product with k into q in step 2
 (DeBERTa does both, so its bias alone is not the paper's term).

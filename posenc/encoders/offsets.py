@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from posenc.encoders.base import AttentionContext, AttnKind, ScoreParts
@@ -49,10 +50,10 @@ def offset_view(per_offset: Tensor, *, row0: int, col0: int, lo: int, cols: int)
     ``out[..., r, c] = per_offset[..., r, (col0 + c) - (row0 + r) - lo]``: row r (a query
     at position ``row0 + r``) picks, for each column c (a key at ``col0 + c``), the entry
     of their offset. With the offset axis contiguous, moving one row down and one
-    column right keeps the offset, so the matrix is ``as_strided`` with strides
-    ``(L - 1, 1)``: a Toeplitz view (the "skew" of Huang et al. 2018, Music Transformer,
-    without its padding copy). Pairs whose offset falls outside ``[lo, lo + L)`` read
-    an entry of a neighbouring row, which is only allowed for masked pairs.
+    column right keeps the offset, so the matrix has strides ``(L - 1, 1)``: a Toeplitz
+    view (the "skew" of Huang et al. 2018, Music Transformer, usually without its padding
+    copy). Pairs whose offset falls outside ``[lo, lo + L)`` read an entry of a
+    neighbouring row, which is only allowed for masked pairs.
 
     Args:
         per_offset: ``(..., R, L)`` scores per row and offset ``lo .. lo + L - 1``.
@@ -71,11 +72,16 @@ def offset_view(per_offset: Tensor, *, row0: int, col0: int, lo: int, cols: int)
     last = (rows - 1) * (width - 1) + cols - 1 + c  # flat index of the last pair
     if c < 0 or last > rows * width - 1 or (rows > 1 and width <= cols):
         return None
-    lead = per_offset.shape[:-2]
-    size, stride = (*lead, rows, cols), (*per_offset.stride()[:-2], width - 1, 1)
-    # Start at entry c by a narrow of the flat rows, so the view keeps that offset
-    # without asking for the storage's (which torch.cond's tracing cannot give).
-    return per_offset.flatten(-2).narrow(-1, c, rows * width - c).as_strided(size, stride)
+    # Row r starts at flat index c + r (L - 1): the rows, flattened from entry c, cut into
+    # rows of L - 1 entries, hold it (plain views, which every compiler backend follows;
+    # an as_strided on an intermediate gave wrong values under inductor).
+    flat = per_offset.flatten(-2)
+    if rows == 1:
+        return flat.narrow(-1, c, cols).unsqueeze(-2)
+    need = c + rows * (width - 1)
+    if need > rows * width:  # the last row's cut runs past the table: pad, never read
+        flat = F.pad(flat, (0, need - rows * width))
+    return flat.narrow(-1, c, rows * (width - 1)).unflatten(-1, (rows, width - 1))[..., :cols]
 
 
 @dataclass(frozen=True)
