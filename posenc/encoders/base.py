@@ -80,6 +80,10 @@ class AttentionContext:
             per-row or randomized positions, which take a per-pair gather.
         bound: Every position is in ``[0, bound)``: the size of a per-distance table
             when ``starts`` is None.
+        stable_keys: True when a key's transform (``transform_qk``) depends on its own
+            position only, so a key/value cache may keep transformed keys; a scheme whose
+            key transform depends on the whole pass (dynamic NTK's base, xPos's centre)
+            sets it False in ``prepare``, and a cache then transforms every key again.
         extra: Scheme-specific shared tensors (tables, gather indices), put there by
             :meth:`PositionalEncoder.prepare`.
         query_dims: For each entry of ``extra`` indexed by query, the dim that is, so
@@ -96,6 +100,7 @@ class AttentionContext:
     kind: AttnKind
     starts: tuple[int, int] | None = None
     bound: int | None = None
+    stable_keys: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     query_dims: dict[str, int] = field(default_factory=dict)
     key_dims: dict[str, int] = field(default_factory=dict)
@@ -129,6 +134,16 @@ class AttentionContext:
         for key, dim in self.key_dims.items():
             extra[key] = extra[key].narrow(dim, 0, stop)
         return replace(self, k_pos=self.k_pos[:, :stop], extra=extra, starts=self.starts)
+
+    def tail_keys(self, n: int) -> AttentionContext:
+        """The context of the last ``n`` keys only (queries unchanged): the keys a cached
+        decoding step adds."""
+        s = self.k_pos.shape[-1]
+        extra = dict(self.extra)
+        for key, dim in self.key_dims.items():
+            extra[key] = extra[key].narrow(dim, s - n, n)
+        starts = None if self.starts is None else (self.starts[0], self.starts[1] + s - n)
+        return replace(self, k_pos=self.k_pos[:, s - n :], extra=extra, starts=starts)
 
     def once(self, owner: nn.Module, name: str, make: Any) -> Any:
         """``make()`` computed once per forward pass for ``owner``, e.g. a layer's

@@ -443,6 +443,7 @@ class RoPE(PositionalEncoder):
         else:
             length = ctx.k_pos.amax() + 1 if ctx.k_pos.numel() else 0
         theta = self.frequencies(length, ctx.q_pos.device)
+        ctx.stable_keys = self.scaling.method != "dynamic_ntk"  # s' follows the length
         q_tables = self.tables(ctx.q_pos, theta=theta)
         same = ctx.k_pos is ctx.q_pos
         k_tables = None if same else self.tables(ctx.k_pos, theta=theta)

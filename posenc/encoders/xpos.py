@@ -145,6 +145,7 @@ class XPos(PositionalEncoder):
         if ctx.kind is AttnKind.BIDIRECTIONAL:
             raise _bidirectional_refusal()
         q_pos, k_pos = ctx.q_pos, ctx.k_pos
+        ctx.stable_keys = False  # the decay's centre follows the keys of the pass
         if k_pos.shape[-1]:
             centre = (k_pos.amin(-1, keepdim=True) + k_pos.amax(-1, keepdim=True)) // 2
         else:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind
 from posenc.model.backends import attend
+from posenc.model.cache import LayerCache
 
 
 class Attention(nn.Module):
@@ -71,6 +72,7 @@ class Attention(nn.Module):
         *,
         memory: Tensor | None = None,
         key_valid: Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> Tensor:
         """Attend from ``x (B, T, C)`` to itself or to ``memory (B, S, C)``.
 
@@ -79,10 +81,14 @@ class Attention(nn.Module):
             ctx: The stack's shared positional context for this attention kind.
             memory: Keys' and values' input for cross-attention; None for self.
             key_valid: ``(B, S)`` True for real keys.
+            cache: Incremental decoding: ``x`` holds the new tokens only, and their keys
+                and values join the cached ones (:mod:`posenc.model.cache`).
 
         Returns:
             ``(B, T, C)``.
         """
+        if cache is not None:
+            return self._cached(x, ctx, memory, key_valid, cache)
         src = x if memory is None else memory
         q = self._heads(x, self.q_proj)  # (B, H, T, D)
         k = self._heads(src, self.k_proj)  # (B, H, S, D)
@@ -115,6 +121,49 @@ class Attention(nn.Module):
                     self._attend(q_blocks[i], k_blocks[i], v_blocks[i], sub, kv, shift=a + s - t)
                 )
             out = torch.cat(parts, dim=2)
+        return self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, T, C)
+
+    def _cached(
+        self,
+        x: Tensor,
+        ctx: AttentionContext,
+        memory: Tensor | None,
+        key_valid: Tensor | None,
+        cache: LayerCache,
+    ) -> Tensor:
+        """:meth:`forward` for new tokens ``x`` with a cache; one call for all queries."""
+        q = self._heads(x, self.q_proj)  # (B, H, T, D), new queries
+        t = q.shape[-2]
+        if memory is not None:  # cross-attention: the encoder output's keys, once
+            if cache.cross is None:
+                cache.cross = (self._heads(memory, self.k_proj), self._heads(memory, self.v_proj))
+            k, v = cache.cross
+            return self._merge(self._attend(q, k, v, ctx, key_valid, shift=k.shape[-2] - t))
+        k_new = self._heads(x, self.k_proj)
+        raw = k_new if cache.raw is None else torch.cat((cache.raw, k_new), dim=2)  # (B,H,S,D)
+        v = self._heads(x, self.v_proj)
+        v = v if cache.values is None else torch.cat((cache.values, v), dim=2)
+        if ctx.stable_keys and (cache.raw is None or cache.keys is not None):
+            # new keys transformed once, at their own positions
+            q_t, k_t = self.pos.transform_qk(q, k_new, ctx.tail_keys(t))
+            if k_t is not k_new:
+                k_t = k_t if cache.keys is None else torch.cat((cache.keys, k_t), dim=2)
+            elif cache.keys is None or cache.keys is cache.raw:
+                k_t = raw  # the scheme leaves keys alone: one tensor serves both
+            else:
+                k_t = torch.cat((cache.keys, k_t), dim=2)
+            cache.keys = k_t
+        else:  # the key transform depends on the pass: all keys again
+            q_t, k_t = self.pos.transform_qk(q, raw, ctx)
+            cache.keys = None
+        cache.raw, cache.values = raw, v
+        s = raw.shape[-2]
+        p_drop = self.dropout if self.training else 0.0
+        out = attend(self.pos, q, raw, v, ctx, key_valid=key_valid, shift=s - t, p_drop=p_drop,
+                     backend=self.backend, transformed=(q_t, k_t))
+        return self._merge(out)
+
+    def _merge(self, out: Tensor) -> Tensor:
         return self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, T, C)
 
     def query_block(

@@ -205,6 +205,7 @@ def attend(
     shift: int,
     p_drop: float,
     backend: str = "auto",
+    transformed: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """One attention call with the scheme's hooks, on the backend that fits.
 
@@ -216,6 +217,8 @@ def attend(
         shift: Causal offset (:func:`attention_mask`).
         p_drop: Dropout on the probabilities (0 in evaluation).
         backend: ``auto``, ``flex`` or ``explicit``.
+        transformed: The content score's q and k when the caller transformed them
+            already (a cache keeps transformed keys); else ``transform_qk(q, k, ctx)``.
 
     Returns:
         ``(B, H, T, D)``.
@@ -226,11 +229,11 @@ def attend(
     if use_flex(backend, q, pos, p_drop) and not pos.needs_probs:
         score_mod = pos.score_mod(q, k, ctx) if pos.adds_scores else None
         if score_mod is not None or not pos.adds_scores:
-            q, k = pos.transform_qk(q, k, ctx)
+            q, k = pos.transform_qk(q, k, ctx) if transformed is None else transformed
             return flex_attend(q, k, v, score_mod, scale=scale,
                                causal_shift=shift if causal else None, key_valid=key_valid)
     parts = pos.score_parts(q, k, ctx)
-    q, k = pos.transform_qk(q, k, ctx)
+    q, k = pos.transform_qk(q, k, ctx) if transformed is None else transformed
     if parts is None and not pos.needs_probs and key_valid is None and causal and t == s \
             and shift == 0:
         # Nothing to add: let SDPA pick its fused causal kernel.

@@ -6,6 +6,7 @@ from torch import Tensor, nn
 
 from posenc.encoders.base import AttentionContext, AttentionPositional
 from posenc.model.attention import Attention
+from posenc.model.cache import LayerCache
 
 
 class FeedForward(nn.Sequential):
@@ -60,6 +61,7 @@ class Block(nn.Module):
         memory: Tensor | None = None,
         cross_ctx: AttentionContext | None = None,
         memory_valid: Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> Tensor:
         """Run the block.
 
@@ -70,13 +72,16 @@ class Block(nn.Module):
             memory: ``(B, S, C)`` encoder output, for cross-attention.
             cross_ctx: Cross-attention context of the stack.
             memory_valid: ``(B, S)`` True for real source tokens.
+            cache: This layer's key/value cache (incremental decoding), or None.
 
         Returns:
             ``(B, T, C)``.
         """
-        x = x + self.drop(self.self_attn(self.ln_self(x), ctx, key_valid=valid))
+        x = x + self.drop(self.self_attn(self.ln_self(x), ctx, key_valid=valid, cache=cache))
         if self.cross_attn is not None and memory is not None:
             x = x + self.drop(
-                self.cross_attn(self.ln_cross(x), cross_ctx, memory=memory, key_valid=memory_valid)
+                self.cross_attn(
+                    self.ln_cross(x), cross_ctx, memory=memory, key_valid=memory_valid, cache=cache
+                )
             )
         return x + self.ff(self.ln_ff(x))

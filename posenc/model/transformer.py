@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from posenc.encoders import registry
 from posenc.encoders.base import AttnKind, PositionalEncoder, position_bound, positions_like
+from posenc.model.cache import KVCache
 from posenc.model.layers import Block
 
 EncoderFactory = Callable[..., PositionalEncoder]
@@ -110,6 +111,7 @@ class Stack(nn.Module):
         memory: Tensor | None = None,
         memory_positions: Tensor | None = None,
         memory_valid: Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> Tensor:
         """Run the stack.
 
@@ -128,10 +130,14 @@ class Stack(nn.Module):
             memory: Encoder output ``(B, S, C)`` for cross-attention.
             memory_positions: ``(B|1, S)`` positions of the memory (default ``0..S-1``).
             memory_valid: ``(B, S)`` True for real source tokens.
+            cache: Incremental decoding: ``x`` holds the next tokens, at positions from
+                ``cache.length`` on, and attends to every position decoded so far.
 
         Returns:
             ``(B, T, C)``.
         """
+        if cache is not None:
+            return self._cached(x, cache, memory=memory, memory_valid=memory_valid)
         t, starts = x.shape[1], None
         if positions is not None:
             bound = position_bound(positions) if bound is None else bound
@@ -159,6 +165,31 @@ class Stack(nn.Module):
             x = layer(
                 x, ctx, valid=valid, memory=memory, cross_ctx=cross_ctx, memory_valid=memory_valid
             )
+        return self.ln_f(x)
+
+
+    def _cached(
+        self, x: Tensor, cache: KVCache, *, memory: Tensor | None, memory_valid: Tensor | None
+    ) -> Tensor:
+        """:meth:`forward` with a cache: queries at ``o .. o+T-1`` (``o = cache.length``),
+        keys at ``0 .. o+T-1``, the default positions of the whole sequence."""
+        t, o = x.shape[1], cache.length
+        self.encoder.check_length(o + t)
+        positions = positions_like(x, o)
+        x = self.drop(self.encoder.embed(x, positions))
+        k_pos = torch.arange(o + t, device=x.device)[None]
+        ctx = self.encoder.context(positions, k_pos, self.kind, starts=(o, 0), bound=o + t)
+        cross_ctx = None
+        if memory is not None:
+            s = memory.shape[1]
+            cross_ctx = self.encoder.context(
+                positions, positions_like(memory), AttnKind.CROSS, starts=(o, 0),
+                bound=max(o + t, s),
+            )
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            x = layer(x, ctx, memory=memory, cross_ctx=cross_ctx, memory_valid=memory_valid,
+                      cache=layer_cache)
+        cache.length = o + t
         return self.ln_f(x)
 
 
@@ -266,10 +297,22 @@ class DecoderLM(nn.Module):
     def encoder(self) -> PositionalEncoder:
         return self.stack.encoder
 
-    def forward(self, ids: Tensor, positions: Tensor | None = None, *, offset: int = 0) -> Tensor:
+    def new_cache(self) -> KVCache:
+        """An empty key/value cache for incremental decoding."""
+        return KVCache(len(self.stack.layers))
+
+    def forward(
+        self,
+        ids: Tensor,
+        positions: Tensor | None = None,
+        *,
+        offset: int = 0,
+        cache: KVCache | None = None,
+    ) -> Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)`` at ``positions`` (default
-        ``offset .. offset+T-1``)."""
-        h = self.stack(self.embed(ids), positions, offset=offset)
+        ``offset .. offset+T-1``); with a ``cache`` (:meth:`new_cache`), ``ids`` are the
+        next tokens after the cached ones."""
+        h = self.stack(self.embed(ids), positions, offset=offset, cache=cache)
         return h @ self.embed.weight.T  # tied output layer
 
 
@@ -363,6 +406,10 @@ class EncoderDecoder(nn.Module):
         _init_weights(self.encoder_stack, n_enc)
         _init_weights(self.decoder_stack, n_dec)
 
+    def new_cache(self) -> KVCache:
+        """An empty key/value cache of the decoder stack."""
+        return KVCache(len(self.decoder_stack.layers))
+
     def encode(
         self, src: Tensor, src_valid: Tensor | None = None, src_positions: Tensor | None = None
     ) -> Tensor:
@@ -377,14 +424,17 @@ class EncoderDecoder(nn.Module):
         src_valid: Tensor | None = None,
         tgt_positions: Tensor | None = None,
         src_positions: Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> Tensor:
-        """Next-token logits ``(B, T, V)`` for decoder input ids ``(B, T)``."""
+        """Next-token logits ``(B, T, V)`` for decoder input ids ``(B, T)``; with a
+        ``cache`` (:meth:`new_cache`), ``tgt_in`` holds the next tokens only."""
         h = self.decoder_stack(
             self.tgt_embed(tgt_in),
             tgt_positions,
             memory=memory,
             memory_positions=src_positions,
             memory_valid=src_valid,
+            cache=cache,
         )
         return h @ self.tgt_embed.weight.T
 

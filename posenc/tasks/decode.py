@@ -3,10 +3,12 @@
 Notation: B sentences, K beams, S source length, T decoded prefix length (BOS included),
 V vocabulary, C d_model.
 
-There is no key/value cache: each step re-runs the decoder over the whole prefix with the
-default positions ``0 .. T-1``, so every positional encoder works unchanged (relative schemes
-need nothing but the prefix). Sentences leave the batch as soon as they finish, so long
-sentences do not keep short ones busy.
+Each step feeds only the newest token and attends to the earlier ones through the
+decoder's key/value cache (:mod:`posenc.model.cache`), which every encoder supports and
+which gives the logits of a full pass over the prefix (tests/model/test_cache.py);
+``use_cache=False`` re-runs the decoder over the whole prefix instead. Sentences leave the
+batch as soon as they finish (and the cache keeps their rows in step), so long sentences
+do not keep short ones busy.
 
 Lengths: ``max_len`` counts generated tokens *without* EOS. A hypothesis that has produced
 ``max_len`` tokens is forced to emit EOS, so no output is longer than ``max_len`` tokens.
@@ -25,6 +27,7 @@ import torch
 from torch import Tensor
 
 from posenc.model import EncoderDecoder
+from posenc.model.cache import KVCache
 
 __all__ = ["Decoded", "beam_search", "gnmt_penalty", "greedy", "output_limits"]
 
@@ -94,13 +97,18 @@ def _next_log_probs(
     bos: int,
     eos: int,
     pad: int,
+    cache: KVCache | None = None,
 ) -> Tensor:
     """Log-probabilities ``(N, V)`` of the token after each prefix ``(N, T)``.
 
     PAD and BOS are ruled out; rows whose prefix already holds ``limit`` generated tokens
-    may only continue with EOS.
+    may only continue with EOS. With a ``cache``, only the tokens it has not seen run.
     """
-    logits = model.decode(prefix, memory, src_valid=src_valid)[:, -1]  # (N, V)
+    if cache is None:
+        logits = model.decode(prefix, memory, src_valid=src_valid)[:, -1]  # (N, V)
+    else:
+        new = prefix[:, cache.length :]
+        logits = model.decode(new, memory, src_valid=src_valid, cache=cache)[:, -1]
     logp = logits.float().log_softmax(-1)
     logp[:, [pad, bos]] = float("-inf")
     full = (prefix.shape[1] - 1) >= limit  # (N,) generated tokens == budget
@@ -127,6 +135,7 @@ def greedy(
     eos: int,
     max_len: int | Tensor,
     pad: int = 0,
+    use_cache: bool = True,
 ) -> Decoded:
     """Pick the most probable next token until EOS or the length budget.
 
@@ -141,12 +150,14 @@ def greedy(
         max_len: Most tokens to generate, EOS not counted: an int or ``(B,)`` per sentence
             (see :func:`output_limits`).
         pad: Padding id (never generated).
+        use_cache: Decode with the key/value cache (the same output, faster).
 
     Returns:
         :class:`Decoded` in input order.
     """
     _check_ids(bos, eos, pad)
     b, device = src.shape[0], src.device
+    cache = model.new_cache() if use_cache else None
     limit = _limits(max_len, b, device)
     memory = model.encode(src, src_valid)  # (B, S, C)
     alive = torch.arange(b, device=device)  # input row of each remaining row
@@ -155,7 +166,9 @@ def greedy(
     tokens: list[list[int]] = [[] for _ in range(b)]
     scores = torch.zeros(b, dtype=torch.float64, device=device)
     while alive.numel():
-        logp = _next_log_probs(model, prefix, memory, src_valid, limit, bos=bos, eos=eos, pad=pad)
+        logp = _next_log_probs(
+            model, prefix, memory, src_valid, limit, bos=bos, eos=eos, pad=pad, cache=cache
+        )
         # topk rather than argmax: beam search ranks with topk, so ties break the same way.
         best, tok = logp.topk(1, dim=-1)  # (b, 1)
         score = score + best[:, 0].double()
@@ -168,6 +181,8 @@ def greedy(
         keep = ~done
         alive, prefix, score, limit = alive[keep], prefix[keep], score[keep], limit[keep]
         memory = memory[keep]
+        if cache is not None:
+            cache.select(keep.nonzero()[:, 0])
         src_valid = None if src_valid is None else src_valid[keep]
     return Decoded(tokens, scores)
 
@@ -184,6 +199,7 @@ def beam_search(
     eos: int,
     max_len: int | Tensor,
     pad: int = 0,
+    use_cache: bool = True,
 ) -> Decoded:
     """Batched beam search with the GNMT length penalty (see the module docstring).
 
@@ -206,6 +222,7 @@ def beam_search(
         eos: Id that ends a hypothesis.
         max_len: Most tokens to generate, EOS not counted: an int or ``(B,)`` per sentence.
         pad: Padding id (never generated).
+        use_cache: Decode with the key/value cache (the same output, faster).
 
     Returns:
         :class:`Decoded` in input order; ``scores`` are raw log-probabilities (no penalty).
@@ -220,6 +237,7 @@ def beam_search(
     _check_ids(bos, eos, pad)
     b, k, device = src.shape[0], beam_size, src.device
     limit = _limits(max_len, b, device)
+    cache = model.new_cache() if use_cache else None
     memory = model.encode(src, src_valid).repeat_interleave(k, dim=0)  # (B*K, S, C)
     valid = None if src_valid is None else src_valid.repeat_interleave(k, dim=0)
     alive = torch.arange(b, device=device)
@@ -240,6 +258,7 @@ def beam_search(
             bos=bos,
             eos=eos,
             pad=pad,
+            cache=cache,
         )
         v = logp.shape[-1]
         cand = (score[:, :, None] + logp.view(n, k, v).double()).view(n, k * v)
@@ -269,6 +288,8 @@ def beam_search(
         alive, score, limit = alive[keep], score[keep], limit[keep]
         prefix, memory = prefix[keep_rows], memory[keep_rows]
         valid = None if valid is None else valid[keep_rows]
+        if cache is not None:  # each new hypothesis continues its parent's cache
+            cache.select(rows.flatten()[keep_rows])
 
     tokens: list[list[int]] = []
     scores = torch.empty(b, dtype=torch.float64, device=device)

@@ -9,7 +9,9 @@ import torch
 from torch import Tensor
 
 from posenc.model import EncoderDecoder
+from posenc.model.cache import KVCache
 from posenc.tasks.decode import beam_search, gnmt_penalty, greedy, output_limits
+from tests.conftest import BIDIRECTIONAL_YAMLS
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -120,8 +122,21 @@ class _Scripted(torch.nn.Module):
     def encode(self, src: Tensor, src_valid: Tensor | None = None) -> Tensor:
         return torch.zeros(src.shape[0], src.shape[1], 4)
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, *, src_valid: Tensor | None = None) -> Tensor:
+    def new_cache(self) -> KVCache:
+        return KVCache(0)  # counts the decoded positions only
+
+    def decode(
+        self,
+        tgt_in: Tensor,
+        memory: Tensor,
+        *,
+        src_valid: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
         n, t = tgt_in.shape
+        if cache is not None:
+            cache.length += t
+            t = cache.length
         step = t - 1
         nxt = self.script[step] if step < len(self.script) else EOS
         logits = torch.zeros(n, t, self.vocab)
@@ -188,3 +203,25 @@ def test_batched_decoding_equals_one_sentence_at_a_time(k: int) -> None:
         )
         assert alone.tokens == [batch.tokens[i]]
         torch.testing.assert_close(alone.scores, batch.scores[i : i + 1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("encoder", BIDIRECTIONAL_YAMLS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_cached_decoding_gives_the_uncached_output(encoder: str, k: int) -> None:
+    """Greedy and beam search with the key/value cache (rows dropped as sentences finish,
+    reordered as beams change parents) give the uncached tokens and scores."""
+    model = _model(encoder, vocab=12)
+    with torch.no_grad():  # EOS logit 0: hypotheses grow before they end
+        model.tgt_embed.weight[EOS] = 0.0
+    src, valid = _batch(12, [6, 3, 9, 1, 5])
+    limit = output_limits(valid, max_len_a=1.5, max_len_b=4)
+    kw = dict(bos=BOS, eos=EOS, max_len=limit)
+    runs = [
+        greedy(model, src, valid, use_cache=c, **kw)
+        if k == 1
+        else beam_search(model, src, valid, beam_size=k, length_penalty=2.0, use_cache=c, **kw)
+        for c in (True, False)
+    ]
+    assert runs[0].tokens == runs[1].tokens
+    assert sum(map(len, runs[0].tokens)) >= 5  # something was generated
+    torch.testing.assert_close(runs[0].scores, runs[1].scores, atol=1e-6, rtol=1e-6)

@@ -1,0 +1,70 @@
+"""Key/value cache for incremental decoding with the shared transformer.
+
+Notation: B batch (rows), H heads, S cached keys, D head dim.
+
+Each layer keeps the projected keys and values of every position decoded so far, and
+the keys as its scheme transformed them for the content score (RoPE's rotation), so a
+new key is transformed once, at its position. A scheme whose key transform depends on
+the whole pass (``AttentionContext.stable_keys`` False: dynamic NTK, whose base follows
+the length; xPos, whose decay is centred on the keys) gets every key transformed again
+at each step from the projected ones, which keeps cached decoding equal to a full
+forward pass. Score terms (relative schemes) read the projected keys of all positions
+with the new queries, one row per new query. Cross-attention keys and values come from
+the fixed encoder output and are computed once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LayerCache:
+    """One layer's cached tensors, each ``(B, H, S, D)`` (None before the first step).
+
+    Attributes:
+        raw: Projected keys.
+        keys: Keys as the content score uses them (``raw`` itself when the scheme leaves
+            keys alone); None when they are transformed anew each step.
+        values: Projected values.
+        cross: Cross-attention keys and values of the encoder output.
+    """
+
+    raw: Tensor | None = None
+    keys: Tensor | None = None
+    values: Tensor | None = None
+    cross: tuple[Tensor, Tensor] | None = None
+
+    def select(self, rows: Tensor) -> None:
+        """Keep (and reorder to) batch rows ``rows``."""
+        for name in ("raw", "keys", "values"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, rows))
+        if self.cross is not None:
+            self.cross = tuple(t.index_select(0, rows) for t in self.cross)
+
+
+class KVCache:
+    """The cache of one stack: a :class:`LayerCache` per layer and the decoded length.
+
+    Pass it to ``DecoderLM.forward(ids, cache=...)`` (or ``EncoderDecoder.decode``) with
+    the new tokens only; their positions continue from :attr:`length`.
+
+    Args:
+        n_layers: Layers of the stack.
+    """
+
+    def __init__(self, n_layers: int) -> None:
+        self.layers = [LayerCache() for _ in range(n_layers)]
+        #: Positions decoded so far (the next token's position).
+        self.length = 0
+
+    def select(self, rows: Tensor) -> None:
+        """Keep (and reorder to) batch rows ``rows`` (finished sentences, beam reorders)."""
+        rows = rows.to(torch.long)
+        for layer in self.layers:
+            layer.select(rows)
