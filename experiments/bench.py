@@ -15,6 +15,8 @@ range, and the median absolute value. Sections:
 * ``overhead``: Lightning ``Trainer.fit`` of ``LMTask`` vs a bare PyTorch loop.
 * ``compile``: each encoder's training step under ``torch.compile`` relative to eager
   (reported, no goal on a CPU; it compiles every encoder, a few minutes in all).
+* ``decode``: LM generation and MT beam search with the key/value cache relative to
+  without it.
 
 ``--pool a.json b.json ...`` measures nothing: it puts the rows of several ``--json``
 reports side by side and judges the goals on the median of all their rounds pooled.
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 from bench_common import Row, fmt_seconds, markdown_table, pool_runs, pooled_table
 
-SECTIONS = ("train", "memory", "overhead", "compile")
+SECTIONS = ("train", "memory", "overhead", "compile", "decode")
 
 # Sizes per mode. The full sizes are the issue's; quick ones only exercise the code.
 FULL: dict[str, Any] = {
@@ -49,6 +51,7 @@ FULL: dict[str, Any] = {
     "overhead": {"encoder": "rope", "batch": 8, "length": 256, "steps": 10, "rounds": 5},
     "compile": {"shape": (8, 256), "rounds": 5, "steps": 2, "backend": "inductor",
                 "encoders": None},
+    "decode": {"prompt": 128, "new": 512, "rounds": 2, "mt_sentences": 32, "encoders": None},
 }
 QUICK: dict[str, Any] = {
     "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "d_ff": 128, "dropout": 0.0},
@@ -58,6 +61,8 @@ QUICK: dict[str, Any] = {
     "overhead": {"encoder": "rope", "batch": 4, "length": 64, "steps": 3, "rounds": 2},
     "compile": {"shape": (4, 64), "rounds": 2, "steps": 1, "backend": "eager",
                 "encoders": ["none", "rope", "deberta"]},
+    "decode": {"prompt": 16, "new": 16, "rounds": 2, "mt_sentences": 4,
+               "encoders": ["none", "rope", "deberta"]},
 }
 
 
@@ -123,6 +128,10 @@ def run_section(
 ) -> dict[str, Any]:
     """Run one section; its modules are imported lazily (Lightning only for ``overhead``)."""
     model, vocab = sizes["model"], sizes["vocab"]
+    if name == "decode":
+        import bench_decode
+
+        return bench_decode.run(model_cfg=model, vocab=vocab, device=device, **sizes["decode"])
     if name == "compile":
         import bench_compile
 
@@ -156,6 +165,7 @@ TITLES = {
     "memory": "Peak memory of a no-grad forward at 16x the training length, relative to `none`",
     "overhead": "Lightning Trainer.fit vs a bare PyTorch loop, tokens/s",
     "compile": "Training step under torch.compile, speed relative to eager",
+    "decode": "Decoding with the key/value cache, speed relative to without",
 }
 
 
@@ -179,7 +189,7 @@ def render(name: str, result: dict[str, Any]) -> str:
             fmt=lambda v: "-" if v is None else f"{v:.1f} MiB",
         )
     else:
-        value = "time / step"
+        value = "time / token" if name == "decode" else "time / step"
         table = markdown_table(result["rows"], value_name=value, fmt=fmt_seconds)
     lines.append(table)
     return "\n".join(lines)

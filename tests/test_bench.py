@@ -38,7 +38,7 @@ def test_header(report: dict[str, Any]) -> None:
     assert meta["torch"] == torch.__version__
     assert meta["threads"] == 1
     assert "--quick" in meta["command"]
-    assert list(report["sections"]) == ["train", "memory", "overhead", "compile"]
+    assert list(report["sections"]) == ["train", "memory", "overhead", "compile", "decode"]
     assert isinstance(report["unmet_goals"], list)
 
 
@@ -63,6 +63,13 @@ def test_compile_times_eager_and_compiled_steps(report: dict[str, Any]) -> None:
     for row in section["rows"]:
         assert row["goal"] is None and row["ratio"] > 0
         assert len(row["raw"]["times_s"]) == len(row["raw"]["ratios"]) >= 2
+
+
+def test_decode_times_cached_and_uncached(report: dict[str, Any]) -> None:
+    rows = report["sections"]["decode"]["rows"]
+    lm = [r for r in rows if ": LM " in r["what"]]
+    assert len(lm) == 2 * 3 and len(rows) == len(lm) + 2
+    assert all(r["ratio"] > 0 for r in rows)
 
 
 def test_train_covers_every_encoder_at_two_lengths(report: dict[str, Any]) -> None:

@@ -160,6 +160,10 @@ class _DebertaAttention(AttentionPositional):
     #: on a 2-core CPU, 2x1024 fwd+bwd, against c = 1 (paired runs): 0.99-1.08x the
     #: speed with 2 threads, 1.00-1.05x with 1; c = 4 no faster than 2.
     p2c_chunk: int = 2
+    #: ... and only for at least this many queries: a few queries (cached decoding steps)
+    #: gather, since the view's p2c chunks of 2T keys would be S / 2T tiny products (a
+    #: 4-layer decoding step at S = 640 went from 9.1 to 3.6 ms; scratch timing).
+    view_min_queries: int = 32
 
     def scale(self, head_dim: int) -> float:
         return (self.n_terms * head_dim) ** -0.5  # 1/sqrt(3D) with both terms
@@ -201,7 +205,8 @@ class _DebertaAttention(AttentionPositional):
         scale = self.scale(q.shape[-1])
         q, k = q * scale, k * scale
         many_keys = k.shape[-2] > self.view_keys_per_row * ctx.extra["table"].shape[0]
-        if ctx.starts is not None and many_keys:
+        many_queries = q.shape[-2] >= self.view_min_queries
+        if ctx.starts is not None and many_keys and many_queries:
             parts = self._by_view(q, k, ctx)
             if parts is not None:
                 return parts

@@ -69,7 +69,7 @@ def rope_frequencies(rot_dim: int, base: float | Tensor = 10000.0, device=None) 
         )
     i = torch.arange(rot_dim // 2, device=device, dtype=torch.float64)
     base = torch.as_tensor(base, dtype=torch.float64, device=device)
-    return (base ** (-2.0 * i / rot_dim)).float()
+    return (base[..., None] ** (-2.0 * i / rot_dim)).float()  # (..., R/2) for a (...) base
 
 
 def rope_factors(cos: Tensor, sin: Tensor, layout: str) -> Tensor:
@@ -238,7 +238,8 @@ def dynamic_ntk_frequencies(
 ) -> Tensor:
     """Dynamic NTK's ``theta'`` for a pass whose keys reach ``length`` (a 0-d tensor, so
     the pass needs no host read): :func:`ntk_base` with :func:`dynamic_ntk_factor`'s
-    ``s'``, in float64. At ``l <= L``, ``s' = 1`` and this is :func:`rope_frequencies`."""
+    ``s'``, in float64. At ``l <= L``, ``s' = 1`` and this is :func:`rope_frequencies`.
+    A ``(B,)`` length (per-row positions: each row's own length) gives ``(B, R/2)``."""
     s = (alpha * length.double() / original_length - (alpha - 1.0)).clamp(min=1.0)
     new_base = base * s ** (rot_dim / (rot_dim - 2)) if rot_dim > 2 else base
     return rope_frequencies(rot_dim, new_base, device=length.device)
@@ -428,6 +429,8 @@ class RoPE(PositionalEncoder):
                 length = positions.amax() + 1 if positions.numel() else 0
             theta = self.frequencies(length, positions.device)
         freq, mscale = theta
+        if freq.dim() == 2:  # one row of frequencies per sequence (dynamic NTK, per row)
+            freq = freq[:, None, :]
         angle = positions.float()[..., None] * freq  # (B|1, T, R/2), float32 under autocast
         cos, sin = angle.cos(), angle.sin()
         if mscale != 1.0:
@@ -437,11 +440,11 @@ class RoPE(PositionalEncoder):
     def prepare(self, ctx: AttentionContext) -> None:
         if ctx.kind is AttnKind.CROSS:
             return
-        # dynamic_ntk's l, the keys' length: known from the run, else a 0-d tensor.
+        # dynamic_ntk's l, the keys' length: known from the run, else each row's own.
         if ctx.starts is not None:
             length = ctx.starts[1] + ctx.k_pos.shape[-1]
         else:
-            length = ctx.k_pos.amax() + 1 if ctx.k_pos.numel() else 0
+            length = ctx.k_pos.amax(-1) + 1 if ctx.k_pos.numel() else 0
         theta = self.frequencies(length, ctx.q_pos.device)
         ctx.stable_keys = self.scaling.method != "dynamic_ntk"  # s' follows the length
         q_tables = self.tables(ctx.q_pos, theta=theta)

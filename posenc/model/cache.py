@@ -54,17 +54,26 @@ class KVCache:
     Pass it to ``DecoderLM.forward(ids, cache=...)`` (or ``EncoderDecoder.decode``) with
     the new tokens only; their positions continue from :attr:`length`.
 
+    Prompts of different lengths go in left-padded to one length, with ``pad`` their
+    padding counts: row b's token in slot i is at position ``i - pad[b]``, so every row's
+    positions start at 0 and its padding is never attended (per-row positions take the
+    schemes' per-pair path).
+
     Args:
         n_layers: Layers of the stack.
+        pad: ``(B,)`` left-padding per row, or None for none.
     """
 
-    def __init__(self, n_layers: int) -> None:
+    def __init__(self, n_layers: int, pad: Tensor | None = None) -> None:
         self.layers = [LayerCache() for _ in range(n_layers)]
-        #: Positions decoded so far (the next token's position).
+        #: Slots decoded so far (the next token's slot; its position without padding).
         self.length = 0
+        self.pad = pad
 
     def select(self, rows: Tensor) -> None:
         """Keep (and reorder to) batch rows ``rows`` (finished sentences, beam reorders)."""
         rows = rows.to(torch.long)
         for layer in self.layers:
             layer.select(rows)
+        if self.pad is not None:
+            self.pad = self.pad.index_select(0, rows)

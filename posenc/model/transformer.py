@@ -171,24 +171,31 @@ class Stack(nn.Module):
     def _cached(
         self, x: Tensor, cache: KVCache, *, memory: Tensor | None, memory_valid: Tensor | None
     ) -> Tensor:
-        """:meth:`forward` with a cache: queries at ``o .. o+T-1`` (``o = cache.length``),
-        keys at ``0 .. o+T-1``, the default positions of the whole sequence."""
+        """:meth:`forward` with a cache: the new tokens are slots ``o .. o+T-1`` (``o =
+        cache.length``) of a sequence of slots ``0 .. o+T-1``. Without ``cache.pad`` the
+        slots are the positions; with it (left-padded prompts), row b's positions are the
+        slots minus ``pad[b]``, and its first ``pad[b]`` slots are padding no query sees."""
         t, o = x.shape[1], cache.length
         self.encoder.check_length(o + t)
-        positions = positions_like(x, o)
+        slots = torch.arange(o + t, device=x.device)[None]  # (1, S)
+        valid, starts = None, (o, 0)
+        k_pos = slots
+        if cache.pad is not None:
+            shifted = slots - cache.pad[:, None]  # (B, S)
+            valid, starts = shifted >= 0, None
+            k_pos = shifted.clamp(min=0)  # padding slots, never attended, at position 0
+        positions = k_pos[:, o:]
         x = self.drop(self.encoder.embed(x, positions))
-        k_pos = torch.arange(o + t, device=x.device)[None]
-        ctx = self.encoder.context(positions, k_pos, self.kind, starts=(o, 0), bound=o + t)
+        ctx = self.encoder.context(positions, k_pos, self.kind, starts=starts, bound=o + t)
         cross_ctx = None
         if memory is not None:
-            s = memory.shape[1]
             cross_ctx = self.encoder.context(
-                positions, positions_like(memory), AttnKind.CROSS, starts=(o, 0),
-                bound=max(o + t, s),
+                positions, positions_like(memory), AttnKind.CROSS,
+                starts=None if starts is None else (o, 0), bound=max(o + t, memory.shape[1]),
             )
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            x = layer(x, ctx, memory=memory, cross_ctx=cross_ctx, memory_valid=memory_valid,
-                      cache=layer_cache)
+            x = layer(x, ctx, valid=valid, memory=memory, cross_ctx=cross_ctx,
+                      memory_valid=memory_valid, cache=layer_cache)
         cache.length = o + t
         return self.ln_f(x)
 
@@ -297,9 +304,10 @@ class DecoderLM(nn.Module):
     def encoder(self) -> PositionalEncoder:
         return self.stack.encoder
 
-    def new_cache(self) -> KVCache:
-        """An empty key/value cache for incremental decoding."""
-        return KVCache(len(self.stack.layers))
+    def new_cache(self, pad: Tensor | None = None) -> KVCache:
+        """An empty key/value cache for incremental decoding; ``pad (B,)``: the left
+        padding of prompts of different lengths (see :class:`~posenc.model.cache.KVCache`)."""
+        return KVCache(len(self.stack.layers), pad)
 
     def forward(
         self,

@@ -147,6 +147,7 @@ def test_view_path_equals_gather_path(
     hooks = enc.for_attention(layer=0, kind=kind)
     if hasattr(hooks, "view_keys_per_row"):
         hooks.view_keys_per_row = 0.0  # DeBERTa: the view even for these few keys
+        hooks.view_min_queries = 0
     q = torch.randn(2, H, t, D, requires_grad=True)
     k = torch.randn(2, H, s, D, requires_grad=True)
     fast = enc.context(
@@ -198,6 +199,7 @@ def test_deberta_p2c_chunk_sizes_agree(kind: AttnKind, shape: tuple[int, int, in
     enc = _build("deberta")
     hooks = enc.for_attention(layer=0, kind=kind)
     hooks.view_keys_per_row = 0.0
+    hooks.view_min_queries = 0
     q = torch.randn(2, H, t, D, requires_grad=True)
     k = torch.randn(2, H, s, D, requires_grad=True)
     weights = torch.randn(2, H, t, s)
@@ -229,6 +231,7 @@ def test_deberta_causal_queries_after_their_keys(monkeypatch: pytest.MonkeyPatch
     enc = get("deberta")(d_model=H * D, n_heads=H, n_layers=1, max_distance=128, bucket_size=32)
     hooks = enc.for_attention(layer=0, kind=AttnKind.CAUSAL)
     hooks.view_keys_per_row = 0.0
+    hooks.view_min_queries = 0
     t, s, q0, k0 = 4, 12, 60, 30  # distances 19 .. 33
     q_pos, k_pos = torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None]
     fast = enc.context(q_pos, k_pos, AttnKind.CAUSAL, starts=(q0, k0))

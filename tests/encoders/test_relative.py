@@ -227,6 +227,7 @@ def test_deberta_far_keys_get_no_score_part() -> None:
     enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=4)
     hook = enc.for_attention(layer=0, kind=AttnKind.CAUSAL)
     hook.view_keys_per_row = 0.0
+    hook.view_min_queries = 0
     pos = positions(40)
     ctx = enc.context(pos, pos, AttnKind.CAUSAL, starts=(0, 0)).slice_queries(32, 40)
     q, k = torch.randn(1, H, 8, Dh), torch.randn(1, H, 40, Dh)

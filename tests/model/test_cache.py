@@ -116,3 +116,28 @@ def test_cache_rows_follow_select() -> None:
         cache.select(torch.tensor([2, 0]))
         got = model(ids[[2, 0], 6:], cache=cache)
     assert (got - full[:, 6:]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(("name", "settings"), CASES, ids=[c[0] for c in CASES])
+def test_left_padded_prompts_decode_as_each_alone(name: str, settings: dict) -> None:
+    """Prompts of lengths 3, 7 and 5 left-padded into one batch (``cache.pad``): every
+    row's cached logits equal those of its prompt decoded alone, with no padding."""
+    model = DecoderLM(vocab_size=17, encoder=_factory(name, settings), **SIZES).eval()
+    lengths, steps = [3, 7, 5], 6
+    seqs = [torch.randint(0, 17, (n + steps,)) for n in lengths]
+    width = max(lengths)
+    pad = torch.tensor([width - n for n in lengths])
+    prompt = torch.stack([torch.cat((torch.zeros(p, dtype=torch.long), s[:n]))
+                          for p, n, s in zip(pad.tolist(), lengths, seqs, strict=True)])
+    with torch.no_grad():
+        cache = model.new_cache(pad)
+        got = [model(prompt, cache=cache)[:, -1:]]
+        for i in range(steps):
+            nxt = torch.stack([s[n + i] for n, s in zip(lengths, seqs, strict=True)])[:, None]
+            got.append(model(nxt, cache=cache))
+        got = torch.cat(got, dim=1)  # (3, 1 + steps, V): last prompt token, then each step
+        for row, (n, s) in enumerate(zip(lengths, seqs, strict=True)):
+            # each position from a full pass over its own prefix (dynamic NTK's base
+            # follows the prefix's length)
+            alone = torch.stack([model(s[None, : n + i])[0, -1] for i in range(steps + 1)])
+            assert (got[row] - alone).abs().max() <= 1e-5, row

@@ -229,6 +229,7 @@ def test_deberta_parts_sum_to_its_score_bias() -> None:
     enc = build("deberta", d_model=H * D, n_heads=H, n_layers=1, max_distance=4, bucket_size=0)
     hook = enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)
     hook.view_keys_per_row = 0.0  # the view path even for a short sequence
+    hook.view_min_queries = 0
     hook.p2c_chunk = 1  # chunks of T = 3 keys: two of them over the 6 keys
     q, k = torch.randn(B, H, 6, D), torch.randn(B, H, 6, D)
     pos = torch.arange(6)[None]

@@ -1,0 +1,90 @@
+"""Section ``decode`` of ``experiments/bench.py``: decoding with and without the KV cache.
+
+* LM: greedy generation of ``new`` tokens after a ``prompt``-token prompt, per encoder;
+  the ratio is the cached run's tokens/s over the uncached one's (goal: >= 5x).
+* MT: beam search (beam 4) over a batch of sources, cached vs uncached, with random
+  weights (a trained model decodes shorter outputs; the work per token is the same).
+
+Both runs of a pair produce the same tokens (checked before timing).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from bench_common import Goal, Row, interleaved
+
+from posenc.encoders import available
+from posenc.model import DecoderLM, EncoderDecoder
+from posenc.tasks.decode import beam_search, output_limits
+from posenc.tasks.generate import generate
+
+GOAL = Goal(">=", 5.0)
+
+
+def _timed(fn) -> float:  # noqa: ANN001
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(
+    *,
+    model_cfg: dict[str, Any],
+    vocab: int,
+    prompt: int,
+    new: int,
+    rounds: int,
+    mt_sentences: int,
+    encoders: list[str] | None,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Time cached and uncached decoding; ratios are cached speed over uncached."""
+    rows: list[Row] = []
+    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    for enc in encoders or available():
+        torch.manual_seed(0)
+        model = DecoderLM(vocab_size=vocab, encoder=enc, **model_cfg).to(device).eval()
+        runs = {c: (lambda c=c, m=model: generate(m, ids, new, temperature=0, use_cache=c))
+                for c in (True, False)}
+        if not torch.equal(runs[True](), runs[False]()):
+            raise AssertionError(f"{enc}: cached generation differs from uncached")
+        measure = {
+            "uncached": lambda f=runs[False]: _timed(f) / new,
+            "cached": lambda f=runs[True]: _timed(f) / new,
+        }
+        stats = interleaved(measure, baseline="uncached", rounds=rounds, warmup=0)
+        for name in ("uncached", "cached"):
+            s = stats[name]
+            goal = GOAL if name == "cached" else None
+            rows.append(Row(f"{name}: LM {enc}, {new} new after {prompt}", s["median_s"],
+                            s["ratio"], goal, note=f"{1 / s['median_s']:,.0f} tok/s", raw=s))
+    # MT: beam 4 over synthetic sources of 10-30 tokens.
+    torch.manual_seed(0)
+    mt = EncoderDecoder(src_vocab_size=vocab, tgt_vocab_size=vocab, encoder="rope",
+                        **model_cfg).to(device).eval()
+    lengths = torch.randint(10, 31, (mt_sentences,))
+    src = torch.randint(3, vocab, (mt_sentences, int(lengths.max()))).to(device)
+    valid = (torch.arange(src.shape[1])[None] < lengths[:, None]).to(device)
+    limit = output_limits(valid, max_len_a=1.2, max_len_b=10)
+    kw = dict(beam_size=4, length_penalty=0.6, bos=1, eos=2, pad=0, max_len=limit)
+    beams = {c: (lambda c=c: beam_search(mt, src, valid, use_cache=c, **kw)) for c in (True, False)}
+    if beams[True]().tokens != beams[False]().tokens:
+        raise AssertionError("MT: cached beam search differs from uncached")
+    stats = interleaved({"uncached": lambda: _timed(beams[False]),
+                         "cached": lambda: _timed(beams[True])},
+                        baseline="uncached", rounds=rounds, warmup=0)
+    for name in ("uncached", "cached"):
+        s = stats[name]
+        rows.append(Row(f"{name}: MT rope, beam 4, {mt_sentences} sentences", s["median_s"],
+                        s["ratio"], None, note="", raw=s))
+    return {
+        "config": {"model": model_cfg, "vocab": vocab, "prompt": prompt, "new": new,
+                   "mt_sentences": mt_sentences},
+        "baseline": "uncached",
+        "unit": "seconds per token (LM), per batch (MT)",
+        "rows": rows,
+    }

@@ -1,0 +1,88 @@
+"""Text generation from a decoder-only LM: greedy, temperature and top-k sampling.
+
+Notation: B prompts, P prompt length, N new tokens, V vocabulary.
+
+With the key/value cache (the default) the prompt runs once and each step feeds only the
+newest token; ``use_cache=False`` re-runs the model over the whole sequence at every step
+(the reference, and the baseline of ``experiments/bench.py --sections decode``). Both
+give the same tokens for the same seed (tested). Positions continue past the training
+length as far as the encoder allows (learned absolute positions stop at ``max_len``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from posenc.model import DecoderLM
+
+
+def next_token(logits: Tensor, *, temperature: float, top_k: int | None, generator=None) -> Tensor:
+    """Pick one token per row from ``logits (B, V)``: the argmax at temperature 0, else a
+    sample from the softmax of ``logits / temperature`` over the ``top_k`` best."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(
+    model: DecoderLM,
+    prompt: Tensor,
+    new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+    pad: Tensor | None = None,
+) -> Tensor:
+    """Continue each prompt by ``new_tokens`` tokens.
+
+    Put the model in eval mode first.
+
+    Args:
+        model: The LM.
+        prompt: ``(B, P)`` token ids, P >= 1.
+        new_tokens: N >= 0.
+        temperature: 0 for greedy decoding; else the sampling temperature.
+        top_k: Sample among the k most probable tokens (None: all).
+        seed: Seed of the sampling generator (None: torch's global one).
+        use_cache: Decode with the key/value cache.
+        pad: ``(B,)`` left padding of prompts of different lengths (each row's positions
+            then start at its first real token; padding is never attended). Needs the
+            cache.
+
+    Returns:
+        ``(B, P + N)``: the prompts and their continuations.
+
+    Raises:
+        ValueError: An empty prompt, a negative count or temperature, ``top_k < 1``.
+    """
+    if prompt.dim() != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt must be (B, P) token ids with P >= 1, got {tuple(prompt.shape)}")
+    if new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+        raise ValueError(
+            f"need new_tokens >= 0, temperature >= 0 and top_k >= 1 or None; got {new_tokens}, "
+            f"{temperature}, {top_k}"
+        )
+    model.encoder.check_length(prompt.shape[1] + new_tokens)
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=prompt.device).manual_seed(seed)
+    if pad is not None and not use_cache:
+        raise ValueError("left-padded prompts (pad=...) are decoded with the cache only")
+    out = prompt
+    cache = model.new_cache(pad) if use_cache else None
+    step_in = prompt
+    for _ in range(new_tokens):
+        logits = model(step_in, cache=cache)[:, -1] if cache is not None else model(out)[:, -1]
+        tok = next_token(logits, temperature=temperature, top_k=top_k, generator=gen)[:, None]
+        out = torch.cat((out, tok), dim=1)
+        step_in = tok
+    return out
