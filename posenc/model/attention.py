@@ -177,16 +177,8 @@ class Attention(nn.Module):
         block = max(1, min(t, self.max_score_bytes // max(1, b * h * s * itemsize)))
         return min(block, self.causal_block) if causal else block
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        ctx: AttentionContext,
-        key_valid: Tensor | None,
-        shift: int,
-    ) -> Tensor:
-        """Hooks, mask and attention for queries ``q (B, H, T, D)``; returns ``(B, H, T, D)``."""
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext,
+                key_valid: Tensor | None, shift: int) -> Tensor:
         p_drop = self.dropout if self.training else 0.0
         return attend(self.pos, q, k, v, ctx, key_valid=key_valid, shift=shift, p_drop=p_drop,
                       backend=self.backend)

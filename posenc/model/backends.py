@@ -3,29 +3,22 @@ needs and by the device. The model never branches on a scheme; it calls :func:`a
 
 Notation: B batch, H heads, T queries, S keys, D head dim.
 
-* **SDPA** (``scaled_dot_product_attention``) when the scheme adds no score term: the
-  fused flash / memory-efficient kernels.
-* **FlexAttention** (``torch.nn.attention.flex_attention``) for a score term on a GPU:
-  the scheme's ``score_mod`` reads its small per-offset (or per-bucket) tables by
-  ``q_idx``, ``kv_idx``, so no ``(B, H, T, S)`` bias is ever written, and causality and
-  key padding are a block mask, whose fully masked blocks are skipped.
-* **Explicit**: one softmax written out where the probabilities are needed (a value
-  term), with dropout (FlexAttention has none), and for training on a CPU, where
-  FlexAttention has no backward in torch 2.13. On a GPU without a ``score_mod``, the term
-  goes to SDPA as its additive mask. The explicit softmax is
-  :func:`~posenc.model.scored.scored_attention`, whose backward is written out (fewer
-  passes over the scores: 1.03x-1.20x the training step of plain autograd on a 2-core
-  CPU, see the README), or, with ``HAND_WRITTEN_BACKWARD = False``, :func:`plain_attention`,
-  the same values through autograd: the hand-written one is never needed for
-  correctness.
+* SDPA without a score term (fused flash / memory-efficient kernels).
+* FlexAttention for a score term on a GPU: the scheme's ``score_mod`` reads small
+  per-offset tables by ``q_idx``/``kv_idx`` (no ``(B, H, T, S)`` bias is written);
+  causality and key padding are a block mask, whose empty blocks are skipped.
+* The explicit softmax where the probabilities are needed (a value term), with dropout
+  (FlexAttention has none), and for training on a CPU (no FlexAttention backward there
+  in torch 2.13): :func:`~posenc.model.scored.scored_attention`, whose backward is
+  written out (1.03x-1.20x a CPU training step, see the README), or with
+  ``HAND_WRITTEN_BACKWARD = False`` :func:`plain_attention`, the same values through
+  autograd. On a GPU without a ``score_mod`` the term is SDPA's additive mask.
 
 ``Attention.backend = "flex"`` or ``"explicit"`` forces one (the parity tests run the
 flex path's forward on a CPU).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +29,7 @@ from posenc.encoders.base import (
     AttentionContext,
     AttentionPositional,
     AttnKind,
+    ScoreMod,
     ScoreParts,
     dense_parts,
 )
@@ -44,8 +38,6 @@ from posenc.model.scored import scored_attention
 BACKENDS = ("auto", "flex", "explicit")
 #: The explicit softmax with its written-out backward (True) or plain autograd (False).
 HAND_WRITTEN_BACKWARD = True
-#: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, FlexAttention's convention.
-ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def attention_mask(
@@ -183,15 +175,6 @@ def flex_attend(
             mask_mod, b if key_valid is not None else None, None, t, s, device=q.device
         )
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
-
-
-def dense_score_mod(score_mod: ScoreMod, shape: tuple[int, int, int, int], device) -> Tensor:
-    """A ``score_mod``'s additive term for every ``(b, h, q_idx, kv_idx)`` of ``shape``,
-    ``(B, H, T, S)``, by broadcasting index tensors through it (for tests)."""
-    idx = [torch.arange(n, device=device).view([-1 if i == d else 1 for i in range(4)])
-           for d, n in enumerate(shape)]
-    zero = torch.zeros((), device=device)
-    return score_mod(zero, *idx).expand(shape)
 
 
 def attend(

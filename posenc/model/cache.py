@@ -2,15 +2,12 @@
 
 Notation: B batch (rows), H heads, S cached keys, D head dim.
 
-Each layer keeps the projected keys and values of every position decoded so far, and
-the keys as its scheme transformed them for the content score (RoPE's rotation), so a
-new key is transformed once, at its position. A scheme whose key transform depends on
-the whole pass (``AttentionContext.stable_keys`` False: dynamic NTK, whose base follows
-the length; xPos, whose decay is centred on the keys) gets every key transformed again
-at each step from the projected ones, which keeps cached decoding equal to a full
-forward pass. Score terms (relative schemes) read the projected keys of all positions
-with the new queries, one row per new query. Cross-attention keys and values come from
-the fixed encoder output and are computed once.
+Each layer keeps its projected keys and values and the keys as its scheme transformed
+them (RoPE's rotation, done once per key at its position). A scheme whose key transform
+depends on the whole pass (``AttentionContext.stable_keys`` False: dynamic NTK, xPos)
+gets every key transformed again at each step, so cached decoding equals a full pass.
+Score terms read the new query rows against every cached key; cross-attention keys and
+values of the fixed encoder output are computed once.
 """
 
 from __future__ import annotations
@@ -23,15 +20,10 @@ from torch import Tensor
 
 @dataclass
 class LayerCache:
-    """One layer's cached tensors, each ``(B, H, S, D)`` (None before the first step).
-
-    Attributes:
-        raw: Projected keys.
-        keys: Keys as the content score uses them (``raw`` itself when the scheme leaves
-            keys alone); None when they are transformed anew each step.
-        values: Projected values.
-        cross: Cross-attention keys and values of the encoder output.
-    """
+    """One layer's cached ``(B, H, S, D)`` tensors (None before the first step): projected
+    keys ``raw``, ``keys`` as the content score uses them (``raw`` itself when the scheme
+    leaves keys alone; None when transformed anew each step), ``values``, and the
+    cross-attention keys and values of the encoder output."""
 
     raw: Tensor | None = None
     keys: Tensor | None = None

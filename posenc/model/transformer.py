@@ -19,7 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from posenc.encoders import registry
-from posenc.encoders.base import AttnKind, PositionalEncoder, position_bound, positions_like
+from posenc.encoders.base import (
+    AttentionContext,
+    AttnKind,
+    PositionalEncoder,
+    position_bound,
+    positions_like,
+)
 from posenc.model.cache import KVCache
 from posenc.model.layers import Block
 
@@ -109,7 +115,6 @@ class Stack(nn.Module):
         bound: int | None = None,
         valid: Tensor | None = None,
         memory: Tensor | None = None,
-        memory_positions: Tensor | None = None,
         memory_valid: Tensor | None = None,
         cache: KVCache | None = None,
     ) -> Tensor:
@@ -128,7 +133,6 @@ class Stack(nn.Module):
                 it off the tensor (one host read: eager use only).
             valid: ``(B, T)`` True for real tokens (keys that may be attended).
             memory: Encoder output ``(B, S, C)`` for cross-attention.
-            memory_positions: ``(B|1, S)`` positions of the memory (default ``0..S-1``).
             memory_valid: ``(B, S)`` True for real source tokens.
             cache: Incremental decoding: ``x`` holds the next tokens, at positions from
                 ``cache.length`` on, and attends to every position decoded so far.
@@ -149,24 +153,23 @@ class Stack(nn.Module):
         self.encoder.check_length(bound)
         x = self.drop(self.encoder.embed(x, positions))
         ctx = self.encoder.context(positions, positions, self.kind, starts=starts, bound=bound)
-        cross_ctx = None
-        if memory is not None:
-            s = memory.shape[1]
-            if memory_positions is None:
-                memory_positions, k0 = positions_like(memory), 0
-            else:
-                k0, s = None, position_bound(memory_positions)
-            cross_starts = None if starts is None or k0 is None else (starts[0], k0)
-            cross_ctx = self.encoder.context(
-                positions, memory_positions, AttnKind.CROSS, starts=cross_starts,
-                bound=max(bound, s),
-            )
+        cross_ctx = self._cross_context(positions, memory, starts, bound)
         for layer in self.layers:
             x = layer(
                 x, ctx, valid=valid, memory=memory, cross_ctx=cross_ctx, memory_valid=memory_valid
             )
         return self.ln_f(x)
 
+
+    def _cross_context(
+        self, positions: Tensor, memory: Tensor | None, starts: tuple[int, int] | None, bound: int
+    ) -> AttentionContext | None:
+        """Decoder queries over the encoder output at ``0 .. S-1`` (None: no memory)."""
+        if memory is None:
+            return None
+        k0 = None if starts is None else (starts[0], 0)
+        return self.encoder.context(positions, positions_like(memory), AttnKind.CROSS,
+                                    starts=k0, bound=max(bound, memory.shape[1]))
 
     def _cached(
         self, x: Tensor, cache: KVCache, *, memory: Tensor | None, memory_valid: Tensor | None
@@ -187,12 +190,7 @@ class Stack(nn.Module):
         positions = k_pos[:, o:]
         x = self.drop(self.encoder.embed(x, positions))
         ctx = self.encoder.context(positions, k_pos, self.kind, starts=starts, bound=o + t)
-        cross_ctx = None
-        if memory is not None:
-            cross_ctx = self.encoder.context(
-                positions, positions_like(memory), AttnKind.CROSS,
-                starts=None if starts is None else (o, 0), bound=max(o + t, memory.shape[1]),
-            )
+        cross_ctx = self._cross_context(positions, memory, starts, o + t)
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x = layer(x, ctx, valid=valid, memory=memory, cross_ctx=cross_ctx,
                       memory_valid=memory_valid, cache=layer_cache)
@@ -431,7 +429,6 @@ class EncoderDecoder(nn.Module):
         *,
         src_valid: Tensor | None = None,
         tgt_positions: Tensor | None = None,
-        src_positions: Tensor | None = None,
         cache: KVCache | None = None,
     ) -> Tensor:
         """Next-token logits ``(B, T, V)`` for decoder input ids ``(B, T)``; with a
@@ -440,7 +437,6 @@ class EncoderDecoder(nn.Module):
             self.tgt_embed(tgt_in),
             tgt_positions,
             memory=memory,
-            memory_positions=src_positions,
             memory_valid=src_valid,
             cache=cache,
         )

@@ -15,7 +15,6 @@ from posenc.encoders import build
 from posenc.encoders.base import AttnKind
 from posenc.model import DecoderLM, EncoderDecoder
 from posenc.model.attention import Attention
-from posenc.model.backends import dense_score_mod
 from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS
 
 H, D = 4, 8
@@ -46,6 +45,14 @@ def _positions(t: int, s: int, q0: int | None, k0: int | None):  # noqa: ANN202
     return torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None], (q0, k0)
 
 
+def dense_score_mod(score_mod, shape: tuple[int, int, int, int]) -> torch.Tensor:  # noqa: ANN001
+    """A ``score_mod``'s term for every ``(b, h, q_idx, kv_idx)`` of ``shape``, by
+    broadcasting index tensors through it."""
+    idx = [torch.arange(n).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate(shape)]
+    return score_mod(torch.zeros(()), *idx).expand(shape)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_eager_flex() -> None:
     warnings.filterwarnings("ignore", message=".*flex_attention.*")
@@ -66,7 +73,7 @@ def test_score_mod_is_the_score_term(name: str, kind: AttnKind, case: tuple) -> 
     q, k = torch.randn(b, H, t, D), torch.randn(b, H, k_pos.shape[-1], D)
     with torch.no_grad():
         ref = hook.score_bias(q, k, ctx).expand(b, H, t, k.shape[-2])
-        got = dense_score_mod(hook.score_mod(q, k, ctx), ref.shape, q.device)
+        got = dense_score_mod(hook.score_mod(q, k, ctx), ref.shape)
     keep = torch.ones_like(ref, dtype=torch.bool)
     if kind is AttnKind.CAUSAL:
         keep = (ctx.rel() >= 0)[:, None].expand_as(ref)
