@@ -3,7 +3,9 @@
 import hydra
 from omegaconf import DictConfig
 
-from posenc.cli import run_job
+from posenc.cli import register_resolvers, run_job
+
+register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

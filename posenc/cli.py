@@ -5,19 +5,32 @@ on with the next job; a single run raises as usual (non-zero exit).
 """
 
 import logging
+import os
+import secrets
 import traceback
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from pytorch_lightning.accelerators import CUDAAccelerator
 
 from posenc.runner import write_json_atomic
 from posenc.train import train
 
 log = logging.getLogger("posenc.run")
+
+
+#: This process's run-directory suffix: runs started in the same second (a shell loop, a
+#: scheduler array) get directories of their own.
+RUN_ID = f"{os.getpid() % 0x10000:04x}{secrets.token_hex(2)}"
+
+
+def register_resolvers() -> None:
+    """``${posenc_uid:}`` in ``conf/config.yaml``'s run and sweep directories."""
+    if not OmegaConf.has_resolver("posenc_uid"):
+        OmegaConf.register_new_resolver("posenc_uid", lambda: RUN_ID, use_cache=True)
 
 
 def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path:

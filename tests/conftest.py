@@ -10,6 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from posenc.cli import register_resolvers
 from posenc.encoders.base import AttentionContext, AttnKind, PositionalEncoder
 from posenc.model.attention import Attention
 
@@ -24,6 +25,8 @@ RELATIVE_BELOW_THRESHOLD = ("fire",)
 CAUSAL_ONLY = ("xpos",)
 #: The encoders a translation model (bidirectional encoder stack) can use.
 BIDIRECTIONAL_YAMLS = [n for n in ENCODER_YAMLS if n not in CAUSAL_ONLY]
+
+register_resolvers()  # ${posenc_uid:} in the run directories, as run.py registers it
 
 # Tests and CI read the shared datasets instead of downloading them.
 os.environ.setdefault("POSENC_DATA_DIR", str(ROOT.parent / "shared" / "data"))

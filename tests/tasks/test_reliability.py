@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,3 +123,20 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path: Path) -> No
     resumed = json.loads((killed / "metrics.json").read_text())
     assert resumed["train_steps"] == 200
     assert resumed["metrics"] == pytest.approx(_metrics(whole), rel=1e-6)
+
+
+def test_runs_started_together_keep_their_own_directories(tmp_path: Path) -> None:
+    """Two runs with the same overrides started in the same second (a shell loop, a
+    scheduler array) write two run directories, each with its own results."""
+    cmd = [sys.executable, str(ROOT / "run.py"), *TINY, "encoder=rope",
+           f"paths.cache_dir={tmp_path / 'cache'}"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    runs = sorted((tmp_path / "outputs" / "lm" / "rope").iterdir())
+    assert len(runs) == 2, runs
+    for run in runs:
+        assert (run / "metrics.json").is_file()
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_seed0_[0-9a-f]{8}", run.name)
