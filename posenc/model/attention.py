@@ -140,27 +140,25 @@ class Attention(nn.Module):
             k, v = cache.cross
             return self._merge(self._attend(q, k, v, ctx, key_valid, shift=k.shape[-2] - t))
         k_new = self._heads(x, self.k_proj)
-        raw = k_new if cache.raw is None else torch.cat((cache.raw, k_new), dim=2)  # (B,H,S,D)
         v = self._heads(x, self.v_proj)
-        v = v if cache.values is None else torch.cat((cache.values, v), dim=2)
-        if ctx.stable_keys and (cache.raw is None or cache.keys is not None):
+        v = v if cache.values is None else torch.cat((cache.values, v), dim=2)  # (B,H,S,D)
+        if ctx.stable_keys and (cache.values is None or cache.keys is not None):
             # new keys transformed once, at their own positions
             q_t, k_t = self.pos.transform_qk(q, k_new, ctx.tail_keys(t))
-            if k_t is not k_new:
-                k_t = k_t if cache.keys is None else torch.cat((cache.keys, k_t), dim=2)
-            elif cache.keys is None or cache.keys is cache.raw:
-                k_t = raw  # the scheme leaves keys alone: one tensor serves both
-            else:
-                k_t = torch.cat((cache.keys, k_t), dim=2)
-            cache.keys = k_t
-        else:  # the key transform depends on the pass: all keys again
-            q_t, k_t = self.pos.transform_qk(q, raw, ctx)
-            cache.keys = None
-        cache.raw, cache.values = raw, v
+            keys = k_t if cache.keys is None else torch.cat((cache.keys, k_t), dim=2)
+            raw = keys  # what score terms read: the same unless the transform moved keys
+            if k_t is not k_new and self.pos.adds_scores:
+                raw = k_new if cache.raw is None else torch.cat((cache.raw, k_new), dim=2)
+            cache.keys, cache.raw = keys, (None if raw is keys else raw)
+        else:  # the key transform depends on the pass: all keys again, from projected ones
+            raw = k_new if cache.raw is None else torch.cat((cache.raw, k_new), dim=2)
+            q_t, keys = self.pos.transform_qk(q, raw, ctx)
+            cache.keys, cache.raw = None, raw
+        cache.values = v
         s = raw.shape[-2]
         p_drop = self.dropout if self.training else 0.0
         out = attend(self.pos, q, raw, v, ctx, key_valid=key_valid, shift=s - t, p_drop=p_drop,
-                     backend=self.backend, transformed=(q_t, k_t))
+                     backend=self.backend, transformed=(q_t, keys))
         return self._merge(out)
 
     def _merge(self, out: Tensor) -> Tensor:

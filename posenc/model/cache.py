@@ -20,9 +20,10 @@ from torch import Tensor
 
 @dataclass
 class LayerCache:
-    """One layer's cached ``(B, H, S, D)`` tensors (None before the first step): projected
-    keys ``raw``, ``keys`` as the content score uses them (``raw`` itself when the scheme
-    leaves keys alone; None when transformed anew each step), ``values``, and the
+    """One layer's cached ``(B, H, S, D)`` tensors (None before the first step): ``keys``
+    as the content score uses them (None when they are transformed anew each step),
+    projected keys ``raw`` (kept only when needed: for a new transform each step, or
+    for score terms of a scheme that also moves keys), ``values``, and the
     cross-attention keys and values of the encoder output."""
 
     raw: Tensor | None = None
