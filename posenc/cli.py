@@ -7,6 +7,8 @@ on with the next job; a single run raises as usual (non-zero exit).
 import logging
 import os
 import secrets
+import signal
+import sys
 import traceback
 from pathlib import Path
 
@@ -15,7 +17,10 @@ from hydra.types import RunMode
 from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from pytorch_lightning.accelerators import CUDAAccelerator
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from posenc import stop
+from posenc.errors import UserError
 from posenc.runner import write_json_atomic
 from posenc.train import train
 
@@ -113,16 +118,66 @@ def check_ddp_in_multirun(cfg: DictConfig) -> None:
         )
 
 
+class Terminated(SystemExit):
+    """SIGTERM arrived outside training (data loading, evaluation, decoding)."""
+
+    def __init__(self) -> None:
+        super().__init__(TERMINATED)
+
+
+#: Exit status after SIGTERM, as a shell reports a process ended by it (128 + 15).
+TERMINATED = 128 + signal.SIGTERM
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM: long loops outside Lightning (decoding) stop at their next step; with no
+    trainer running (whose own handler then stops between two steps) stop right here."""
+    stop.request_stop()
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        raise Terminated()
+
+
+def _terminated(cfg: DictConfig) -> None:
+    """Say where the run stopped and how to continue it, then exit with status 143."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    overrides = " ".join(o for o in HydraConfig.get().overrides.task
+                         if not o.startswith(("hydra.run.dir=", "resume=")))
+    if last.exists():
+        print(f"stopped by SIGTERM; progress is saved in {last}. Continue with:\n  python "
+              f"run.py {overrides} hydra.run.dir={run_dir} resume=true", file=sys.stderr)
+    else:
+        print(f"stopped by SIGTERM before any checkpoint was saved in {run_dir}",
+              file=sys.stderr)
+    sys.exit(TERMINATED)
+
+
 def run_job(cfg: DictConfig) -> None:
-    """Train and evaluate one job; inside a multirun, record a failure and go on."""
+    """Train and evaluate one job; inside a multirun, record a failure and go on.
+
+    A single run with bad input (:class:`~posenc.errors.UserError`) prints the message
+    alone, without a traceback, and exits with status 2.
+    """
+    signal.signal(signal.SIGTERM, _on_sigterm)
     if HydraConfig.get().mode != RunMode.MULTIRUN:
-        train(cfg)
+        try:
+            train(cfg)
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+        except (SIGTERMException, Terminated, stop.StopRequested):
+            _terminated(cfg)
         return
     try:
         check_ddp_in_multirun(cfg)
         train(cfg)
+    except (SIGTERMException, Terminated, stop.StopRequested):
+        _terminated(cfg)  # the scheduler stops the sweep: the other jobs end too
     except Exception as err:
         # One bad job must not end the sweep. Exception, not BaseException: Ctrl-C
         # (KeyboardInterrupt) still stops the whole sweep.
         path = record_failure(err, Path(HydraConfig.get().runtime.output_dir), cfg.get("seed"))
-        log.exception("job failed (%s: %s); details in %s", type(err).__name__, err, path)
+        if isinstance(err, UserError):  # bad input: the message says it all
+            log.error("job refused: %s (recorded in %s)", err, path)
+        else:
+            log.exception("job failed (%s: %s); details in %s", type(err).__name__, err, path)

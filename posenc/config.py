@@ -16,8 +16,10 @@ import pytorch_lightning as pl
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from posenc.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config value is wrong; the message lists every problem found."""
 
 
@@ -69,7 +71,15 @@ def validate(cfg: DictConfig) -> None:
     if not problems:
         _try_encoder(cfg, problems)
     if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+        raise ConfigError(problem_message(problems))
+
+
+def problem_message(problems: list[str]) -> str:
+    """``invalid config: <problem>`` for one problem; a count, then a line each, for more
+    (so the first line always says what is wrong, e.g. in the sweep report)."""
+    if len(problems) == 1:
+        return f"invalid config: {problems[0]}"
+    return f"invalid config ({len(problems)} problems):\n  " + "\n  ".join(problems)
 
 
 LM_TASK_KEYS = ["name", "seq_len", "batch_size", "eval_batch_size", "optim", "eval"]

@@ -13,10 +13,14 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from hydra.utils import get_class, instantiate
+from lightning_fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from posenc import checkpoints
+from posenc.errors import RunDirError
 from posenc.tasks.callbacks import Throughput
 
 log = logging.getLogger(__name__)
@@ -52,28 +56,57 @@ def guard_run_dir(run_dir: Path, resuming: bool) -> None:
         resuming: The run continues from a checkpoint of this directory.
 
     Raises:
-        FileExistsError: The directory holds another run's results.
+        RunDirError: The directory holds another run's results.
     """
     if (run_dir / "metrics.json").exists():
-        raise FileExistsError(
+        raise RunDirError(
             f"run directory {run_dir} already holds a finished run's metrics.json; posenc "
             f"never overwrites results. Pick another hydra.run.dir."
         )
     if not resuming and (run_dir / "checkpoints").exists():
-        raise FileExistsError(
+        raise RunDirError(
             f"run directory {run_dir} already holds checkpoints from another run; posenc "
             f"never overwrites results. Pick another hydra.run.dir, or add resume=true to "
             f"continue that run."
         )
 
 
-class RngState(pl.Callback):
-    """Keeps the torch RNG state in checkpoints, so a resumed run draws the same
-    dropout masks as an uninterrupted one."""
+class RunState(pl.Callback):
+    """What posenc keeps in every checkpoint besides Lightning's own state:
+
+    - the run's config and tokenizer fingerprint (:func:`posenc.checkpoints.record`), so a
+      checkpoint is checked against the config that loads it;
+    - the torch RNG state, so a resumed run draws the same dropout masks as an
+      uninterrupted one;
+    - the last validation metrics, so ``metrics.json`` keeps them when a finished run is
+      resumed only to redo its final evaluation.
+
+    Args:
+        record: :func:`posenc.checkpoints.record` of this run.
+    """
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
+        self.val: dict[str, float] = {}
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.val = {k: float(v) for k, v in trainer.callback_metrics.items()
+                        if k.startswith("val/")}
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        # SIGTERM (a scheduler's preemption or time limit): Lightning stops between two
+        # steps; keep the progress up to here for resume=true.
+        if isinstance(exception, SIGTERMException) and trainer.training:
+            path = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+            trainer.save_checkpoint(path)
+            log.warning("SIGTERM at step %d: saved %s", trainer.global_step, path)
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        checkpoint["posenc"] = {**self.record, "val": self.val}
         checkpoint["posenc_rng"] = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             checkpoint["posenc_rng"]["cuda"] = torch.cuda.get_rng_state_all()
@@ -81,6 +114,10 @@ class RngState(pl.Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        fingerprint = self.record.get("tokenizer")
+        if fingerprint is not None:
+            checkpoints.check_tokenizer(str(trainer.ckpt_path), checkpoint, fingerprint)
+        self.val = dict((checkpoint.get("posenc") or {}).get("val") or {}) or self.val
         state = checkpoint.get("posenc_rng")
         if state is None:
             return
@@ -89,12 +126,24 @@ class RngState(pl.Callback):
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput) -> pl.Trainer:
+def run_state(trainer: pl.Trainer) -> RunState:
+    """The trainer's :class:`RunState` callback."""
+    return next(c for c in trainer.callbacks if isinstance(c, RunState))
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
+                  tokenizer: str | None = None) -> pl.Trainer:
     """Lightning Trainer from ``cfg.trainer`` plus posenc's logger and callbacks.
 
-    Checkpoints (written atomically by Lightning): ``best.ckpt`` by the task's
-    ``monitor`` metric at each validation, and ``last.ckpt`` every
-    ``checkpoint_every_n_steps`` steps, for resuming.
+    Checkpoints (:mod:`posenc.checkpoints`: atomic, checksummed, replaced in place):
+    ``best.ckpt`` by the task's ``monitor`` metric at each validation, and ``last.ckpt``
+    every ``checkpoint_every_n_steps`` steps and at the end of training, for resuming.
+
+    Args:
+        cfg: The run's config.
+        run_dir: The run directory.
+        throughput: The throughput callback the job reads.
+        tokenizer: The tokenizer's fingerprint, recorded in every checkpoint.
     """
     logger = TensorBoardLogger(
         save_dir=str(run_dir), name="tb", version="", default_hp_metric=False
@@ -107,22 +156,35 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput) -> pl.
             monitor=cfg.task.get("monitor", "val/loss"),
             mode=cfg.task.get("monitor_mode", "min"),
             save_top_k=1,
+            enable_version_counter=False,
         ),
         ModelCheckpoint(
             dirpath=ckpt_dir,
             save_last=True,
             save_top_k=0,
             every_n_train_steps=cfg.checkpoint_every_n_steps,
+            enable_version_counter=False,
         ),
         LearningRateMonitor(logging_interval="step"),
-        RngState(),
+        RunState(checkpoints.record(cfg, tokenizer)),
         throughput,
     ]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar())
+    plugins: list[Any] = [checkpoints.VerifiedCheckpointIO()]
+    if SLURMEnvironment.detect():
+        # SIGUSR1 before the time limit: Lightning saves a checkpoint and requeues the job.
+        plugins.append(SLURMEnvironment(auto_requeue=True))
     return instantiate(
-        cfg.trainer, logger=logger, callbacks=callbacks, default_root_dir=str(run_dir)
+        cfg.trainer, logger=logger, callbacks=callbacks, default_root_dir=str(run_dir),
+        plugins=plugins,
     )
+
+
+def save_last(trainer: pl.Trainer, run_dir: Path) -> None:
+    """``last.ckpt`` at the end of training (after the final validation), so a run killed
+    during its final evaluation resumes straight to it with every metric."""
+    trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
 
 
 def group_choice(cfg: DictConfig, group: str) -> str:
@@ -145,13 +207,24 @@ def log_hparams(trainer: pl.Trainer, hparams: dict[str, Any], metrics: dict[str,
 
 
 def load_for_eval(
-    task_cls: type[pl.LightningModule], cfg: DictConfig, vocab_size: int
+    task_cls: type[pl.LightningModule], cfg: DictConfig, vocab_size: int,
+    tokenizer: str | None = None,
 ) -> pl.LightningModule:
     """The task stored in ``cfg.ckpt_path`` (for ``eval_only``), checked against the data.
 
+    Args:
+        task_cls: The task's LightningModule class.
+        cfg: The run's config.
+        vocab_size: The configured tokenizer's vocabulary size.
+        tokenizer: Its fingerprint; the checkpoint's must be the same.
+
     Raises:
+        CheckpointError: The file is damaged, or was trained with another tokenizer.
         ValueError: The checkpoint's vocabulary differs from the configured tokenizer's.
     """
+    ckpt = checkpoints.load(cfg.ckpt_path)
+    if tokenizer is not None:
+        checkpoints.check_tokenizer(str(cfg.ckpt_path), ckpt, tokenizer)
     task = task_cls.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
     if task.hparams.vocab_size != vocab_size:
         raise ValueError(
@@ -173,7 +246,7 @@ def init_from_checkpoint(task: pl.LightningModule, path: str) -> None:
         ValueError: The checkpoint's model does not match this run's (sizes, vocabulary,
             or an encoder with other parameters); loading is strict.
     """
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = checkpoints.load(path)
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
              if k.startswith("model.")}
     try:

@@ -4,17 +4,40 @@ the task's job (fit, then evaluate beyond the training length)."""
 from __future__ import annotations
 
 import importlib
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from posenc import checkpoints
 from posenc.config import validate
 from posenc.runner import guard_run_dir, resume_checkpoint
 
 #: task name -> module with ``run(cfg, run_dir) -> dict`` (imported on demand).
+log = logging.getLogger(__name__)
+
 TASKS = {"lm": "posenc.tasks.lm_job", "mt": "posenc.tasks.mt_job"}
+
+
+def check_checkpoint(cfg: DictConfig) -> None:
+    """Before any data is loaded: ``cfg.ckpt_path`` is a whole checkpoint of a model that
+    fits the config (:func:`posenc.checkpoints.check_config`). Under ``eval_only``,
+    training settings that differ from the checkpoint's have no effect: they are reported,
+    and the config (hence ``metrics.json``) takes the checkpoint's values.
+    """
+    path = str(cfg.ckpt_path)
+    ckpt = checkpoints.load(path)
+    ignored = checkpoints.check_config(path, ckpt, cfg, resume=not cfg.eval_only)
+    if ignored:
+        log.warning(
+            "eval_only: these settings differ from the checkpoint's and have no effect on "
+            "an evaluation; metrics.json records the checkpoint's values:\n  %s",
+            "\n  ".join(f"{k}: checkpoint {a!r}, config {b!r}" for k, (a, b) in ignored.items()))
+        for key, (saved, _) in ignored.items():
+            if saved != "<unset>":
+                OmegaConf.update(cfg, key, saved, force_add=True)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -34,6 +57,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     guard_run_dir(run_dir, resuming=own)
     if ckpt and not cfg.eval_only:
         cfg.ckpt_path = ckpt  # the job continues fitting from here
+    if cfg.ckpt_path:
+        check_checkpoint(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     if cfg.task.name not in TASKS:
         raise ValueError(f"task.name={cfg.task.name!r}: allowed {', '.join(TASKS)}")

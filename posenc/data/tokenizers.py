@@ -425,17 +425,18 @@ def build_tokenizer(
 
     if kind == "char":
         path = cache_dir / f"{key}.json"
-        if path.exists():
+        if _cached(path):
             try:
                 return CharTokenizer.load(path)
             except ValueError as err:
                 log.warning("rebuilding corrupt cached char tokenizer %s: %s", path, err)
         tok = CharTokenizer.from_texts(texts)
         tok.save(path)
+        _write_checksum(path)
         return tok
 
     path = cache_dir / f"{key}.model"
-    if path.exists():
+    if _cached(path):
         try:
             sp_tok = SentencePieceTokenizer(path)
         except ValueError as err:
@@ -449,4 +450,55 @@ def build_tokenizer(
                 sp_tok.vocab_size,
                 resolved["vocab_size"],
             )
-    return SentencePieceTokenizer.train(texts, path, model_type=kind, **resolved)
+    sp_tok = SentencePieceTokenizer.train(texts, path, model_type=kind, **resolved)
+    _write_checksum(path)
+    return sp_tok
+
+
+def _checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_checksum(path: Path) -> None:
+    _atomic_write_text(_checksum_path(path), _sha256(path) + "\n")
+
+
+def _cached(path: Path) -> bool:
+    """Whether the cached tokenizer ``path`` can be used: it exists with the checksum
+    written beside it. One without a checksum (an older posenc's) is rebuilt.
+
+    Raises:
+        CacheError: The file changed since posenc wrote it.
+    """
+    from posenc.errors import CacheError
+
+    if not path.exists():
+        return False
+    check = _checksum_path(path)
+    if not check.exists():
+        log.info("cached tokenizer %s has no checksum beside it: rebuilding it", path)
+        return False
+    expected = check.read_text().strip()
+    if _sha256(path) != expected:
+        raise CacheError(
+            f"cached tokenizer {path} changed since posenc wrote it (its sha256 differs from "
+            f"{check.name}). Token ids from it would not be the ones the data was trained on. "
+            f"Delete {path} and {check} to rebuild it."
+        )
+    return True
+
+
+def fingerprint(tok: Tokenizer) -> str:
+    """sha256 of a tokenizer's vocabulary: equal fingerprints encode text identically.
+    Checkpoints store it, so a model is never run with another tokenizer's ids."""
+    if isinstance(tok, CharTokenizer):
+        data = json.dumps(tok.chars, ensure_ascii=False).encode()
+    elif isinstance(tok, SentencePieceTokenizer):
+        data = tok._sp.serialized_model_proto()
+    else:
+        raise TypeError(f"no fingerprint for tokenizer type {type(tok).__name__}")
+    return hashlib.sha256(data).hexdigest()

@@ -17,6 +17,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from posenc.config import eval_lengths
 from posenc.data.lm import LMDataModule
 from posenc.data.samplers import ShardSampler
+from posenc.data.tokenizers import fingerprint
 from posenc.eval.lengths import (
     PROTOCOLS,
     loss_by_position_figure,
@@ -30,6 +31,8 @@ from posenc.runner import (
     init_from_checkpoint,
     load_for_eval,
     log_hparams,
+    run_state,
+    save_last,
     write_json_atomic,
 )
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
@@ -73,11 +76,11 @@ def lm_datamodule(cfg: DictConfig) -> LMDataModule:
     )
 
 
-def lm_task(cfg: DictConfig, vocab_size: int) -> LMTask:
+def lm_task(cfg: DictConfig, vocab_size: int, tokenizer: str | None = None) -> LMTask:
     """A new task (with ``init_from``'s weights, if set), or the one stored in
-    ``cfg.ckpt_path`` for ``eval_only``."""
+    ``cfg.ckpt_path`` for ``eval_only`` (checked against the tokenizer's fingerprint)."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
-        task = load_for_eval(LMTask, cfg, vocab_size)
+        task = load_for_eval(LMTask, cfg, vocab_size, tokenizer)
         trained = task.hparams.seq_len
         if cfg.task.eval.get("context_extension") and trained != cfg.task.seq_len:
             log.warning(
@@ -102,15 +105,17 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Language modeling: fit, then perplexity at every evaluation length and protocol."""
     dm = lm_datamodule(cfg)
     dm.setup("fit")
-    task = lm_task(cfg, dm.vocab_size)
+    tokenizer = fingerprint(dm.tokenizer)
+    task = lm_task(cfg, dm.vocab_size, tokenizer)
     throughput = Throughput()
-    trainer = build_trainer(cfg, run_dir, throughput)
+    trainer = build_trainer(cfg, run_dir, throughput, tokenizer)
     t0 = time.perf_counter()
     if not cfg.eval_only:
         trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
+        save_last(trainer, run_dir)
     train_time = time.perf_counter() - t0
-    # trainer.test() replaces callback_metrics: keep the last validation now.
-    val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    # The last validation (kept in checkpoints, so a resumed finished run has it too).
+    val = dict(run_state(trainer).val)
 
     # Evaluation beyond the training context: one loader per (split, length, protocol,
     # context-extension method).

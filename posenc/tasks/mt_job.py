@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.data.mt import MTDataModule, restore_order
+from posenc.data.tokenizers import fingerprint
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.eval.lengths import plt  # the Agg backend is selected there
 from posenc.runner import (
@@ -26,6 +27,8 @@ from posenc.runner import (
     init_from_checkpoint,
     load_for_eval,
     log_hparams,
+    run_state,
+    save_last,
     write_json_atomic,
 )
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
@@ -50,11 +53,11 @@ def mt_datamodule(cfg: DictConfig) -> MTDataModule:
     )
 
 
-def mt_task(cfg: DictConfig, dm: MTDataModule) -> MTTask:
+def mt_task(cfg: DictConfig, dm: MTDataModule, tokenizer: str | None = None) -> MTTask:
     """A new task (with ``init_from``'s weights, if set), or the one stored in
-    ``cfg.ckpt_path`` for ``eval_only``."""
+    ``cfg.ckpt_path`` for ``eval_only`` (checked against the tokenizer's fingerprint)."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
-        return load_for_eval(MTTask, cfg, dm.vocab_size)
+        return load_for_eval(MTTask, cfg, dm.vocab_size, tokenizer)
     t = cfg.task
     task = MTTask(
         vocab_size=dm.vocab_size,
@@ -86,15 +89,17 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             f"task.eval_split={split!r}: {err} Give the corpus a {split} split (e.g. "
             f"data.source.test_src/test_tgt) or set task.eval_split=val."
         ) from err
-    task = mt_task(cfg, dm)
+    tokenizer = fingerprint(dm.tokenizer)
+    task = mt_task(cfg, dm, tokenizer)
     throughput = Throughput(key="tgt_in")  # target tokens (with padding) per second
-    trainer = build_trainer(cfg, run_dir, throughput)
+    trainer = build_trainer(cfg, run_dir, throughput, tokenizer)
     t0 = time.perf_counter()
     if not cfg.eval_only:
         trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
+        save_last(trainer, run_dir)
     train_time = time.perf_counter() - t0
-    # trainer.test() replaces callback_metrics: keep the last validation now.
-    val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    # The last validation (kept in checkpoints, so a resumed finished run has it too).
+    val = dict(run_state(trainer).val)
 
     d = cfg.task.decode
     task.configure_test(

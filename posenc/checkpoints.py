@@ -1,0 +1,281 @@
+"""Checkpoints posenc can trust: written atomically, checksummed, and checked against the
+config before a run uses them.
+
+- **Atomic, one file per role.** Every checkpoint is written to a temporary file and moved
+  into place, so ``best.ckpt`` and ``last.ckpt`` are always whole files, replaced in place
+  (never ``best-v1.ckpt`` beside a stale ``best.ckpt``).
+- **Checksummed.** ``checkpoints/checksums.json`` holds the sha256 of each checkpoint posenc
+  wrote. A checkpoint that no longer matches (a damaged disk, a file edited or cut off) is
+  refused on load with the file named. Across a replacement the manifest lists the old and
+  the new digest, so a kill at any moment leaves a file that verifies.
+- **Checked against the config.** Each checkpoint records the config of its run
+  (:func:`record`): ``eval_only`` refuses a checkpoint whose model (task, encoder, model
+  sizes, tokenizer) differs from the config, ``resume`` refuses any difference except keys
+  that may change when a run continues (:data:`RESUME_MAY_CHANGE`).
+- **Failed saves stop the run** with the path and the cause, instead of training on and
+  losing the result at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from omegaconf import DictConfig, OmegaConf
+
+from posenc.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "checksums.json"
+
+#: Config keys (dotted prefixes) that ``resume=true`` may change: how long to train, how
+#: and where to evaluate, hardware and speed settings. Anything else would be silently
+#: overridden by the checkpoint's optimiser, schedule or weights, so it is refused.
+RESUME_MAY_CHANGE = (
+    "trainer.max_steps", "trainer.val_check_interval", "trainer.limit_val_batches",
+    "trainer.log_every_n_steps", "trainer.enable_progress_bar", "trainer.devices",
+    "trainer.accelerator", "trainer.strategy", "trainer.num_nodes", "trainer.deterministic",
+    "trainer.enable_model_summary", "task.eval", "task.eval_batch_size", "task.decode",
+    "task.eval_split", "task.eval_max_sentences", "task.samples", "task.val_bleu_sentences",
+    "checkpoint_every_n_steps", "paths", "resume", "ckpt_path", "eval_only", "init_from",
+    "model.compile", "model.score_budget_mib",
+)
+
+#: What defines the network a checkpoint holds: ``eval_only`` refuses differences here.
+MODEL_DEFINING = ("task.name", "encoder", "model", "tokenizer")
+#: Model keys that change speed, never the function computed.
+RUNTIME_ONLY = ("model.compile", "model.score_budget_mib")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _read_manifest(folder: Path) -> dict[str, list[str]]:
+    try:
+        data = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{folder / MANIFEST} is unreadable ({err}); it holds the checksums of the "
+            f"checkpoints beside it. Restore it, or delete it to load them unchecked."
+        ) from err
+    return {k: list(v) for k, v in data.items()}
+
+
+def _write_manifest(folder: Path, manifest: dict[str, list[str]]) -> None:
+    tmp = folder / f".{MANIFEST}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def save_atomic(checkpoint: dict[str, Any], path: Path) -> None:
+    """Write ``checkpoint`` to ``path`` through a temporary file and record its sha256.
+
+    Raises:
+        CheckpointError: The file could not be written (the path and the cause).
+    """
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(checkpoint, tmp)
+        digest = sha256_file(tmp)
+        manifest = _read_manifest(path.parent)
+        # Old and new digests while the file is replaced: a kill in between verifies.
+        manifest[path.name] = [digest, *manifest.get(path.name, [])[:1]]
+        _write_manifest(path.parent, manifest)
+        os.replace(tmp, path)
+        manifest[path.name] = [digest]
+        _write_manifest(path.parent, manifest)
+    except OSError as err:
+        with contextlib.suppress(OSError):  # the folder itself may be the problem
+            tmp.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"could not write checkpoint {path}: {err.strerror or err}. The run stops here "
+            f"so that no result is lost silently; free disk space or make "
+            f"{path.parent} writable, then continue with resume=true."
+        ) from err
+
+
+def verify(path: str | os.PathLike[str]) -> Path:
+    """Check that ``path`` is a whole checkpoint: present, not empty, and, if posenc wrote
+    it, unchanged since (its sha256 in the folder's ``checksums.json``).
+
+    Raises:
+        CheckpointError: What is wrong with the file, and what to do.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path}: no such file")
+    if path.stat().st_size == 0:
+        raise CheckpointError(
+            f"checkpoint {path} is empty (0 bytes): it was cut off while being written. "
+            f"Use another checkpoint of the run (best.ckpt or last.ckpt), or start afresh."
+        )
+    expected = _read_manifest(path.parent).get(path.name)
+    if expected:
+        found = sha256_file(path)
+        if found not in expected:
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: its sha256 {found[:16]}... differs from the "
+                f"{expected[0][:16]}... recorded when posenc wrote it ({path.parent / MANIFEST}"
+                f"). Resume from another checkpoint of the run, or start afresh."
+            )
+    return path
+
+
+def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A verified checkpoint's contents (tensors on the CPU).
+
+    Raises:
+        CheckpointError: The file is missing, damaged or not a checkpoint.
+    """
+    path = verify(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (EOFError, RuntimeError, OSError, ValueError, zipfile.BadZipFile,
+            __import__("pickle").UnpicklingError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{path} is not a readable posenc checkpoint ({type(err).__name__}: {first[:200]}"
+            f"). Give a .ckpt file written by posenc (<run dir>/checkpoints/last.ckpt or "
+            f"best.ckpt)."
+        ) from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"{path} is not a posenc checkpoint (no state_dict in it)")
+    return ckpt
+
+
+class VerifiedCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO with :func:`save_atomic` and :func:`verify`."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any | None = None) -> None:
+        save_atomic(checkpoint, Path(path))
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        verify(path)
+        try:
+            return super().load_checkpoint(path, map_location=map_location,
+                                           weights_only=weights_only)
+        except (EOFError, RuntimeError, zipfile.BadZipFile) as err:
+            raise CheckpointError(f"{path} is not a readable checkpoint: {err}") from None
+
+    def remove_checkpoint(self, path: Any) -> None:
+        super().remove_checkpoint(path)
+        path = Path(path)
+        manifest = _read_manifest(path.parent)
+        if manifest.pop(path.name, None) is not None:
+            _write_manifest(path.parent, manifest)
+
+
+# -- the config a checkpoint was trained with ------------------------------------------
+
+def record(cfg: DictConfig, tokenizer_fingerprint: str | None) -> dict[str, Any]:
+    """What a checkpoint stores of its run: the resolved config (without ``hydra``) and
+    the tokenizer's fingerprint."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config.pop("hydra", None)
+    return {"config": config, "tokenizer": tokenizer_fingerprint}
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out |= _flat(v, f"{prefix}{k}.")
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: tree}
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
+    """``{key: (checkpoint's value, config's value)}`` for every leaf that differs."""
+    now = OmegaConf.to_container(cfg, resolve=True)
+    now.pop("hydra", None)
+    a, b = _flat(saved), _flat(now)
+    missing = object()
+    return {k: (a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(a.keys() | b.keys())
+            if a.get(k, missing) != b.get(k, missing)}
+
+
+def _lines(diff: dict[str, tuple[Any, Any]]) -> str:
+    return "\n  ".join(f"{k}: checkpoint {v[0]!r}, config {v[1]!r}" for k, v in diff.items())
+
+
+def check_config(path: str, ckpt: dict[str, Any], cfg: DictConfig,
+                 resume: bool) -> dict[str, tuple[Any, Any]]:
+    """Refuse a checkpoint that does not fit ``cfg``.
+
+    Args:
+        path: The checkpoint's path (for messages).
+        ckpt: Its contents.
+        cfg: This run's config.
+        resume: Continue training (every key but :data:`RESUME_MAY_CHANGE` must match), or
+            evaluate (``eval_only``: the model-defining keys must match).
+
+    Returns:
+        For evaluation, the keys that differ but have no effect on it (training settings),
+        with both values: the caller reports them.
+
+    Raises:
+        CheckpointError: Lists each differing key with both values, and how to proceed.
+    """
+    saved = ckpt.get("posenc")
+    if not saved:
+        log.warning("%s predates posenc's config records: it is not checked against the "
+                    "config", path)
+        return {}
+    diff = {k: v for k, v in differences(saved["config"], cfg).items()
+            if not _under(k, RUNTIME_ONLY)}
+    if resume:
+        bad = {k: v for k, v in diff.items() if not _under(k, RESUME_MAY_CHANGE)}
+        if bad:
+            raise CheckpointError(
+                f"resume from {path}: the config differs from the run's in keys the "
+                f"checkpoint fixes (its weights, optimiser state and schedule would silently "
+                f"win):\n  {_lines(bad)}\nUse the run's values to continue it, or start a new "
+                f"run from its weights with init_from={path} (fresh optimiser and schedule)."
+            )
+        return {}
+    bad = {k: v for k, v in diff.items() if _under(k, MODEL_DEFINING)}
+    if bad:
+        raise CheckpointError(
+            f"eval_only with {path}: the checkpoint holds another model than the config "
+            f"describes:\n  {_lines(bad)}\nGive the settings it was trained with (they are "
+            f"in its run directory's .hydra/config.yaml)."
+        )
+    return {k: v for k, v in diff.items() if not _under(k, RESUME_MAY_CHANGE)}
+
+
+def check_tokenizer(path: str, ckpt: dict[str, Any], fingerprint: str) -> None:
+    """Refuse a checkpoint trained with another tokenizer than the configured one.
+
+    Raises:
+        CheckpointError: The fingerprints differ.
+    """
+    saved = (ckpt.get("posenc") or {}).get("tokenizer")
+    if saved is not None and saved != fingerprint:
+        raise CheckpointError(
+            f"{path} was trained with tokenizer {saved[:12]}, but the configured data and "
+            f"tokenizer give {fingerprint[:12]}: its token ids would mean other text. Use the "
+            f"data and tokenizer settings it was trained with."
+        )
