@@ -20,7 +20,7 @@ from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from posenc import stop
-from posenc.errors import UserError
+from posenc.errors import RunDirError, UserError
 from posenc.runner import write_json_atomic
 from posenc.train import train
 
@@ -52,7 +52,7 @@ def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path:
     hc = HydraConfig.get()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "error.json"
-    if (run_dir / "metrics.json").exists():
+    if isinstance(err, RunDirError) or (run_dir / "metrics.json").exists():
         # Another run's results are here (e.g. two sweeps started in the same second):
         # an error.json next to them would mislabel that run, so only the log says it.
         return run_dir / "run.log"

@@ -14,7 +14,7 @@ import pytorch_lightning as pl
 import torch
 from hydra.utils import get_class, instantiate
 from lightning_fabric.plugins.environments import SLURMEnvironment
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
@@ -69,6 +69,34 @@ def guard_run_dir(run_dir: Path, resuming: bool) -> None:
             f"never overwrites results. Pick another hydra.run.dir, or add resume=true to "
             f"continue that run."
         )
+
+
+def record_job(cfg: DictConfig, run_dir: Path) -> None:
+    """Hydra's job record (``.hydra/config.yaml``, ``hydra.yaml``, ``overrides.yaml``) and
+    the log file ``run.log``, written once :func:`guard_run_dir` has let this run use
+    ``run_dir`` (``conf/config.yaml`` turns Hydra's own early writes off), so a refused
+    run leaves another run's files as they were. Outside a Hydra run: nothing.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    record = run_dir / ".hydra"
+    record.mkdir(parents=True, exist_ok=True)
+    files = {"config.yaml": cfg, "hydra.yaml": OmegaConf.create({"hydra": hc}),
+             "overrides.yaml": hc.overrides.task}
+    for name, node in files.items():
+        tmp = record / f".{name}.tmp{os.getpid()}"
+        tmp.write_text(OmegaConf.to_yaml(node), encoding="utf-8")
+        os.replace(tmp, record / name)
+    root = logging.getLogger()
+    path = str(run_dir / f"{hc.job.name}.log")
+    if not any(getattr(h, "baseFilename", None) == path for h in root.handlers):
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter(
+            "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(handler)
 
 
 class RunState(pl.Callback):

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posenc import checkpoints
 from posenc.config import validate
-from posenc.runner import guard_run_dir, resume_checkpoint
+from posenc.runner import guard_run_dir, record_job, resume_checkpoint
 
 #: task name -> module with ``run(cfg, run_dir) -> dict`` (imported on demand).
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     ckpt = resume_checkpoint(cfg, run_dir)
     own = ckpt is not None and Path(ckpt).resolve().parent.parent == run_dir.resolve()
     guard_run_dir(run_dir, resuming=own)
+    record_job(cfg, run_dir)
     if ckpt and not cfg.eval_only:
         cfg.ckpt_path = ckpt  # the job continues fitting from here
     if cfg.ckpt_path:

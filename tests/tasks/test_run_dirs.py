@@ -1,0 +1,53 @@
+"""A refused run changes nothing of another run's files, and bad input in a real
+``run.py`` is one message with exit status 2, no traceback (#27 points 2 and 11)."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT, TINY
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    """Every file below ``folder`` with the sha256 of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _run(cwd: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *TINY, *overrides],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_a_refused_run_leaves_the_finished_runs_files_byte_identical(tmp_path: Path) -> None:
+    run = tmp_path / "finished"
+    cache = f"paths.cache_dir={tmp_path / 'cache'}"
+    done = _run(tmp_path, "encoder=rope", f"hydra.run.dir={run}", cache)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "run.log").is_file()
+    before = _snapshot(run)
+    ckpt = run / "checkpoints" / "best.ckpt"
+    for refused in (
+        _run(tmp_path, "encoder=alibi", "model.d_model=32", f"hydra.run.dir={run}", cache),
+        _run(tmp_path, "encoder=rope", "eval_only=true", f"ckpt_path={ckpt}",
+             f"hydra.run.dir={run}", cache),
+    ):
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert "never overwrites results" in refused.stderr
+        assert "Traceback" not in refused.stderr + refused.stdout
+    assert _snapshot(run) == before
+
+
+def test_bad_input_is_one_message_without_a_traceback(tmp_path: Path) -> None:
+    out = _run(tmp_path, "seed=-1", "task.seq_len=0")
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[:3] == [
+        "error: invalid config (2 problems):",
+        "  seed=-1: must be an integer >= 0",
+        "  task.seq_len=0: must be a positive integer",
+    ]
+    assert "Traceback" not in out.stderr + out.stdout
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.*"))
