@@ -100,6 +100,22 @@ def _hydra_record(d: Path) -> dict[str, Any]:
         return {}
 
 
+def _last_log_line(d: Path) -> str:
+    """How far a job without results got: the last line of its ``run.log``."""
+    try:
+        lines = (d / "run.log").read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "it wrote no run.log"
+    return f"last log line: {lines[-1].strip()[:300]}" if lines else "its run.log is empty"
+
+
+def _one_line(error: str) -> str:
+    """An error message on one table line: its lines joined (a config error's first line
+    is only a header), at most 500 characters."""
+    text = " ".join(line.strip() for line in error.strip().splitlines() if line.strip())
+    return text if len(text) <= 500 else text[:499] + "…"
+
+
 def collect(root: Path, exclude: Path | None = None) -> tuple[list[Run], list[Failure]]:
     """Finished runs and failures below ``root``.
 
@@ -119,8 +135,9 @@ def collect(root: Path, exclude: Path | None = None) -> tuple[list[Run], list[Fa
         metrics, error = d / "metrics.json", d / "error.json"
         source = metrics if metrics.exists() else error if error.exists() else None
         if source is None:
-            failures.append(Failure(d, "missing", "no metrics.json and no error.json: still "
-                                    "running, killed, or out of memory", **_hydra_record(d)))
+            failures.append(Failure(
+                d, "missing", "no metrics.json and no error.json: killed (e.g. by the OOM "
+                f"killer), or still running; {_last_log_line(d)}", **_hydra_record(d)))
             continue
         try:
             data = json.loads(source.read_text())
@@ -316,7 +333,7 @@ def markdown(root: Path, runs: Sequence[Run], failures: Sequence[Failure],
         out += _table(["run", "status", "task", "encoder", "seed", "error"],
                       ([_rel(f.dir, root), f.status, f.task, f.encoder,
                         "" if f.seed is None else f.seed,
-                        f.error.strip().splitlines()[0][:300] if f.error.strip() else ""]
+                        _one_line(f.error)]
                        for f in failures))
         out += [""]
     if not runs and not failures:

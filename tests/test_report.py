@@ -54,6 +54,8 @@ def sweep(tmp_path: Path) -> Path:
     missing = root / "7_lm_shaw"
     (missing / ".hydra").mkdir(parents=True)
     (missing / ".hydra" / "overrides.yaml").write_text("- encoder=shaw\n")
+    (missing / "run.log").write_text("[..][posenc][INFO] - tokenizer ready\n[..][lightning]"
+                                     "[INFO] - Epoch 0: step 40\n")
     (root / "8_lm_deberta").mkdir()
     (root / "8_lm_deberta" / "metrics.json").write_text('{"task": "lm", "metr')  # cut short
     return root
@@ -161,3 +163,20 @@ def test_summarize_and_order() -> None:
     assert sorted(names, key=metric_key) == [
         "test/bleu", "test/bleu@len10-20", "test/bleu@len30+", "test/ppl@128", "test/ppl@1024",
         "test/chrf", "test/ppl_sw@16", "val/loss"]
+
+
+def test_a_config_errors_problems_and_a_dead_jobs_last_log_line_are_in_the_table(
+        sweep: Path) -> None:
+    """The error column holds the whole message, not a header cut at its colon, and a job
+    that died without a word (SIGKILL, the OOM killer) is named with how far it got."""
+    (sweep / "6_lm_xl" / "error.json").write_text(json.dumps({
+        "error_type": "ConfigError", "task": "lm", "encoder": "xl", "seed": 0,
+        "message": "invalid config (2 problems):\n  seed=-1: must be an integer >= 0\n"
+                   "  task.seq_len=0: must be a positive integer"}))
+    build_report(sweep)
+    md = (sweep / "report" / "report.md").read_text()
+    assert ("ConfigError: invalid config (2 problems): seed=-1: must be an integer >= 0 "
+            "task.seq_len=0: must be a positive integer |") in md
+    assert ("| 7_lm_shaw | missing | ? | ? |  | no metrics.json and no error.json: killed"
+            " (e.g. by the OOM killer), or still running; last log line: [..][lightning][INFO]"
+            " - Epoch 0: step 40 |") in md
