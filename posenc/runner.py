@@ -48,16 +48,29 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
     return str(last) if cfg.get("resume", False) and last.exists() else None
 
 
-def guard_run_dir(run_dir: Path, resuming: bool) -> None:
-    """Refuse to write over another run's results.
+#: What a run writes into its directory before its first checkpoint.
+RUN_FILES = (".hydra", "run.log", "tb", "error.json")
+
+
+def guard_run_dir(run_dir: Path, resuming: bool, resume_requested: bool = False) -> None:
+    """Refuse to write over another run's results: a finished run's ``metrics.json``,
+    checkpoints (unless this run continues from them), and any other run's files
+    (:data:`RUN_FILES`) unless ``resume=true`` says the directory is this run's own.
+    Only the first process of a multi-process run checks: the others start after it.
 
     Args:
         run_dir: This run's directory.
         resuming: The run continues from a checkpoint of this directory.
+        resume_requested: ``resume=true`` was given (the directory may hold this run's
+            files from before a crash).
 
     Raises:
         RunDirError: The directory holds another run's results.
     """
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+    if getattr(rank_zero_only, "rank", 0) != 0:
+        return
     if (run_dir / "metrics.json").exists():
         raise RunDirError(
             f"run directory {run_dir} already holds a finished run's metrics.json; posenc "
@@ -68,6 +81,13 @@ def guard_run_dir(run_dir: Path, resuming: bool) -> None:
             f"run directory {run_dir} already holds checkpoints from another run; posenc "
             f"never overwrites results. Pick another hydra.run.dir, or add resume=true to "
             f"continue that run."
+        )
+    found = sorted(name for name in RUN_FILES if (run_dir / name).exists())
+    if found and not (resuming or resume_requested):
+        raise RunDirError(
+            f"run directory {run_dir} already holds another run's files ({', '.join(found)})"
+            f"; posenc never overwrites results. Pick another hydra.run.dir, or add "
+            f"resume=true to continue that run."
         )
 
 

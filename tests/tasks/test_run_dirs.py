@@ -8,7 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT, TINY
+import pytest
+
+from posenc.errors import RunDirError
+from posenc.runner import RUN_FILES
+from posenc.train import train
+from tests.conftest import ROOT, TINY, compose_run
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
@@ -51,3 +56,21 @@ def test_bad_input_is_one_message_without_a_traceback(tmp_path: Path) -> None:
     ]
     assert "Traceback" not in out.stderr + out.stdout
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.*"))
+
+
+@pytest.mark.parametrize("leftover", RUN_FILES)
+def test_a_directory_with_another_runs_files_is_refused_unless_resuming(
+        tmp_path: Path, leftover: str) -> None:
+    """A crashed run's directory (no checkpoint yet) is refused to a new run, and taken
+    by the same command with resume=true (it then starts afresh)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if "." in leftover[1:]:  # run.log, error.json
+        (run / leftover).write_text("from an earlier run\n")
+    else:  # .hydra, tb
+        (run / leftover).mkdir()
+    with pytest.raises(RunDirError, match=f"already holds another run's files \\({leftover}"):
+        train(compose_run(tmp_path, "encoder=none"))
+    out = train(compose_run(tmp_path, "encoder=none", "resume=true",
+                            "task.eval.multipliers=[1]"))
+    assert out["train_steps"] == 3
