@@ -5,6 +5,7 @@ on with the next job; a single run raises as usual (non-zero exit).
 """
 
 import logging
+import multiprocessing
 import os
 import secrets
 import signal
@@ -156,7 +157,9 @@ def run_job(cfg: DictConfig) -> None:
     """Train and evaluate one job; inside a multirun, record a failure and go on.
 
     A single run with bad input (:class:`~posenc.errors.UserError`) prints the message
-    alone, without a traceback, and exits with status 2.
+    alone, without a traceback, and exits with status 2. A job of a local multirun runs
+    in a process of its own (:func:`_isolated`), so a job killed from outside (the
+    out-of-memory killer, ``kill -9``) is recorded and the sweep goes on.
     """
     signal.signal(signal.SIGTERM, _on_sigterm)
     if HydraConfig.get().mode != RunMode.MULTIRUN:
@@ -168,6 +171,14 @@ def run_job(cfg: DictConfig) -> None:
         except (SIGTERMException, Terminated, stop.StopRequested):
             _terminated(cfg)
         return
+    if _isolate():
+        _isolated(cfg)
+    else:
+        _sweep_job(cfg)
+
+
+def _sweep_job(cfg: DictConfig) -> None:
+    """One multirun job in this process: a failure is recorded in ``error.json``."""
     try:
         check_ddp_in_multirun(cfg)
         train(cfg)
@@ -181,3 +192,39 @@ def run_job(cfg: DictConfig) -> None:
             log.error("job refused: %s (recorded in %s)", err, path)
         else:
             log.exception("job failed (%s: %s); details in %s", type(err).__name__, err, path)
+
+
+class JobKilled(Exception):
+    """A sweep job's process ended without recording a result (e.g. ``SIGKILL``)."""
+
+
+def _isolate() -> bool:
+    """Local launchers (basic, joblib) run jobs in the sweep's own processes: give each
+    job a process of its own. SLURM jobs are processes of their own already."""
+    target = str(HydraConfig.get().launcher.get("_target_", ""))
+    return "submitit" not in target and "fork" in multiprocessing.get_all_start_methods()
+
+
+def _isolated(cfg: DictConfig) -> None:
+    """Run :func:`_sweep_job` in a forked process and wait for it. A SIGTERM to this
+    process is passed on (the job saves ``last.ckpt``) and ends the sweep with 143; a job
+    killed by a signal is recorded in its ``error.json`` and the sweep goes on."""
+    proc = multiprocessing.get_context("fork").Process(target=_sweep_job, args=(cfg,))
+    proc.start()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.terminate())
+    try:
+        proc.join()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    code = proc.exitcode
+    if code == TERMINATED or code == -signal.SIGTERM:
+        _terminated(cfg)
+    if code == 0:
+        return
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    how = (f"killed by {signal.Signals(-code).name}" if code < 0
+           else f"ended with exit status {code}")
+    hint = " (SIGKILL: often the out-of-memory killer)" if code == -signal.SIGKILL else ""
+    err = JobKilled(f"the job's process was {how}{hint} before it recorded a result")
+    path = record_failure(err, run_dir, cfg.get("seed"))
+    log.error("job %s: %s; recorded in %s; the sweep goes on", run_dir.name, err, path)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -200,3 +202,51 @@ def test_slurm_launcher_renders_one_task_per_device(tmp_path: Path,
     for line in ("--ntasks-per-node=4", "--gpus-per-node=4", "--nodes=2", "--partition=gpu",
                  "--time=240", "--cpus-per-task=8", "--mem=32GB"):
         assert f"#SBATCH {line}\n" in sbatch, line
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_a_killed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    """SIGKILL of one job's process (as the out-of-memory killer does) in a local_parallel
+    sweep: the other jobs finish, the dead one gets an error.json saying how it ended,
+    and the report names it."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    from tests.conftest import TINY
+
+    tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check"))]
+    out = tmp_path / "multirun"
+    proc = subprocess.Popen(
+        [sys.executable, "run.py", "-m", "hydra/launcher=local_parallel", *tiny,
+         "encoder=none,rope,alibi", "trainer.max_steps=150", "trainer.val_check_interval=50",
+         f"hydra.sweep.dir={out}", f"paths.cache_dir={tmp_path / 'cache'}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Jobs run two at a time in joblib workers (children of the sweep), each job in a
+    # process of its own (a grandchild): kill one once training has begun.
+    victim, deadline = None, time.monotonic() + 240
+    while victim is None and proc.poll() is None and time.monotonic() < deadline:
+        jobs = [g for c in _children(proc.pid) for g in _children(c)]
+        if jobs and list(out.glob("*/tb")):
+            victim = jobs[0]
+        time.sleep(0.05)
+    assert victim is not None, "no job process found"
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    dirs = sorted(d for d in out.iterdir() if d.is_dir())
+    results = {d.name: [p.name for p in (d / "metrics.json", d / "error.json") if p.exists()]
+               for d in dirs}
+    assert sorted(map(tuple, results.values())) == [
+        ("error.json",), ("metrics.json",), ("metrics.json",)], results
+    dead = next(d for d in dirs if (d / "error.json").exists())
+    record = json.loads((dead / "error.json").read_text())
+    assert record["error_type"] == "JobKilled"
+    assert "killed by SIGKILL" in record["message"]
+    build_report(out)
+    report = (out / "report" / "report.md").read_text()
+    assert f"| {dead.name} | failed |" in report and "killed by SIGKILL" in report
