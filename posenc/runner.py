@@ -37,15 +37,21 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
     """The checkpoint to continue training from, if any.
 
     ``ckpt_path=...`` names one explicitly. ``resume=true`` continues from
-    ``<run dir>/checkpoints/last.ckpt`` when it exists and starts afresh otherwise, so the
-    same command (with a fixed ``hydra.run.dir``) works before and after a crash or kill.
+    ``<run dir>/checkpoints/last.ckpt`` (or from the newer checkpoint Lightning saved
+    before a SLURM requeue) when it exists and starts afresh otherwise, so the same command
+    (with a fixed ``hydra.run.dir``) works before and after a crash, kill or requeue.
     """
     if cfg.eval_only:
         return None
     if cfg.ckpt_path:
         return str(cfg.ckpt_path)
-    last = run_dir / "checkpoints" / "last.ckpt"
-    return str(last) if cfg.get("resume", False) and last.exists() else None
+    if not cfg.get("resume", False):
+        return None
+    # last.ckpt, or the checkpoint Lightning saved before a SLURM requeue (hpc_ckpt_N),
+    # whichever is newer.
+    found = [p for p in (run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt"))
+             if p.is_file()]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 
 #: What a run writes into its directory before its first checkpoint.

@@ -53,7 +53,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = resume_checkpoint(cfg, run_dir)
-    own = ckpt is not None and Path(ckpt).resolve().parent.parent == run_dir.resolve()
+    own = ckpt is not None and run_dir.resolve() in Path(ckpt).resolve().parents
     guard_run_dir(run_dir, resuming=own, resume_requested=bool(cfg.get("resume")))
     record_job(cfg, run_dir)
     if ckpt and not cfg.eval_only:

@@ -222,3 +222,22 @@ def test_a_finished_run_resumed_keeps_its_validation_metrics(tmp_path: Path) -> 
         assert again["metrics"][key] == pytest.approx(first["metrics"][key], rel=1e-9), key
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [
         "best.ckpt", "checksums.json", "last.ckpt"]
+
+
+def test_resume_takes_the_newer_of_last_and_a_slurm_requeue_checkpoint(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from posenc.runner import resume_checkpoint
+
+    cfg = OmegaConf.create({"eval_only": False, "ckpt_path": None, "resume": True})
+    assert resume_checkpoint(cfg, tmp_path) is None  # nothing yet: start afresh
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.parent.mkdir()
+    last.write_bytes(b"x")
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    hpc.write_bytes(b"x")
+    os.utime(last, (1e9, 1e9))
+    assert resume_checkpoint(cfg, tmp_path) == str(hpc)
+    os.utime(hpc, (1e8, 1e8))
+    assert resume_checkpoint(cfg, tmp_path) == str(last)
+    assert resume_checkpoint(OmegaConf.merge(cfg, {"resume": False}), tmp_path) is None
