@@ -1,9 +1,12 @@
 """posenc entry point: ``python run.py encoder=rope task=lm`` (see README.md)."""
 
+import sys
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
 
-from posenc.cli import register_resolvers, run_job
+from posenc.cli import misspelled_keys, register_resolvers, run_job
 
 register_resolvers()
 
@@ -14,4 +17,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    typos = misspelled_keys([a for a in sys.argv[1:] if not a.startswith("-")],
+                            Path(__file__).parent / "conf")
+    if typos:
+        print("error: " + "\n  ".join(["unknown keys:", *typos]), file=sys.stderr)
+        sys.exit(2)
     main()

@@ -4,6 +4,7 @@ In a multirun (``-m``) a failing job writes ``<run dir>/error.json`` and the swe
 on with the next job; a single run raises as usual (non-zero exit).
 """
 
+import difflib
 import logging
 import multiprocessing
 import os
@@ -37,6 +38,56 @@ def register_resolvers() -> None:
     """``${posenc_uid:}`` in ``conf/config.yaml``'s run and sweep directories."""
     if not OmegaConf.has_resolver("posenc_uid"):
         OmegaConf.register_new_resolver("posenc_uid", lambda: RUN_ID, use_cache=True)
+
+
+def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
+    """Overrides that set a key the composed config lacks, each with the nearest existing
+    key: Hydra would refuse them with "not in struct" and no suggestion.
+
+    The config is composed with the command's group choices (a sweep's first value of
+    each); anything this check cannot parse is left to Hydra.
+
+    Args:
+        overrides: The command line's overrides (``model.d_modle=3``).
+        config_dir: The ``conf/`` folder.
+
+    Returns:
+        One message per misspelled key (empty if none).
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(
+            [o for o in overrides if not o.startswith(("hydra/", "hydra."))])
+    except Exception:  # noqa: BLE001 - Hydra reports unparsable overrides itself
+        return []
+    groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
+    choices = []
+    for o in parsed:
+        if o.key_or_group in groups and o.type is OverrideType.CHANGE:
+            value = next(iter(o.sweep_iterator())) if o.is_sweep_override() else o.value()
+            choices.append(f"{o.key_or_group}={value}")
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            cfg = compose("config", overrides=choices)
+    except Exception:  # noqa: BLE001 - a bad choice: Hydra says which
+        return []
+    found = []
+    for o in parsed:
+        key = o.key_or_group
+        if o.type is not OverrideType.CHANGE or key in groups or "." not in key:
+            continue
+        parent, leaf = key.rsplit(".", 1)
+        node = OmegaConf.select(cfg, parent)
+        if not OmegaConf.is_dict(node) or leaf in node:
+            continue
+        keys = sorted(str(k) for k in node)
+        close = difflib.get_close_matches(leaf, keys, n=1)
+        hint = f"did you mean {parent}.{close[0]}?" if close else f"{parent} has {', '.join(keys)}"
+        found.append(f"{key}: no such key; {hint}")
+    return found
 
 
 def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path:

@@ -74,3 +74,23 @@ def test_a_directory_with_another_runs_files_is_refused_unless_resuming(
     out = train(compose_run(tmp_path, "encoder=none", "resume=true",
                             "task.eval.multipliers=[1]"))
     assert out["train_steps"] == 3
+
+
+def test_a_misspelled_key_gets_the_nearest_key(tmp_path: Path) -> None:
+    from posenc.cli import misspelled_keys
+
+    conf = ROOT / "conf"
+    assert misspelled_keys(["model.d_modle=64", "task=mt", "task.optim.lrr=1"], conf) == [
+        "model.d_modle: no such key; did you mean model.d_model?",
+        "task.optim.lrr: no such key; did you mean task.optim.lr?",
+    ]
+    # Sweeps take their first choice; a key of the chosen encoder is known.
+    assert misspelled_keys(["-m", "encoder=rope,alibi", "encoder.base=500", "seed=0,1"],
+                           conf) == []
+    assert misspelled_keys(["encoder=shaw", "encoder.max_distnce=4"], conf) == [
+        "encoder.max_distnce: no such key; did you mean encoder.max_distance?"]
+    # What Hydra itself reports better (bad syntax, unknown groups) is left to it.
+    assert misspelled_keys(["model.d_model=[", "encoder=nope"], conf) == []
+    out = _run(tmp_path, "model.d_modle=64")
+    assert out.returncode == 2 and "did you mean model.d_model?" in out.stderr
+    assert "Traceback" not in out.stderr
