@@ -4,6 +4,7 @@ In a multirun (``-m``) a failing job writes ``<run dir>/error.json`` and the swe
 on with the next job; a single run raises as usual (non-zero exit).
 """
 
+import contextlib
 import difflib
 import logging
 import multiprocessing
@@ -218,6 +219,8 @@ def run_job(cfg: DictConfig) -> None:
             train(cfg)
         except UserError as err:
             print(f"error: {err}", file=sys.stderr)
+            with contextlib.suppress(OSError):  # the run directory, if nothing is in it
+                Path(HydraConfig.get().runtime.output_dir).rmdir()
             sys.exit(2)
         except (SIGTERMException, Terminated, stop.StopRequested):
             _terminated(cfg)

@@ -19,6 +19,8 @@ import urllib.request
 import zlib
 from pathlib import Path
 
+from posenc.errors import UserError
+
 __all__ = [
     "FILES",
     "DataUnavailableError",
@@ -72,7 +74,7 @@ _CHUNK = 1 << 20
 _VERIFIED: set[tuple[str, int, int]] = set()
 
 
-class DataUnavailableError(FileNotFoundError):
+class DataUnavailableError(UserError, FileNotFoundError):
     """A data file is missing locally and could not be downloaded."""
 
 
