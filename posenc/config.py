@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytorch_lightning as pl
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from posenc import checks
 from posenc.errors import UserError
 
 
@@ -28,6 +30,19 @@ def _positive_int(problems: list[str], key: str, value: Any) -> None:
         problems.append(f"{key}={value!r}: must be a positive integer")
 
 
+def check_lm_batch(cfg: DictConfig, train_tokens: int, vocab_size: int) -> None:
+    """Refuse a training batch the loaded data or this machine cannot hold; run once the
+    data is tokenized, before the model and trainer are built (see
+    :func:`posenc.checks.lm_batch`).
+
+    Raises:
+        ConfigError: One line naming ``task.batch_size``, the limit and the fix.
+    """
+    problem = checks.lm_batch(cfg, train_tokens, vocab_size)
+    if problem:
+        raise ConfigError(problem)
+
+
 def eval_lengths(cfg: DictConfig) -> list[int]:
     """Absolute LM evaluation lengths: ``multiplier * seq_len``."""
     return [int(m * cfg.task.seq_len) for m in cfg.task.eval.multipliers]
@@ -36,40 +51,36 @@ def eval_lengths(cfg: DictConfig) -> list[int]:
 def validate(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem found in ``cfg``.
 
+    Each group of checks runs under :func:`posenc.checks.guarded`, so a value of a type no
+    check expected becomes a problem line naming its group, never a traceback.
+
     Args:
         cfg: The composed run config.
     """
     problems: list[str] = []
     missing = OmegaConf.missing_keys(cfg)
     problems += [f"{k}: required but not set (add {k}=... to the command)" for k in sorted(missing)]
-    _unknown_keys(cfg, problems)
-    _run_keys(cfg, problems)
-    m = cfg.model
-    for key in ("n_layers", "d_model", "n_heads"):
-        _positive_int(problems, f"model.{key}", m[key])
-    if not problems and m.d_model % m.n_heads:
-        problems.append(f"model.n_heads={m.n_heads}: must divide model.d_model={m.d_model}")
-    if not _number(m.dropout) or not 0.0 <= float(m.dropout) < 1.0:
-        problems.append(f"model.dropout={m.dropout!r}: must be a number in [0, 1)")
-    if not isinstance(m.get("compile", False), bool):
-        problems.append(f"model.compile={m.compile!r}: must be true or false")
-    budget = m.get("score_budget_mib", 8)
-    if not _number(budget) or not float(budget) >= 0:
-        problems.append(f"model.score_budget_mib={budget!r}: must be a number >= 0 (MiB; 0: "
-                        f"no query blocking)")
-    _random_positions(cfg, problems)
+    groups: list[tuple[str, Callable[[DictConfig, list[str]], None]]] = [
+        ("config keys", _unknown_keys),
+        ("seed, eval_only, resume, ckpt_path, init_from", _run_keys),
+        ("model", _validate_model),
+        ("model.random_positions", _random_positions),
+        ("trainer", checks.trainer),
+        ("task.optim", _validate_optim),
+        ("paths.cache_dir", lambda c, p: checks.cache_dir(c.paths.cache_dir, p)),
+        ("tokenizer", _validate_tokenizer),
+    ]
     if cfg.task.name == "lm":
-        _validate_lm(cfg, problems)
-        _reject_mt_options(cfg, problems)
+        groups += [("task", _validate_lm), ("task", _reject_mt_options)]
     elif cfg.task.name == "mt":
-        _validate_mt(cfg, problems)
-    from posenc.data.tokenizers import TOKENIZER_KINDS
-
-    if cfg.tokenizer.kind not in TOKENIZER_KINDS:
-        kinds = ", ".join(TOKENIZER_KINDS)
-        problems.append(f"tokenizer.kind={cfg.tokenizer.kind!r}: allowed {kinds}")
+        groups += [("task", _validate_mt)]
+    else:
+        problems.append(f"task.name={cfg.task.name!r}: allowed lm, mt (choose with task=lm or "
+                        f"task=mt)")
+    for section, check in groups:
+        checks.guarded(problems, section, lambda check=check: check(cfg, problems))
     if not problems:
-        _try_encoder(cfg, problems)
+        checks.guarded(problems, "encoder", lambda: _try_encoder(cfg, problems))
     if problems:
         raise ConfigError(problem_message(problems))
 
@@ -82,6 +93,45 @@ def problem_message(problems: list[str]) -> str:
     return f"invalid config ({len(problems)} problems):\n  " + "\n  ".join(problems)
 
 
+def _validate_model(cfg: DictConfig, problems: list[str]) -> None:
+    m = cfg.model
+    found: list[str] = []
+    for key in ("n_layers", "d_model", "n_heads"):
+        _positive_int(found, f"model.{key}", m[key])
+    if not found and m.d_model % m.n_heads:
+        found.append(f"model.n_heads={m.n_heads}: must divide model.d_model={m.d_model}")
+    problems += found
+    _optional_positive_int(problems, "model.d_ff", m.get("d_ff"))
+    if not isinstance(m.get("embed_scale", False), bool):
+        problems.append(f"model.embed_scale={m.embed_scale!r}: must be true or false")
+    if not _number(m.dropout) or not 0.0 <= float(m.dropout) < 1.0:
+        problems.append(f"model.dropout={m.dropout!r}: must be a number in [0, 1)")
+    if not isinstance(m.get("compile", False), bool):
+        problems.append(f"model.compile={m.compile!r}: must be true or false")
+    budget = m.get("score_budget_mib", 8)
+    if not _number(budget) or not float(budget) >= 0:
+        problems.append(f"model.score_budget_mib={budget!r}: must be a number >= 0 (MiB; 0: "
+                        f"no query blocking)")
+
+
+def _validate_tokenizer(cfg: DictConfig, problems: list[str]) -> None:
+    from posenc.data.tokenizers import TOKENIZER_KINDS
+
+    if "vocab_size" in cfg.tokenizer:
+        _positive_int(problems, "tokenizer.vocab_size", cfg.tokenizer.vocab_size)
+    if cfg.tokenizer.kind not in TOKENIZER_KINDS:
+        kinds = ", ".join(TOKENIZER_KINDS)
+        problems.append(f"tokenizer.kind={cfg.tokenizer.kind!r}: allowed {kinds}")
+
+
+def _validate_optim(cfg: DictConfig, problems: list[str]) -> None:
+    """``task.optim``, the same keys and rules for every task."""
+    from posenc.tasks.optim import SCHEDULES
+
+    _check_keys(problems, "task.optim.", list(cfg.task.optim), OPTIM_KEYS)
+    checks.optim(cfg.task.optim, problems, SCHEDULES)
+
+
 LM_TASK_KEYS = ["name", "seq_len", "batch_size", "eval_batch_size", "optim", "eval"]
 LM_EVAL_KEYS = ["splits", "multipliers", "protocols", "sliding_stride", "max_tokens",
                 "skip_unsupported", "context_extension", "extension_factor"]
@@ -92,25 +142,27 @@ def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
     t = cfg.task
     _check_keys(problems, "task.", [k for k in t if k not in MT_TASK_KEYS], LM_TASK_KEYS)
     _check_keys(problems, "task.eval.", list(t.eval), LM_EVAL_KEYS)
-    _check_keys(problems, "task.optim.", list(t.optim), OPTIM_KEYS)
-    if not _number(t.optim.lr) or t.optim.lr <= 0:
-        problems.append(f"task.optim.lr={t.optim.lr!r}: must be a positive number")
-    for split in t.eval.splits:
+    e = t.eval
+    for split in checks.as_list(problems, "task.eval.splits", e.splits, "[test]") or []:
         if split not in ("train", "val", "test"):
             problems.append(f"task.eval.splits contains {split!r}: allowed train, val, test")
     for key in ("seq_len", "batch_size", "eval_batch_size"):
         _positive_int(problems, f"task.{key}", t[key])
-    for mult in t.eval.multipliers:
-        if not isinstance(mult, int | float) or mult <= 0:
-            problems.append(f"task.eval.multipliers contains {mult!r}: must be positive numbers")
+    for mult in checks.as_list(problems, "task.eval.multipliers", e.multipliers, "[1,2,4]") or []:
+        if not _number(mult) or not math.isfinite(mult) or mult <= 0:
+            problems.append(f"task.eval.multipliers contains {mult!r}: must be positive numbers "
+                            f"(evaluation length = multiplier * task.seq_len)")
     allowed = ("nonoverlap", "sliding")
-    for p in t.eval.protocols:
+    for p in checks.as_list(problems, "task.eval.protocols", e.protocols, "[nonoverlap]") or []:
         if p not in allowed:
             problems.append(f"task.eval.protocols contains {p!r}: allowed {', '.join(allowed)}")
     if t.eval.sliding_stride is not None:
         _positive_int(problems, "task.eval.sliding_stride", t.eval.sliding_stride)
     if t.eval.max_tokens is not None:
         _positive_int(problems, "task.eval.max_tokens", t.eval.max_tokens)
+    if not isinstance(e.get("skip_unsupported", True), bool):
+        problems.append(f"task.eval.skip_unsupported={e.skip_unsupported!r}: must be true or "
+                        f"false")
     _context_extension(t.eval, problems)
     max_len = cfg.encoder.get("max_len")
     skip = t.eval.get("skip_unsupported", True)
@@ -191,7 +243,6 @@ def _non_negative(problems: list[str], key: str, value: Any, *, integer: bool) -
 
 def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
     from posenc.data.mt import check_edges
-    from posenc.tasks.optim import SCHEDULES
 
     t, m = cfg.task, cfg.model
     for key in ("max_tokens", "max_len"):
@@ -213,10 +264,12 @@ def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"task.label_smoothing={ls!r}: must be in [0, 1)")
     if not isinstance(t.share_embeddings, bool):
         problems.append(f"task.share_embeddings={t.share_embeddings!r}: must be true or false")
+    edges = checks.as_list(problems, "task.length_buckets", t.length_buckets, "[0,10,20,1000]")
     try:
-        check_edges(list(t.length_buckets))
+        if edges is not None:
+            check_edges(edges)
     except (ValueError, TypeError) as err:
-        problems.append(f"task.length_buckets={list(t.length_buckets)}: {err}")
+        problems.append(f"task.length_buckets={edges}: {err}")
     if t.eval_split not in ("test", "val"):
         problems.append(f"task.eval_split={t.eval_split!r}: allowed test, val")
     _validate_monitor(t, problems)
@@ -225,8 +278,6 @@ def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
     _non_negative(problems, "task.decode.length_penalty", d.length_penalty, integer=False)
     _non_negative(problems, "task.decode.max_len_a", d.max_len_a, integer=False)
     _non_negative(problems, "task.decode.max_len_b", d.max_len_b, integer=True)
-    if t.optim.get("schedule", "cosine") not in SCHEDULES:
-        problems.append(f"task.optim.schedule={t.optim.schedule!r}: allowed {', '.join(SCHEDULES)}")
     _fits_encoder(problems, cfg, "max_len")
 
 
@@ -289,8 +340,7 @@ def _random_positions(cfg: DictConfig, problems: list[str]) -> None:
         )
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+_number = checks.number
 
 
 def _suggest(key: str, allowed: list[str]) -> str:

@@ -349,8 +349,9 @@ class LMDataModule(pl.LightningDataModule):
             stage: Lightning stage, unused: all splits are prepared together.
 
         Raises:
-            ValueError: The source misses a split, or a split is too short for training at
-                ``seq_len`` or for one window at some evaluation length.
+            ValueError: The source misses a split, the train split is only whitespace, or a
+                split is too short for training at ``seq_len`` or for one window at some
+                evaluation length.
         """
         if self._tokens is not None:
             return
@@ -360,6 +361,11 @@ class LMDataModule(pl.LightningDataModule):
             raise ValueError(
                 f"the data source returned no text for splits {missing}; it must return a dict "
                 f"with string values for {list(SPLITS)}, got keys {sorted(texts)}."
+            )
+        if not texts["train"].strip():
+            raise ValueError(
+                f"the train split holds only whitespace ({len(texts['train'])} characters): "
+                "nothing to learn from; check the data source."
             )
         tok = build_tokenizer(
             self.tokenizer_kind, [texts["train"]], self.cache_dir, **self.tokenizer_settings

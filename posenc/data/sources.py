@@ -83,7 +83,7 @@ def text_files(
 
     Raises:
         FileNotFoundError: A path does not exist (the message names the split and path).
-        ValueError: A file is empty, corrupt gzip or not UTF-8.
+        ValueError: A file is empty, only whitespace, corrupt gzip or not UTF-8.
     """
     paths = {"train": train, "val": val, "test": test if test is not None else val}
     for key, p in paths.items():
@@ -92,7 +92,15 @@ def text_files(
                 f"text_files: the {key!r} file {str(p)!r} does not exist; "
                 f"fix the data.{key} path in your configuration."
             )
-    return {key: read_text(Path(p).expanduser()) for key, p in paths.items()}
+    texts = {key: read_text(Path(p).expanduser()) for key, p in paths.items()}
+    for key, text in texts.items():
+        if not text.strip():
+            raise ValueError(
+                f"text_files: the {key!r} file {str(paths[key])!r} holds only whitespace "
+                f"({len(text)} characters), nothing to train or score on; give data.{key} "
+                f"a file with text."
+            )
+    return texts
 
 
 def _join_wikitext(rows: Sequence[str]) -> str:

@@ -14,6 +14,9 @@ Lengths: ``max_len`` counts generated tokens *without* EOS. A hypothesis that ha
 ``max_len`` tokens is forced to emit EOS, so no output is longer than ``max_len`` tokens.
 Scores are sums of token log-probabilities, EOS included; PAD and BOS are never generated.
 
+Both loops raise :class:`posenc.stop.StopRequested` at the next step once
+:func:`posenc.stop.request_stop` is called (e.g. on SIGTERM).
+
 Length penalty (beam search only): the GNMT one (Wu et al. 2016, eq. 14),
 ``lp(Y) = ((5 + |Y|) / 6) ** alpha`` with ``|Y|`` the generated tokens including EOS; finished
 hypotheses are ranked by ``score / lp``. ``alpha = 0`` ranks by raw log-probability.
@@ -28,6 +31,7 @@ from torch import Tensor
 
 from posenc.model import EncoderDecoder
 from posenc.model.cache import KVCache
+from posenc.stop import check as check_stop
 
 __all__ = ["Decoded", "beam_search", "gnmt_penalty", "greedy", "output_limits"]
 
@@ -154,6 +158,9 @@ def greedy(
 
     Returns:
         :class:`Decoded` in input order.
+
+    Raises:
+        StopRequested: :func:`posenc.stop.request_stop` was called while decoding.
     """
     _check_ids(bos, eos, pad)
     b, device = src.shape[0], src.device
@@ -166,6 +173,7 @@ def greedy(
     tokens: list[list[int]] = [[] for _ in range(b)]
     scores = torch.zeros(b, dtype=torch.float64, device=device)
     while alive.numel():
+        check_stop("greedy decoding")
         logp = _next_log_probs(
             model, prefix, memory, src_valid, limit, bos=bos, eos=eos, pad=pad, cache=cache
         )
@@ -229,6 +237,7 @@ def beam_search(
 
     Raises:
         ValueError: ``beam_size < 1`` or ``length_penalty < 0``.
+        StopRequested: :func:`posenc.stop.request_stop` was called while decoding.
     """
     if beam_size < 1:
         raise ValueError(f"beam_size={beam_size} must be >= 1 (1 is greedy decoding).")
@@ -248,6 +257,7 @@ def beam_search(
     # Per input sentence: finished (penalised score, raw score, tokens).
     finished: list[list[tuple[float, float, list[int]]]] = [[] for _ in range(b)]
     while alive.numel():
+        check_stop("beam search")
         n, t = alive.numel(), prefix.shape[1]
         logp = _next_log_probs(
             model,

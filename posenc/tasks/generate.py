@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from posenc.model import DecoderLM
+from posenc.stop import check as check_stop
 
 
 def next_token(logits: Tensor, *, temperature: float, top_k: int | None, generator=None) -> Tensor:
@@ -63,6 +64,7 @@ def generate(
 
     Raises:
         ValueError: An empty prompt, a negative count or temperature, ``top_k < 1``.
+        StopRequested: :func:`posenc.stop.request_stop` was called during generation.
     """
     if prompt.dim() != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must be (B, P) token ids with P >= 1, got {tuple(prompt.shape)}")
@@ -81,6 +83,7 @@ def generate(
     cache = model.new_cache(pad) if use_cache else None
     step_in = prompt
     for _ in range(new_tokens):
+        check_stop("generation")
         logits = model(step_in, cache=cache)[:, -1] if cache is not None else model(out)[:, -1]
         tok = next_token(logits, temperature=temperature, top_k=top_k, generator=gen)[:, None]
         out = torch.cat((out, tok), dim=1)

@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import TensorBoardLogger
 
-from posenc.config import eval_lengths
+from posenc.config import check_lm_batch, eval_lengths
 from posenc.data.lm import LMDataModule
 from posenc.data.samplers import ShardSampler
 from posenc.data.tokenizers import fingerprint
@@ -105,6 +105,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Language modeling: fit, then perplexity at every evaluation length and protocol."""
     dm = lm_datamodule(cfg)
     dm.setup("fit")
+    check_lm_batch(cfg, dm.lm_split_tokens("train").numel(), dm.vocab_size)
     tokenizer = fingerprint(dm.tokenizer)
     task = lm_task(cfg, dm.vocab_size, tokenizer)
     throughput = Throughput()

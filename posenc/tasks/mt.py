@@ -74,6 +74,9 @@ class MTTask(pl.LightningModule):
             (0 turns ``val/bleu`` off).
         max_len_a: Output budget per source token when decoding.
         max_len_b: Output budget on top, see :func:`posenc.tasks.decode.output_limits`.
+        max_len: Most tokens decoding generates for any sentence (``task.max_len``, the
+            longest training target), whatever ``max_len_a`` gives for a long source;
+            None: no cap beyond the decoder's positions.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class MTTask(pl.LightningModule):
         val_bleu_sentences: int = 200,
         max_len_a: float = 1.2,
         max_len_b: int = 10,
+        max_len: int | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 1.0:
@@ -108,8 +112,7 @@ class MTTask(pl.LightningModule):
         self.pad, self.bos, self.eos = ids["pad"], ids["bos"], ids["eos"]
         # Decoder inputs hold BOS at position 0, so an absolute table of L positions allows
         # at most L - 1 generated tokens.
-        limit = self.model.decoder_stack.encoder.max_length
-        self.max_out_cap = None if limit is None else limit - 1
+        self.set_output_cap(max_len)
         # Validation and test sums; torchmetrics reduces them across ranks.
         self.sums = torch.nn.ModuleDict({k: SumMetric() for k in ("loss", "nll", "tokens")})
         self._val_hyps: list[tuple[int, list[int]]] = []
@@ -117,6 +120,17 @@ class MTTask(pl.LightningModule):
         self.test_max_sentences: int | None = None
         #: ``(file index, token ids)`` of every decoded test sentence, in loader order.
         self.test_hyps: list[tuple[int, list[int]]] = []
+
+    def set_output_cap(self, max_len: int | None) -> None:
+        """Decode at most ``max_len`` tokens per sentence (None: no cap of its own).
+
+        Decoder inputs hold BOS at position 0, so an absolute table of L positions also
+        caps the output at L - 1 tokens.
+        """
+        caps = [] if max_len is None else [int(max_len)]
+        limit = self.model.decoder_stack.encoder.max_length
+        caps += [] if limit is None else [limit - 1]
+        self.max_out_cap = min(caps, default=None)
 
     def forward(self, src: Tensor, tgt_in: Tensor, src_valid: Tensor | None = None) -> Tensor:
         """Teacher-forced logits ``(B, T, V)``."""

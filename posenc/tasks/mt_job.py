@@ -57,7 +57,9 @@ def mt_task(cfg: DictConfig, dm: MTDataModule, tokenizer: str | None = None) -> 
     """A new task (with ``init_from``'s weights, if set), or the one stored in
     ``cfg.ckpt_path`` for ``eval_only`` (checked against the tokenizer's fingerprint)."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
-        return load_for_eval(MTTask, cfg, dm.vocab_size, tokenizer)
+        task = load_for_eval(MTTask, cfg, dm.vocab_size, tokenizer)
+        task.set_output_cap(cfg.task.max_len)
+        return task
     t = cfg.task
     task = MTTask(
         vocab_size=dm.vocab_size,
@@ -71,6 +73,7 @@ def mt_task(cfg: DictConfig, dm: MTDataModule, tokenizer: str | None = None) -> 
         val_bleu_sentences=t.val_bleu_sentences,
         max_len_a=t.decode.max_len_a,
         max_len_b=t.decode.max_len_b,
+        max_len=t.max_len,
     )
     if cfg.get("init_from"):
         init_from_checkpoint(task, cfg.init_from)
@@ -173,7 +176,8 @@ def finish_mt(
             "beam_size": d.beam_size,
             "length_penalty": d.length_penalty,
             "length_penalty_kind": LENGTH_PENALTY_DOC,
-            "max_len": f"{d.max_len_a} * source length + {d.max_len_b}",
+            "max_len": f"min({d.max_len_a} * source length + {d.max_len_b}, "
+                       f"{task.max_out_cap})",
         },
         "max_train_src_len": cfg.task.max_train_src_len,
         "data_stats": dm.stats,

@@ -13,7 +13,10 @@ SCHEDULES = ("cosine", "inverse_sqrt")
 
 
 def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
-    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total``."""
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total``.
+
+    ``warmup=0`` starts at the peak (no warmup).
+    """
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -21,7 +24,11 @@ def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> fl
 
 
 def warmup_inverse_sqrt(step: int, *, warmup: int) -> float:
-    """LR multiplier of Vaswani et al. 2017 (eq. 3), normalised to peak at 1 after warmup."""
+    """LR multiplier of Vaswani et al. 2017 (eq. 3), normalised to peak at 1 after warmup.
+
+    ``warmup`` 0 and 1 are the same: the peak at the first step, then ``1 / sqrt(step)``.
+    """
+    warmup = max(1, warmup)  # the formula divides by it
     step = step + 1
     return min(step / warmup, math.sqrt(warmup / step))
 
@@ -41,7 +48,9 @@ def configure_adamw(module: pl.LightningModule, optim: dict[str, Any], max_steps
         adamw_groups(module, optim["weight_decay"]), lr=optim["lr"], betas=tuple(optim["betas"])
     )
     schedule = optim.get("schedule", "cosine")
-    warmup = max(1, int(optim["warmup_steps"]))
+    warmup = int(optim["warmup_steps"])
+    if warmup < 0:  # config validation refuses it; a direct caller gets the same rule
+        raise ValueError(f"optim.warmup_steps={warmup}: must be an integer >= 0 (0: no warmup)")
     if schedule == "cosine":
         ratio = float(optim.get("min_lr_ratio", 0.1))
         fn = lambda s: warmup_cosine(s, warmup=warmup, total=max_steps, min_ratio=ratio)  # noqa: E731
