@@ -86,11 +86,9 @@ def validate(cfg: DictConfig) -> None:
 
 
 def problem_message(problems: list[str]) -> str:
-    """``invalid config: <problem>`` for one problem; a count, then a line each, for more
-    (so the first line always says what is wrong, e.g. in the sweep report)."""
-    if len(problems) == 1:
-        return f"invalid config: {problems[0]}"
-    return f"invalid config ({len(problems)} problems):\n  " + "\n  ".join(problems)
+    """A header with the number of problems (if more than one), then a line each."""
+    count = f" ({len(problems)} problems)" if len(problems) > 1 else ""
+    return f"invalid config{count}:\n  " + "\n  ".join(problems)
 
 
 def _validate_model(cfg: DictConfig, problems: list[str]) -> None:
