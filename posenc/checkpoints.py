@@ -171,8 +171,9 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         verify(path)
         try:
+            # posenc's checkpoints hold tensors and plain values only: never unpickle code.
             return super().load_checkpoint(path, map_location=map_location,
-                                           weights_only=weights_only)
+                                           weights_only=weights_only is not False)
         except (EOFError, RuntimeError, zipfile.BadZipFile) as err:
             raise CheckpointError(f"{path} is not a readable checkpoint: {err}") from None
 

@@ -36,9 +36,14 @@ RUN_ID = f"{os.getpid() % 0x10000:04x}{secrets.token_hex(2)}"
 
 
 def register_resolvers() -> None:
-    """``${posenc_uid:}`` in ``conf/config.yaml``'s run and sweep directories."""
+    """``${posenc_uid:}`` and ``${posenc_preset:...}`` in ``conf/config.yaml``'s run and
+    sweep directories."""
     if not OmegaConf.has_resolver("posenc_uid"):
         OmegaConf.register_new_resolver("posenc_uid", lambda: RUN_ID, use_cache=True)
+    if not OmegaConf.has_resolver("posenc_preset"):
+        # A preset's name and "_" (experiment=baby_gpt: baby_gpt_2026-...); "" for none.
+        OmegaConf.register_new_resolver(
+            "posenc_preset", lambda name=None: f"{name}_" if name not in (None, "None") else "")
 
 
 def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:

@@ -360,7 +360,7 @@ def _params(fn: Any, drop: tuple[str, ...] = ()) -> list[str]:
 
 
 TOP_LEVEL = ["encoder", "task", "trainer", "data", "tokenizer", "model", "seed", "eval_only",
-             "ckpt_path", "resume", "checkpoint_every_n_steps", "paths", "init_from"]
+             "ckpt_path", "resume", "checkpoint_every_n_steps", "paths", "init_from", "threads"]
 
 
 def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:
@@ -388,6 +388,11 @@ def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:
 
 
 def _run_keys(cfg: DictConfig, problems: list[str]) -> None:
+    threads = cfg.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads <= 0):
+        problems.append(f"threads={threads!r}: must be a positive integer (CPU threads per "
+                        f"process) or null (torch's default: one per core)")
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
         problems.append(f"seed={cfg.seed!r}: must be an integer >= 0")
     for key in ("eval_only", "resume"):

@@ -7,6 +7,8 @@ import json
 import logging
 import math
 import os
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,26 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from posenc import checkpoints
 from posenc.errors import RunDirError
-from posenc.tasks.callbacks import Throughput
+from posenc.tasks.callbacks import PlainProgress, Throughput
 
 log = logging.getLogger(__name__)
+
+
+class _DropNoise(logging.Filter):
+    """Lightning's advertisement for a cloud logger: nothing a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage()
+
+
+def quiet_third_party() -> None:
+    """Silence what libraries print on every run that the user cannot act on: Lightning's
+    logger tip and its ``_pytree`` deprecation warning (from inside Lightning)."""
+    for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNoise) for f in logger.filters):
+            logger.addFilter(_DropNoise())
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -154,7 +173,7 @@ class RunState(pl.Callback):
         # steps; keep the progress up to here for resume=true.
         if isinstance(exception, SIGTERMException) and trainer.training:
             path = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)
             log.warning("SIGTERM at step %d: saved %s", trainer.global_step, path)
 
     def on_save_checkpoint(
@@ -223,22 +242,25 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
         RunState(checkpoints.record(cfg, tokenizer)),
         throughput,
     ]
-    if cfg.trainer.get("enable_progress_bar", True):
+    progress = cfg.trainer.get("enable_progress_bar", True)
+    if progress and sys.stdout.isatty():
         callbacks.append(RichProgressBar())
+    elif progress:  # a log file: a plain line every few steps instead of a bar
+        callbacks.append(PlainProgress(throughput))
     plugins: list[Any] = [checkpoints.VerifiedCheckpointIO()]
     if SLURMEnvironment.detect():
         # SIGUSR1 before the time limit: Lightning saves a checkpoint and requeues the job.
         plugins.append(SLURMEnvironment(auto_requeue=True))
     return instantiate(
         cfg.trainer, logger=logger, callbacks=callbacks, default_root_dir=str(run_dir),
-        plugins=plugins,
+        plugins=plugins, enable_progress_bar=bool(progress and sys.stdout.isatty()),
     )
 
 
 def save_last(trainer: pl.Trainer, run_dir: Path) -> None:
     """``last.ckpt`` at the end of training (after the final validation), so a run killed
     during its final evaluation resumes straight to it with every metric."""
-    trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
 
 
 def group_choice(cfg: DictConfig, group: str) -> str:
@@ -255,7 +277,8 @@ def group_choice(cfg: DictConfig, group: str) -> str:
 def log_hparams(trainer: pl.Trainer, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
     """HParams linked to the final metrics, so runs compare in TensorBoard's HParams tab."""
     if isinstance(trainer.logger, TensorBoardLogger):
-        finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        # Under hp/: the same names as the logged curves would add a point at step 0.
+        finite = {f"hp/{k}": v for k, v in metrics.items() if math.isfinite(v)}
         trainer.logger.log_hyperparams(hparams, finite)
         trainer.logger.finalize("success")
 

@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from posenc import checkpoints
 from posenc.config import validate
-from posenc.runner import guard_run_dir, record_job, resume_checkpoint
+from posenc.runner import guard_run_dir, quiet_third_party, record_job, resume_checkpoint
 
 #: task name -> module with ``run(cfg, run_dir) -> dict`` (imported on demand).
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     Returns:
         The metrics dictionary written to ``<run dir>/metrics.json``.
     """
+    quiet_third_party()
     validate(cfg)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -60,6 +62,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         cfg.ckpt_path = ckpt  # the job continues fitting from here
     if cfg.ckpt_path:
         check_checkpoint(cfg)
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg.threads)
     pl.seed_everything(cfg.seed, workers=True)
     if cfg.task.name not in TASKS:
         raise ValueError(f"task.name={cfg.task.name!r}: allowed {', '.join(TASKS)}")

@@ -1,7 +1,8 @@
-"""Callbacks every task uses: training throughput and peak memory."""
+"""Callbacks every task uses: training throughput, peak memory, plain progress lines."""
 
 from __future__ import annotations
 
+import logging
 import resource
 import sys
 import time
@@ -9,6 +10,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
@@ -63,3 +66,44 @@ class Throughput(pl.Callback):
     def tokens_per_s(self) -> float:
         """Average over all training steps so far (0 before training)."""
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+class PlainProgress(pl.Callback):
+    """One plain log line every ``every`` training steps (step, loss, tokens/s, ETA), for
+    output that is not a terminal (SLURM logs, ``nohup``), where a progress bar shows
+    nothing until the end.
+
+    Args:
+        throughput: The run's :class:`Throughput` (its running tokens/s).
+        every: Steps between lines; ``None``: a twentieth of ``trainer.max_steps``.
+    """
+
+    def __init__(self, throughput: Throughput, every: int | None = None) -> None:
+        self.throughput = throughput
+        self.every = every
+        self._start: float | None = None
+        self._first_step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+        self._first_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        step, total = trainer.global_step, trainer.max_steps
+        every = self.every or max(1, total // 20)
+        if step % every and step != total or not trainer.is_global_zero:
+            return
+        loss = trainer.callback_metrics.get("train/loss")
+        elapsed = time.perf_counter() - (self._start or time.perf_counter())
+        done = max(step - self._first_step, 1)
+        eta = elapsed / done * max(total - step, 0)
+        log.info("step %d/%d  train/loss %s  %.0f tokens/s  elapsed %s  ETA %s", step, total,
+                 "?" if loss is None else f"{float(loss):.4f}", self.throughput.tokens_per_s,
+                 _clock(elapsed), _clock(eta))
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    h, m = divmod(minutes, 60)
+    return f"{h}:{m:02d}:{s:02d}"

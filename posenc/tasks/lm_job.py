@@ -35,6 +35,7 @@ from posenc.runner import (
     save_last,
     write_json_atomic,
 )
+from posenc.summary import summary
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
 from posenc.tasks.lm import Extension, LMTask
 
@@ -236,6 +237,7 @@ def finish_lm(
         write_json_atomic(run_dir / "metrics.json", result)
         _tensorboard(trainer, cfg, result)
         log.info("metrics written to %s", run_dir / "metrics.json")
+        print(summary(result, run_dir), flush=True)
     return result
 
 

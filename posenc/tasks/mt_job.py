@@ -31,6 +31,7 @@ from posenc.runner import (
     save_last,
     write_json_atomic,
 )
+from posenc.summary import summary
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
 from posenc.tasks.mt import MTTask
 
@@ -209,6 +210,7 @@ def finish_mt(
             overall["chrf"],
             run_dir / "metrics.json",
         )
+        print(summary(result, run_dir), flush=True)
     return result
 
 

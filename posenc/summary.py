@@ -1,0 +1,93 @@
+"""What a finished run prints to the terminal: its main numbers as a small table, where
+its results are, and how to look at them."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+from posenc.eval.lengths import parse_metric
+
+
+def _fmt(value: float) -> str:
+    if not math.isfinite(value):
+        return "-"
+    return f"{value:.2f}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def _table(rows: dict[str, dict[str, float]], columns: list[str], corner: str) -> list[str]:
+    width = max([len(corner), *(len(r) for r in rows)])
+    cells = [max(7, len(c)) for c in columns]
+    out = ["  " + corner.ljust(width) + "".join(c.rjust(w + 2) for c, w in zip(columns, cells,
+                                                                               strict=True))]
+    for name, row in rows.items():
+        out.append("  " + name.ljust(width) + "".join(
+            _fmt(row.get(c, math.nan)).rjust(w + 2) for c, w in zip(columns, cells, strict=True)))
+    return out
+
+
+def lm_rows(metrics: dict[str, float], split: str = "test") -> tuple[dict, list[str]]:
+    """``{ppl, ppl_sw, ppl+yarn, ...: {length: value}}`` and the lengths, in order."""
+    rows: dict[str, dict[str, float]] = {}
+    for name, value in metrics.items():
+        where, kind, extension, length = parse_metric(name)
+        if where == split and length.isdigit():
+            rows.setdefault(kind + (f"+{extension}" if extension else ""), {})[length] = value
+    lengths = sorted({k for r in rows.values() for k in r}, key=int)
+    # The plain protocols first, then each context-extension method's.
+    order = sorted(rows, key=lambda r: (r.partition("+")[2], r))
+    return {r: rows[r] for r in order}, lengths
+
+
+def summary(result: dict[str, Any], run_dir: Path) -> str:
+    """The lines a run prints when it ends (``metrics.json``'s contents, shortened)."""
+    m = result["metrics"]
+    head = f"posenc: {result['encoder']} on {result['task']}, seed {result['seed']}"
+    lines = []
+    if result["task"] == "lm":
+        splits = [parse_metric(k)[0] for k in m if parse_metric(k)[3].isdigit()]
+        split = "test" if "test" in splits else (splits[0] if splits else "test")
+        rows, lengths = lm_rows(m, split)
+        lines.append(f"{head}: {split} perplexity by evaluation length (trained at "
+                     f"{result['seq_len']}; ppl: non-overlapping windows, ppl_sw: sliding)")
+        lines += _table(rows, lengths, "length")
+    else:
+        lines.append(f"{head}: {result.get('eval_split', 'test')} scores")
+        split = result.get("eval_split", "test")
+        overall = {k: m[f"{split}/{k}"] for k in ("bleu", "chrf") if f"{split}/{k}" in m}
+        lines.append("  " + "  ".join(f"{k.upper() if k == 'bleu' else 'chrF'} {_fmt(v)}"
+                                      for k, v in overall.items()))
+        buckets: dict[str, dict[str, float]] = {}
+        for name, value in m.items():
+            where, kind, _, bucket = parse_metric(name)
+            if where == split and kind in ("bleu", "chrf") and bucket:
+                buckets.setdefault(kind, {})[bucket] = value
+        if buckets:
+            columns = list(next(iter(buckets.values())))
+            lines.append("  by source length (tokens):")
+            lines += _table(buckets, columns, "bucket")
+    val = [f"{k} {_fmt(v)}" for k, v in m.items() if k.startswith("val/") and "@" not in k]
+    if val:
+        lines.append("  last validation: " + ", ".join(val))
+    lines += [f"run directory: {run_dir}",
+              f"all numbers:   {run_dir / 'metrics.json'}",
+              f"curves:        tensorboard --logdir {run_dir / 'tb'}"]
+    return "\n".join(lines)
+
+
+class SweepSummary(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): when a multirun ends,
+    say how many jobs finished or failed and print the command that makes its report."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        root = Path(str(config.hydra.sweep.dir))
+        jobs = [d for d in root.iterdir() if d.is_dir() and d.name != "report"] \
+            if root.is_dir() else []
+        done = sum((d / "metrics.json").exists() for d in jobs)
+        failed = sum((d / "error.json").exists() and not (d / "metrics.json").exists()
+                     for d in jobs)
+        print(f"sweep finished: {done} of {len(jobs)} jobs have results, {failed} failed "
+              f"(error.json), in {root}\nreport: python -m posenc.report {root}", flush=True)
