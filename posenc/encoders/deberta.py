@@ -32,6 +32,7 @@ Cross-attention: nothing (no relative distance between two sequences).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -56,12 +57,38 @@ from posenc.encoders.offsets import (
 from posenc.encoders.registry import register
 
 
+@functools.lru_cache(maxsize=32)
+def _bucket_magnitudes(bucket_size: int, max_distance: int) -> tuple[int, ...]:
+    """``|bucket|`` of the distances ``0 .. max_distance``, from the formula in float64
+    (Python's ``math``, one ``log`` for both terms of the ratio), clamped to
+    ``bucket_size - 1``. Every larger distance has the last value: past
+    ``max_distance - 1`` the ratio exceeds 1, so the formula gives at least
+    ``2 * mid >= bucket_size - 1``."""
+    mid, top = bucket_size // 2, bucket_size - 1
+    denom = math.log((max_distance - 1) / mid)
+    # the reference's order of operations: ceil(log(|r| / m) / log(...) * (m - 1))
+    far = (
+        mid + math.ceil(math.log(r / mid) / denom * (mid - 1))
+        for r in range(mid + 1, max_distance + 1)
+    )
+    return (*range(mid + 1), *(min(b, top) for b in far))
+
+
 def log_bucket(rel: Tensor, bucket_size: int, max_distance: int) -> Tensor:
     """Log-bucket signed distances: exact up to ``bucket_size/2``, log-spaced beyond.
 
     A distance ``r`` with ``|r| > m`` (``m = bucket_size // 2``) becomes
-    ``sign(r) * (m + ceil((m - 1) * log(|r| / m) / log((max_distance - 1) / m)))``,
-    which reaches ``bucket_size - 1`` at ``|r| = max_distance - 1``.
+    ``sign(r) * min(bucket_size - 1, m + ceil(log(|r| / m) / log((max_distance - 1) / m)
+    * (m - 1)))``: DeBERTa-v2's ``make_log_bucket_position`` (numpy, float64), whose
+    buckets reach ``bucket_size - 1`` at ``|r| = max_distance - 1`` and would grow past
+    it farther out, clamped to ``|bucket| <= bucket_size - 1`` (the reference's row clip
+    sends its far negative buckets to row 0 of the table instead; posenc keeps them in
+    the last bucket, the same row as ``-(max_distance - 1)``).
+
+    The buckets of ``0 .. max_distance`` are computed once in Python floats and looked up:
+    a tensor ``log`` (vectorised, 1 ulp) differs from the float64 reference where the
+    ratio is an exact integer, e.g. at ``|r| = max_distance - 1``, and ``ceil`` turns that
+    ulp into a bucket (issue #27, point 12).
 
     Args:
         rel: Integer distances, any shape.
@@ -69,14 +96,10 @@ def log_bucket(rel: Tensor, bucket_size: int, max_distance: int) -> Tensor:
         max_distance: Distance mapped to the last log bucket.
 
     Returns:
-        Integer tensor of the same shape.
+        Integer tensor of the same shape and dtype.
     """
-    mid = bucket_size // 2
-    mag = rel.abs()
-    # float64: |r| = max_distance - 1 must give a ratio of exactly 1, not 1 + ulp.
-    ratio = torch.log(mag.clamp(min=mid).double() / mid) / math.log((max_distance - 1) / mid)
-    far = mid + torch.ceil(ratio * (mid - 1)).long()
-    return torch.where(mag <= mid, rel, torch.sign(rel) * far)
+    mags = torch.tensor(_bucket_magnitudes(bucket_size, max_distance), device=rel.device)
+    return torch.sign(rel) * mags[rel.abs().clamp(max=max_distance)].to(rel.dtype)
 
 
 def flat_ends(lo: int, hi: int, saturation: int, causal: bool) -> tuple[int, int]:
@@ -371,14 +394,9 @@ class DebertaRelative(PositionalEncoder):
     def _saturation(self) -> int:
         """Smallest D with one table row for all distances ``d >= D`` and one for all
         ``d <= -D`` (found once, here, so forward passes need no host read). Log buckets
-        grow past ``bucket_size`` beyond ``max_distance`` before the row clamp holds them:
-        at the latest where ``(mid - 1) * ratio > mid + 1``, a distance of
-        ``mid * ((max_distance - 1) / mid)^((mid + 1) / (mid - 1))``."""
-        if not self.bucket_size:
-            return self.max_distance
-        mid = self.bucket_size // 2
-        far = mid * ((self.max_distance - 1) / mid) ** ((mid + 1) / (mid - 1))
-        d = torch.arange(math.ceil(far) + 2)
+        are constant from ``max_distance`` on (:func:`log_bucket`), clipped distances
+        from ``span``, so a search up to there finds it."""
+        d = torch.arange(max(self.max_distance, self.span) + 2)
         rows, rows_neg = self.row(d), self.row(-d)
         moved = (rows != rows[-1]) | (rows_neg != rows_neg[-1])
         return int(moved.nonzero().max()) + 1

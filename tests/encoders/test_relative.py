@@ -137,13 +137,15 @@ def test_xl_bias_is_exact_in_the_upper_triangle() -> None:
 
 
 def delta_by_hand(r: int, span: int, bucket: int, max_distance: int) -> int:
-    """DeBERTa's delta: log bucket (v2) then shift and clip into [0, 2 span)."""
+    """DeBERTa's delta: log bucket (v2, clamped to +-(bucket - 1)) then shift and clip
+    into [0, 2 span)."""
     if bucket:
         mid = bucket // 2
         if abs(r) > mid:
             mag = mid + math.ceil(
-                (mid - 1) * math.log(abs(r) / mid) / math.log((max_distance - 1) / mid)
+                math.log(abs(r) / mid) / math.log((max_distance - 1) / mid) * (mid - 1)
             )
+            mag = min(mag, bucket - 1)
             r = mag if r > 0 else -mag
     return min(max(r + span, 0), 2 * span - 1)
 
@@ -155,9 +157,10 @@ def test_log_bucket_values() -> None:
     # 5 -> 4 + ceil(3 ln(5/4) / ln(63/4)) = 4 + ceil(0.243) = 5;
     # 10 -> 4 + ceil(3 ln 2.5 / ln 15.75) = 4 + ceil(0.997) = 5; 63 -> 4 + 3 = 7.
     assert got[:8] == [0, 1, -4, 4, 5, -5, 5, 7]
-    assert got[8] == 4 + math.ceil(3 * math.log(25) / math.log(15.75))  # 8: past the table
+    # 100 -> 4 + ceil(3 ln 25 / ln 15.75) = 8 by the formula, clamped to the last bucket 7
+    assert got[8:] == [7, -7]
     enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, bucket_size=8, max_distance=64)
-    assert enc.row(torch.tensor([100, -1000])).tolist() == [15, 0]  # clipped to [0, 16)
+    assert enc.row(torch.tensor([100, -1000])).tolist() == [15, 1]  # buckets +-7 of 16 rows
 
 
 def deberta_scores(enc: DebertaRelative, layer, q, k, qp, kp) -> torch.Tensor:
