@@ -6,7 +6,14 @@ The score of query i on key j sums three terms, scaled by ``1/sqrt(3D)``:
 
     content-to-content  q_i . k_j
     content-to-position q_i . K^r_{delta(i, j)}
-    position-to-content k_j . Q^r_{delta(j, i)}
+    position-to-content k_j . Q^r_{delta(i, j)}   (p2c_row=code, default)
+                        k_j . Q^r_{delta(j, i)}   (p2c_row=paper)
+
+The paper (eq. 4) reads p2c at the row of ``j - i``. The authors' code (and its Hugging
+Face port, ``DisentangledSelfAttention``) indexes the key-major p2c product with
+``-r + span`` where ``r = delta`` of query minus key, then transposes, which reads the
+row of ``i - j``, c2p's row; the released checkpoints were trained so. ``p2c_row``
+chooses; the default follows the code.
 
 ``K^r = P W_{k,r}`` and ``Q^r = P W_{q,r}`` project one relative-position table P
 (shared by all layers of the stack) with per-layer matrices. ``delta`` maps the
@@ -55,6 +62,9 @@ from posenc.encoders.offsets import (
     window_parts,
 )
 from posenc.encoders.registry import register
+
+#: p2c's table row: the authors' code (row of i - j) or the paper's eq. 4 (row of j - i).
+P2C_ROWS = ("code", "paper")
 
 
 @functools.lru_cache(maxsize=32)
@@ -241,7 +251,7 @@ class _DebertaAttention(AttentionPositional):
         key-by-row scores, both shifted as in :meth:`score_parts`."""
         scale = self.scale(q.shape[-1])
         x = ctx.extra
-        rows, rows_neg, lo, dist = x["rows"], x["rows_neg"], x["lo"], pair_distance(ctx)
+        rows, p2c_rows, lo, dist = x["rows"], x["p2c_rows"], x["lo"], pair_distance(ctx)
         c2p = p2c = None
         if self.w_kr is not None:
             kr = self._shifted(self.w_kr, ctx, q.dtype, "c2p_end")
@@ -256,7 +266,7 @@ class _DebertaAttention(AttentionPositional):
             if c2p is not None:
                 score = score + c2p[b, h, i, rows[e]]
             if p2c is not None:
-                score = score + p2c[b, h, j, rows_neg[e]]
+                score = score + p2c[b, h, j, p2c_rows[e]]
             return score
 
         return mod
@@ -295,9 +305,9 @@ class _DebertaAttention(AttentionPositional):
         )
         if parts is None or self.w_qr is None:
             return parts
-        # p2c: k_j . Q^r[rows_neg[d - lo]], d = i - j again; constant (per key) where the
-        # lookup is flat, so the same split with rows_neg's ends.
-        (a, b) = x["flat_neg"]
+        # p2c: k_j . Q^r[p2c_rows[d - lo]], d = i - j again; constant (per key) where the
+        # lookup is flat, so the same split with p2c_rows's ends.
+        (a, b) = x["p2c_flat"]
         w = offset_window(ctx, -(lo + b), -(lo + a))
         # Q^r - Q^r[end]: the far keys (columns before w.left) get 0; transform_qk has
         # put k_j . Q^r[end] into the content score of every column.
@@ -308,7 +318,7 @@ class _DebertaAttention(AttentionPositional):
             return col.transpose(-1, -2).expand(*col.shape[:-2], t, col.shape[-2])
 
         if w.right < k.shape[-2]:
-            parts.append((per_key(k[..., w.right :, :], x["rows_neg"][a : a + 1]), w.right))
+            parts.append((per_key(k[..., w.right :, :], x["p2c_rows"][a : a + 1]), w.right))
         # In the window, rows are keys and columns queries, offset i - j = d. A key meets
         # only T distances, so keys go in chunks of cT, each against its own (c + 1)T - 1
         # distances (all of them for every key would cost S x (T + S)).
@@ -322,7 +332,7 @@ class _DebertaAttention(AttentionPositional):
                 return None
             kc = k[..., c0:c1, :]
             per_d = by_rows(
-                kc, qr, x["rows_neg"], d_lo - lo, d_hi - lo, x["flat_neg"], zero_ends=causal
+                kc, qr, x["p2c_rows"], d_lo - lo, d_hi - lo, x["p2c_flat"], zero_ends=causal
             )
             part = offset_view(per_d, row0=k0 + c0, col0=q0, lo=d_lo, cols=t)
             if part is None:
@@ -340,12 +350,13 @@ class _DebertaAttention(AttentionPositional):
             kr = self._shifted(self.w_kr, ctx, q.dtype, "c2p_end")
             per_row = q @ kr.transpose(-1, -2)  # (B, H, T, P)
             bias = gather_rel(per_row, rows[rel])
-        if self.w_qr is not None:  # position-to-content: k_j . Q^r[delta(j, i)]
+        if self.w_qr is not None:  # position-to-content: k_j . Q^r[delta(i, j) or (j, i)]
             # shifted by the row transform_qk moved into the content score
             qr = self._shifted(self.w_qr, ctx, k.dtype, "p2c_end")
             per_row = k @ qr.transpose(-1, -2)  # (B, H, S, P)
-            # delta(j, i) is the row of distance j - i = -(i - j): index (B|1, S, T).
-            p2c_rows = x["rows_neg"][rel.transpose(-1, -2)]
+            # p2c_rows holds the row of each distance i - j (code) or of j - i (paper),
+            # read key-major: index (B|1, S, T).
+            p2c_rows = x["p2c_rows"][rel.transpose(-1, -2)]
             p2c = gather_rel(per_row, p2c_rows).transpose(-1, -2)  # (B, H, T, S)
             bias = p2c if bias is None else bias + p2c
         return bias
@@ -361,6 +372,8 @@ class DebertaRelative(PositionalEncoder):
             0 disables log bucketing and clips at ``max_distance`` instead.
         c2p: Use the content-to-position term.
         p2c: Use the position-to-content term.
+        p2c_row: Table row of p2c: ``code`` (default, the authors' code and released
+            checkpoints: the row of ``i - j``, as c2p) or ``paper`` (eq. 4: ``j - i``).
     """
 
     relative = True
@@ -375,6 +388,7 @@ class DebertaRelative(PositionalEncoder):
         bucket_size: int = 32,
         c2p: bool = True,
         p2c: bool = True,
+        p2c_row: str = "code",
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if max_distance < 2:
@@ -384,6 +398,11 @@ class DebertaRelative(PositionalEncoder):
                 f"deberta: bucket_size={bucket_size} must be 0 (no log buckets) or in "
                 f"[4, 2 * (max_distance - 1)) = [4, {2 * (max_distance - 1)})"
             )
+        if p2c_row not in P2C_ROWS:
+            raise ValueError(
+                f"deberta: unknown p2c_row {p2c_row!r}; allowed: {', '.join(P2C_ROWS)}"
+            )
+        self.p2c_row = p2c_row
         self.max_distance = max_distance
         self.bucket_size = bucket_size
         self.c2p, self.p2c = c2p, p2c
@@ -412,7 +431,7 @@ class DebertaRelative(PositionalEncoder):
             return
         # delta for each distance present (or that the positions' bound allows), from
         # Python ints: O(T + S) lookups that the layers index per pair (rows[d - lo] for
-        # d = i - j; rows_neg for -d).
+        # d = i - j; p2c_rows: the same (code) or for -d (paper)).
         lo, hi = ctx.distance_range()
         dist = torch.arange(lo, hi + 1, device=ctx.q_pos.device)
         causal = ctx.kind is AttnKind.CAUSAL
@@ -420,18 +439,20 @@ class DebertaRelative(PositionalEncoder):
             # Keys after the query (distance < 0) are masked: give them distance 0's
             # rows, so the lookup is flat there and their columns need no products.
             dist = dist.clamp(min=0)
-        rows, rows_neg = self.row(dist), self.row(-dist)
+        rows = self.row(dist)
+        p2c_rows = rows if self.p2c_row == "code" else self.row(-dist)
         # Beyond the largest distance told apart, rows repeat: score those ends once.
         flat = flat_ends(lo, hi, self.saturation, causal)
         for name, value in (("table", self.table), ("lo", lo), ("rows", rows)):
             ctx.put(name, value)
-        for name, value in (("rows_neg", rows_neg), ("flat", flat), ("flat_neg", flat)):
+        # (flat_ends is symmetric in the sign of d, so it holds for both p2c lookups)
+        for name, value in (("p2c_rows", p2c_rows), ("flat", flat), ("p2c_flat", flat)):
             ctx.put(name, value)
         # The far keys' rows (a query's farthest keys), as tensors: their c2p value
         # is dropped from each query row and their p2c value moved into q (module
         # docstring).
         ctx.put("c2p_end", rows[flat[1] : flat[1] + 1])  # (1,): a row index for index_select
-        ctx.put("p2c_end", rows_neg[flat[1] : flat[1] + 1])
+        ctx.put("p2c_end", p2c_rows[flat[1] : flat[1] + 1])
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

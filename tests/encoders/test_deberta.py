@@ -1,12 +1,15 @@
 """DeBERTa's log buckets and table rows against a float64 reference written from the
-formula with Python's ``math`` (issue #27, point 12)."""
+formula with Python's ``math`` (issue #27, point 12), and its p2c row under both
+conventions, by hand (issue #24)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from posenc.encoders.base import AttnKind
 from posenc.encoders.deberta import DebertaRelative, log_bucket
 
 C, H = 16, 2
@@ -78,3 +81,43 @@ def test_rows_are_constant_from_saturation_on_and_not_before() -> None:
         assert sat <= max_distance
         rows = enc.row(torch.arange(-4 * max_distance, 4 * max_distance))
         assert rows.min() >= 0 and rows.max() <= 2 * enc.span - 1
+
+
+# ----------------------------------------------------------------- p2c row (issue #24)
+# 5 tokens at positions 0..4, d_model = head dim = 1, no log buckets, max_distance 2:
+# row(d) = clip(d + 2, 0, 3), and the table rows through W_qr = 1 are Q^r = (1, 2, 3, 4).
+# code: Q^r[row(i - j)] (the row c2p reads); paper: Q^r[row(j - i)] (eq. 4), its transpose.
+QR_CODE = [[3, 2, 1, 1, 1],
+           [4, 3, 2, 1, 1],
+           [4, 4, 3, 2, 1],
+           [4, 4, 4, 3, 2],
+           [4, 4, 4, 4, 3]]
+QR_PAPER = [[3, 4, 4, 4, 4],
+            [2, 3, 4, 4, 4],
+            [1, 2, 3, 4, 4],
+            [1, 1, 2, 3, 4],
+            [1, 1, 1, 2, 3]]
+
+
+@pytest.mark.parametrize(("p2c_row", "qr"), [("code", QR_CODE), ("paper", QR_PAPER)])
+@pytest.mark.parametrize("view", [False, True])
+def test_p2c_by_hand_for_five_tokens(p2c_row: str, qr: list, view: bool) -> None:
+    """With q = 0 the score is p2c alone: k_j * Q^r[row] / sqrt(2 D) (c2p off: two terms)."""
+    enc = DebertaRelative(d_model=1, n_heads=1, n_layers=1, max_distance=2, bucket_size=0,
+                          c2p=False, p2c_row=p2c_row)
+    hook = enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)
+    with torch.no_grad():
+        enc.table.copy_(torch.tensor([[1.0], [2.0], [3.0], [4.0]]))
+        hook.w_qr.weight.fill_(1.0)
+    if view:  # the strided-view path (consecutive positions), not the per-pair gather
+        hook.view_keys_per_row = 0.0
+        hook.view_min_queries = 0
+    pos = torch.arange(5)[None]
+    ctx = enc.context(pos, pos, AttnKind.BIDIRECTIONAL, starts=(0, 0) if view else None)
+    q = torch.zeros(1, 1, 5, 1)
+    k = torch.tensor([1.0, 10.0, 100.0, 1000.0, 10000.0]).view(1, 1, 5, 1)
+    with torch.no_grad():
+        tq, tk = hook.transform_qk(q, k, ctx)
+        got = hook.score_bias(q, k, ctx) + tq @ tk.transpose(-1, -2) * hook.scale(1)
+    want = torch.tensor(qr, dtype=torch.float32) * k.view(1, 5) / math.sqrt(2)
+    torch.testing.assert_close(got[0, 0], want)
