@@ -95,10 +95,11 @@ def log_bucket(rel: Tensor, bucket_size: int, max_distance: int) -> Tensor:
     sends its far negative buckets to row 0 of the table instead; posenc keeps them in
     the last bucket, the same row as ``-(max_distance - 1)``).
 
-    The buckets of ``0 .. max_distance`` are computed once in Python floats and looked up:
-    a tensor ``log`` (vectorised, 1 ulp) differs from the float64 reference where the
-    ratio is an exact integer, e.g. at ``|r| = max_distance - 1``, and ``ceil`` turns that
-    ulp into a bucket (issue #27, point 12).
+    The buckets of ``0 .. max_distance`` are computed once in Python floats and looked up,
+    the same on every device: a tensor ``log`` may round differently from ``math.log`` by
+    an ulp, and where the ratio times ``m - 1`` is an integer (at ``|r| = max_distance -
+    1`` it is exactly ``m - 1``) ``ceil`` turns that ulp into another bucket (issue #27,
+    point 12).
 
     Args:
         rel: Integer distances, any shape.

@@ -35,8 +35,8 @@ length; each keeps the scores relative and, at s = 1, is exactly plain RoPE:
   for those with more than beta; in between, two ramps are in use (``yarn_ramp``):
 
   - ``code`` (default): the authors' code (``find_correction_range`` and
-    ``linear_ramp_factor`` of jquesnelle/yarn, as ported to Hugging Face transformers and
-    used by every published YaRN checkpoint) is linear in the pair index i, between
+    ``linear_ramp_factor`` of jquesnelle/yarn, as ported to Hugging Face transformers, which
+    published YaRN checkpoints were trained with) is linear in the pair index i, between
     ``low = floor(i(beta))`` and ``high = ceil(i(alpha))`` with
     ``i(w) = R ln(L / (2 pi w)) / (2 ln base)`` the (fractional) pair with r = w, clamped
     to ``[0, R - 1]``: ``gamma_i = 1 - clamp((i - low) / (high - low), 0, 1)`` (``high``
