@@ -109,8 +109,14 @@ def log_bucket(rel: Tensor, bucket_size: int, max_distance: int) -> Tensor:
     Returns:
         Integer tensor of the same shape and dtype.
     """
-    mags = torch.tensor(_bucket_magnitudes(bucket_size, max_distance), device=rel.device)
-    return torch.sign(rel) * mags[rel.abs().clamp(max=max_distance)].to(rel.dtype)
+    return lookup_buckets(rel, _bucket_magnitudes(bucket_size, max_distance))
+
+
+def lookup_buckets(rel: Tensor, magnitudes: tuple[int, ...]) -> Tensor:
+    """:func:`log_bucket` with its ``|bucket|`` table (distances ``0 .. len - 1``; larger
+    ones take the last entry) already made, so a traced forward pass sees constants."""
+    mags = torch.tensor(magnitudes, device=rel.device)
+    return torch.sign(rel) * mags[rel.abs().clamp(max=len(magnitudes) - 1)].to(rel.dtype)
 
 
 def flat_ends(lo: int, hi: int, saturation: int, causal: bool) -> tuple[int, int]:
@@ -408,6 +414,8 @@ class DebertaRelative(PositionalEncoder):
         self.bucket_size = bucket_size
         self.c2p, self.p2c = c2p, p2c
         self.span = bucket_size if bucket_size else max_distance
+        # log_bucket's table, made here: the forward pass only looks it up
+        self._magnitudes = _bucket_magnitudes(bucket_size, max_distance) if bucket_size else ()
         self.table = nn.Parameter(torch.randn(2 * self.span, d_model) * 0.02)
         self.saturation = self._saturation()
 
@@ -424,7 +432,7 @@ class DebertaRelative(PositionalEncoder):
     def row(self, rel: Tensor) -> Tensor:
         """Row of the table for signed distances ``rel`` (delta in the paper)."""
         if self.bucket_size:
-            rel = log_bucket(rel, self.bucket_size, self.max_distance)
+            rel = lookup_buckets(rel, self._magnitudes)
         return (rel + self.span).clamp(0, 2 * self.span - 1)
 
     def prepare(self, ctx: AttentionContext) -> None:
