@@ -6,7 +6,14 @@ The score of query i on key j sums three terms, scaled by ``1/sqrt(3D)``:
 
     content-to-content  q_i . k_j
     content-to-position q_i . K^r_{delta(i, j)}
-    position-to-content k_j . Q^r_{delta(j, i)}
+    position-to-content k_j . Q^r_{delta(i, j)}   (p2c_row=code, default)
+                        k_j . Q^r_{delta(j, i)}   (p2c_row=paper)
+
+The paper (eq. 4) reads p2c at the row of ``j - i``. The authors' code (and its Hugging
+Face port, ``DisentangledSelfAttention``) indexes the key-major p2c product with
+``-r + span`` where ``r = delta`` of query minus key, then transposes, which reads the
+row of ``i - j``, c2p's row; the released checkpoints were trained so. ``p2c_row``
+chooses; the default follows the code.
 
 ``K^r = P W_{k,r}`` and ``Q^r = P W_{q,r}`` project one relative-position table P
 (shared by all layers of the stack) with per-layer matrices. ``delta`` maps the
@@ -32,6 +39,7 @@ Cross-attention: nothing (no relative distance between two sequences).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -55,13 +63,43 @@ from posenc.encoders.offsets import (
 )
 from posenc.encoders.registry import register
 
+#: p2c's table row: the authors' code (row of i - j) or the paper's eq. 4 (row of j - i).
+P2C_ROWS = ("code", "paper")
+
+
+@functools.lru_cache(maxsize=32)
+def _bucket_magnitudes(bucket_size: int, max_distance: int) -> tuple[int, ...]:
+    """``|bucket|`` of the distances ``0 .. max_distance``, from the formula in float64
+    (Python's ``math``, one ``log`` for both terms of the ratio), clamped to
+    ``bucket_size - 1``. Every larger distance has the last value: past
+    ``max_distance - 1`` the ratio exceeds 1, so the formula gives at least
+    ``2 * mid >= bucket_size - 1``."""
+    mid, top = bucket_size // 2, bucket_size - 1
+    denom = math.log((max_distance - 1) / mid)
+    # the reference's order of operations: ceil(log(|r| / m) / log(...) * (m - 1))
+    far = (
+        mid + math.ceil(math.log(r / mid) / denom * (mid - 1))
+        for r in range(mid + 1, max_distance + 1)
+    )
+    return (*range(mid + 1), *(min(b, top) for b in far))
+
 
 def log_bucket(rel: Tensor, bucket_size: int, max_distance: int) -> Tensor:
     """Log-bucket signed distances: exact up to ``bucket_size/2``, log-spaced beyond.
 
     A distance ``r`` with ``|r| > m`` (``m = bucket_size // 2``) becomes
-    ``sign(r) * (m + ceil((m - 1) * log(|r| / m) / log((max_distance - 1) / m)))``,
-    which reaches ``bucket_size - 1`` at ``|r| = max_distance - 1``.
+    ``sign(r) * min(bucket_size - 1, m + ceil(log(|r| / m) / log((max_distance - 1) / m)
+    * (m - 1)))``: DeBERTa-v2's ``make_log_bucket_position`` (numpy, float64), whose
+    buckets reach ``bucket_size - 1`` at ``|r| = max_distance - 1`` and would grow past
+    it farther out, clamped to ``|bucket| <= bucket_size - 1`` (the reference's row clip
+    sends its far negative buckets to row 0 of the table instead; posenc keeps them in
+    the last bucket, the same row as ``-(max_distance - 1)``).
+
+    The buckets of ``0 .. max_distance`` are computed once in Python floats and looked up,
+    the same on every device: a tensor ``log`` may round differently from ``math.log`` by
+    an ulp, and where the ratio times ``m - 1`` is an integer (at ``|r| = max_distance -
+    1`` it is exactly ``m - 1``) ``ceil`` turns that ulp into another bucket (issue #27,
+    point 12).
 
     Args:
         rel: Integer distances, any shape.
@@ -69,14 +107,16 @@ def log_bucket(rel: Tensor, bucket_size: int, max_distance: int) -> Tensor:
         max_distance: Distance mapped to the last log bucket.
 
     Returns:
-        Integer tensor of the same shape.
+        Integer tensor of the same shape and dtype.
     """
-    mid = bucket_size // 2
-    mag = rel.abs()
-    # float64: |r| = max_distance - 1 must give a ratio of exactly 1, not 1 + ulp.
-    ratio = torch.log(mag.clamp(min=mid).double() / mid) / math.log((max_distance - 1) / mid)
-    far = mid + torch.ceil(ratio * (mid - 1)).long()
-    return torch.where(mag <= mid, rel, torch.sign(rel) * far)
+    return lookup_buckets(rel, _bucket_magnitudes(bucket_size, max_distance))
+
+
+def lookup_buckets(rel: Tensor, magnitudes: tuple[int, ...]) -> Tensor:
+    """:func:`log_bucket` with its ``|bucket|`` table (distances ``0 .. len - 1``; larger
+    ones take the last entry) already made, so a traced forward pass sees constants."""
+    mags = torch.tensor(magnitudes, device=rel.device)
+    return torch.sign(rel) * mags[rel.abs().clamp(max=len(magnitudes) - 1)].to(rel.dtype)
 
 
 def flat_ends(lo: int, hi: int, saturation: int, causal: bool) -> tuple[int, int]:
@@ -218,7 +258,7 @@ class _DebertaAttention(AttentionPositional):
         key-by-row scores, both shifted as in :meth:`score_parts`."""
         scale = self.scale(q.shape[-1])
         x = ctx.extra
-        rows, rows_neg, lo, dist = x["rows"], x["rows_neg"], x["lo"], pair_distance(ctx)
+        rows, p2c_rows, lo, dist = x["rows"], x["p2c_rows"], x["lo"], pair_distance(ctx)
         c2p = p2c = None
         if self.w_kr is not None:
             kr = self._shifted(self.w_kr, ctx, q.dtype, "c2p_end")
@@ -233,7 +273,7 @@ class _DebertaAttention(AttentionPositional):
             if c2p is not None:
                 score = score + c2p[b, h, i, rows[e]]
             if p2c is not None:
-                score = score + p2c[b, h, j, rows_neg[e]]
+                score = score + p2c[b, h, j, p2c_rows[e]]
             return score
 
         return mod
@@ -272,9 +312,9 @@ class _DebertaAttention(AttentionPositional):
         )
         if parts is None or self.w_qr is None:
             return parts
-        # p2c: k_j . Q^r[rows_neg[d - lo]], d = i - j again; constant (per key) where the
-        # lookup is flat, so the same split with rows_neg's ends.
-        (a, b) = x["flat_neg"]
+        # p2c: k_j . Q^r[p2c_rows[d - lo]], d = i - j again; constant (per key) where the
+        # lookup is flat, so the same split with p2c_rows's ends.
+        (a, b) = x["p2c_flat"]
         w = offset_window(ctx, -(lo + b), -(lo + a))
         # Q^r - Q^r[end]: the far keys (columns before w.left) get 0; transform_qk has
         # put k_j . Q^r[end] into the content score of every column.
@@ -285,7 +325,7 @@ class _DebertaAttention(AttentionPositional):
             return col.transpose(-1, -2).expand(*col.shape[:-2], t, col.shape[-2])
 
         if w.right < k.shape[-2]:
-            parts.append((per_key(k[..., w.right :, :], x["rows_neg"][a : a + 1]), w.right))
+            parts.append((per_key(k[..., w.right :, :], x["p2c_rows"][a : a + 1]), w.right))
         # In the window, rows are keys and columns queries, offset i - j = d. A key meets
         # only T distances, so keys go in chunks of cT, each against its own (c + 1)T - 1
         # distances (all of them for every key would cost S x (T + S)).
@@ -299,7 +339,7 @@ class _DebertaAttention(AttentionPositional):
                 return None
             kc = k[..., c0:c1, :]
             per_d = by_rows(
-                kc, qr, x["rows_neg"], d_lo - lo, d_hi - lo, x["flat_neg"], zero_ends=causal
+                kc, qr, x["p2c_rows"], d_lo - lo, d_hi - lo, x["p2c_flat"], zero_ends=causal
             )
             part = offset_view(per_d, row0=k0 + c0, col0=q0, lo=d_lo, cols=t)
             if part is None:
@@ -317,12 +357,13 @@ class _DebertaAttention(AttentionPositional):
             kr = self._shifted(self.w_kr, ctx, q.dtype, "c2p_end")
             per_row = q @ kr.transpose(-1, -2)  # (B, H, T, P)
             bias = gather_rel(per_row, rows[rel])
-        if self.w_qr is not None:  # position-to-content: k_j . Q^r[delta(j, i)]
+        if self.w_qr is not None:  # position-to-content: k_j . Q^r[delta(i, j) or (j, i)]
             # shifted by the row transform_qk moved into the content score
             qr = self._shifted(self.w_qr, ctx, k.dtype, "p2c_end")
             per_row = k @ qr.transpose(-1, -2)  # (B, H, S, P)
-            # delta(j, i) is the row of distance j - i = -(i - j): index (B|1, S, T).
-            p2c_rows = x["rows_neg"][rel.transpose(-1, -2)]
+            # p2c_rows holds the row of each distance i - j (code) or of j - i (paper),
+            # read key-major: index (B|1, S, T).
+            p2c_rows = x["p2c_rows"][rel.transpose(-1, -2)]
             p2c = gather_rel(per_row, p2c_rows).transpose(-1, -2)  # (B, H, T, S)
             bias = p2c if bias is None else bias + p2c
         return bias
@@ -338,6 +379,8 @@ class DebertaRelative(PositionalEncoder):
             0 disables log bucketing and clips at ``max_distance`` instead.
         c2p: Use the content-to-position term.
         p2c: Use the position-to-content term.
+        p2c_row: Table row of p2c: ``code`` (default, the authors' code and released
+            checkpoints: the row of ``i - j``, as c2p) or ``paper`` (eq. 4: ``j - i``).
     """
 
     relative = True
@@ -352,6 +395,7 @@ class DebertaRelative(PositionalEncoder):
         bucket_size: int = 32,
         c2p: bool = True,
         p2c: bool = True,
+        p2c_row: str = "code",
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if max_distance < 2:
@@ -361,24 +405,26 @@ class DebertaRelative(PositionalEncoder):
                 f"deberta: bucket_size={bucket_size} must be 0 (no log buckets) or in "
                 f"[4, 2 * (max_distance - 1)) = [4, {2 * (max_distance - 1)})"
             )
+        if p2c_row not in P2C_ROWS:
+            raise ValueError(
+                f"deberta: unknown p2c_row {p2c_row!r}; allowed: {', '.join(P2C_ROWS)}"
+            )
+        self.p2c_row = p2c_row
         self.max_distance = max_distance
         self.bucket_size = bucket_size
         self.c2p, self.p2c = c2p, p2c
         self.span = bucket_size if bucket_size else max_distance
+        # log_bucket's table, made here: the forward pass only looks it up
+        self._magnitudes = _bucket_magnitudes(bucket_size, max_distance) if bucket_size else ()
         self.table = nn.Parameter(torch.randn(2 * self.span, d_model) * 0.02)
         self.saturation = self._saturation()
 
     def _saturation(self) -> int:
         """Smallest D with one table row for all distances ``d >= D`` and one for all
         ``d <= -D`` (found once, here, so forward passes need no host read). Log buckets
-        grow past ``bucket_size`` beyond ``max_distance`` before the row clamp holds them:
-        at the latest where ``(mid - 1) * ratio > mid + 1``, a distance of
-        ``mid * ((max_distance - 1) / mid)^((mid + 1) / (mid - 1))``."""
-        if not self.bucket_size:
-            return self.max_distance
-        mid = self.bucket_size // 2
-        far = mid * ((self.max_distance - 1) / mid) ** ((mid + 1) / (mid - 1))
-        d = torch.arange(math.ceil(far) + 2)
+        are constant from ``max_distance`` on (:func:`log_bucket`), clipped distances
+        from ``span``, so a search up to there finds it."""
+        d = torch.arange(max(self.max_distance, self.span) + 2)
         rows, rows_neg = self.row(d), self.row(-d)
         moved = (rows != rows[-1]) | (rows_neg != rows_neg[-1])
         return int(moved.nonzero().max()) + 1
@@ -386,7 +432,7 @@ class DebertaRelative(PositionalEncoder):
     def row(self, rel: Tensor) -> Tensor:
         """Row of the table for signed distances ``rel`` (delta in the paper)."""
         if self.bucket_size:
-            rel = log_bucket(rel, self.bucket_size, self.max_distance)
+            rel = lookup_buckets(rel, self._magnitudes)
         return (rel + self.span).clamp(0, 2 * self.span - 1)
 
     def prepare(self, ctx: AttentionContext) -> None:
@@ -394,7 +440,7 @@ class DebertaRelative(PositionalEncoder):
             return
         # delta for each distance present (or that the positions' bound allows), from
         # Python ints: O(T + S) lookups that the layers index per pair (rows[d - lo] for
-        # d = i - j; rows_neg for -d).
+        # d = i - j; p2c_rows: the same (code) or for -d (paper)).
         lo, hi = ctx.distance_range()
         dist = torch.arange(lo, hi + 1, device=ctx.q_pos.device)
         causal = ctx.kind is AttnKind.CAUSAL
@@ -402,18 +448,20 @@ class DebertaRelative(PositionalEncoder):
             # Keys after the query (distance < 0) are masked: give them distance 0's
             # rows, so the lookup is flat there and their columns need no products.
             dist = dist.clamp(min=0)
-        rows, rows_neg = self.row(dist), self.row(-dist)
+        rows = self.row(dist)
+        p2c_rows = rows if self.p2c_row == "code" else self.row(-dist)
         # Beyond the largest distance told apart, rows repeat: score those ends once.
         flat = flat_ends(lo, hi, self.saturation, causal)
         for name, value in (("table", self.table), ("lo", lo), ("rows", rows)):
             ctx.put(name, value)
-        for name, value in (("rows_neg", rows_neg), ("flat", flat), ("flat_neg", flat)):
+        # (flat_ends is symmetric in the sign of d, so it holds for both p2c lookups)
+        for name, value in (("p2c_rows", p2c_rows), ("flat", flat), ("p2c_flat", flat)):
             ctx.put(name, value)
         # The far keys' rows (a query's farthest keys), as tensors: their c2p value
         # is dropped from each query row and their p2c value moved into q (module
         # docstring).
         ctx.put("c2p_end", rows[flat[1] : flat[1] + 1])  # (1,): a row index for index_select
-        ctx.put("p2c_end", rows_neg[flat[1] : flat[1] + 1])
+        ctx.put("p2c_end", p2c_rows[flat[1] : flat[1] + 1])
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

@@ -29,12 +29,26 @@ length; each keeps the scores relative and, at s = 1, is exactly plain RoPE:
   ``l > L`` and plain RoPE otherwise; the configured factor is alpha.
 * ``yarn``: YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large
   Language Models", section 3.4): "NTK-by-parts" frequencies (section 3.2)
-  ``theta'_i = (1 - gamma(r_i)) * theta_i / s + gamma(r_i) * theta_i`` with
-  ``r_i = L * theta_i / (2 pi)`` (wavelengths per original context) and the ramp
-  ``gamma(r) = clamp((r - alpha) / (beta - alpha), 0, 1)``, plus the attention temperature
-  ``sqrt(1/t) = 0.1 ln(s) + 1``. The temperature is folded into the cos/sin tables of both q
-  and k (the score gets ``mscale^2 = 1/t``); with partial rotation (``fraction < 1``) the
-  unrotated dims are multiplied by mscale too, so the whole score is tempered as in the paper.
+  ``theta'_i = (1 - gamma_i) * theta_i / s + gamma_i * theta_i``, plus the attention
+  temperature ``sqrt(1/t) = 0.1 ln(s) + 1``. With ``r_i = L * theta_i / (2 pi)`` (wavelengths
+  per original context), gamma_i is 0 for pairs with fewer than alpha wavelengths in L and 1
+  for those with more than beta; in between, two ramps are in use (``yarn_ramp``):
+
+  - ``code`` (default): the authors' code (``find_correction_range`` and
+    ``linear_ramp_factor`` of jquesnelle/yarn, as ported to Hugging Face transformers, which
+    published YaRN checkpoints were trained with) is linear in the pair index i, between
+    ``low = floor(i(beta))`` and ``high = ceil(i(alpha))`` with
+    ``i(w) = R ln(L / (2 pi w)) / (2 ln base)`` the (fractional) pair with r = w, clamped
+    to ``[0, R - 1]``: ``gamma_i = 1 - clamp((i - low) / (high - low), 0, 1)`` (``high``
+    gets + 0.001 when equal to ``low``);
+  - ``paper``: linear in r, ``gamma(r) = clamp((r - alpha) / (beta - alpha), 0, 1)``
+    (eq. 17-18). As r is exponential in i, the two differ between the bounds.
+
+  The temperature is folded into the cos/sin tables of both q and k (the score gets
+  ``mscale^2 = 1/t``). With partial rotation (``fraction < 1``), ``yarn_temper`` says what
+  it tempers: ``rotated`` (default, the code: only the rotated dims' cos/sin carry it) or
+  ``score`` (the paper's whole-score temperature: the unrotated dims are multiplied by
+  mscale too). Defaults follow the code since checkpoints and their configs assume it.
 """
 
 from __future__ import annotations
@@ -55,6 +69,10 @@ LAYOUTS = ("interleaved", "half")
 SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
 #: Methods that need the original (training) length L.
 NEEDS_LENGTH = ("dynamic_ntk", "yarn")
+#: YaRN's ramp between alpha and beta: the authors' code (per pair index) or the paper (in r).
+YARN_RAMPS = ("code", "paper")
+#: What YaRN's temperature tempers with partial rotation: the rotated dims (code) or the score.
+YARN_TEMPERS = ("rotated", "score")
 
 
 def rope_frequencies(rot_dim: int, base: float | Tensor = 10000.0, device=None) -> Tensor:
@@ -170,10 +188,13 @@ class Scaling:
             ``dynamic_ntk`` and ``yarn``, unused by ``linear`` and ``ntk``.
         yarn_alpha: Ramp start of ``yarn`` (in wavelengths per L); 1 in the paper.
         yarn_beta: Ramp end of ``yarn``; 32 in the paper.
+        yarn_ramp: ``code`` or ``paper`` (:data:`YARN_RAMPS`, module docstring).
+        yarn_temper: ``rotated`` or ``score`` (:data:`YARN_TEMPERS`, module docstring).
 
     Raises:
-        ValueError: Unknown method, factor < 1, a missing or bad original length, or a
-            ramp with ``not 0 < yarn_alpha < yarn_beta``.
+        ValueError: Unknown method, factor < 1, a missing or bad original length, a
+            ramp with ``not 0 < yarn_alpha < yarn_beta``, or an unknown ``yarn_ramp`` or
+            ``yarn_temper``.
     """
 
     method: str = "none"
@@ -181,6 +202,8 @@ class Scaling:
     original_length: int | None = None
     yarn_alpha: float = 1.0
     yarn_beta: float = 32.0
+    yarn_ramp: str = "code"
+    yarn_temper: str = "rotated"
 
     def __post_init__(self) -> None:
         if self.method not in SCALINGS:
@@ -206,6 +229,10 @@ class Scaling:
             raise ValueError(
                 f"rope: need 0 < yarn_alpha < yarn_beta, got {self.yarn_alpha}, {self.yarn_beta}"
             )
+        for key, value, allowed in (("yarn_ramp", self.yarn_ramp, YARN_RAMPS),
+                                    ("yarn_temper", self.yarn_temper, YARN_TEMPERS)):
+            if value not in allowed:
+                raise ValueError(f"rope: unknown {key} {value!r}; allowed: {', '.join(allowed)}")
 
     def at_length(self, length: int) -> Scaling:
         """The static setting of a pass whose keys reach length ``length``:
@@ -251,8 +278,28 @@ def yarn_mscale(factor: float) -> float:
 
 
 def yarn_ramp(r: Tensor, alpha: float, beta: float) -> Tensor:
-    """``gamma(r)``: 0 below alpha, 1 above beta, linear in between (YaRN section 3.2)."""
+    """``gamma(r)``: 0 below alpha, 1 above beta, linear in r in between (YaRN paper,
+    section 3.2, eq. 17-18)."""
     return ((r - alpha) / (beta - alpha)).clamp(0.0, 1.0)
+
+
+def yarn_pair_ramp(
+    rot_dim: int, base: float, original_length: int, alpha: float, beta: float, device=None
+) -> Tensor:
+    """``gamma_i``, float64 ``(R/2,)``, as the YaRN authors' code computes it: linear in the
+    pair index between the pairs where ``r = beta`` (floored) and ``r = alpha`` (ceiled),
+    bounds clamped to ``[0, R - 1]`` as there (module docstring)."""
+
+    def pair(wavelengths: float) -> float:  # solves L * base^(-2i/R) / (2 pi) = wavelengths
+        return rot_dim * math.log(original_length / (wavelengths * 2 * math.pi)) / (
+            2 * math.log(base)
+        )
+
+    low = max(math.floor(pair(beta)), 0)
+    high = min(math.ceil(pair(alpha)), rot_dim - 1)
+    span = high - low if high != low else 0.001
+    i = torch.arange(rot_dim // 2, device=device, dtype=torch.float64)
+    return 1.0 - ((i - low) / span).clamp(0.0, 1.0)
 
 
 def scaled_frequencies(
@@ -281,8 +328,11 @@ def scaled_frequencies(
         return rope_frequencies(rot_dim, ntk_base(base, s, rot_dim), device=device), 1.0
     if method == "yarn":
         t = theta.double()
-        gamma = yarn_ramp(scaling.original_length * t / (2 * math.pi),
-                          scaling.yarn_alpha, scaling.yarn_beta)
+        length, alpha, beta = scaling.original_length, scaling.yarn_alpha, scaling.yarn_beta
+        if scaling.yarn_ramp == "code":
+            gamma = yarn_pair_ramp(rot_dim, base, length, alpha, beta, device=device)
+        else:
+            gamma = yarn_ramp(length * t / (2 * math.pi), alpha, beta)
         return ((1.0 - gamma) * t / s + gamma * t).float(), yarn_mscale(s)
     raise ValueError(f"rope: scaling {method!r} has no static frequencies; resolve it first")
 
@@ -296,7 +346,7 @@ class _RotateQK(AttentionPositional):
         q = apply_rope(q, x["q_cos"], x["q_sin"], layout, factors=x.get("q_rot"))
         k = apply_rope(k, x["k_cos"], x["k_sin"], layout, factors=x.get("k_rot"))
         tail = ctx.extra.get("pass_scale")
-        if tail is not None:  # YaRN temperature on the unrotated dims of a partial rotation
+        if tail is not None:  # YaRN's whole-score temperature (yarn_temper=score): unrotated dims
             rot = 2 * ctx.extra["q_cos"].shape[-1]
             q = torch.cat((q[..., :rot], q[..., rot:] * tail), dim=-1)
             k = torch.cat((k[..., :rot], k[..., rot:] * tail), dim=-1)
@@ -320,8 +370,12 @@ class RoPE(PositionalEncoder):
             ``yarn`` (module docstring).
         scaling_factor: s >= 1 (the alpha of ``dynamic_ntk``).
         original_length: Training length L; required by ``dynamic_ntk`` and ``yarn``.
-        yarn_alpha: ``yarn`` ramp start.
-        yarn_beta: ``yarn`` ramp end.
+        yarn_alpha: ``yarn`` ramp start (beta_slow in the authors' code).
+        yarn_beta: ``yarn`` ramp end (beta_fast there).
+        yarn_ramp: ``code`` (default: the authors' code, linear in the pair index) or
+            ``paper`` (linear in wavelengths per L, eq. 17-18).
+        yarn_temper: With ``fraction < 1``, ``rotated`` (default, the code: the temperature
+            scales the rotated dims only) or ``score`` (the paper: the whole score).
 
     Raises:
         ValueError: Odd rotated dimension, fraction outside (0, 1], unknown layout, or a
@@ -346,6 +400,8 @@ class RoPE(PositionalEncoder):
         original_length: int | None = None,
         yarn_alpha: float = 1.0,
         yarn_beta: float = 32.0,
+        yarn_ramp: str = "code",
+        yarn_temper: str = "rotated",
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if layout not in LAYOUTS:
@@ -363,7 +419,10 @@ class RoPE(PositionalEncoder):
         self.rot_dim = int(rot)
         self.base = float(base)
         self.layout = layout
-        self.scaling = Scaling(scaling, scaling_factor, original_length, yarn_alpha, yarn_beta)
+        self.scaling = Scaling(
+            scaling, scaling_factor, original_length, yarn_alpha, yarn_beta,
+            yarn_ramp=yarn_ramp, yarn_temper=yarn_temper,
+        )
 
     def set_scaling(
         self, method: str | Scaling = "none", factor: float = 1.0,
@@ -378,7 +437,8 @@ class RoPE(PositionalEncoder):
             original_length: Training length L; ignored when ``method`` is a Scaling.
 
         Returns:
-            The previous setting. The YaRN ramp (``yarn_alpha``, ``yarn_beta``) is kept.
+            The previous setting. The YaRN settings (``yarn_alpha``, ``yarn_beta``,
+            ``yarn_ramp``, ``yarn_temper``) are kept.
 
         Raises:
             ValueError: As :class:`Scaling`.
@@ -451,7 +511,7 @@ class RoPE(PositionalEncoder):
         same = ctx.k_pos is ctx.q_pos
         k_tables = None if same else self.tables(ctx.k_pos, theta=theta)
         put_rotation_tables(ctx, self.layout, q_tables, k_tables)
-        if theta[1] != 1.0 and self.rot_dim < self.head_dim:
+        if theta[1] != 1.0 and self.rot_dim < self.head_dim and self.scaling.yarn_temper == "score":
             ctx.put("pass_scale", theta[1])
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:

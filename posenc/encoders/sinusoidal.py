@@ -1,8 +1,18 @@
 """Fixed sinusoidal absolute positions (Vaswani et al. 2017, section 3.5).
 
-``PE[pos, 2i] = sin(pos / base^(2i/C))`` and ``PE[pos, 2i+1] = cos(pos / base^(2i/C))``.
-Some toolkits (tensor2tensor, fairseq) concatenate instead: ``[sin ... | cos ...]``;
-that is the ``concat`` layout. Both carry the same information, permuted.
+Three tables are in use; ``layout`` names them (C = d_model, i = 0 .. C/2 - 1):
+
+* ``interleaved``, the paper's: ``PE[pos, 2i] = sin(pos * w_i)``,
+  ``PE[pos, 2i+1] = cos(pos * w_i)`` with ``w_i = base^(-2i/C)``.
+* ``concat``, tensor2tensor's ``get_timing_signal_1d`` and fairseq's
+  ``SinusoidalPositionalEmbedding``: ``[sin(pos * w_i) ... | cos(pos * w_i) ...]`` with
+  ``w_i = base^(-i/(C/2 - 1))``, so the slowest pair's wavelength is exactly
+  ``2 pi base`` (the paper's stops short of it). For C = 2 the one frequency is 1, as
+  tensor2tensor's ``max(C/2 - 1, 1)`` gives. (fairseq also starts positions after its
+  padding index; here positions are as given.)
+* ``concat_marian``: the paper's frequencies ``base^(-2i/C)`` as ``[sin ... | cos ...]``,
+  the table of Hugging Face's ``MarianSinusoidalPositionalEmbedding``; a permutation of
+  ``interleaved``.
 """
 
 from __future__ import annotations
@@ -13,7 +23,15 @@ from torch import Tensor
 from posenc.encoders.base import PositionalEncoder
 from posenc.encoders.registry import register
 
-LAYOUTS = ("interleaved", "concat")
+LAYOUTS = ("interleaved", "concat", "concat_marian")
+
+
+def sinusoid_frequencies(dim: int, base: float, layout: str, device=None) -> Tensor:
+    """``w_i``, ``(dim/2,)`` float32: ``base^(-2i/dim)``, or ``base^(-i/(dim/2 - 1))`` for
+    ``concat``; computed in float64 and rounded once."""
+    i = torch.arange(dim // 2, device=device, dtype=torch.float64)
+    denom = max(dim // 2 - 1, 1) if layout == "concat" else dim / 2
+    return (base ** (-i / denom)).float()
 
 
 def sinusoid(
@@ -25,7 +43,7 @@ def sinusoid(
         positions: Any shape ``(*)``, integer or float.
         dim: Feature size, even.
         base: Wavelength base (10000 in the paper).
-        layout: ``interleaved`` (sin at even, cos at odd indices) or ``concat``.
+        layout: One of :data:`LAYOUTS` (module docstring).
 
     Returns:
         ``(*, dim)`` float32.
@@ -37,9 +55,7 @@ def sinusoid(
         raise ValueError(f"sinusoidal features need an even dimension, got {dim}")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sinusoid layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
-    inv_freq = base ** (
-        -torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim
-    )
+    inv_freq = sinusoid_frequencies(dim, base, layout, device=positions.device)
     angle = positions.to(torch.float32)[..., None] * inv_freq  # (*, dim/2)
     if layout == "interleaved":
         return torch.stack((angle.sin(), angle.cos()), dim=-1).flatten(-2)
@@ -54,7 +70,8 @@ class Sinusoidal(PositionalEncoder):
 
     Args:
         base: Wavelength base.
-        layout: ``interleaved`` (the paper) or ``concat``.
+        layout: ``interleaved`` (the paper), ``concat`` (tensor2tensor / fairseq) or
+            ``concat_marian`` (module docstring).
     """
 
     def __init__(

@@ -58,7 +58,8 @@ EXTENSION_DOC = {
     "dynamic_ntk": "ppl+dynamic_ntk@L: dynamic NTK (emozilla 2023; Peng et al. 2023 sec. 3.3), "
     "NTK with s' = max(1, alpha*l/L - (alpha-1)) at key length l > L, plain RoPE up to L",
     "yarn": "ppl+yarn@L: YaRN (Peng et al. 2023 sec. 3.4), NTK-by-parts frequencies and "
-    "attention temperature sqrt(1/t) = 0.1 ln(s) + 1",
+    "attention temperature sqrt(1/t) = 0.1 ln(s) + 1; ramp and temperature as "
+    "encoder.yarn_ramp / encoder.yarn_temper say (default: the authors' code)",
 }
 
 

@@ -120,6 +120,7 @@ ENCODERS = {
     "xl": {},
     "deberta": {"max_distance": 8, "bucket_size": 4},  # rows saturate within the test
     "deberta_c2p": {"max_distance": 6, "bucket_size": 0, "p2c": False},
+    "deberta_paper": {"max_distance": 8, "bucket_size": 4, "p2c_row": "paper"},
     "t5": {"num_buckets": 8, "max_distance": 6},
     "fire": {},  # positions stay below its threshold L: the per-distance path
 }
@@ -237,7 +238,7 @@ def test_deberta_causal_queries_after_their_keys(monkeypatch: pytest.MonkeyPatch
     fast = enc.context(q_pos, k_pos, AttnKind.CAUSAL, starts=(q0, k0))
     assert fast.extra["lo"] == 19
     assert fast.extra["rows"][0] == fast.extra["rows"][1]  # 19 and 20: one bucket
-    assert fast.extra["rows_neg"][0] == fast.extra["rows_neg"][1]
+    assert fast.extra["p2c_rows"][0] == fast.extra["p2c_rows"][1]
     slow = dataclasses.replace(fast, starts=None, bound=max(q0 + t, k0 + s), memo={})
     q = torch.randn(2, H, t, D, requires_grad=True)
     k = torch.randn(2, H, s, D, requires_grad=True)

@@ -137,13 +137,15 @@ def test_xl_bias_is_exact_in_the_upper_triangle() -> None:
 
 
 def delta_by_hand(r: int, span: int, bucket: int, max_distance: int) -> int:
-    """DeBERTa's delta: log bucket (v2) then shift and clip into [0, 2 span)."""
+    """DeBERTa's delta: log bucket (v2, clamped to +-(bucket - 1)) then shift and clip
+    into [0, 2 span)."""
     if bucket:
         mid = bucket // 2
         if abs(r) > mid:
             mag = mid + math.ceil(
-                (mid - 1) * math.log(abs(r) / mid) / math.log((max_distance - 1) / mid)
+                math.log(abs(r) / mid) / math.log((max_distance - 1) / mid) * (mid - 1)
             )
+            mag = min(mag, bucket - 1)
             r = mag if r > 0 else -mag
     return min(max(r + span, 0), 2 * span - 1)
 
@@ -155,13 +157,15 @@ def test_log_bucket_values() -> None:
     # 5 -> 4 + ceil(3 ln(5/4) / ln(63/4)) = 4 + ceil(0.243) = 5;
     # 10 -> 4 + ceil(3 ln 2.5 / ln 15.75) = 4 + ceil(0.997) = 5; 63 -> 4 + 3 = 7.
     assert got[:8] == [0, 1, -4, 4, 5, -5, 5, 7]
-    assert got[8] == 4 + math.ceil(3 * math.log(25) / math.log(15.75))  # 8: past the table
+    # 100 -> 4 + ceil(3 ln 25 / ln 15.75) = 8 by the formula, clamped to the last bucket 7
+    assert got[8:] == [7, -7]
     enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, bucket_size=8, max_distance=64)
-    assert enc.row(torch.tensor([100, -1000])).tolist() == [15, 0]  # clipped to [0, 16)
+    assert enc.row(torch.tensor([100, -1000])).tolist() == [15, 1]  # buckets +-7 of 16 rows
 
 
 def deberta_scores(enc: DebertaRelative, layer, q, k, qp, kp) -> torch.Tensor:
-    """He et al. eq. (4): (Q_c K_c^T + Q_c K_r^T[delta(i,j)] + K_c Q_r^T[delta(j,i)]) / sqrt(3d)."""
+    """He et al. eq. (4): (Q_c K_c^T + Q_c K_r^T[delta(i,j)] + K_c Q_r^T[delta(j,i)]) / sqrt(3d),
+    or with p2c at delta(i,j) as the authors' code reads it (``enc.p2c_row == "code"``)."""
     kr = layer.w_kr(enc.table).view(-1, H, Dh)
     qr = layer.w_qr(enc.table).view(-1, H, Dh)
     t, s = q.shape[1], k.shape[1]
@@ -170,7 +174,8 @@ def deberta_scores(enc: DebertaRelative, layer, q, k, qp, kp) -> torch.Tensor:
         for j in range(s):
             rel = int(qp[0, i] - kp[0, j])
             c2p = delta_by_hand(rel, enc.span, enc.bucket_size, enc.max_distance)
-            p2c = delta_by_hand(-rel, enc.span, enc.bucket_size, enc.max_distance)
+            p2c_rel = rel if enc.p2c_row == "code" else -rel
+            p2c = delta_by_hand(p2c_rel, enc.span, enc.bucket_size, enc.max_distance)
             for h in range(H):
                 scores[h, i, j] = (
                     q[h, i] @ k[h, j] + q[h, i] @ kr[c2p, h] + k[h, j] @ qr[p2c, h]
@@ -181,10 +186,13 @@ def deberta_scores(enc: DebertaRelative, layer, q, k, qp, kp) -> torch.Tensor:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bucket", [0, 4])
 @pytest.mark.parametrize("view", [False, True])
-def test_deberta_matches_the_paper(kind: AttnKind, bucket: int, view: bool) -> None:
-    """Attention outputs against eq. (4); ``view``: the strided-view path, with the far
-    keys' values moved out of the score terms, in causal blocks of 4 queries."""
-    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=bucket)
+@pytest.mark.parametrize("p2c_row", ["code", "paper"])
+def test_deberta_matches_the_paper(kind: AttnKind, bucket: int, view: bool, p2c_row: str) -> None:
+    """Attention outputs against eq. (4) (p2c at either row); ``view``: the strided-view
+    path, with the far keys' values moved out of the score terms, in causal blocks of 4
+    queries."""
+    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=bucket,
+                          p2c_row=p2c_row)
     attn = identity_attention(enc, kind)
     if view:
         attn.pos.view_keys_per_row = 0.0
@@ -206,13 +214,14 @@ def test_deberta_causal_lookup_is_flat_over_masked_keys() -> None:
     """Causal: distances < 0 (keys after the query, masked) take distance 0's rows, so
     no product is spent on them; allowed distances keep the paper's rows, and
     bidirectional attention keeps every distance's own."""
-    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=4)
+    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=4,
+                          p2c_row="paper")
     pos = positions(10)
     causal = enc.context(pos, pos, AttnKind.CAUSAL).extra
     both = enc.context(pos, pos, AttnKind.BIDIRECTIONAL).extra
     dist = torch.arange(causal["lo"], causal["lo"] + causal["rows"].shape[0])
     allowed = dist >= 0
-    for key, sign in (("rows", 1), ("rows_neg", -1)):
+    for key, sign in (("rows", 1), ("p2c_rows", -1)):
         want = enc.row(sign * dist)
         assert torch.equal(causal[key][allowed], want[allowed])
         assert torch.equal(both[key], want)
@@ -237,8 +246,10 @@ def test_deberta_far_keys_get_no_score_part() -> None:
     assert tk is k and not torch.equal(tq, q)
 
 
-def test_deberta_unequal_query_and_key_lengths() -> None:
-    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=8, bucket_size=4)
+@pytest.mark.parametrize("p2c_row", ["code", "paper"])
+def test_deberta_unequal_query_and_key_lengths(p2c_row: str) -> None:
+    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=8, bucket_size=4,
+                          p2c_row=p2c_row)
     hook = enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)
     with torch.no_grad():
         enc.table.normal_()
@@ -272,6 +283,7 @@ def test_deberta_scale_is_one_over_sqrt_3d() -> None:
         (ShawRelative, dict(max_distance=0), "max_distance must be >= 1"),
         (DebertaRelative, dict(max_distance=1), "max_distance must be >= 2"),
         (DebertaRelative, dict(bucket_size=2), "bucket_size=2 must be 0"),
+        (DebertaRelative, dict(p2c_row="foo"), "unknown p2c_row 'foo'; allowed: code, paper"),
         (TransformerXL, dict(d_model=18, n_heads=2), None),  # even: fine
     ],
 )

@@ -22,6 +22,7 @@ from posenc.encoders.rope import (
     rope_frequencies,
     scaled_frequencies,
     yarn_mscale,
+    yarn_pair_ramp,
 )
 
 METHODS = SCALINGS[1:]
@@ -135,17 +136,59 @@ def test_yarn_frequencies_and_temperature_by_hand() -> None:
     want = [(1 - ramp(x)) * t / s + ramp(x) * t for x, t in zip(r, theta, strict=True)]
     assert want[0] == theta[0] and want[2] == theta[2] / s
     assert theta[1] / s < want[1] < theta[1]
-    got, mscale = scaled_frequencies(8, 10000.0, Scaling("yarn", s, length))
+    got, mscale = scaled_frequencies(8, 10000.0, Scaling("yarn", s, length, yarn_ramp="paper"))
     torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64),
                                rtol=1e-6, atol=0)
     assert mscale == pytest.approx(0.1 * math.log(4) + 1) == yarn_mscale(4.0)
     assert mscale == pytest.approx(1.138629, abs=1e-6)
     # The tables carry the temperature: cos, sin of m * theta'_i, times mscale.
-    enc = rope(d_model=8, n_heads=1, scaling="yarn", scaling_factor=s, original_length=length)
+    enc = rope(d_model=8, n_heads=1, scaling="yarn", scaling_factor=s, original_length=length,
+               yarn_ramp="paper")
     cos, sin = enc.tables(torch.tensor([[100]]))
     angle = 100 * torch.tensor(want, dtype=torch.float64)
     torch.testing.assert_close(cos[0, 0, 0].double(), mscale * angle.cos(), atol=2e-5, rtol=0)
     torch.testing.assert_close(sin[0, 0, 0].double(), mscale * angle.sin(), atol=2e-5, rtol=0)
+
+
+# R = 8, base 1e4, s = 4, L = 64 (issue #24): theta = (1, 0.1, 0.01, 0.001), so
+# r_i = 64 theta_i / 2pi = (10.19, 1.019, 0.102, 0.0102).
+def test_yarn_code_ramp_by_hand() -> None:
+    # The pair where r = w: i(w) = 8 ln(64 / (2 pi w)) / (2 ln 1e4).
+    # i(32) = 8 ln(0.3183) / 18.42 = -0.497 -> floor -1 -> clamped to low = 0;
+    # i(1) = 8 ln(10.19) / 18.42 = 1.008 -> ceil 2 = high. The ramp (i - 0) / (2 - 0) =
+    # (0, 0.5, 1, 1), gamma = 1 - ramp = (1, 0.5, 0, 0):
+    # theta' = (1, 0.5 * 0.1 / 4 + 0.5 * 0.1, 0.01 / 4, 0.001 / 4) = (1, 0.0625, 0.0025, 0.00025).
+    got, mscale = scaled_frequencies(8, 10000.0, Scaling("yarn", 4.0, 64))
+    assert Scaling("yarn", 4.0, 64).yarn_ramp == "code"  # the default
+    torch.testing.assert_close(got, torch.tensor([1.0, 0.0625, 0.0025, 0.00025]), rtol=1e-6, atol=0)
+    assert mscale == pytest.approx(0.1 * math.log(4) + 1)
+
+
+def test_yarn_paper_ramp_by_hand() -> None:
+    # gamma(r) = (r - 1) / 31 on (1, 32): pair 0: (10.186 - 1) / 31 = 0.29633, theta' =
+    # 0.70367 / 4 + 0.29633 = 0.47224; pair 1: (1.0186 - 1) / 31 = 0.000600, theta' =
+    # 0.9994 * 0.025 + 0.0006 * 0.1 = 0.025045; pairs 2, 3 below alpha: theta / 4.
+    got, _ = scaled_frequencies(8, 10000.0, Scaling("yarn", 4.0, 64, yarn_ramp="paper"))
+    torch.testing.assert_close(got, torch.tensor([0.47224, 0.025045, 0.0025, 0.00025]),
+                               rtol=2e-5, atol=0)
+
+
+def test_yarn_code_ramp_edges() -> None:
+    """R = 8, base 1e4, i(w) = 8 ln(L / (2 pi w)) / (2 ln 1e4) the pair where r = w."""
+    # A ramp one pair wide: alpha 2, beta 2.1, L = 256: i(2.1) = 1.288 -> low 1,
+    # i(2) = 1.309 -> high 2; (i - 1) / 1 clamped = (0, 0, 1, 1).
+    got = yarn_pair_ramp(8, 10000.0, 256, 2.0, 2.1)
+    assert got.tolist() == [1.0, 1.0, 0.0, 0.0]
+    # high == low: L = 4, i(1) = 8 ln(0.637) / 18.42 = -0.196 -> ceil 0, i(32) < 0 -> 0;
+    # high becomes 0.001: a step after pair 0, (0, 1, 1, 1) -> gamma (1, 0, 0, 0).
+    got = yarn_pair_ramp(8, 10000.0, 4, 1.0, 32.0)
+    assert got.tolist() == [1.0, 0.0, 0.0, 0.0]
+    # The upper bound is clamped to R - 1 as in the code, not to R/2 - 1: at L = 3e6,
+    # i(32) = 4.17 -> low 4 and i(1) = 5.68 -> high 6, so every pair is below low and kept
+    # (each has more than 32 wavelengths in L: r_3 = 3e6 * 0.001 / 2 pi = 477). Clamping
+    # high to R/2 - 1 = 3 would give (i - 4) / (3 - 4) >= 1: every pair interpolated.
+    got = yarn_pair_ramp(8, 10000.0, 3 * 10**6, 1.0, 32.0)
+    assert got.tolist() == [1.0, 1.0, 1.0, 1.0]
 
 
 def test_yarn_ramp_bounds_are_settable() -> None:
@@ -190,13 +233,31 @@ def test_scores_stay_relative(method: str, fraction: float) -> None:
         torch.testing.assert_close(diag, diag[:, :1].expand_as(diag), atol=1e-4, rtol=1e-4)
 
 
-def test_yarn_temperature_scales_the_whole_score_with_partial_rotation() -> None:
-    enc = rope(d_model=32, fraction=0.5, scaling="yarn", scaling_factor=4.0, original_length=L)
+@pytest.mark.parametrize("temper", ["rotated", "score"])
+def test_yarn_temperature_with_partial_rotation(temper: str) -> None:
+    """``rotated`` (default, the code): the unrotated dims' score is untouched and the
+    rotated dims' score gets mscale^2; ``score`` (the paper): both get mscale^2."""
+    kwargs = {} if temper == "rotated" else {"yarn_temper": "score"}
+    enc = rope(d_model=32, fraction=0.5, scaling="yarn", scaling_factor=4.0, original_length=L,
+               **kwargs)
+    plain = rope(d_model=32, fraction=0.5)
+    m2 = yarn_mscale(4.0) ** 2
+    pos = torch.arange(3)[None]
     q, k = torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16)
     q[..., 8:], k[..., 8:] = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)  # unrotated dims
-    rq, rk = qk(enc, q, k, torch.arange(3)[None])
-    m2 = yarn_mscale(4.0) ** 2
-    torch.testing.assert_close(rq @ rk.transpose(-1, -2), m2 * (q @ k.transpose(-1, -2)))
+    rq, rk = qk(enc, q, k, pos)
+    tail = m2 if temper == "score" else 1.0
+    torch.testing.assert_close(rq @ rk.transpose(-1, -2), tail * (q @ k.transpose(-1, -2)))
+    # rotated dims only: mscale^2 times the score with YaRN's frequencies but no temperature
+    q, k = torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16)
+    q[..., :8], k[..., :8] = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    rq, rk = qk(enc, q, k, pos)
+    freq, _ = enc.frequencies(3)
+    angles = pos[0, :, None].double() * freq.double()  # (T, R/2)
+    tq, tk = textbook(q[0, :, :, :8], angles), textbook(k[0, :, :, :8], angles)
+    torch.testing.assert_close((rq @ rk.transpose(-1, -2))[0].double(),
+                               m2 * tq @ tk.transpose(-1, -2), atol=1e-5, rtol=1e-5)
+    assert not torch.equal(qk(plain, q, k, pos)[0], rq)
 
 
 # ----------------------------------------------------------------------- switching settings
@@ -235,9 +296,11 @@ def test_scaled_restores_after_an_error() -> None:
 
 
 def test_yarn_ramp_settings_survive_a_switch_and_a_cast() -> None:
-    enc = rope(yarn_alpha=2.0, yarn_beta=16.0)
+    enc = rope(yarn_alpha=2.0, yarn_beta=16.0, yarn_ramp="paper", yarn_temper="score")
     with enc.scaled("yarn", 4.0, L):
-        assert (enc.scaling.yarn_alpha, enc.scaling.yarn_beta) == (2.0, 16.0)
+        s = enc.scaling
+        assert (s.yarn_alpha, s.yarn_beta, s.yarn_ramp, s.yarn_temper) == (2.0, 16.0, "paper",
+                                                                           "score")
     enc = rope(scaling="yarn", scaling_factor=4.0, original_length=L)
     pos = torch.arange(40)[None]
     before = enc.tables(pos)[0].clone()
@@ -264,6 +327,8 @@ def test_only_rope_declares_scaling_methods() -> None:
         (dict(scaling="dynamic_ntk"), "scaling=dynamic_ntk needs original_length"),
         (dict(scaling="yarn", original_length=0), "original_length must be a positive"),
         (dict(yarn_alpha=4.0, yarn_beta=2.0), "need 0 < yarn_alpha < yarn_beta"),
+        (dict(yarn_ramp="foo"), "unknown yarn_ramp 'foo'; allowed: code, paper"),
+        (dict(yarn_temper="all"), "unknown yarn_temper 'all'; allowed: rotated, score"),
     ],
 )
 def test_bad_scaling_settings_are_clear_errors(kwargs: dict, message: str) -> None:

@@ -28,6 +28,7 @@ SCORED = {
     "xl": {},
     "deberta": {"max_distance": 8, "bucket_size": 4},
     "deberta_c2p": {"max_distance": 6, "bucket_size": 0, "p2c": False},
+    "deberta_paper": {"max_distance": 8, "bucket_size": 4, "p2c_row": "paper"},
 }
 # (T, S, q0, k0): self-attention, offset positions, queries after a cache (T < S), and
 # None for per-row (explicit) positions.

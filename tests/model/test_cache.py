@@ -37,6 +37,14 @@ ROPE_SCALINGS = {
 }
 CASES = [(n, SETTINGS.get(n, {})) for n in ENCODER_YAMLS]
 CASES += [(f"rope+{m}", kw) for m, kw in ROPE_SCALINGS.items()]
+# The non-default conventions (#24): DeBERTa's p2c at the paper's row; YaRN partial rotation
+# with either temperature, and the paper's ramp.
+CASES += [
+    ("deberta+p2c_paper", {**SETTINGS["deberta"], "p2c_row": "paper"}),
+    ("rope+yarn_partial", {**ROPE_SCALINGS["yarn"], "fraction": 0.5}),
+    ("rope+yarn_paper_score", {**ROPE_SCALINGS["yarn"], "fraction": 0.5, "yarn_ramp": "paper",
+                               "yarn_temper": "score"}),
+]
 
 
 def _factory(name: str, settings: dict):  # noqa: ANN202

@@ -7,9 +7,12 @@ backward then runs through the traced graph, so gradients reach every parameter.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from posenc.encoders.registry import get
 from posenc.model import DecoderLM, EncoderDecoder
 from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS
 
@@ -50,6 +53,28 @@ def test_encoder_decoder_traces_as_one_graph(name: str, t: int) -> None:
     src_valid[1, t // 2 :] = False
     out = _compiled(model)(src, tgt, src_valid)
     torch.testing.assert_close(out, model(src, tgt, src_valid), rtol=1e-5, atol=1e-5)
+    out.square().mean().backward()
+    _check_grads(model)
+
+
+#: Non-default conventions (#24), traced as the YAML defaults are above.
+CONVENTIONS = {
+    "deberta_p2c_paper": ("deberta", {"p2c_row": "paper"}),
+    "rope_yarn_code": ("rope", {"scaling": "yarn", "scaling_factor": 4.0,
+                                "original_length": 64, "fraction": 0.5}),
+    "rope_yarn_paper_score": ("rope", {"scaling": "yarn", "scaling_factor": 4.0,
+                                       "original_length": 64, "fraction": 0.5,
+                                       "yarn_ramp": "paper", "yarn_temper": "score"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CONVENTIONS))
+def test_conventions_trace_as_one_graph(case: str) -> None:
+    name, settings = CONVENTIONS[case]
+    model = DecoderLM(vocab_size=11, encoder=functools.partial(get(name), **settings), **SIZES)
+    ids = torch.randint(0, 11, (2, 300))
+    out = _compiled(model)(ids)
+    torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-5)
     out.square().mean().backward()
     _check_grads(model)
 

@@ -1,0 +1,108 @@
+"""posenc's defaults against Hugging Face transformers' ports of the authors' code (#24).
+
+Needs the optional ``interop`` extra (``pip install -e ".[interop]"``); skipped without
+transformers, which CI does not install. Written against transformers 4.57 and 5.x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from posenc.encoders.base import AttnKind
+from posenc.encoders.deberta import DebertaRelative
+from posenc.encoders.rope import RoPE, scaled_frequencies
+from tests.conftest import identity_attention
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.deberta_v2 import modeling_deberta_v2  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+MAJOR = int(transformers.__version__.split(".")[0])
+
+
+def llama_yarn_config(*, head_dim: int, base: float, factor: float, original: int,
+                      fraction: float):  # noqa: ANN202
+    """A LlamaConfig with YaRN scaling, in the spelling of the installed version."""
+    rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    sizes = dict(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim,
+                 max_position_embeddings=int(factor * original))
+    if MAJOR >= 5:
+        rope |= {"rope_theta": base, "partial_rotary_factor": fraction}
+        return modeling_llama.LlamaConfig(**sizes, rope_parameters=rope)
+    return modeling_llama.LlamaConfig(**sizes, rope_theta=base, rope_scaling=rope,
+                                      partial_rotary_factor=fraction)
+
+
+@pytest.mark.parametrize(("head_dim", "fraction", "original", "base"),
+                         [(8, 1.0, 64, 1e4), (32, 1.0, 128, 1e4), (64, 0.5, 256, 5e5),
+                          (16, 0.5, 16, 1e4)])
+def test_yarn_defaults_match_transformers(head_dim: int, fraction: float, original: int,
+                                          base: float) -> None:
+    """The code ramp's frequencies and the rotated dims' temperature: q and k after the
+    rotation equal Llama's rotate_half YaRN on the rotated dims, pass-through elsewhere
+    (GPT-NeoX's partial rotation; Llama's own attention rotates all dims)."""
+    factor = 4.0
+    config = llama_yarn_config(head_dim=head_dim, base=base, factor=factor, original=original,
+                               fraction=fraction)
+    rot = int(head_dim * fraction)
+    hf = modeling_llama.LlamaRotaryEmbedding(config)
+    enc = RoPE(d_model=2 * head_dim, n_heads=2, n_layers=1, base=base, layout="half",
+               fraction=fraction, scaling="yarn", scaling_factor=factor,
+               original_length=original)
+    freq, mscale = enc.frequencies(4 * original)
+    torch.testing.assert_close(freq, hf.inv_freq.float(), rtol=1e-6, atol=0)
+    paper = scaled_frequencies(rot, base, replace(enc.scaling, yarn_ramp="paper"))[0]
+    assert (paper - hf.inv_freq).abs().max() > 1e-3  # the paper's ramp is another function
+    assert mscale == pytest.approx(hf.attention_scaling)
+    pos = torch.arange(4 * original)[None]
+    q, k = torch.randn(1, 2, pos.shape[1], head_dim), torch.randn(1, 2, pos.shape[1], head_dim)
+    cos, sin = hf(q, pos)
+    hq, hk = modeling_llama.apply_rotary_pos_emb(q[..., :rot], k[..., :rot], cos, sin)
+    hq, hk = torch.cat((hq, q[..., rot:]), -1), torch.cat((hk, k[..., rot:]), -1)
+    ctx = enc.context(pos, pos, AttnKind.CAUSAL)
+    pq, pk = enc.for_attention(layer=0, kind=AttnKind.CAUSAL).transform_qk(q, k, ctx)
+    # float32 angles up to position 1023 (their ulp is 6e-5; Llama multiplies in float32)
+    torch.testing.assert_close(pq, hq, atol=5e-4, rtol=0)
+    torch.testing.assert_close(pk, hk, atol=5e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("bucket_size", "max_distance"), [(0, 6), (8, 16), (32, 128)])
+def test_deberta_defaults_match_transformers(bucket_size: int, max_distance: int) -> None:
+    """DeBERTa-v2's DisentangledSelfAttention (c2p + p2c, no shared keys) against posenc's
+    attention with the same table and projections, in bidirectional attention over
+    distances below max_distance (where the reference's buckets are in range)."""
+    c, h, t = 16, 2, 12
+    config = modeling_deberta_v2.DebertaV2Config(
+        hidden_size=c, num_attention_heads=h, relative_attention=True,
+        pos_att_type=["c2p", "p2c"], position_buckets=bucket_size or -1,
+        max_relative_positions=max_distance, share_att_key=False,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    hf = modeling_deberta_v2.DisentangledSelfAttention(config).eval()
+    enc = DebertaRelative(d_model=c, n_heads=h, n_layers=1, max_distance=max_distance,
+                          bucket_size=bucket_size)
+    attn = identity_attention(enc, AttnKind.BIDIRECTIONAL)
+    with torch.no_grad():
+        enc.table.normal_()
+        for proj in (hf.query_proj, hf.key_proj, hf.value_proj):
+            proj.weight.copy_(torch.eye(c))
+            proj.bias.zero_()
+        hf.pos_key_proj.weight.copy_(attn.pos.w_kr.weight)
+        hf.pos_query_proj.weight.copy_(attn.pos.w_qr.weight)
+        hf.pos_key_proj.bias.zero_()
+        hf.pos_query_proj.bias.zero_()
+    x = torch.randn(2, t, c)
+    pos = torch.arange(t)[None]
+    with torch.no_grad():
+        want = hf(x, torch.ones(2, 1, t, t, dtype=torch.bool), rel_embeddings=enc.table)[0]
+        got = attn(x, enc.context(pos, pos, AttnKind.BIDIRECTIONAL))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # and the paper's row is a different function here
+        paper = DebertaRelative(d_model=c, n_heads=h, n_layers=1, max_distance=max_distance,
+                                bucket_size=bucket_size, p2c_row="paper")
+        paper.load_state_dict(enc.state_dict())
+        other = attn(x, paper.context(pos, pos, AttnKind.BIDIRECTIONAL))
+        assert (other - want).abs().max() > 1e-3
