@@ -47,7 +47,17 @@ RESUME_MAY_CHANGE = (
     "trainer.enable_model_summary", "task.eval", "task.eval_batch_size", "task.decode",
     "task.eval_split", "task.eval_max_sentences", "task.samples", "task.val_bleu_sentences",
     "checkpoint_every_n_steps", "paths", "resume", "ckpt_path", "eval_only", "init_from",
-    "model.compile", "model.score_budget_mib",
+    "model.compile", "model.score_budget_mib", "threads",
+)
+
+#: Training settings that do nothing in an ``eval_only`` run: given there with another
+#: value than the checkpoint's, they are reported and ``metrics.json`` keeps the
+#: checkpoint's (every other setting, e.g. precision or data, applies as given).
+NO_EFFECT_IN_EVAL = (
+    "task.optim", "task.batch_size", "trainer.max_steps", "trainer.gradient_clip_val",
+    "trainer.val_check_interval", "trainer.check_val_every_n_epoch",
+    "trainer.accumulate_grad_batches", "model.dropout", "model.random_positions", "seed",
+    "checkpoint_every_n_steps",
 )
 
 #: What defines the network a checkpoint holds: ``eval_only`` refuses differences here.
@@ -234,8 +244,8 @@ def check_config(path: str, ckpt: dict[str, Any], cfg: DictConfig,
             evaluate (``eval_only``: the model-defining keys must match).
 
     Returns:
-        For evaluation, the keys that differ but have no effect on it (training settings),
-        with both values: the caller reports them.
+        For evaluation, the keys that differ but have no effect on it
+        (:data:`NO_EFFECT_IN_EVAL`), with both values: the caller reports them.
 
     Raises:
         CheckpointError: Lists each differing key with both values, and how to proceed.
@@ -264,7 +274,7 @@ def check_config(path: str, ckpt: dict[str, Any], cfg: DictConfig,
             f"describes:\n  {_lines(bad)}\nGive the settings it was trained with (they are "
             f"in its run directory's .hydra/config.yaml)."
         )
-    return {k: v for k, v in diff.items() if not _under(k, RESUME_MAY_CHANGE)}
+    return {k: v for k, v in diff.items() if _under(k, NO_EFFECT_IN_EVAL)}
 
 
 def check_tokenizer(path: str, ckpt: dict[str, Any], fingerprint: str) -> None:
