@@ -276,7 +276,9 @@ def _isolated(cfg: DictConfig) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     code = proc.exitcode
-    if code == TERMINATED or code == -signal.SIGTERM:
+    if code == TERMINATED:  # the job said where it stopped and how to continue
+        sys.exit(TERMINATED)
+    if code == -signal.SIGTERM:
         _terminated(cfg)
     if code == 0:
         return

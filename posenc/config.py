@@ -276,6 +276,10 @@ def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
     _non_negative(problems, "task.decode.length_penalty", d.length_penalty, integer=False)
     _non_negative(problems, "task.decode.max_len_a", d.max_len_a, integer=False)
     _non_negative(problems, "task.decode.max_len_b", d.max_len_b, integer=True)
+    if not isinstance(d.get("use_cache", True), bool):
+        problems.append(f"task.decode.use_cache={d.use_cache!r}: must be true or false")
+    _check_keys(problems, "task.decode.", list(d),
+                ["beam_size", "length_penalty", "max_len_a", "max_len_b", "use_cache"])
     _fits_encoder(problems, cfg, "max_len")
 
 

@@ -158,9 +158,11 @@ class MTTask(pl.LightningModule):
     # ---- decoding --------------------------------------------------------------------------
 
     def translate(
-        self, src: Tensor, src_valid: Tensor, *, beam_size: int = 1, length_penalty: float = 0.0
+        self, src: Tensor, src_valid: Tensor, *, beam_size: int = 1, length_penalty: float = 0.0,
+        use_cache: bool = True,
     ) -> Decoded:
-        """Decode ``src (B, S)``: greedy for ``beam_size == 1``, else beam search."""
+        """Decode ``src (B, S)``: greedy for ``beam_size == 1``, else beam search; with the
+        key/value cache unless ``use_cache`` is false (the same output, slower)."""
         limit = output_limits(
             src_valid,
             max_len_a=self.hparams.max_len_a,
@@ -169,7 +171,7 @@ class MTTask(pl.LightningModule):
         )
         ids = {"bos": self.bos, "eos": self.eos, "pad": self.pad}
         if beam_size == 1:
-            return greedy(self.model, src, src_valid, max_len=limit, **ids)
+            return greedy(self.model, src, src_valid, max_len=limit, use_cache=use_cache, **ids)
         return beam_search(
             self.model,
             src,
@@ -177,6 +179,7 @@ class MTTask(pl.LightningModule):
             beam_size=beam_size,
             length_penalty=length_penalty,
             max_len=limit,
+            use_cache=use_cache,
             **ids,
         )
 
@@ -239,11 +242,13 @@ class MTTask(pl.LightningModule):
         self.log("val/bleu", bleu, prog_bar=True, rank_zero_only=True)
 
     def configure_test(
-        self, *, beam_size: int, length_penalty: float, max_sentences: int | None
+        self, *, beam_size: int, length_penalty: float, max_sentences: int | None,
+        use_cache: bool = True,
     ) -> None:
         """Decoding settings of :meth:`test_step`; ``max_sentences`` keeps the first N in
         file order (None: all). Clears earlier test outputs."""
-        self.test_decode = {"beam_size": int(beam_size), "length_penalty": float(length_penalty)}
+        self.test_decode = {"beam_size": int(beam_size), "length_penalty": float(length_penalty),
+                            "use_cache": bool(use_cache)}
         self.test_max_sentences = max_sentences
         self.test_hyps = []
 

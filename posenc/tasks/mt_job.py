@@ -110,6 +110,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         beam_size=d.beam_size,
         length_penalty=d.length_penalty,
         max_sentences=cfg.task.eval_max_sentences,
+        use_cache=d.get("use_cache", True),
     )
     loader = dm.test_dataloader() if split == "test" else dm.val_dataloader()
     best = trainer.checkpoint_callback.best_model_path if not cfg.eval_only else ""

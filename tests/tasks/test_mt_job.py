@@ -86,6 +86,11 @@ def test_eval_only_from_a_checkpoint(tmp_path: Path, cache_dir: Path) -> None:
         assert again["metrics"][key] == pytest.approx(trained["metrics"][key], rel=1e-9)
     hyps = (tmp_path / "a" / "test.hyp.txt").read_text(encoding="utf-8")
     assert (tmp_path / "b" / "test.hyp.txt").read_text(encoding="utf-8") == hyps
+    # Without the key/value cache: the same translations, token for token.
+    uncached = train(compose_mt(tmp_path / "c", cache_dir, "encoder=shaw", "eval_only=true",
+                                f"ckpt_path={ckpt}", "task.decode.use_cache=false"))
+    assert (tmp_path / "c" / "test.hyp.txt").read_text(encoding="utf-8") == hyps
+    assert uncached["metrics"]["test/bleu"] == trained["metrics"]["test/bleu"]
 
 
 def test_train_short_experiment_drops_long_sources(tmp_path: Path, cache_dir: Path) -> None:
