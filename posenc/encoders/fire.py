@@ -262,7 +262,8 @@ class Fire(PositionalEncoder):
         ValueError: ``mlp_width < 1``, ``threshold <= 0`` or ``init_c <= 0``.
     """
 
-    relative = False  # the bias depends on i - j only while positions stay below L
+    relative = False
+    relative_below = "log_threshold"  # the bias depends on i - j only below L
 
     def __init__(
         self,
