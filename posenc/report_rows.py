@@ -72,8 +72,15 @@ def metric_key(name: str) -> tuple[Any, ...]:
     split, _, rest = plain.partition("/")
     kind, _, where = rest.partition("@")
     num = re.search(r"\d+", where)
-    return ({"test": 0, "val": 1}.get(split, 2), split, _KIND_ORDER.get(kind, 9), kind,
-            extension, int(num.group()) if num else -1, where)
+    return (
+        {"test": 0, "val": 1}.get(split, 2),
+        split,
+        _KIND_ORDER.get(kind, 9),
+        kind,
+        extension,
+        int(num.group()) if num else -1,
+        where,
+    )
 
 
 @functools.cache

@@ -39,7 +39,7 @@ CASES = [(n, SETTINGS.get(n, {})) for n in ENCODER_YAMLS]
 CASES += [(f"rope+{m}", kw) for m, kw in ROPE_SCALINGS.items()]
 
 
-def _factory(name: str, settings: dict):  # noqa: ANN202
+def _factory(name: str, settings: dict):
     return functools.partial(get(name.split("+")[0]), **settings)
 
 
