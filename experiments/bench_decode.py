@@ -24,7 +24,7 @@ from posenc.tasks.generate import generate
 GOAL = Goal(">=", 5.0)
 
 
-def _timed(fn) -> float:  # noqa: ANN001
+def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0

@@ -45,7 +45,7 @@ def guarded(problems: list[str], section: str, check: Callable[[], None]) -> Non
     """
     try:
         check()
-    except Exception as err:  # noqa: BLE001 - any failure here is a value of the wrong type
+    except Exception as err:
         problems.append(f"{section}: a value has the wrong type ({type(err).__name__}: {err}); "
                         f"compare it with conf/ and the README")
 

@@ -67,7 +67,7 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
     try:
         parsed = OverridesParser.create().parse_overrides(
             [o for o in overrides if not o.startswith(("hydra/", "hydra."))])
-    except Exception:  # noqa: BLE001 - Hydra reports unparsable overrides itself
+    except Exception:
         return []
     groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
     choices = []
@@ -78,7 +78,7 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             cfg = compose("config", overrides=choices)
-    except Exception:  # noqa: BLE001 - a bad choice: Hydra says which
+    except Exception:
         return []
     found = []
     for o in parsed:

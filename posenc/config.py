@@ -375,7 +375,7 @@ def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:
     fixed = ("d_model", "n_heads", "n_layers")
     try:
         cls = get_class(cfg.encoder._target_)
-    except Exception as err:  # noqa: BLE001 - any import failure is a config problem
+    except Exception as err:
         problems.append(f"encoder._target_={cfg.encoder.get('_target_')!r}: {err}")
     else:
         allowed = _params(cls.__init__, fixed) + ["_target_", "_partial_"]

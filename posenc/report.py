@@ -13,64 +13,27 @@ import argparse
 import csv
 import json
 import math
-import re
 import statistics
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from posenc.report_rows import (
+    Failure,
+    Row,
+    Run,
+    encoder_key,
+    metric_key,
+    split_extension,
+)
+
 #: Compute columns: averaged over a group's runs so comparisons can be compute-matched.
 COST_KEYS = ("n_params", "tokens_per_s", "peak_memory_mb", "train_time_s")
-#: Display order of encoders (others follow alphabetically).
-ENCODER_ORDER = ("none", "learned", "sinusoidal", "shaw", "xl", "deberta", "rope")
-_KIND_ORDER = {"ppl": 0, "ppl_sw": 1, "bleu": 0, "chrf": 1, "loss": 2}
 CSV_FIELDS = ("task", "encoder", "metric", "mean", "std", "n", "skipped", *COST_KEYS)
-
-
-@dataclass
-class Run:
-    """One finished job: its directory and the contents of its ``metrics.json``."""
-
-    dir: Path
-    data: dict[str, Any]
-
-    @property
-    def task(self) -> str:
-        return str(self.data.get("task", "?"))
-
-    @property
-    def encoder(self) -> str:
-        return str(self.data.get("encoder", "?"))
-
-
-@dataclass
-class Failure:
-    """A job without results: ``failed`` (error.json), ``missing`` or ``unreadable``."""
-
-    dir: Path
-    status: str
-    error: str
-    task: str = "?"
-    encoder: str = "?"
-    seed: Any = None
-
-
-@dataclass
-class Row:
-    """Statistics of one metric over the runs of one (task, encoder) group."""
-
-    task: str
-    encoder: str
-    metric: str
-    mean: float | None
-    std: float | None
-    n: int
-    skipped: int
-    cost: dict[str, float | None] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- collecting
@@ -179,30 +142,6 @@ def summarize(values: Iterable[Any]) -> tuple[float | None, float | None, int, i
     mean = statistics.fmean(finite) if finite else None
     std = statistics.stdev(finite) if len(finite) > 1 else None
     return mean, std, len(finite), skipped
-
-
-def split_extension(name: str) -> tuple[str, str]:
-    """``test/ppl+yarn@64`` -> ``("test/ppl@64", "yarn")``: the metric without its RoPE
-    context-extension method, and the method (``""`` for a plain metric)."""
-    head, at, where = name.partition("@")
-    head, _, extension = head.partition("+")
-    return f"{head}{at}{where}", extension
-
-
-def metric_key(name: str) -> tuple[Any, ...]:
-    """Sort key: test before val, then kind (ppl, ppl_sw / bleu, chrf), then context-extension
-    method (plain first), then numeric length or bucket start, overall (no ``@``) first:
-    ``test/ppl@128`` < ``test/ppl@1024`` < ``test/ppl+yarn@128``."""
-    plain, extension = split_extension(name)
-    split, _, rest = plain.partition("/")
-    kind, _, where = rest.partition("@")
-    num = re.search(r"\d+", where)
-    return ({"test": 0, "val": 1}.get(split, 2), split, _KIND_ORDER.get(kind, 9), kind,
-            extension, int(num.group()) if num else -1, where)
-
-
-def encoder_key(name: str) -> tuple[int, str]:
-    return (ENCODER_ORDER.index(name) if name in ENCODER_ORDER else len(ENCODER_ORDER), name)
 
 
 def groups(runs: Sequence[Run]) -> dict[tuple[str, str], list[Run]]:

@@ -15,18 +15,17 @@ import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # files and TensorBoard only, never a window
 
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import FormatStrFormatter  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.ticker import FormatStrFormatter
 
-if TYPE_CHECKING:
-    from posenc.report import Row, Run
+from posenc.report_rows import Row, Run, split_extension
 
 #: (mean, std or None) of one point.
 Point = tuple[float, float | None]
@@ -152,8 +151,6 @@ def _points(rows: Sequence[Row], task: str, prefix: str) -> dict[str, dict[str, 
 def _extensions(rows: Sequence[Row], split: str) -> list[str]:
     """RoPE context-extension methods among the LM metrics of ``split`` (``yarn`` from
     ``test/ppl+yarn@64``), sorted."""
-    from posenc.report import split_extension
-
     return sorted({ext for r in rows if r.task == "lm" and r.metric.startswith(f"{split}/")
                    for ext in [split_extension(r.metric)[1]] if ext})
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
 
 from posenc.cli import register_resolvers
 from posenc.encoders.base import AttentionContext, AttnKind, PositionalEncoder
@@ -16,13 +17,23 @@ from posenc.model.attention import Attention
 
 ROOT = Path(__file__).resolve().parents[1]
 ENCODER_YAMLS = sorted(p.stem for p in (ROOT / "conf" / "encoder").glob("*.yaml"))
-RELATIVE = ("shaw", "xl", "deberta", "rope", "alibi", "t5", "xpos")
-ABSOLUTE = ("learned", "sinusoidal")
-#: Relative only while positions stay below its learned threshold L (the conformance
-#: tests stay below it; tests/encoders/test_fire_xpos.py checks both sides).
-RELATIVE_BELOW_THRESHOLD = ("fire",)
+
+
+def encoder_class(name: str) -> type[PositionalEncoder]:
+    """The class ``conf/encoder/<name>.yaml`` builds (its ``_target_``)."""
+    return get_class(OmegaConf.load(ROOT / "conf" / "encoder" / f"{name}.yaml")._target_)
+
+
+# The groups the tests treat alike come from what each scheme declares (class attributes
+# of PositionalEncoder), so a new encoder is one file and one YAML, with no list to edit.
+_CLASSES = {name: encoder_class(name) for name in ENCODER_YAMLS}
+#: Schemes whose output moves with the positions themselves: neither relative (not even
+#: below a threshold such as FIRE's, which the conformance tests stay under) nor NoPE.
+ABSOLUTE = tuple(
+    n for n, c in _CLASSES.items() if c.uses_positions and not (c.relative or c.relative_below)
+)
 #: Schemes defined for causal attention only: they refuse bidirectional attention.
-CAUSAL_ONLY = ("xpos",)
+CAUSAL_ONLY = tuple(n for n, c in _CLASSES.items() if c.causal_only)
 #: The encoders a translation model (bidirectional encoder stack) can use.
 BIDIRECTIONAL_YAMLS = [n for n in ENCODER_YAMLS if n not in CAUSAL_ONLY]
 

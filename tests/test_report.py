@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import csv
 import json
 import math
@@ -10,7 +11,10 @@ from typing import Any
 
 import pytest
 
+from posenc import encoders
 from posenc.report import build_report, main, metric_key, summarize
+from posenc.report_rows import encoder_key, encoder_order
+from tests.conftest import ROOT
 
 
 def write_run(d: Path, task: str, encoder: str, seed: int, metrics: dict[str, float],
@@ -163,6 +167,30 @@ def test_summarize_and_order() -> None:
     assert sorted(names, key=metric_key) == [
         "test/bleu", "test/bleu@len10-20", "test/bleu@len30+", "test/ppl@128", "test/ppl@1024",
         "test/chrf", "test/ppl_sw@16", "val/loss"]
+
+
+def test_every_registered_encoder_has_its_place_in_the_order() -> None:
+    order = encoder_order()
+    assert sorted(order) == encoders.available()
+    # NoPE first, absolute before relative, thresholded relative (FIRE) last.
+    assert order[0] == "none" and order[-1] == "fire"
+    assert max(map(order.index, ("learned", "sinusoidal"))) < order.index("alibi")
+    assert sorted(["zzz", "rope", "none", "aaa"], key=encoder_key) == ["none", "rope", "aaa",
+                                                                       "zzz"]
+
+
+def _imports(module: str) -> set[str]:
+    tree = ast.parse((ROOT / "posenc" / f"{module}.py").read_text())
+    return {node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module} | {
+        alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+        for alias in node.names}
+
+
+def test_report_modules_have_no_import_cycle() -> None:
+    """report -> report_plots -> report_rows, and never back (lazily or for types)."""
+    assert "posenc.report" not in _imports("report_plots")
+    assert not {"posenc.report", "posenc.report_plots"} & _imports("report_rows")
 
 
 def test_a_config_errors_problems_and_a_dead_jobs_last_log_line_are_in_the_table(

@@ -22,7 +22,7 @@ from posenc import cli as run
 from posenc.config import validate
 from posenc.encoders.none import NoPositions
 from posenc.report import build_report
-from tests.conftest import ROOT
+from tests.conftest import ENCODER_YAMLS, ROOT
 
 
 class BrokenEncoder(NoPositions):
@@ -120,27 +120,17 @@ def compose_hydra(*overrides: str) -> DictConfig:
         return compose("config", overrides=list(overrides), return_hydra_config=True)
 
 
-@pytest.mark.parametrize(
-    ("preset", "params"),
-    [
-        ("smoke", {"task": "lm", "encoder": "learned,rope", "seed": "0,1"}),
-        ("lm_extrapolation", {"task": "lm", "encoder": "none,learned,sinusoidal,shaw,xl,"
-                              "deberta,rope,alibi,t5,fire,xpos", "seed": "0,1,2"}),
-        ("lm_randomized", {"task": "lm", "encoder": "learned,sinusoidal,shaw,xl,deberta,rope,"
-                           "alibi,t5,fire,xpos", "seed": "0,1,2"}),
-        ("mt_length", {"task": "mt", "experiment": "mt_train_short",
-                       "encoder": "learned,sinusoidal,shaw,xl,deberta,rope,alibi,t5,fire",
-                       "seed": "0,1,2"}),
-    ],
-)
-def test_sweep_presets(preset: str, params: dict[str, str], tmp_path: Path) -> None:
-    cfg = compose_hydra(f"sweep={preset}")
-    assert OmegaConf.to_container(cfg.hydra.sweeper.params) == params
-    # Every encoder of the grid (first seed) composes and passes the config checks, so a
-    # preset cannot hold a job that is refused (e.g. a causal-only scheme in translation).
-    first = {key: values.split(",")[0] for key, values in params.items()}
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml")))
+def test_sweep_presets(preset: str, tmp_path: Path) -> None:
+    """Every job of a preset's grid (first seed) composes and passes the config checks,
+    so a preset cannot hold a job that is refused (a causal-only scheme in translation,
+    an encoder without a YAML)."""
+    params = OmegaConf.to_container(compose_hydra(f"sweep={preset}").hydra.sweeper.params)
+    grid = str(params["encoder"]).split(",")
+    assert len(set(grid)) == len(grid) and set(grid) <= set(ENCODER_YAMLS), grid
+    first = {key: str(values).split(",")[0] for key, values in params.items()}
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        for encoder in params["encoder"].split(","):
+        for encoder in grid:
             job = [f"{key}={value}" for key, value in (first | {"encoder": encoder}).items()]
             validate(compose("config", overrides=[f"sweep={preset}", *job,
                                                   f"paths.output_dir={tmp_path}",
@@ -175,8 +165,7 @@ def test_ddp_guard_counts_gpus_with_lightnings_parser(monkeypatch: pytest.Monkey
 def test_local_parallel_launcher_config() -> None:
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     launcher = instantiate(compose_hydra("hydra/launcher=local_parallel").hydra.launcher)
-    assert type(launcher).__name__ == "JoblibLauncher"
-    assert launcher.joblib["n_jobs"] == 2 and launcher.joblib["prefer"] == "processes"
+    assert type(launcher).__name__ == "JoblibLauncher"  # the plugin is found and composes
 
 
 def test_slurm_launcher_renders_one_task_per_device(tmp_path: Path,

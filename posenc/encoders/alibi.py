@@ -100,7 +100,7 @@ class ALiBi(PositionalEncoder):
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         return AttentionPositional() if kind is AttnKind.CROSS else _AlibiAttention()
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module signature
+    def _apply(self, fn, recurse=True):
         # A module cast (.half(), .to(bfloat16)) must not round slopes like 2^-0.5:
         # rebuild them in float32 on the new device.
         out = super()._apply(fn, recurse)

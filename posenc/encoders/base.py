@@ -269,8 +269,18 @@ class PositionalEncoder(nn.Module):
     """One per stack. Subclasses take keyword arguments ``d_model``, ``n_heads``,
     ``n_layers`` (filled in by the model builder) plus their own settings."""
 
+    # What a scheme declares about itself. The conformance tests read these, so a new
+    # scheme is checked for what it claims without a list in the tests to edit.
     #: True for schemes whose attention scores depend only on relative positions.
     relative: bool = False
+    #: False only for a scheme that ignores positions altogether (NoPE).
+    uses_positions: bool = True
+    #: A scheme that is relative only while positions stay below a learned bound (FIRE's
+    #: threshold L) names that bound's parameter here; ``relative`` is then False.
+    relative_below: str | None = None
+    #: True for schemes defined for causal attention only: they raise ValueError for
+    #: bidirectional attention, so translation (an encoder stack) cannot use them.
+    causal_only: bool = False
     #: Longest sequence the scheme can encode, or None for no limit.
     max_length: int | None = None
     #: Context-extension methods the scheme can apply to a trained model at evaluation

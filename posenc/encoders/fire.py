@@ -158,7 +158,7 @@ class FireFunction(nn.Module):
     def _by_cond(self, ctx: AttentionContext) -> Tensor:
         """:meth:`forward` as one ``torch.cond`` on "every normaliser is psi(L)"."""
 
-        def branch(by_distance: bool):  # noqa: ANN202
+        def branch(by_distance: bool):
             def run(q_pos: Tensor, k_pos: Tensor) -> Tensor:
                 sub = replace(ctx, q_pos=q_pos, k_pos=k_pos)
                 bias = self._by_distance(sub) if by_distance else self.mlp(self.inputs(sub))
@@ -262,7 +262,8 @@ class Fire(PositionalEncoder):
         ValueError: ``mlp_width < 1``, ``threshold <= 0`` or ``init_c <= 0``.
     """
 
-    relative = False  # the bias depends on i - j only while positions stay below L
+    relative = False
+    relative_below = "log_threshold"  # the bias depends on i - j only below L
 
     def __init__(
         self,

@@ -11,3 +11,5 @@ from posenc.encoders.registry import register
 @register("none")
 class NoPositions(PositionalEncoder):
     """Every hook is the base class's no-op."""
+
+    uses_positions = False

@@ -83,6 +83,7 @@ class XPos(PositionalEncoder):
     """
 
     relative = True
+    causal_only = True
 
     def __init__(
         self,

@@ -15,11 +15,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # figures are written to files and TensorBoard, never shown
 
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from torch import Tensor  # noqa: E402
-from torchmetrics import Metric  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.figure import Figure
+from torch import Tensor
+from torchmetrics import Metric
 
 PROTOCOLS = {"nonoverlap": "ppl", "sliding": "ppl_sw"}
 

@@ -187,13 +187,13 @@ class _KeyPrefixes(torch.autograd.Function):
     into one buffer in place."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, stops: tuple[int, ...]) -> tuple[Tensor, ...]:  # noqa: ANN001
+    def forward(ctx, x: Tensor, stops: tuple[int, ...]) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.stops, ctx.shape = stops, x.shape
         return tuple(x.narrow(-2, 0, stop) for stop in stops)
 
     @staticmethod
-    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, None]:  # noqa: ANN001
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, None]:
         given = sorted(
             ((stop, g) for stop, g in zip(ctx.stops, grads, strict=True) if g is not None),
             key=lambda pair: -pair[0],

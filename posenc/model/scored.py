@@ -83,8 +83,8 @@ def _scores(
 
 class _ScoredAttention(torch.autograd.Function):
     @staticmethod
-    def forward(  # noqa: PLR0913 - the attention's inputs and settings
-        ctx,  # noqa: ANN001
+    def forward(
+        ctx,
         q: Tensor,
         k: Tensor,
         v: Tensor,
@@ -114,7 +114,7 @@ class _ScoredAttention(torch.autograd.Function):
         return out, used
 
     @staticmethod
-    def backward(ctx, d_out: Tensor | None, d_used: Tensor | None):  # noqa: ANN001, ANN205
+    def backward(ctx, d_out: Tensor | None, d_used: Tensor | None):
         q3, k3, v, probs, keep = ctx.saved_tensors
         n_in = 6 + len(ctx.parts)
         if d_out is None and d_used is None:

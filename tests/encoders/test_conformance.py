@@ -16,8 +16,6 @@ from tests.conftest import (
     BIDIRECTIONAL_YAMLS,
     CAUSAL_ONLY,
     ENCODER_YAMLS,
-    RELATIVE,
-    RELATIVE_BELOW_THRESHOLD,
     ROOT,
     identity_attention,
     run_self,
@@ -33,16 +31,25 @@ def factory(name: str):
 
 def test_registry_lists_exactly_the_yaml_encoders() -> None:
     assert encoders.available() == ENCODER_YAMLS
-    assert set(ENCODER_YAMLS) == {"none", "learned", "sinusoidal", "shaw", "xl", "deberta", "rope",
-                                  "alibi", "t5", "fire", "xpos"}
-    assert set(ENCODER_YAMLS) == {"none", *ABSOLUTE, *RELATIVE, *RELATIVE_BELOW_THRESHOLD}
 
 
 @pytest.mark.parametrize("name", ENCODER_YAMLS)
 def test_yaml_builds_the_registered_class(name: str) -> None:
     enc = factory(name)(**SIZES)
     assert type(enc) is encoders.get(name)
-    assert enc.relative == (name in RELATIVE)
+
+
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
+def test_declared_kind_is_coherent(name: str) -> None:
+    """The class attributes the tests group encoders by do not contradict each other,
+    and a declared threshold names a real parameter (the shift test spares it)."""
+    enc = factory(name)(**SIZES)
+    assert not (enc.relative and enc.relative_below), "relative, or relative below a bound"
+    if not enc.uses_positions:
+        assert not (enc.relative or enc.relative_below), "a scheme without positions"
+    if enc.relative_below:
+        names = [n.rsplit(".", 1)[-1] for n, _ in enc.named_parameters()]
+        assert enc.relative_below in names, f"{name}: no parameter {enc.relative_below!r}"
 
 
 def test_unknown_encoder_names_the_choices() -> None:
@@ -56,13 +63,13 @@ def test_shift_invariance(name: str, kind: AttnKind) -> None:
     """Relative schemes: same output when all positions move by the same offset.
     Absolute schemes: the output changes."""
     enc = factory(name)(**SIZES)
-    if name in CAUSAL_ONLY and kind is AttnKind.BIDIRECTIONAL:
+    if enc.causal_only and kind is AttnKind.BIDIRECTIONAL:
         with pytest.raises(ValueError, match="causal"):
             enc.for_attention(layer=0, kind=kind)
         return
     for n, p in enc.named_parameters():  # make every positional parameter count
-        if name in RELATIVE_BELOW_THRESHOLD and "threshold" in n:
-            continue  # keep FIRE's threshold L (512) above every position used here
+        if enc.relative_below and n.rsplit(".", 1)[-1] == enc.relative_below:
+            continue  # keep a threshold such as FIRE's L (512) above every position used
         torch.nn.init.normal_(p)
     attn = identity_attention(enc, kind)
     x = torch.randn(2, 9, SIZES["d_model"])
@@ -72,26 +79,27 @@ def test_shift_invariance(name: str, kind: AttnKind) -> None:
         b = run_self(attn, enc, x, pos + 37, kind)
     if name in ABSOLUTE:
         assert not torch.allclose(a, b, atol=1e-3)
-    else:  # relative schemes, and 'none' (no positions at all)
+    else:  # relative (below its threshold), or no positions at all
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", [n for n in ENCODER_YAMLS if n != "none"])
+@pytest.mark.parametrize("name", ENCODER_YAMLS)
 def test_positions_matter(name: str) -> None:
-    """A scheme that silently ignored positions would pass shift invariance."""
+    """A scheme that silently ignored positions would pass shift invariance; one that
+    declares it ignores them (NoPE) must not see a reordering of positions."""
     enc = factory(name)(**SIZES)
     for p in enc.parameters():
         torch.nn.init.normal_(p)
-    kind = AttnKind.CAUSAL if name in CAUSAL_ONLY else AttnKind.BIDIRECTIONAL
+    kind = AttnKind.CAUSAL if enc.causal_only else AttnKind.BIDIRECTIONAL
     attn = identity_attention(enc, kind)
     x = torch.randn(1, 6, SIZES["d_model"])
     pos = torch.arange(6)[None]
     # The same tokens, told other (increasing, for causal-only schemes) positions.
-    perm = torch.tensor([[0, 2, 3, 7, 8, 9]] if name in CAUSAL_ONLY else [[0, 2, 1, 5, 3, 4]])
+    perm = torch.tensor([[0, 2, 3, 7, 8, 9]] if enc.causal_only else [[0, 2, 1, 5, 3, 4]])
     with torch.no_grad():
         a = run_self(attn, enc, x, pos, kind)
         b = run_self(attn, enc, x, perm, kind)
-    assert not torch.allclose(a, b, atol=1e-3)
+    assert torch.allclose(a, b, atol=1e-3) != enc.uses_positions
 
 
 @pytest.mark.parametrize("name", ENCODER_YAMLS)

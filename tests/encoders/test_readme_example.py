@@ -1,9 +1,15 @@
-"""The README's "Adding an encoder" example runs as written, with no edit to attention."""
+"""The README's "Adding an encoder" example runs as written, with no edit to attention,
+and its recipe (one file, one YAML, nothing else) passes the conformance tests."""
 
 from __future__ import annotations
 
 import math
+import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -20,9 +26,56 @@ def readme_example() -> str:
     return block.group(1)
 
 
+def readme_recipe() -> dict[str, str]:
+    """The files the README's "Adding an encoder" section says to add: path -> text,
+    with the paths read from its prose and the texts from its code blocks."""
+    text = (ROOT / "README.md").read_text()
+    section = re.search(r"^## Adding an encoder\n(.*?)(?=^## )", text, re.S | re.M)
+    assert section, "README lost its 'Adding an encoder' section"
+    body = section.group(1)
+    module = re.search(r"Put it in `(posenc/encoders/\w+\.py)`", body)
+    config = re.search(r"add `(conf/encoder/\w+\.yaml)`", body)
+    yaml = re.search(r"```yaml\n(.*?)```", body, re.S)
+    assert module and config and yaml, "the section no longer names a file, a YAML and its text"
+    return {module.group(1): readme_example(), config.group(1): yaml.group(1)}
+
+
+#: The test files whose encoder cases run for the README's encoder (those parametrized
+#: over conf/encoder/*.yaml that run in seconds), plus the registry check.
+RECIPE_TESTS = ("tests/encoders/test_conformance.py", "tests/model/test_scored.py")
+
+
+def test_readme_recipe_passes_the_conformance_tests(tmp_path: Path) -> None:
+    """Follow the recipe in a copy of the tree, then run the tests it promises to pass.
+    Fails if the README's code or paths break, or if a test needs more than the recipe
+    (a list to extend, an edit in attention.py)."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for part in ("posenc", "conf", "tests"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    recipe = readme_recipe()
+    for rel, text in recipe.items():
+        assert not (tmp_path / rel).exists(), f"{rel} is already in the tree"
+        (tmp_path / rel).write_text(text)
+    name = Path(next(r for r in recipe if r.endswith(".yaml"))).stem
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # the copy, not the installed posenc
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *RECIPE_TESTS,
+         "-k", f"{name} or registry"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    passed = [line for line in out.splitlines() if f"{name}]" in line and "PASSED" in line]
+    assert len(passed) >= 10, f"too few cases ran for {name}:\n{out[-4000:]}"
+    assert re.search(r"test_registry_lists_exactly_the_yaml_encoders PASSED", out), out[-4000:]
+
+
 def test_readme_encoder_plugs_in_unchanged() -> None:
     namespace: dict = {}
-    exec(compile(readme_example(), "README.md", "exec"), namespace)  # noqa: S102
+    # A contributor who followed the recipe has the example registered already.
+    kept = registry._REGISTRY.pop("my_kerple", None)
+    exec(compile(readme_example(), "README.md", "exec"), namespace)
     try:
         assert "my_kerple" in registry.available()
         enc = registry.build("my_kerple", d_model=16, n_heads=4, n_layers=1)
@@ -51,3 +104,5 @@ def test_readme_encoder_plugs_in_unchanged() -> None:
         assert len(grads) == 2 and all(g is not None and g.abs().sum() > 0 for g in grads)
     finally:
         registry._REGISTRY.pop("my_kerple", None)
+        if kept is not None:
+            registry._REGISTRY["my_kerple"] = kept

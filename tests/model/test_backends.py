@@ -35,18 +35,18 @@ SCORED = {
 CASES = [(11, 11, 0, 0), (7, 7, 5, 5), (5, 13, 8, 0), (9, 9, None, None)]
 
 
-def _enc(name: str):  # noqa: ANN202
+def _enc(name: str):
     return build(name.split("_")[0], d_model=H * D, n_heads=H, n_layers=1, **SCORED[name])
 
 
-def _positions(t: int, s: int, q0: int | None, k0: int | None):  # noqa: ANN202
+def _positions(t: int, s: int, q0: int | None, k0: int | None):
     if q0 is None:  # per-row positions with gaps, as randomized positions give
         pos = torch.stack([torch.arange(t) * 2, torch.arange(t) * 3 + 1])
         return pos, pos, None
     return torch.arange(q0, q0 + t)[None], torch.arange(k0, k0 + s)[None], (q0, k0)
 
 
-def dense_score_mod(score_mod, shape: tuple[int, int, int, int]) -> torch.Tensor:  # noqa: ANN001
+def dense_score_mod(score_mod, shape: tuple[int, int, int, int]) -> torch.Tensor:
     """A ``score_mod``'s term for every ``(b, h, q_idx, kv_idx)`` of ``shape``, by
     broadcasting index tensors through it."""
     idx = [torch.arange(n).view([-1 if i == d else 1 for i in range(4)])

@@ -47,7 +47,7 @@ CASES += [
 ]
 
 
-def _factory(name: str, settings: dict):  # noqa: ANN202
+def _factory(name: str, settings: dict):
     return functools.partial(get(name.split("+")[0]), **settings)
 
 

@@ -96,7 +96,7 @@ def test_the_stack_says_what_it_knows_of_positions(monkeypatch: pytest.MonkeyPat
     seen: list[tuple] = []
     inner = model.encoder.context
 
-    def spy(q_pos, k_pos, kind, **where):  # noqa: ANN001, ANN202
+    def spy(q_pos, k_pos, kind, **where):
         seen.append((where["starts"], where["bound"]))
         return inner(q_pos, k_pos, kind, **where)
 

@@ -3,6 +3,7 @@ training, plain positions in evaluation, and every encoder honouring per-row pos
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -121,10 +122,25 @@ def test_bad_values_fail_before_training(tmp_path: Path, overrides: list[str],
         train(compose_run(tmp_path, *overrides))
 
 
+def _table(run: Path) -> torch.Tensor:
+    """The learned position table of a run's last checkpoint, (max_len, C)."""
+    state = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    return next(v for k, v in state.items() if k.endswith("encoder.table.weight"))
+
+
 def test_tiny_lm_run_with_random_positions(tmp_path: Path) -> None:
-    result = train(compose_run(tmp_path, "encoder=learned", "model.random_positions=256"))
-    assert result["config"]["model"]["random_positions"] == 256
-    assert all(v == v for k, v in result["metrics"].items() if k.startswith("test/"))
+    """Through the whole job: training with model.random_positions=256 draws positions
+    up to 255, so rows 16..255 of the learned table train (they would not if the option
+    were dropped on its way to the model), and rows from 256 on do not."""
+    drawn = train(compose_run(tmp_path / "drawn", "encoder=learned",
+                              "model.random_positions=256"))
+    plain = train(compose_run(tmp_path / "plain", "encoder=learned"))
+    assert drawn["config"]["model"]["random_positions"] == 256
+    a, b = _table(tmp_path / "drawn" / "run"), _table(tmp_path / "plain" / "run")
+    assert not torch.allclose(a[16:256], b[16:256])  # same seed and init: only draws differ
+    torch.testing.assert_close(a[256:], b[256:], rtol=0, atol=0)
+    assert drawn["metrics"]["test/ppl@16"] != plain["metrics"]["test/ppl@16"]
+    assert all(math.isfinite(v) for k, v in drawn["metrics"].items() if k.startswith("test/"))
 
 
 def test_a_causal_only_encoder_in_translation_fails_before_any_data(tmp_path: Path) -> None:

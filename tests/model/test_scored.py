@@ -180,7 +180,12 @@ def test_a_part_past_the_keys_is_an_error() -> None:
         scored_attention(q, k, v, [(torch.zeros(B, H, T, 3), 5)], scale=1.0)
 
 
-SCORED = [n for n in available() if n not in ("none", "learned", "sinusoidal", "rope", "xpos")]
+# The schemes with a score term (a bias, its parts, or a value term), as their hooks say.
+SCORED = [
+    n for n in available()
+    if build(n, d_model=8, n_heads=2, n_layers=1).for_attention(
+        layer=0, kind=AttnKind.CAUSAL).adds_scores
+]
 
 
 @pytest.mark.parametrize("name", SCORED)
@@ -188,9 +193,9 @@ SCORED = [n for n in available() if n not in ("none", "learned", "sinusoidal", "
 def test_module_matches_sdpa_with_the_dense_term(monkeypatch, name: str, kind: AttnKind) -> None:
     """The module's scored path equals SDPA with the score term as its mask (the CUDA
     route), in outputs and in the gradients of the input and every parameter."""
-    if kind is AttnKind.BIDIRECTIONAL and name == "xpos":
-        pytest.skip("xpos is causal only")
     enc = build(name, d_model=H * D, n_heads=H, n_layers=1)
+    if kind is AttnKind.BIDIRECTIONAL and enc.causal_only:
+        pytest.skip(f"{name} is causal only")
     hook = enc.for_attention(layer=0, kind=kind)
     attn = Attention(d_model=H * D, n_heads=H, dropout=0.0, pos=hook)
     x = torch.randn(B, 9, H * D)

@@ -59,8 +59,14 @@ def test_bad_config_fails_before_any_data(tmp_path: Path, overrides: str, messag
 def test_all_problems_are_reported_together(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         train(compose_run(tmp_path, "seed=-1", "task.seq_len=0", "+model.foo=1"))
-    lines = str(err.value).splitlines()[1:]
-    assert len(lines) == 3, lines
+    header, *lines = str(err.value).splitlines()
+    assert header == "invalid config (3 problems):"
+    # One line per problem, each naming its key and what is wrong; none lost or merged.
+    found = dict(line.strip().split(": ", 1) for line in lines)
+    assert sorted(found) == ["model.foo", "seed=-1", "task.seq_len=0"], lines
+    assert found["model.foo"].startswith("unknown key; allowed: compile, d_ff")
+    assert found["seed=-1"] == "must be an integer >= 0"
+    assert found["task.seq_len=0"] == "must be a positive integer"
 
 
 def _metrics(run_dir: Path) -> dict[str, float]:
