@@ -21,11 +21,19 @@ def _fmt(value: float) -> str:
 def _table(rows: dict[str, dict[str, float]], columns: list[str], corner: str) -> list[str]:
     width = max([len(corner), *(len(r) for r in rows)])
     cells = [max(7, len(c)) for c in columns]
-    out = ["  " + corner.ljust(width) + "".join(c.rjust(w + 2) for c, w in zip(columns, cells,
-                                                                               strict=True))]
+    out = [
+        "  "
+        + corner.ljust(width)
+        + "".join(c.rjust(w + 2) for c, w in zip(columns, cells, strict=True))
+    ]
     for name, row in rows.items():
-        out.append("  " + name.ljust(width) + "".join(
-            _fmt(row.get(c, math.nan)).rjust(w + 2) for c, w in zip(columns, cells, strict=True)))
+        out.append(
+            "  "
+            + name.ljust(width)
+            + "".join(
+                _fmt(row.get(c, math.nan)).rjust(w + 2) for c, w in zip(columns, cells, strict=True)
+            )
+        )
     return out
 
 
@@ -51,15 +59,21 @@ def summary(result: dict[str, Any], run_dir: Path) -> str:
         splits = [parse_metric(k)[0] for k in m if parse_metric(k)[3].isdigit()]
         split = "test" if "test" in splits else (splits[0] if splits else "test")
         rows, lengths = lm_rows(m, split)
-        lines.append(f"{head}: {split} perplexity by evaluation length (trained at "
-                     f"{result['seq_len']}; ppl: non-overlapping windows, ppl_sw: sliding)")
+        lines.append(
+            f"{head}: {split} perplexity by evaluation length (trained at "
+            f"{result['seq_len']}; ppl: non-overlapping windows, ppl_sw: sliding)"
+        )
         lines += _table(rows, lengths, "length")
     else:
         lines.append(f"{head}: {result.get('eval_split', 'test')} scores")
         split = result.get("eval_split", "test")
         overall = {k: m[f"{split}/{k}"] for k in ("bleu", "chrf") if f"{split}/{k}" in m}
-        lines.append("  " + "  ".join(f"{k.upper() if k == 'bleu' else 'chrF'} {_fmt(v)}"
-                                      for k, v in overall.items()))
+        lines.append(
+            "  "
+            + "  ".join(
+                f"{k.upper() if k == 'bleu' else 'chrF'} {_fmt(v)}" for k, v in overall.items()
+            )
+        )
         buckets: dict[str, dict[str, float]] = {}
         for name, value in m.items():
             where, kind, _, bucket = parse_metric(name)
@@ -72,9 +86,11 @@ def summary(result: dict[str, Any], run_dir: Path) -> str:
     val = [f"{k} {_fmt(v)}" for k, v in m.items() if k.startswith("val/") and "@" not in k]
     if val:
         lines.append("  last validation: " + ", ".join(val))
-    lines += [f"run directory: {run_dir}",
-              f"all numbers:   {run_dir / 'metrics.json'}",
-              f"curves:        tensorboard --logdir {run_dir / 'tb'}"]
+    lines += [
+        f"run directory: {run_dir}",
+        f"all numbers:   {run_dir / 'metrics.json'}",
+        f"curves:        tensorboard --logdir {run_dir / 'tb'}",
+    ]
     return "\n".join(lines)
 
 
@@ -84,10 +100,17 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         root = Path(str(config.hydra.sweep.dir))
-        jobs = [d for d in root.iterdir() if d.is_dir() and d.name != "report"] \
-            if root.is_dir() else []
+        jobs = (
+            [d for d in root.iterdir() if d.is_dir() and d.name != "report"]
+            if root.is_dir()
+            else []
+        )
         done = sum((d / "metrics.json").exists() for d in jobs)
-        failed = sum((d / "error.json").exists() and not (d / "metrics.json").exists()
-                     for d in jobs)
-        print(f"sweep finished: {done} of {len(jobs)} jobs have results, {failed} failed "
-              f"(error.json), in {root}\nreport: python -m posenc.report {root}", flush=True)
+        failed = sum(
+            (d / "error.json").exists() and not (d / "metrics.json").exists() for d in jobs
+        )
+        print(
+            f"sweep finished: {done} of {len(jobs)} jobs have results, {failed} failed "
+            f"(error.json), in {root}\nreport: python -m posenc.report {root}",
+            flush=True,
+        )

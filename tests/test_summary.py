@@ -18,45 +18,88 @@ from tests.conftest import ROOT, compose_run
 
 
 def test_lm_summary_is_a_table_of_the_metrics(tmp_path: Path) -> None:
-    result = {"task": "lm", "encoder": "rope", "seed": 1, "seq_len": 16, "metrics": {
-        "test/ppl@16": 5.0, "test/ppl@64": 12.345, "test/ppl_sw@16": 4.9,
-        "test/ppl_sw@64": float("nan"), "test/ppl+yarn@64": 7.5, "val/loss": 1.61,
-        "val/ppl": 5.0}}
+    result = {
+        "task": "lm",
+        "encoder": "rope",
+        "seed": 1,
+        "seq_len": 16,
+        "metrics": {
+            "test/ppl@16": 5.0,
+            "test/ppl@64": 12.345,
+            "test/ppl_sw@16": 4.9,
+            "test/ppl_sw@64": float("nan"),
+            "test/ppl+yarn@64": 7.5,
+            "val/loss": 1.61,
+            "val/ppl": 5.0,
+        },
+    }
     lines = summary(result, tmp_path).splitlines()
     assert lines[0].startswith("posenc: rope on lm, seed 1: test perplexity")
     assert [line.split() for line in lines[1:5]] == [
-        ["length", "16", "64"], ["ppl", "5.00", "12.35"], ["ppl_sw", "4.90", "-"],
-        ["ppl+yarn", "-", "7.50"]]
+        ["length", "16", "64"],
+        ["ppl", "5.00", "12.35"],
+        ["ppl_sw", "4.90", "-"],
+        ["ppl+yarn", "-", "7.50"],
+    ]
     assert "last validation: val/loss 1.61, val/ppl 5.00" in lines[5]
     assert lines[-1] == f"curves:        tensorboard --logdir {tmp_path / 'tb'}"
 
 
 def test_mt_summary_has_the_overall_scores_and_the_buckets(tmp_path: Path) -> None:
-    result = {"task": "mt", "encoder": "t5", "seed": 0, "eval_split": "test", "metrics": {
-        "test/bleu": 31.234, "test/chrf": 55.0, "test/bleu@len0-10": 35.0,
-        "test/bleu@len10+": 20.0, "test/chrf@len0-10": 60.0, "test/chrf@len10+": 50.0}}
+    result = {
+        "task": "mt",
+        "encoder": "t5",
+        "seed": 0,
+        "eval_split": "test",
+        "metrics": {
+            "test/bleu": 31.234,
+            "test/chrf": 55.0,
+            "test/bleu@len0-10": 35.0,
+            "test/bleu@len10+": 20.0,
+            "test/chrf@len0-10": 60.0,
+            "test/chrf@len10+": 50.0,
+        },
+    }
     text = summary(result, tmp_path)
     assert "  BLEU 31.23  chrF 55.00" in text
     assert [line.split() for line in text.splitlines()[3:6]] == [
-        ["bucket", "len0-10", "len10+"], ["bleu", "35.00", "20.00"], ["chrf", "60.00", "50.00"]]
+        ["bucket", "len0-10", "len10+"],
+        ["bleu", "35.00", "20.00"],
+        ["chrf", "60.00", "50.00"],
+    ]
 
 
 def test_a_run_ends_by_printing_its_numbers_and_where_they_are(tmp_path: Path) -> None:
     """A real run.py (output not a terminal): plain progress lines, then the summary, whose
     numbers are metrics.json's; a preset's name leads its run directory."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), "experiment=baby_gpt", "trainer.max_steps=4",
-         "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
-         "task.eval.max_tokens=128", "model.n_layers=1", "model.d_model=16",
-         "model.n_heads=2", "model.d_ff=32", f"paths.cache_dir={tmp_path / 'cache'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "experiment=baby_gpt",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+            "trainer.limit_val_batches=1",
+            "task.eval.max_tokens=128",
+            "model.n_layers=1",
+            "model.d_model=16",
+            "model.n_heads=2",
+            "model.d_ff=32",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     (run,) = (tmp_path / "outputs" / "lm" / "learned").iterdir()
     assert run.name.startswith("baby_gpt_2")
     assert "step 4/4  train/loss" in out.stdout
     metrics = json.loads((run / "metrics.json").read_text())["metrics"]
     assert f"  ppl    {metrics['val/ppl@64']:8.2f}".split() in [
-        line.split() for line in out.stdout.splitlines()]
+        line.split() for line in out.stdout.splitlines()
+    ]
     assert f"run directory: {run}" in out.stdout
     assert "litlogger" not in out.stderr and "LeafSpec" not in out.stderr  # no noise
 
@@ -70,13 +113,22 @@ def test_threads_sets_torchs_thread_count(tmp_path: Path) -> None:
         torch.set_num_threads(before)
 
 
-def test_plain_progress_lines_when_not_a_terminal(tmp_path: Path,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_plain_progress_lines_when_not_a_terminal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="posenc.tasks.callbacks")
-    train(compose_run(tmp_path, "encoder=none", "trainer.enable_progress_bar=true",
-                      "trainer.max_steps=40", "task.eval.multipliers=[1]"))
-    steps = [r.getMessage().split()[1] for r in caplog.records
-             if r.getMessage().startswith("step ")]
+    train(
+        compose_run(
+            tmp_path,
+            "encoder=none",
+            "trainer.enable_progress_bar=true",
+            "trainer.max_steps=40",
+            "task.eval.multipliers=[1]",
+        )
+    )
+    steps = [
+        r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("step ")
+    ]
     assert steps == [f"{s}/40" for s in range(2, 41, 2)]
 
 

@@ -88,8 +88,14 @@ class PlainProgress(pl.Callback):
         self._start = time.perf_counter()
         self._first_step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         step, total = trainer.global_step, trainer.max_steps
         every = self.every or max(1, total // 20)
         if step % every and step != total or not trainer.is_global_zero:
@@ -98,9 +104,15 @@ class PlainProgress(pl.Callback):
         elapsed = time.perf_counter() - (self._start or time.perf_counter())
         done = max(step - self._first_step, 1)
         eta = elapsed / done * max(total - step, 0)
-        log.info("step %d/%d  train/loss %s  %.0f tokens/s  elapsed %s  ETA %s", step, total,
-                 "?" if loss is None else f"{float(loss):.4f}", self.throughput.tokens_per_s,
-                 _clock(elapsed), _clock(eta))
+        log.info(
+            "step %d/%d  train/loss %s  %.0f tokens/s  elapsed %s  ETA %s",
+            step,
+            total,
+            "?" if loss is None else f"{float(loss):.4f}",
+            self.throughput.tokens_per_s,
+            _clock(elapsed),
+            _clock(eta),
+        )
 
 
 def _clock(seconds: float) -> str:

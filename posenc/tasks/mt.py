@@ -158,7 +158,12 @@ class MTTask(pl.LightningModule):
     # ---- decoding --------------------------------------------------------------------------
 
     def translate(
-        self, src: Tensor, src_valid: Tensor, *, beam_size: int = 1, length_penalty: float = 0.0,
+        self,
+        src: Tensor,
+        src_valid: Tensor,
+        *,
+        beam_size: int = 1,
+        length_penalty: float = 0.0,
         use_cache: bool = True,
     ) -> Decoded:
         """Decode ``src (B, S)``: greedy for ``beam_size == 1``, else beam search; with the
@@ -242,13 +247,20 @@ class MTTask(pl.LightningModule):
         self.log("val/bleu", bleu, prog_bar=True, rank_zero_only=True)
 
     def configure_test(
-        self, *, beam_size: int, length_penalty: float, max_sentences: int | None,
+        self,
+        *,
+        beam_size: int,
+        length_penalty: float,
+        max_sentences: int | None,
         use_cache: bool = True,
     ) -> None:
         """Decoding settings of :meth:`test_step`; ``max_sentences`` keeps the first N in
         file order (None: all). Clears earlier test outputs."""
-        self.test_decode = {"beam_size": int(beam_size), "length_penalty": float(length_penalty),
-                            "use_cache": bool(use_cache)}
+        self.test_decode = {
+            "beam_size": int(beam_size),
+            "length_penalty": float(length_penalty),
+            "use_cache": bool(use_cache),
+        }
         self.test_max_sentences = max_sentences
         self.test_hyps = []
 

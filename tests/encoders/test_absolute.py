@@ -25,20 +25,36 @@ def test_sinusoid_values_from_vaswani() -> None:
 
 # d = 6, positions 0, 1, 2, written out from each table's formula.
 # The paper's frequencies base^(-2i/6): 1, 10^(-4/3) = 0.0464158883, 10^(-8/3) = 0.0021544347.
-SIN_PAPER = [[0.0, 0.0, 0.0], [0.8414709848, 0.0463992235, 0.0021544330],
-             [0.9092974268, 0.0926985008, 0.0043088560]]
-COS_PAPER = [[1.0, 1.0, 1.0], [0.5403023059, 0.9989229760, 0.9999976792],
-             [-0.4161468365, 0.9956942241, 0.9999907168]]
+SIN_PAPER = [
+    [0.0, 0.0, 0.0],
+    [0.8414709848, 0.0463992235, 0.0021544330],
+    [0.9092974268, 0.0926985008, 0.0043088560],
+]
+COS_PAPER = [
+    [1.0, 1.0, 1.0],
+    [0.5403023059, 0.9989229760, 0.9999976792],
+    [-0.4161468365, 0.9956942241, 0.9999907168],
+]
 # tensor2tensor / fairseq: base^(-i/(6/2 - 1)) = 1, 0.01, 0.0001.
-SIN_T2T = [[0.0, 0.0, 0.0], [0.8414709848, 0.0099998333, 0.0001],
-           [0.9092974268, 0.0199986667, 0.0002]]
-COS_T2T = [[1.0, 1.0, 1.0], [0.5403023059, 0.9999500004, 0.9999999950],
-           [-0.4161468365, 0.9998000067, 0.9999999800]]
+SIN_T2T = [
+    [0.0, 0.0, 0.0],
+    [0.8414709848, 0.0099998333, 0.0001],
+    [0.9092974268, 0.0199986667, 0.0002],
+]
+COS_T2T = [
+    [1.0, 1.0, 1.0],
+    [0.5403023059, 0.9999500004, 0.9999999950],
+    [-0.4161468365, 0.9998000067, 0.9999999800],
+]
 
 
 def interleave(sin: list, cos: list) -> torch.Tensor:
-    return torch.tensor([[v for pair in zip(s, c, strict=True) for v in pair]
-                         for s, c in zip(sin, cos, strict=True)])
+    return torch.tensor(
+        [
+            [v for pair in zip(s, c, strict=True) for v in pair]
+            for s, c in zip(sin, cos, strict=True)
+        ]
+    )
 
 
 @pytest.mark.parametrize(
@@ -67,8 +83,9 @@ def test_concat_layouts_differ_at_d32_and_marian_is_interleaved_permuted() -> No
     assert diff.abs().max() > 1.9  # issue #27: up to 1.91 apart at d = 32
     # d = 2: one frequency, 1, for every table (tensor2tensor's max(d/2 - 1, 1))
     for layout in ("interleaved", "concat", "concat_marian"):
-        torch.testing.assert_close(sinusoid(pos, 2, layout=layout),
-                                   torch.stack((pos.sin(), pos.cos()), -1).float())
+        torch.testing.assert_close(
+            sinusoid(pos, 2, layout=layout), torch.stack((pos.sin(), pos.cos()), -1).float()
+        )
 
 
 def test_sinusoidal_embed_adds_the_table_at_the_given_positions() -> None:

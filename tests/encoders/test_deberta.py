@@ -67,10 +67,20 @@ def test_log_bucket_odd_bucket_size_reaches_the_last_bucket_past_max_distance() 
 def test_rows_are_constant_from_saturation_on_and_not_before() -> None:
     """``saturation`` (what flat_ends relies on) is the smallest D with one row for all
     d >= D and one for all d <= -D, for log buckets and for plain clipping."""
-    for bucket_size, max_distance in [(0, 6), (0, 128), (4, 6), (8, 64), (9, 20), (26, 70),
-                                      (32, 128), (60, 32), (256, 512)]:
-        enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, bucket_size=bucket_size,
-                              max_distance=max_distance)
+    for bucket_size, max_distance in [
+        (0, 6),
+        (0, 128),
+        (4, 6),
+        (8, 64),
+        (9, 20),
+        (26, 70),
+        (32, 128),
+        (60, 32),
+        (256, 512),
+    ]:
+        enc = DebertaRelative(
+            d_model=C, n_heads=H, n_layers=1, bucket_size=bucket_size, max_distance=max_distance
+        )
         sat = enc.saturation
         far = torch.arange(sat, 4 * max_distance)
         for sign in (1, -1):
@@ -87,24 +97,17 @@ def test_rows_are_constant_from_saturation_on_and_not_before() -> None:
 # 5 tokens at positions 0..4, d_model = head dim = 1, no log buckets, max_distance 2:
 # row(d) = clip(d + 2, 0, 3), and the table rows through W_qr = 1 are Q^r = (1, 2, 3, 4).
 # code: Q^r[row(i - j)] (the row c2p reads); paper: Q^r[row(j - i)] (eq. 4), its transpose.
-QR_CODE = [[3, 2, 1, 1, 1],
-           [4, 3, 2, 1, 1],
-           [4, 4, 3, 2, 1],
-           [4, 4, 4, 3, 2],
-           [4, 4, 4, 4, 3]]
-QR_PAPER = [[3, 4, 4, 4, 4],
-            [2, 3, 4, 4, 4],
-            [1, 2, 3, 4, 4],
-            [1, 1, 2, 3, 4],
-            [1, 1, 1, 2, 3]]
+QR_CODE = [[3, 2, 1, 1, 1], [4, 3, 2, 1, 1], [4, 4, 3, 2, 1], [4, 4, 4, 3, 2], [4, 4, 4, 4, 3]]
+QR_PAPER = [[3, 4, 4, 4, 4], [2, 3, 4, 4, 4], [1, 2, 3, 4, 4], [1, 1, 2, 3, 4], [1, 1, 1, 2, 3]]
 
 
 @pytest.mark.parametrize(("p2c_row", "qr"), [("code", QR_CODE), ("paper", QR_PAPER)])
 @pytest.mark.parametrize("view", [False, True])
 def test_p2c_by_hand_for_five_tokens(p2c_row: str, qr: list, view: bool) -> None:
     """With q = 0 the score is p2c alone: k_j * Q^r[row] / sqrt(2 D) (c2p off: two terms)."""
-    enc = DebertaRelative(d_model=1, n_heads=1, n_layers=1, max_distance=2, bucket_size=0,
-                          c2p=False, p2c_row=p2c_row)
+    enc = DebertaRelative(
+        d_model=1, n_heads=1, n_layers=1, max_distance=2, bucket_size=0, c2p=False, p2c_row=p2c_row
+    )
     hook = enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)
     with torch.no_grad():
         enc.table.copy_(torch.tensor([[1.0], [2.0], [3.0], [4.0]]))

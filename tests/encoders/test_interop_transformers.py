@@ -23,35 +23,50 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 MAJOR = int(transformers.__version__.split(".")[0])
 
 
-def llama_yarn_config(*, head_dim: int, base: float, factor: float, original: int,
-                      fraction: float):  # noqa: ANN202
+def llama_yarn_config(*, head_dim: int, base: float, factor: float, original: int, fraction: float):
     """A LlamaConfig with YaRN scaling, in the spelling of the installed version."""
     rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
-    sizes = dict(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim,
-                 max_position_embeddings=int(factor * original))
+    sizes = dict(
+        hidden_size=2 * head_dim,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=int(factor * original),
+    )
     if MAJOR >= 5:
         rope |= {"rope_theta": base, "partial_rotary_factor": fraction}
         return modeling_llama.LlamaConfig(**sizes, rope_parameters=rope)
-    return modeling_llama.LlamaConfig(**sizes, rope_theta=base, rope_scaling=rope,
-                                      partial_rotary_factor=fraction)
+    return modeling_llama.LlamaConfig(
+        **sizes, rope_theta=base, rope_scaling=rope, partial_rotary_factor=fraction
+    )
 
 
-@pytest.mark.parametrize(("head_dim", "fraction", "original", "base"),
-                         [(8, 1.0, 64, 1e4), (32, 1.0, 128, 1e4), (64, 0.5, 256, 5e5),
-                          (16, 0.5, 16, 1e4)])
-def test_yarn_defaults_match_transformers(head_dim: int, fraction: float, original: int,
-                                          base: float) -> None:
+@pytest.mark.parametrize(
+    ("head_dim", "fraction", "original", "base"),
+    [(8, 1.0, 64, 1e4), (32, 1.0, 128, 1e4), (64, 0.5, 256, 5e5), (16, 0.5, 16, 1e4)],
+)
+def test_yarn_defaults_match_transformers(
+    head_dim: int, fraction: float, original: int, base: float
+) -> None:
     """The code ramp's frequencies and the rotated dims' temperature: q and k after the
     rotation equal Llama's rotate_half YaRN on the rotated dims, pass-through elsewhere
     (GPT-NeoX's partial rotation; Llama's own attention rotates all dims)."""
     factor = 4.0
-    config = llama_yarn_config(head_dim=head_dim, base=base, factor=factor, original=original,
-                               fraction=fraction)
+    config = llama_yarn_config(
+        head_dim=head_dim, base=base, factor=factor, original=original, fraction=fraction
+    )
     rot = int(head_dim * fraction)
     hf = modeling_llama.LlamaRotaryEmbedding(config)
-    enc = RoPE(d_model=2 * head_dim, n_heads=2, n_layers=1, base=base, layout="half",
-               fraction=fraction, scaling="yarn", scaling_factor=factor,
-               original_length=original)
+    enc = RoPE(
+        d_model=2 * head_dim,
+        n_heads=2,
+        n_layers=1,
+        base=base,
+        layout="half",
+        fraction=fraction,
+        scaling="yarn",
+        scaling_factor=factor,
+        original_length=original,
+    )
     freq, mscale = enc.frequencies(4 * original)
     torch.testing.assert_close(freq, hf.inv_freq.float(), rtol=1e-6, atol=0)
     paper = scaled_frequencies(rot, base, replace(enc.scaling, yarn_ramp="paper"))[0]
@@ -76,14 +91,20 @@ def test_deberta_defaults_match_transformers(bucket_size: int, max_distance: int
     distances below max_distance (where the reference's buckets are in range)."""
     c, h, t = 16, 2, 12
     config = modeling_deberta_v2.DebertaV2Config(
-        hidden_size=c, num_attention_heads=h, relative_attention=True,
-        pos_att_type=["c2p", "p2c"], position_buckets=bucket_size or -1,
-        max_relative_positions=max_distance, share_att_key=False,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        hidden_size=c,
+        num_attention_heads=h,
+        relative_attention=True,
+        pos_att_type=["c2p", "p2c"],
+        position_buckets=bucket_size or -1,
+        max_relative_positions=max_distance,
+        share_att_key=False,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     hf = modeling_deberta_v2.DisentangledSelfAttention(config).eval()
-    enc = DebertaRelative(d_model=c, n_heads=h, n_layers=1, max_distance=max_distance,
-                          bucket_size=bucket_size)
+    enc = DebertaRelative(
+        d_model=c, n_heads=h, n_layers=1, max_distance=max_distance, bucket_size=bucket_size
+    )
     attn = identity_attention(enc, AttnKind.BIDIRECTIONAL)
     with torch.no_grad():
         enc.table.normal_()
@@ -101,8 +122,14 @@ def test_deberta_defaults_match_transformers(bucket_size: int, max_distance: int
         got = attn(x, enc.context(pos, pos, AttnKind.BIDIRECTIONAL))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         # and the paper's row is a different function here
-        paper = DebertaRelative(d_model=c, n_heads=h, n_layers=1, max_distance=max_distance,
-                                bucket_size=bucket_size, p2c_row="paper")
+        paper = DebertaRelative(
+            d_model=c,
+            n_heads=h,
+            n_layers=1,
+            max_distance=max_distance,
+            bucket_size=bucket_size,
+            p2c_row="paper",
+        )
         paper.load_state_dict(enc.state_dict())
         other = attn(x, paper.context(pos, pos, AttnKind.BIDIRECTIONAL))
         assert (other - want).abs().max() > 1e-3

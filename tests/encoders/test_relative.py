@@ -191,8 +191,9 @@ def test_deberta_matches_the_paper(kind: AttnKind, bucket: int, view: bool, p2c_
     """Attention outputs against eq. (4) (p2c at either row); ``view``: the strided-view
     path, with the far keys' values moved out of the score terms, in causal blocks of 4
     queries."""
-    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=bucket,
-                          p2c_row=p2c_row)
+    enc = DebertaRelative(
+        d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=bucket, p2c_row=p2c_row
+    )
     attn = identity_attention(enc, kind)
     if view:
         attn.pos.view_keys_per_row = 0.0
@@ -214,8 +215,9 @@ def test_deberta_causal_lookup_is_flat_over_masked_keys() -> None:
     """Causal: distances < 0 (keys after the query, masked) take distance 0's rows, so
     no product is spent on them; allowed distances keep the paper's rows, and
     bidirectional attention keeps every distance's own."""
-    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=4,
-                          p2c_row="paper")
+    enc = DebertaRelative(
+        d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=4, p2c_row="paper"
+    )
     pos = positions(10)
     causal = enc.context(pos, pos, AttnKind.CAUSAL).extra
     both = enc.context(pos, pos, AttnKind.BIDIRECTIONAL).extra
@@ -248,8 +250,9 @@ def test_deberta_far_keys_get_no_score_part() -> None:
 
 @pytest.mark.parametrize("p2c_row", ["code", "paper"])
 def test_deberta_unequal_query_and_key_lengths(p2c_row: str) -> None:
-    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, max_distance=8, bucket_size=4,
-                          p2c_row=p2c_row)
+    enc = DebertaRelative(
+        d_model=C, n_heads=H, n_layers=1, max_distance=8, bucket_size=4, p2c_row=p2c_row
+    )
     hook = enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)
     with torch.no_grad():
         enc.table.normal_()
