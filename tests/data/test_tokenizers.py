@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from posenc.data.tokenizers import (
     Tokenizer,
     build_tokenizer,
 )
+from posenc.errors import CacheError
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +73,23 @@ def test_char_cache_reused_and_repaired(
     build_tokenizer("char", [small_train + "#"], tmp_path)
     assert len(list(tmp_path.glob("*.json"))) == 2
 
+    # A cache changed since posenc wrote it is refused, naming the file (#27 point 6) ...
+    checksum = cached.with_name(cached.name + ".sha256")
     cached.write_text("{not json")
-    with caplog.at_level(logging.WARNING):
-        repaired = build_tokenizer("char", [small_train], tmp_path)
-    assert "rebuilding corrupt cached char tokenizer" in caplog.text
+    with pytest.raises(CacheError, match=f"cached tokenizer {cached} changed.*Delete"):
+        build_tokenizer("char", [small_train], tmp_path)
+    # ... and rebuilt once deleted, as the message says.
+    cached.unlink()
+    checksum.unlink()
+    repaired = build_tokenizer("char", [small_train], tmp_path)
     assert repaired.chars == tok.chars
-    assert CharTokenizer.load(cached).chars == tok.chars
+    assert CharTokenizer.load(cached).chars == tok.chars and checksum.exists()
+    # A cache from before checksums (none beside it) is rebuilt, not trusted.
+    cached.write_text("{not json")
+    checksum.unlink()
+    with caplog.at_level(logging.INFO):
+        assert build_tokenizer("char", [small_train], tmp_path).chars == tok.chars
+    assert "has no checksum beside it: rebuilding it" in caplog.text
 
 
 def test_build_tokenizer_rejects_bad_kind_and_settings(tmp_path: Path) -> None:
@@ -130,35 +141,30 @@ def test_sentencepiece_cache_is_reused_not_retrained(
     second = build_tokenizer("bpe", [small_train], tmp_path, vocab_size=400)
     assert second.encode(small_heldout) == first.encode(small_heldout)
     assert model.stat().st_mtime_ns == mtime
-    assert [p.name for p in tmp_path.iterdir()] == [model.name]  # no temp leftovers
+    # No temp leftovers: the model and its checksum only.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [model.name, model.name + ".sha256"]
     # A different setting is a different cache key, so it must train.
     with pytest.raises(AssertionError, match="retrained"):
         build_tokenizer("bpe", [small_train], tmp_path, vocab_size=401)
 
 
-def test_corrupt_sentencepiece_cache_is_rebuilt(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, small_train: str, small_heldout: str
+def test_a_changed_sentencepiece_cache_is_refused_then_rebuilt(
+    tmp_path: Path, small_train: str, small_heldout: str
 ) -> None:
     good = build_tokenizer("bpe", [small_train], tmp_path, vocab_size=400)
     reference = good.encode(small_heldout)
     (model,) = tmp_path.glob("*.model")
-    backup = tmp_path / "backup.bin"
-    shutil.copyfile(model, backup)
-
-    model.write_bytes(b"\x00garbage, not a protobuf")
-    with caplog.at_level(logging.WARNING):
-        rebuilt = build_tokenizer("bpe", [small_train], tmp_path, vocab_size=400)
-    assert "rebuilding corrupt cached SentencePiece model" in caplog.text
-    assert rebuilt.encode(small_heldout) == reference
-
-    # A loadable model of the wrong size under this key is rebuilt too.
+    checksum = model.with_name(model.name + ".sha256")
+    # Garbage, or a loadable model of another size, under this key: both refused by name.
     other = tmp_path / "other"
     build_tokenizer("bpe", [small_train], other, vocab_size=300)
-    shutil.copyfile(next(other.glob("*.model")), model)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        rebuilt = build_tokenizer("bpe", [small_train], tmp_path, vocab_size=400)
-    assert "vocab size 300, expected 400" in caplog.text
+    for content in (b"\x00garbage, not a protobuf", next(other.glob("*.model")).read_bytes()):
+        model.write_bytes(content)
+        with pytest.raises(CacheError, match=f"cached tokenizer {model} changed"):
+            build_tokenizer("bpe", [small_train], tmp_path, vocab_size=400)
+    model.unlink()
+    checksum.unlink()
+    rebuilt = build_tokenizer("bpe", [small_train], tmp_path, vocab_size=400)
     assert rebuilt.vocab_size == 400 and rebuilt.encode(small_heldout) == reference
 
 
