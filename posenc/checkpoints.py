@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -158,7 +159,7 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (EOFError, RuntimeError, OSError, ValueError, zipfile.BadZipFile,
-            __import__("pickle").UnpicklingError) as err:
+            pickle.UnpicklingError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(
             f"{path} is not a readable posenc checkpoint ({type(err).__name__}: {first[:200]}"
