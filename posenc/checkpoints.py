@@ -62,7 +62,8 @@ NO_EFFECT_IN_EVAL = (
 )
 
 #: What defines the network a checkpoint holds: ``eval_only`` refuses differences here.
-MODEL_DEFINING = ("task.name", "encoder", "model", "tokenizer")
+MODEL_DEFINING = ("task.name", "encoder", "model", "tokenizer", "task.problem", "task.shape",
+                  "task.symbols")
 #: Model keys that change speed, never the function computed.
 RUNTIME_ONLY = ("model.compile", "model.score_budget_mib")
 

@@ -68,15 +68,17 @@ def validate(cfg: DictConfig) -> None:
         ("trainer", checks.trainer),
         ("task.optim", _validate_optim),
         ("paths.cache_dir", lambda c, p: checks.cache_dir(c.paths.cache_dir, p)),
-        ("tokenizer", _validate_tokenizer),
     ]
     if cfg.task.name == "lm":
-        groups += [("task", _validate_lm), ("task", _reject_mt_options)]
+        groups += [("tokenizer", _validate_tokenizer), ("task", _validate_lm),
+                   ("task", _reject_mt_options)]
     elif cfg.task.name == "mt":
-        groups += [("task", _validate_mt)]
+        groups += [("tokenizer", _validate_tokenizer), ("task", _validate_mt)]
+    elif cfg.task.name == "algo":
+        groups += [("task", _validate_algo)]
     else:
-        problems.append(f"task.name={cfg.task.name!r}: allowed lm, mt (choose with task=lm or "
-                        f"task=mt)")
+        problems.append(f"task.name={cfg.task.name!r}: allowed lm, mt, algo (choose with "
+                        f"task=lm, task=mt or task=algo)")
     for section, check in groups:
         checks.guarded(problems, section, lambda check=check: check(cfg, problems))
     if not problems:
@@ -216,6 +218,64 @@ MT_TASK_KEYS = (
 MT_MODEL_KEYS = ("n_enc_layers", "n_dec_layers")
 
 
+ALGO_TASK_KEYS = ["name", "problem", "shape", "train_lengths", "test_multiple", "bucket_width",
+                  "symbols", "reverse_digits", "batch_size", "eval_batch_size",
+                  "val_per_size", "test_per_size", "optim"]
+
+
+def algo_longest(cfg: DictConfig, size: int) -> int | None:
+    """Positions an algorithmic instance of ``size`` takes (None for an unknown problem)."""
+    from posenc.data.algo import PROBLEMS, longest_sequence
+
+    problem = PROBLEMS.get(cfg.task.problem)
+    return None if problem is None else longest_sequence(problem, size, cfg.task.shape)
+
+
+def _validate_algo(cfg: DictConfig, problems: list[str]) -> None:
+    from posenc.data.algo import PROBLEMS
+    from posenc.tasks.algo import SHAPES
+
+    t = cfg.task
+    _check_keys(problems, "task.", list(t), ALGO_TASK_KEYS)
+    if t.problem not in PROBLEMS:
+        problems.append(f"task.problem={t.problem!r}: allowed {', '.join(PROBLEMS)}")
+    if t.shape not in SHAPES:
+        problems.append(f"task.shape={t.shape!r}: allowed decoder (decoder-only: prompt, "
+                        f"separator, answer) or encdec (encoder-decoder: prompt -> answer)")
+    for key in ("batch_size", "eval_batch_size", "bucket_width", "val_per_size",
+                "test_per_size"):
+        _positive_int(problems, f"task.{key}", t[key])
+    lengths = checks.as_list(problems, "task.train_lengths", t.train_lengths, "[1,16]")
+    if lengths is not None and (
+            len(lengths) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
+                                     for x in lengths) or not 1 <= lengths[0] <= lengths[1]):
+        problems.append(f"task.train_lengths={list(lengths)}: must be [lo, hi] with integers "
+                        f"1 <= lo <= hi, e.g. task.train_lengths=[1,16]")
+        lengths = None
+    m = t.test_multiple
+    if not _number(m) or not math.isfinite(m) or m < 1:
+        problems.append(f"task.test_multiple={m!r}: must be a number >= 1 (test sizes go up to "
+                        f"test_multiple * the largest training size)")
+    k = t.symbols
+    if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= 26:
+        problems.append(f"task.symbols={k!r}: must be an integer in 2..26 (letters of the "
+                        f"copy, reverse, duplicate and sort problems)")
+    if not isinstance(t.reverse_digits, bool):
+        problems.append(f"task.reverse_digits={t.reverse_digits!r}: must be true or false")
+    elif t.reverse_digits and t.problem != "addition":
+        problems.append(f"task.reverse_digits=true: only the addition problem has digits to "
+                        f"reverse (task.problem={t.problem}); drop it")
+    if problems or lengths is None:
+        return
+    max_len = cfg.encoder.get("max_len")
+    longest = algo_longest(cfg, int(math.floor(m * lengths[1])))
+    if max_len is not None and longest is not None and longest > max_len:
+        problems.append(
+            f"task.test_multiple={m}: the largest test instance takes {longest} positions, "
+            f"more than encoder.max_len={max_len}; raise encoder.max_len or lower "
+            f"task.test_multiple")
+
+
 def _reject_mt_options(cfg: DictConfig, problems: list[str]) -> None:
     """An MT option under task=lm would be silently ignored: say so instead."""
     found = [f"task.{k}" for k in MT_TASK_KEYS if k in cfg.task]
@@ -305,7 +365,7 @@ def _try_encoder(cfg: DictConfig, problems: list[str]) -> None:
 
     m = cfg.model
     kinds = [AttnKind.CAUSAL]
-    if cfg.task.name == "mt":
+    if cfg.task.name == "mt" or cfg.task.get("shape") == "encdec":
         kinds += [AttnKind.BIDIRECTIONAL, AttnKind.CROSS]
     try:
         enc = instantiate(cfg.encoder)(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers)
@@ -327,12 +387,18 @@ def _random_positions(cfg: DictConfig, problems: list[str]) -> None:
             f"are drawn from in training) or null (off)"
         )
         return
-    key = "seq_len" if cfg.task.name == "lm" else "max_len"
-    longest = cfg.task.get(key)
+    if cfg.task.name == "algo":
+        key = "train_lengths"
+        hi = cfg.task.train_lengths[-1] if OmegaConf.is_list(cfg.task.train_lengths) else None
+        longest = algo_longest(cfg, hi) if isinstance(hi, int) else None
+    else:
+        key = "seq_len" if cfg.task.name == "lm" else "max_len"
+        longest = cfg.task.get(key)
     if isinstance(longest, int) and n < longest:
         problems.append(
-            f"model.random_positions={n}: smaller than task.{key}={longest}; it must be at "
-            f"least the longest training sequence (e.g. 8-16x task.{key})"
+            f"model.random_positions={n}: smaller than the longest training sequence "
+            f"({longest} positions, from task.{key}); it must be at least that "
+            f"(e.g. 8-16x)"
         )
     max_len = cfg.encoder.get("max_len")
     if max_len is not None and n > max_len:
@@ -380,12 +446,16 @@ def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:
     else:
         allowed = _params(cls.__init__, fixed) + ["_target_", "_partial_"]
         _check_keys(problems, "encoder.", list(cfg.encoder), allowed)
-    model_cls = EncoderDecoder if cfg.task.name == "mt" else DecoderLM
+    encdec = cfg.task.name == "mt" or (cfg.task.name == "algo"
+                                       and cfg.task.get("shape") == "encdec")
+    model_cls = EncoderDecoder if encdec else DecoderLM
     allowed = _params(model_cls.__init__, ("vocab_size", "src_vocab_size", "tgt_vocab_size",
                                            "encoder"))
     allowed.append("compile")  # read by the LightningModule, not the model
     if cfg.task.name == "lm":  # MT-only model keys are reported by _reject_mt_options
         allowed += list(MT_MODEL_KEYS)
+    if cfg.task.name == "algo":  # the two shapes share conf/model/algo.yaml
+        allowed = [k for k in allowed if k not in ("share_embeddings", *MT_MODEL_KEYS)]
     _check_keys(problems, "model.", list(cfg.model), allowed)
     _check_keys(problems, "trainer.", list(cfg.trainer),
                 _params(pl.Trainer.__init__) + ["_target_"])

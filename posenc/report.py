@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
-import statistics
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -29,6 +27,7 @@ from posenc.report_rows import (
     encoder_key,
     metric_key,
     split_extension,
+    summarize,
 )
 
 #: Compute columns: averaged over a group's runs so comparisons can be compute-matched.
@@ -117,31 +116,6 @@ def collect(root: Path, exclude: Path | None = None) -> tuple[list[Run], list[Fa
                 task=str(data.get("task", "?")), encoder=str(data.get("encoder", "?")),
                 seed=data.get("seed")))
     return runs, failures
-
-
-# ----------------------------------------------------------------------------- statistics
-def as_float(value: Any) -> float | None:
-    """A number as float; None for null, strings and other non-numbers."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def summarize(values: Iterable[Any]) -> tuple[float | None, float | None, int, int]:
-    """``(mean, sample std (n-1), n, skipped)``: NaN, inf and null count as skipped.
-
-    The std is None when fewer than two finite values exist.
-    """
-    finite, skipped = [], 0
-    for v in values:
-        x = as_float(v)
-        if x is not None and math.isfinite(x):
-            finite.append(x)
-        else:
-            skipped += 1
-    mean = statistics.fmean(finite) if finite else None
-    std = statistics.stdev(finite) if len(finite) > 1 else None
-    return mean, std, len(finite), skipped
 
 
 def groups(runs: Sequence[Run]) -> dict[tuple[str, str], list[Run]]:

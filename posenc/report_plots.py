@@ -6,6 +6,8 @@
 - ``lm_<split>_loss_by_position.png``: mean loss by position in the window at the longest
   length each encoder (and each of its context-extension methods) was evaluated at.
 - ``mt_<split>_bleu_by_length.png``: BLEU per source-length bucket per encoder.
+- ``algo_<problem>_accuracy_vs_size.png``: exact-match and per-token accuracy against
+  instance size per encoder, mean over seeds with a band of one std, trained sizes shaded.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import FormatStrFormatter
 
-from posenc.report_rows import Row, Run, split_extension
+from posenc.report_rows import Row, Run, split_extension, summarize
 
 #: (mean, std or None) of one point.
 Point = tuple[float, float | None]
@@ -225,10 +227,73 @@ def _mt_figures(runs: Sequence[Run], rows: Sequence[Row]) -> dict[str, Figure]:
     return figs
 
 
+def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
+                     trained: tuple[int, int] | None, title: str) -> Figure:
+    """Accuracy (%) against instance size, one line per encoder (a band of one std), one
+    panel per metric; the trained sizes shaded.
+
+    Args:
+        panels: Metric -> encoder -> size -> (mean, std).
+        trained: The training sizes ``(lo, hi)`` (None: not drawn).
+        title: Figure title.
+    """
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 4), squeeze=False)
+    colors = plt.get_cmap("tab20").colors
+    for ax, (metric, curves) in zip(axes[0], panels.items(), strict=True):
+        if trained:
+            ax.axvspan(trained[0] - 0.5, trained[1] + 0.5, color="0.92", zorder=0)
+        for i, (encoder, points) in enumerate(curves.items()):
+            xs = sorted(points)
+            mean = [points[x][0] for x in xs]
+            std = [points[x][1] or 0.0 for x in xs]
+            color = colors[i % len(colors)]
+            ax.plot(xs, mean, color=color, lw=1.4, ls="--" if encoder.endswith("_rand") else "-",
+                    label=encoder)
+            ax.fill_between(xs, [m - s for m, s in zip(mean, std, strict=True)],
+                            [m + s for m, s in zip(mean, std, strict=True)], color=color,
+                            alpha=0.15, lw=0)
+        ax.set(xlabel="instance size (shaded: trained)", ylabel=f"{metric} (%)",
+               ylim=(-2, 102), title=metric)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, ncol=2, loc="upper right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _algo_figures(by_group: Mapping[tuple[str, str], Sequence[Run]]) -> dict[str, Figure]:
+    """One figure per algorithmic problem, from each run's per-size accuracy."""
+    figs = {}
+    for task in sorted({t for t, _ in by_group if t.startswith("algo_")}):
+        panels: dict[str, dict[str, dict[int, Point]]] = {"seq_acc": {}, "acc": {}}
+        runs = [r for (t, _), rs in by_group.items() if t == task for r in rs]
+        for (t, encoder), rs in by_group.items():
+            if t != task:
+                continue
+            sizes = sorted({int(n) for r in rs for n in r.data.get("by_size", {})})
+            for metric, curves in panels.items():
+                curve = {}
+                for n in sizes:
+                    mean, std, count, _ = summarize(
+                        r.data["by_size"].get(str(n), {}).get(metric) for r in rs)
+                    if count and mean is not None:
+                        curve[n] = (mean, std)
+                if curve:
+                    curves[encoder] = curve
+        trained = _most_common([tuple(r.data.get("train_lengths", ())) or None for r in runs])
+        problem = _most_common([r.data.get("problem") for r in runs])
+        shape = _most_common([r.data.get("shape") for r in runs])
+        if any(panels.values()):
+            figs[f"{task}_accuracy_vs_size"] = accuracy_vs_size(
+                {k: v for k, v in panels.items() if v}, trained,
+                f"{problem} ({shape}): test accuracy by instance size")
+    return figs
+
+
 def figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]],
             rows: Sequence[Row]) -> dict[str, Figure]:
     """All report figures by file stem."""
-    return _lm_figures(runs, by_group, rows) | _mt_figures(runs, rows)
+    return _lm_figures(runs, by_group, rows) | _mt_figures(runs, rows) | _algo_figures(by_group)
 
 
 def save(figs: Mapping[str, Figure], out: Path, writer: Any = None) -> list[Path]:

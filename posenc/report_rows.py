@@ -5,12 +5,15 @@ aggregated row, and the sort keys of metric and encoder names."""
 from __future__ import annotations
 
 import functools
+import math
 import re
+import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_KIND_ORDER = {"ppl": 0, "ppl_sw": 1, "bleu": 0, "chrf": 1, "loss": 2}
+_KIND_ORDER = {"ppl": 0, "ppl_sw": 1, "bleu": 0, "chrf": 1, "seq_acc": 0, "acc": 1, "loss": 2}
 
 
 @dataclass
@@ -22,7 +25,13 @@ class Run:
 
     @property
     def task(self) -> str:
-        return str(self.data.get("task", "?"))
+        """``lm``, ``mt``, or ``algo_<problem>`` (``..._encdec`` for the encoder-decoder):
+        each algorithmic problem is a table of its own."""
+        task = str(self.data.get("task", "?"))
+        if task == "algo":
+            shape = "_encdec" if self.data.get("shape") == "encdec" else ""
+            return f"algo_{self.data.get('problem', '?')}{shape}"
+        return task
 
     @property
     def encoder(self) -> str:
@@ -106,3 +115,28 @@ def encoder_key(name: str) -> tuple[int, str]:
     """Sort key of an encoder name: :func:`encoder_order`, unregistered names after it."""
     order = encoder_order()
     return (order.index(name) if name in order else len(order), name)
+
+
+# ----------------------------------------------------------------------------- statistics
+def as_float(value: Any) -> float | None:
+    """A number as float; None for null, strings and other non-numbers."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def summarize(values: Iterable[Any]) -> tuple[float | None, float | None, int, int]:
+    """``(mean, sample std (n-1), n, skipped)``: NaN, inf and null count as skipped.
+
+    The std is None when fewer than two finite values exist.
+    """
+    finite, skipped = [], 0
+    for v in values:
+        x = as_float(v)
+        if x is not None and math.isfinite(x):
+            finite.append(x)
+        else:
+            skipped += 1
+    mean = statistics.fmean(finite) if finite else None
+    std = statistics.stdev(finite) if len(finite) > 1 else None
+    return mean, std, len(finite), skipped

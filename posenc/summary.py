@@ -64,6 +64,18 @@ def summary(result: dict[str, Any], run_dir: Path) -> str:
             f"{result['seq_len']}; ppl: non-overlapping windows, ppl_sw: sliding)"
         )
         lines += _table(rows, lengths, "length")
+    elif result["task"] == "algo":
+        lo, hi = result["train_lengths"]
+        lines.append(
+            f"posenc: {result['encoder']} on {result['problem']} ({result['shape']}), "
+            f"seed {result['seed']}: test accuracy (%) by instance size "
+            f"({result['size_means']}; trained on {lo}..{hi})"
+        )
+        rows = {
+            k: {b: m.get(f"test/{k}@{b}", math.nan) for b in result["buckets"]}
+            for k in ("seq_acc", "acc")
+        }
+        lines += _table(rows, result["buckets"], "size")
     else:
         lines.append(f"{head}: {result.get('eval_split', 'test')} scores")
         split = result.get("eval_split", "test")

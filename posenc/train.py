@@ -19,7 +19,7 @@ from posenc.runner import guard_run_dir, quiet_third_party, record_job, resume_c
 #: task name -> module with ``run(cfg, run_dir) -> dict`` (imported on demand).
 log = logging.getLogger(__name__)
 
-TASKS = {"lm": "posenc.tasks.lm_job", "mt": "posenc.tasks.mt_job"}
+TASKS = {"lm": "posenc.tasks.lm_job", "mt": "posenc.tasks.mt_job", "algo": "posenc.tasks.algo_job"}
 
 
 def check_checkpoint(cfg: DictConfig) -> None:

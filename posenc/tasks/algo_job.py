@@ -1,0 +1,236 @@
+"""The algorithmic-task job: fit on sizes ``[lo, hi]``, then greedy-decode test instances
+of every size up to ``test_multiple * hi``; accuracy by size bucket in ``metrics.json``,
+TensorBoard and the terminal."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import pytorch_lightning as pl
+from matplotlib.figure import Figure
+from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.loggers import TensorBoardLogger
+
+from posenc.data.algo import PROBLEMS, AlgoDataModule, bucket_name, buckets
+from posenc.runner import (
+    build_trainer,
+    group_choice,
+    init_from_checkpoint,
+    load_for_eval,
+    log_hparams,
+    run_state,
+    save_last,
+    write_json_atomic,
+)
+from posenc.summary import summary
+from posenc.tasks.algo import AlgoTask
+from posenc.tasks.callbacks import Throughput, peak_memory_mb
+
+log = logging.getLogger(__name__)
+
+METRIC_DOC = {
+    "seq_acc": "test/seq_acc@len<a>-<b>: % of test instances of size a..b whose greedy "
+    "output is exactly the answer (ending with EOS)",
+    "acc": "test/acc@len<a>-<b>: % of answer tokens of those instances that the greedy output "
+    "has right, position by position",
+}
+
+
+def top_size(cfg: DictConfig) -> int:
+    """The largest test size: ``test_multiple * hi``."""
+    return int(math.floor(cfg.task.test_multiple * cfg.task.train_lengths[1]))
+
+
+def label(cfg: DictConfig) -> str:
+    """The encoder's name in results: ``rope``, or ``rope_rand`` when trained on
+    randomized positions (``model.random_positions``)."""
+    name = group_choice(cfg, "encoder")
+    return f"{name}_rand" if cfg.model.get("random_positions") else name
+
+
+def datamodule(cfg: DictConfig) -> AlgoDataModule:
+    t = cfg.task
+    return AlgoDataModule(
+        problem=t.problem,
+        shape=t.shape,
+        train_lengths=list(t.train_lengths),
+        top=top_size(cfg),
+        symbols=t.symbols,
+        reverse_digits=t.reverse_digits,
+        batch_size=t.batch_size,
+        eval_batch_size=t.eval_batch_size,
+        steps=cfg.trainer.max_steps,
+        val_per_size=t.val_per_size,
+        test_per_size=t.test_per_size,
+        seed=cfg.seed,
+    )
+
+
+def vocab_fingerprint(dm: AlgoDataModule) -> str:
+    """What the checkpoint records in place of a tokenizer's fingerprint."""
+    return hashlib.sha256("\n".join(dm.vocab.tokens).encode()).hexdigest()
+
+
+def algo_task(cfg: DictConfig, dm: AlgoDataModule) -> AlgoTask:
+    if cfg.eval_only:
+        return load_for_eval(AlgoTask, cfg, len(dm.vocab), vocab_fingerprint(dm))
+    task = AlgoTask(
+        vocab_size=len(dm.vocab),
+        encoder=OmegaConf.to_container(cfg.encoder, resolve=True),
+        model=OmegaConf.to_container(cfg.model, resolve=True),
+        optim=OmegaConf.to_container(cfg.task.optim, resolve=True),
+        max_steps=cfg.trainer.max_steps,
+        shape=cfg.task.shape,
+        top_size=top_size(cfg),
+    )
+    if cfg.get("init_from"):
+        init_from_checkpoint(task, cfg.init_from)
+    return task
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Fit, then accuracy by instance size."""
+    dm = datamodule(cfg)
+    task = algo_task(cfg, dm)
+    throughput = Throughput("input" if cfg.task.shape == "decoder" else "tgt_in")
+    trainer = build_trainer(cfg, run_dir, throughput, vocab_fingerprint(dm))
+    t0 = time.perf_counter()
+    if not cfg.eval_only:
+        trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
+        save_last(trainer, run_dir)
+    train_time = time.perf_counter() - t0
+    val = dict(run_state(trainer).val)
+    best = trainer.checkpoint_callback.best_model_path if not cfg.eval_only else ""
+    log.info(
+        "testing sizes %d..%d (%d instances each), greedy decoding",
+        dm.test_sizes()[0],
+        dm.top,
+        cfg.task.test_per_size,
+    )
+    trainer.test(task, datamodule=dm, ckpt_path=best or None, verbose=False)
+    return finish(cfg, run_dir, dm, task, trainer, throughput, train_time, val)
+
+
+def by_size(results: dict[str, Any], sizes: list[int]) -> dict[str, dict[str, float]]:
+    """Per size: instances, ``seq_acc`` and ``acc`` (percent)."""
+    out = {}
+    for n in sizes:
+        count, tokens = float(results["count"][n]), float(results["tokens"][n])
+        out[str(n)] = {
+            "count": int(count),
+            "seq_acc": 100 * float(results["exact"][n]) / count if count else math.nan,
+            "acc": 100 * float(results["right"][n]) / tokens if tokens else math.nan,
+        }
+    return out
+
+
+def bucket_metrics(results: dict[str, Any], ranges: list[tuple[int, int]]) -> dict[str, float]:
+    """``test/seq_acc@len<a>-<b>`` and ``test/acc@len<a>-<b>`` (percent) per bucket: sums
+    over the sizes of the bucket, so every instance weighs the same."""
+    metrics: dict[str, float] = {}
+    for a, b in ranges:
+        part = {k: float(v[a : b + 1].sum()) for k, v in results.items()}
+        name = bucket_name((a, b))
+        metrics[f"test/seq_acc@{name}"] = (
+            100 * part["exact"] / part["count"] if part["count"] else math.nan
+        )
+        metrics[f"test/acc@{name}"] = (
+            100 * part["right"] / part["tokens"] if part["tokens"] else math.nan
+        )
+    return metrics
+
+
+def finish(
+    cfg: DictConfig,
+    run_dir: Path,
+    dm: AlgoDataModule,
+    task: AlgoTask,
+    trainer: pl.Trainer,
+    throughput: Throughput,
+    train_time: float,
+    val: dict[str, float],
+) -> dict[str, Any]:
+    """Collect metrics; write metrics.json, the figure and HParams (rank zero only)."""
+    t = cfg.task
+    lo, hi = (int(x) for x in t.train_lengths)
+    ranges = buckets(max(lo, dm.problem.min_size), hi, dm.top, int(t.bucket_width))
+    metrics = bucket_metrics(task.results, ranges) | val
+    mem, mem_kind = peak_memory_mb(task.device)
+    result = {
+        "task": "algo",
+        "problem": t.problem,
+        "shape": t.shape,
+        "encoder": label(cfg),
+        "encoder_class": cfg.encoder._target_.rsplit(".", 1)[-1],
+        "seed": cfg.seed,
+        "train_lengths": [lo, hi],
+        "size_means": PROBLEMS[t.problem].size,
+        "buckets": [bucket_name(r) for r in ranges],
+        "metric_doc": METRIC_DOC,
+        "metrics": metrics,
+        "by_size": by_size(task.results, dm.test_sizes()),
+        "n_params": task.n_params,
+        "train_steps": trainer.global_step,
+        "train_time_s": round(train_time, 2),
+        "tokens_per_s": round(throughput.tokens_per_s, 1),
+        "peak_memory_mb": round(mem, 1),
+        "peak_memory_kind": mem_kind,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    if trainer.is_global_zero:
+        write_json_atomic(run_dir / "metrics.json", result)
+        _tensorboard(trainer, cfg, result)
+        log.info("metrics written to %s", run_dir / "metrics.json")
+        print(summary(result, run_dir), flush=True)
+    return result
+
+
+def accuracy_figure(curves: dict[str, dict[int, float]], hi: int, title: str) -> Figure:
+    """Accuracy (%) against instance size, one line per label; the training range shaded."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for name, curve in curves.items():
+        xs = sorted(curve)
+        ax.plot(xs, [curve[x] for x in xs], marker=".", label=name)
+    ax.axvspan(0.5, hi + 0.5, color="0.9", zorder=0, label="trained sizes")
+    ax.set(xlabel="instance size", ylabel="accuracy (%)", ylim=(-2, 102), title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -> None:
+    logger = trainer.logger
+    if not isinstance(logger, TensorBoardLogger):
+        return
+    curves = {
+        k: {int(n): row[k] for n, row in result["by_size"].items()} for k in ("seq_acc", "acc")
+    }
+    title = f"{result['encoder']}: {result['problem']} ({result['shape']})"
+    logger.experiment.add_figure(
+        "test/accuracy_vs_size",
+        accuracy_figure(curves, result["train_lengths"][1], title),
+        trainer.global_step,
+    )
+    m = cfg.model
+    hparams = {
+        "encoder": result["encoder"],
+        "task": "algo",
+        "problem": result["problem"],
+        "shape": result["shape"],
+        "seed": cfg.seed,
+        "n_layers": m.n_layers,
+        "d_model": m.d_model,
+        "n_heads": m.n_heads,
+        "n_params": result["n_params"],
+    }
+    log_hparams(trainer, hparams, result["metrics"])

@@ -1,0 +1,195 @@
+"""task=algo: greedy answers equal a full-forward reference for every encoder and both
+shapes, scoring and size buckets by hand, whole runs, a model that learns copy, refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from posenc.config import ConfigError, validate
+from posenc.data.algo import EOS, PROBLEMS, AlgoVocab, collate_eval, instance
+from posenc.tasks.algo import AlgoTask, score, until_eos
+from posenc.tasks.algo_job import bucket_metrics, by_size
+from posenc.train import train
+from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS, ROOT
+
+OPTIM = {"lr": 1e-3, "betas": [0.9, 0.98], "weight_decay": 0.0, "warmup_steps": 1,
+         "schedule": "cosine", "min_lr_ratio": 0.1}
+SMALL = {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_ff": 32}
+
+
+def _task(name: str, shape: str, vocab: int) -> AlgoTask:
+    encoder = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "encoder" / f"{name}.yaml"))
+    return AlgoTask(vocab_size=vocab, encoder=encoder, model=SMALL, optim=OPTIM, max_steps=10,
+                    shape=shape, top_size=20).eval()
+
+
+def _batch(problem: str, n: int, count: int) -> tuple[dict, AlgoVocab]:
+    p = PROBLEMS[problem]
+    vocab = AlgoVocab(p, 6)
+    examples = []
+    for i in range(count):
+        prompt, answer = instance(p, n, f"t{i}", symbols=6)
+        examples.append((vocab.encode(prompt), vocab.encode(answer), n))
+    return collate_eval(examples), vocab
+
+
+@torch.no_grad()
+def _reference(task: AlgoTask, batch: dict) -> list[list[int]]:
+    """Greedy decoding by full forward passes over the growing sequence, one row at a
+    time, stopping at EOS or after answer length + 1 tokens."""
+    out = []
+    for row in range(batch["size"].shape[0]):
+        budget = int(batch["answer_len"][row]) + 1
+        if task.hparams.shape == "decoder":
+            seq = batch["prompt"][row : row + 1]
+            start = seq.shape[1]
+            for _ in range(budget):
+                nxt = task.model(seq)[:, -1].argmax(-1, keepdim=True)
+                seq = torch.cat([seq, nxt], 1)
+                if int(nxt) == EOS:
+                    break
+            out.append(until_eos(seq[0, start:].tolist()))
+        else:
+            from posenc.data.algo import BOS, PAD
+
+            src = batch["src"][row : row + 1]
+            tgt = torch.tensor([[BOS]])
+            for _ in range(budget):
+                logits = task.model(src, tgt)[:, -1]
+                logits[:, [PAD, BOS]] = float("-inf")  # never generated (decode.greedy)
+                nxt = logits.argmax(-1, keepdim=True)
+                if int(nxt) == EOS:
+                    break
+                tgt = torch.cat([tgt, nxt], 1)
+            out.append(tgt[0, 1:].tolist())
+    return out
+
+
+CASES = [(n, "decoder") for n in ENCODER_YAMLS] + [(n, "encdec") for n in BIDIRECTIONAL_YAMLS]
+
+
+@pytest.mark.parametrize(("name", "shape"), CASES)
+def test_greedy_answers_equal_full_forward_decoding(name: str, shape: str) -> None:
+    """The cached, batched decoding of the test step gives each row what step-by-step full
+    passes give (random weights, so outputs vary and EOS falls anywhere)."""
+    torch.manual_seed(3)
+    batch, vocab = _batch("duplicate", 5, 6)
+    task = _task(name, shape, len(vocab))
+    got = task.answer(batch)
+    assert got == _reference(task, batch)
+    assert all(len(o) <= int(a) + 1 for o, a in zip(got, batch["answer_len"], strict=True))
+
+
+def test_score_by_hand() -> None:
+    assert score([1, 2, 3], [1, 2, 3]) == (True, 3)
+    assert score([1, 9, 3], [1, 2, 3]) == (False, 2)
+    assert score([1, 2], [1, 2, 3]) == (False, 2)  # stopped early
+    assert score([1, 2, 3, 4], [1, 2, 3]) == (False, 3)  # did not stop
+    assert until_eos([5, 6, EOS, 7]) == [5, 6] and until_eos([5, 6]) == [5, 6]
+
+
+def test_buckets_sum_instances_of_their_sizes() -> None:
+    # sizes 0..5: size 1 has 2 instances (1 exact), sizes 2-3 one each, 4-5 none.
+    results = {
+        "count": torch.tensor([0, 2, 1, 1, 0, 0], dtype=torch.float64),
+        "exact": torch.tensor([0, 1, 0, 1, 0, 0], dtype=torch.float64),
+        "tokens": torch.tensor([0, 2, 4, 6, 0, 0], dtype=torch.float64),
+        "right": torch.tensor([0, 1, 2, 6, 0, 0], dtype=torch.float64),
+    }
+    m = bucket_metrics(results, [(1, 2), (3, 4), (5, 5)])
+    assert m["test/seq_acc@len1-2"] == pytest.approx(100 / 3)  # 1 of sizes 1, 1, 2
+    assert m["test/acc@len1-2"] == pytest.approx(100 * 3 / 6)  # tokens, not instances, weigh
+    assert m["test/seq_acc@len3-4"] == 100 and m["test/acc@len3-4"] == 100
+    assert math.isnan(m["test/seq_acc@len5-5"])  # no instances: NaN, never 0
+    per = by_size(results, [1, 2, 3])
+    assert per["1"] == {"count": 2, "seq_acc": 50.0, "acc": 50.0}
+    assert per["2"]["seq_acc"] == 0 and per["2"]["acc"] == 50.0
+
+
+def _compose(tmp_path: Path, *overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[
+            "task=algo", "model.n_layers=1", "model.d_model=16", "model.n_heads=2",
+            "model.d_ff=32", "task.train_lengths=[1,4]", "task.test_multiple=2",
+            "task.bucket_width=2", "task.batch_size=8", "task.val_per_size=2",
+            "task.test_per_size=3", "trainer.max_steps=3", "trainer.val_check_interval=3",
+            "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+            f"paths.output_dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}",
+            *overrides])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["encoder=rope"],
+    ["encoder=learned", "model.random_positions=64", "task.problem=addition",
+     "task.reverse_digits=true"],
+    ["encoder=t5", "task.shape=encdec", "task.problem=sort"],
+])
+def test_whole_run(tmp_path: Path, overrides: list[str], capsys: pytest.CaptureFixture) -> None:
+    result = train(_compose(tmp_path, *overrides))
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert saved["metrics"] == pytest.approx(result["metrics"], nan_ok=True)
+    assert saved["buckets"] == ["len1-4", "len5-6", "len7-8"]
+    assert set(saved["by_size"]) == {str(n) for n in range(1, 9)}
+    assert all(row["count"] == 3 for row in saved["by_size"].values())
+    for b in saved["buckets"]:
+        for kind in ("seq_acc", "acc"):
+            assert 0 <= saved["metrics"][f"test/{kind}@{b}"] <= 100
+    assert "val/loss" in saved["metrics"] and "val/acc" in saved["metrics"]
+    random = "random_positions=64" in " ".join(overrides)
+    assert saved["encoder"].endswith("_rand") == random
+    out = capsys.readouterr().out
+    assert "test accuracy (%) by instance size" in out and "len5-6" in out
+
+
+def test_a_small_model_learns_copy(tmp_path: Path) -> None:
+    """Exact match >= 99% at the training sizes after a short run (about half a minute
+    on two CPU cores)."""
+    result = train(_compose(
+        tmp_path, "encoder=rope", "model.n_layers=2", "model.d_model=64", "model.n_heads=4",
+        "model.d_ff=128", "task.train_lengths=[1,6]", "task.symbols=8", "task.batch_size=32",
+        "task.test_multiple=1", "task.test_per_size=40", "task.optim.lr=3e-3",
+        "task.optim.warmup_steps=20", "trainer.max_steps=500", "trainer.val_check_interval=500"))
+    assert result["metrics"]["test/seq_acc@len1-6"] >= 99.0, result["metrics"]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("task.problem=divide", "task.problem='divide': allowed copy, reverse"),
+    ("task.shape=seq2seq", "task.shape='seq2seq': allowed decoder"),
+    ("task.train_lengths=[5,2]", "task.train_lengths=[5, 2]: must be [lo, hi]"),
+    ("task.symbols=30", "task.symbols=30: must be an integer in 2..26"),
+    ("task.reverse_digits=true", "only the addition problem has digits"),
+    ("task.test_multiple=0.5", "task.test_multiple=0.5: must be a number >= 1"),
+    ("task.bucket_width=0", "task.bucket_width=0: must be a positive integer"),
+    ("task.lenghts=3", "did you mean"),
+])
+def test_bad_values_are_refused_before_training(tmp_path: Path, override: str,
+                                                message: str) -> None:
+    with pytest.raises(ConfigError, match="invalid config") as err:
+        validate(_compose(tmp_path, f"+{override}" if "lenghts" in override else override))
+    assert message in str(err.value)
+
+
+def test_sizes_past_a_learned_table_and_short_random_positions_are_refused(
+        tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(_compose(tmp_path, "encoder=learned", "encoder.max_len=16",
+                          "task.problem=duplicate"))
+    # duplicate of size 8: BOS, 8 symbols, SEP, 16 symbols, EOS = 27 positions
+    assert "takes 27 positions, more than encoder.max_len=16" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        validate(_compose(tmp_path, "encoder=rope", "model.random_positions=8"))
+    assert "longest training sequence (11 positions" in str(err.value)  # copy of size 4
+
+
+def test_causal_only_encoders_refuse_the_encoder_decoder_shape(tmp_path: Path) -> None:
+    causal = [n for n in ENCODER_YAMLS if n not in BIDIRECTIONAL_YAMLS]
+    assert causal, "expected at least one causal-only encoder (xpos)"
+    with pytest.raises(ConfigError, match="encoder:"):
+        validate(_compose(tmp_path, f"encoder={causal[0]}", "task.shape=encdec"))
