@@ -238,6 +238,10 @@ def markdown(root: Path, runs: Sequence[Run], failures: Sequence[Failure],
         out += ["", "</details>", ""]
         out += [f"![{p.stem}]({p.name})" for p in figures if p.name.startswith(f"{task}_")]
         out += [""]
+    tasks = {t for t, _ in by_group}
+    loose = [p for p in figures if not any(p.name.startswith(f"{t}_") for t in tasks)]
+    if loose:
+        out += ["## Overview", "", *[f"![{p.stem}]({p.name})" for p in loose], ""]
     differ = config_differences(runs)
     if differ:
         out += ["## Warning: mixed configs averaged together", "", *[f"- {d}" for d in differ], ""]

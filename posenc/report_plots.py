@@ -7,7 +7,9 @@
   length each encoder (and each of its context-extension methods) was evaluated at.
 - ``mt_<split>_bleu_by_length.png``: BLEU per source-length bucket per encoder.
 - ``algo_<problem>_accuracy_vs_size.png``: exact-match and per-token accuracy against
-  instance size per encoder, mean over seeds with a band of one std, trained sizes shaded.
+  instance size per encoder, mean over seeds with a band of one std, trained sizes shaded;
+  with several problems, ``algo_seq_acc_vs_size.png`` puts their exact-match panels side
+  by side.
 """
 
 from __future__ import annotations
@@ -237,7 +239,7 @@ def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
         trained: The training sizes ``(lo, hi)`` (None: not drawn).
         title: Figure title.
     """
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4), squeeze=False)
     colors = plt.get_cmap("tab20").colors
     for ax, (metric, curves) in zip(axes[0], panels.items(), strict=True):
         if trained:
@@ -252,7 +254,7 @@ def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
             ax.fill_between(xs, [m - s for m, s in zip(mean, std, strict=True)],
                             [m + s for m, s in zip(mean, std, strict=True)], color=color,
                             alpha=0.15, lw=0)
-        ax.set(xlabel="instance size (shaded: trained)", ylabel=f"{metric} (%)",
+        ax.set(xlabel="instance size (shaded: trained)", ylabel="accuracy (%)",
                ylim=(-2, 102), title=metric)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, ncol=2, loc="upper right")
@@ -264,6 +266,7 @@ def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
 def _algo_figures(by_group: Mapping[tuple[str, str], Sequence[Run]]) -> dict[str, Figure]:
     """One figure per algorithmic problem, from each run's per-size accuracy."""
     figs = {}
+    overview: dict[str, dict[str, dict[int, Point]]] = {}
     for task in sorted({t for t, _ in by_group if t.startswith("algo_")}):
         panels: dict[str, dict[str, dict[int, Point]]] = {"seq_acc": {}, "acc": {}}
         runs = [r for (t, _), rs in by_group.items() if t == task for r in rs]
@@ -287,6 +290,10 @@ def _algo_figures(by_group: Mapping[tuple[str, str], Sequence[Run]]) -> dict[str
             figs[f"{task}_accuracy_vs_size"] = accuracy_vs_size(
                 {k: v for k, v in panels.items() if v}, trained,
                 f"{problem} ({shape}): test accuracy by instance size")
+            overview[f"{problem} ({shape}): seq_acc"] = panels["seq_acc"]
+    if len(overview) > 1:
+        figs["algo_seq_acc_vs_size"] = accuracy_vs_size(
+            overview, trained, "Exact-match accuracy by instance size (mean ± std over seeds)")
     return figs
 
 

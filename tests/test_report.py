@@ -208,3 +208,41 @@ def test_a_config_errors_problems_and_a_dead_jobs_last_log_line_are_in_the_table
     assert ("| 7_lm_shaw | missing | ? | ? |  | no metrics.json and no error.json: killed"
             " (e.g. by the OOM killer), or still running; last log line: [..][lightning][INFO]"
             " - Epoch 0: step 40 |") in md
+
+
+def test_algorithmic_runs_are_grouped_by_problem_with_per_size_figures(tmp_path: Path) -> None:
+    """Each problem (and shape) is a table of its own; exact match comes first; the
+    per-size curves are averaged over seeds into each problem's figure and an overview."""
+    root = tmp_path / "sweep"
+    for i, (problem, shape, encoder, seed, acc) in enumerate([
+        ("copy", "decoder", "rope", 0, 100.0), ("copy", "decoder", "rope", 1, 80.0),
+        ("copy", "decoder", "rope_rand", 0, 50.0), ("sort", "decoder", "rope", 0, 30.0),
+        ("sort", "encdec", "t5", 0, 20.0),
+    ]):
+        write_run(root / f"{i}", "algo", encoder, seed,
+                  {"test/acc@len1-4": acc, "test/seq_acc@len1-4": acc / 2},
+                  problem=problem, shape=shape, train_lengths=[1, 4],
+                  by_size={"1": {"count": 2, "seq_acc": acc, "acc": acc},
+                           "2": {"count": 2, "seq_acc": acc / 2, "acc": acc}})
+    report = build_report(root, tensorboard=False)
+    rows = read_csv(root / "report" / "report.csv")
+    assert {t for t, _, _ in rows} == {"algo_copy", "algo_sort", "algo_sort_encdec"}
+    assert float(rows["algo_copy", "rope", "test/acc@len1-4"]["mean"]) == 90.0
+    assert float(rows["algo_copy", "rope", "test/acc@len1-4"]["std"]) == pytest.approx(
+        math.sqrt(200))
+    assert rows["algo_copy", "rope_rand", "test/acc@len1-4"]["n"] == "1"
+    md = (root / "report" / "report.md").read_text()
+    copy = md[md.index("## algo_copy"):md.index("## algo_sort")]
+    assert copy.index("test/seq_acc@len1-4") < copy.index("test/acc@len1-4")
+    names = sorted(p.name for p in report.files if p.suffix == ".png")
+    assert names == ["algo_copy_accuracy_vs_size.png", "algo_seq_acc_vs_size.png",
+                     "algo_sort_accuracy_vs_size.png",
+                     "algo_sort_encdec_accuracy_vs_size.png"]
+    assert "![algo_seq_acc_vs_size](algo_seq_acc_vs_size.png)" in md
+    from posenc.report import groups
+    from posenc.report_plots import figures
+
+    fig = figures(report.runs, groups(report.runs), report.rows)["algo_copy_accuracy_vs_size"]
+    seq_acc = fig.axes[0]
+    curves = {line.get_label(): list(line.get_ydata()) for line in seq_acc.lines}
+    assert curves == {"rope": [90.0, 45.0], "rope_rand": [50.0, 25.0]}  # means over seeds
