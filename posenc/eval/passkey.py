@@ -335,15 +335,10 @@ def heatmap_figure(
     for i, row in enumerate(data):
         for j, v in enumerate(row):
             if math.isfinite(v):
-                ax.text(
-                    j,
-                    i,
-                    f"{v:.2f}",
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="black" if v > 0.6 else "white",
-                )
+                color = "black" if v > 0.6 else "white"
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color=color)
+            else:  # a length the encoder cannot run
+                ax.text(j, i, "skipped", ha="center", va="center", fontsize=6, color="grey")
     ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set_yticks(
         range(len(lengths)), [f"{n} (train)" if n == train_len else str(n) for n in lengths]
