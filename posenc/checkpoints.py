@@ -58,8 +58,12 @@ NO_EFFECT_IN_EVAL = (
     "task.optim", "task.batch_size", "trainer.max_steps", "trainer.gradient_clip_val",
     "trainer.val_check_interval", "trainer.check_val_every_n_epoch",
     "trainer.accumulate_grad_batches", "model.dropout", "model.random_positions", "seed",
-    "checkpoint_every_n_steps",
+    "checkpoint_every_n_steps", "task.passkey_mix",
 )
+
+#: Keys added after checkpoints were first written, with the value that behaves as an
+#: older checkpoint did: unset in the checkpoint and this value in the config is no change.
+ADDED_LATER = {"task.passkey_mix": 0.0}
 
 #: What defines the network a checkpoint holds: ``eval_only`` refuses differences here.
 MODEL_DEFINING = ("task.name", "encoder", "model", "tokenizer", "task.problem", "task.shape",
@@ -227,7 +231,8 @@ def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, 
     a, b = _flat(saved), _flat(now)
     missing = object()
     return {k: (a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(a.keys() | b.keys())
-            if a.get(k, missing) != b.get(k, missing)}
+            if a.get(k, missing) != b.get(k, missing)
+            and not (k not in a and k in ADDED_LATER and b.get(k) == ADDED_LATER[k])}
 
 
 def _lines(diff: dict[str, tuple[Any, Any]]) -> str:

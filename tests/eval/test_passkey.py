@@ -390,3 +390,19 @@ def test_report_draws_the_heatmaps_and_columns(tmp_path: Path) -> None:
     assert rows["test/passkey@128"].mean == pytest.approx(0.375)
     table = (tmp_path / "report" / "report.md").read_text()
     assert "| encoder | test/ppl@64 | test/passkey@64 | test/passkey@128 |" in table
+
+
+def test_checkpoints_from_before_the_mix_resume(tmp_path: Path) -> None:
+    """A checkpoint written before ``task.passkey_mix`` existed trained without it: unset
+    there and 0 in the config is no change; any other value is."""
+    from omegaconf import OmegaConf
+
+    from posenc.checkpoints import differences
+
+    cfg = compose_run(tmp_path)
+    old = OmegaConf.to_container(cfg, resolve=True)
+    old.pop("hydra", None)
+    del old["task"]["passkey_mix"]
+    assert differences(old, cfg) == {}
+    cfg.task.passkey_mix = 0.25
+    assert differences(old, cfg) == {"task.passkey_mix": ("<unset>", 0.25)}
