@@ -5,7 +5,7 @@ Notation: L instance length (tokens), F filler tokens, K key tokens, B batch.
 
 An instance is exactly L tokens::
 
-    filler[:d] + "The pass key is " + key + ". " + filler[d:] + QUESTION + key
+    filler[:d] + "The pass key is $" + key + ". " + filler[d:] + QUESTION + key
 
 - **key**: ``key_len`` random lowercase letters (TinyShakespeare's characters hold almost
   no digits, and every letter is in any English vocabulary); chance is 26^-key_len.
@@ -14,8 +14,14 @@ An instance is exactly L tokens::
   the training mix), so the haystack is text the model was trained to read. The needle
   interrupts it at ``d = round(depth * F)``: depth 0 puts the needle first, depth 1
   right before the question.
-- **question**: ``"\\nWhat is the pass key? The pass key is "``; the prompt is everything
-  before the trailing key, the answer is the key's K tokens.
+- **question**: ``"\\nWhat is the pass key? The pass key is $"``; the prompt is
+  everything before the trailing key, the answer is the key's K tokens.
+- **the "$"** before the key, in the needle and after the question, makes finding it a
+  one-token match (an induction head: attend to the token after the earlier "$"), which
+  TinyShakespeare never offers otherwise ("$" occurs once in it). Without it, the model
+  must match the 16 characters "The pass key is ": the default 4-layer char model trained
+  2000 steps with ``task.passkey_mix=0.25`` then scored 0 at 1x, its loss on the answer
+  that of a uniform guess among 26 letters.
 
 The last answer token is predicted from position L - 2, so an instance of length L uses
 the same positions as a perplexity window of L tokens (``learned`` runs up to max_len).
@@ -38,9 +44,9 @@ if TYPE_CHECKING:  # posenc.data.lm imports this file for the training mix: no c
     from posenc.data.tokenizers import Tokenizer
     from posenc.model import DecoderLM
 
-NEEDLE_HEAD = "The pass key is "
+NEEDLE_HEAD = "The pass key is $"
 NEEDLE_TAIL = ". "
-QUESTION = "\nWhat is the pass key? The pass key is "
+QUESTION = "\nWhat is the pass key? The pass key is $"
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 DOC = (
     f"passkey@L: instances of exactly L tokens, filler[:d] + {NEEDLE_HEAD!r} + key + "

@@ -45,6 +45,7 @@ TEXT = (
     * 40
     + ALPHABET
     + ALPHABET.upper()
+    + "$"
 )
 TOK = CharTokenizer.from_texts([TEXT])
 STREAM = torch.tensor(TOK.encode(TEXT))
@@ -56,7 +57,7 @@ def text(ids: Tensor) -> str:
 
 
 # ----------------------------------------------------------------------------- generator
-@pytest.mark.parametrize("length", [68, 100, 128, 517])
+@pytest.mark.parametrize("length", [70, 100, 128, 517])
 @pytest.mark.parametrize("key_len", [1, 5])
 def test_instances_have_length_depth_and_answer(length: int, key_len: int) -> None:
     fmt = PasskeyFormat(TOK, key_len)
@@ -91,11 +92,11 @@ def test_instances_have_length_depth_and_answer(length: int, key_len: int) -> No
 def test_depths_spread_the_needle_over_the_filler() -> None:
     fmt = PasskeyFormat(TOK, 5)
     row = fmt.sample(STREAM, 200, [0.0, 0.25, 0.5, 0.75, 1.0], seeded(0))
-    filler_len = 200 - 68 + 1  # min_length 68 leaves one filler token
-    assert fmt.min_length() == 68
+    filler_len = 200 - 70 + 1  # min_length 70 leaves one filler token
+    assert fmt.min_length() == 70
     assert (
         [i.needle_start for i in row]
-        == [0, 33, 67, 100, 133]
+        == [0, 33, 66, 98, 131]
         == [math.floor(d * filler_len + 0.5) for d in (0.0, 0.25, 0.5, 0.75, 1.0)]
     )
 
@@ -114,8 +115,8 @@ def test_same_seed_same_instances_other_seed_others() -> None:
 
 def test_too_short_and_bad_inputs_are_refused() -> None:
     fmt = PasskeyFormat(TOK, 5)
-    with pytest.raises(ValueError, match="no room for filler.*lengths >= 68"):
-        fmt.sample(STREAM, 67, [0.5], seeded(0))
+    with pytest.raises(ValueError, match="no room for filler.*lengths >= 70"):
+        fmt.sample(STREAM, 69, [0.5], seeded(0))
     with pytest.raises(ValueError, match=r"depth must be in \[0, 1\]"):
         fmt.sample(STREAM, 100, [1.5], seeded(0))
     with pytest.raises(ValueError, match="filler stream has 10 tokens"):

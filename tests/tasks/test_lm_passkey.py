@@ -17,7 +17,7 @@ from posenc.tasks.lm_passkey import passkey_format
 from posenc.train import train
 from tests.conftest import compose_run
 
-# seq_len 64 holds a training passkey sequence with a 3-letter key (the format needs 64).
+# seq_len 64 holds a training passkey sequence with a 2-letter key (the format needs 64).
 PASSKEY = [
     "task.seq_len=64",
     "task.eval.multipliers=[1,2]",
@@ -25,7 +25,7 @@ PASSKEY = [
     "task.eval.passkey.multipliers=[1,2]",
     "task.eval.passkey.depths=[0,0.5,1]",
     "task.eval.passkey.samples=4",
-    "task.eval.passkey.key_len=3",
+    "task.eval.passkey.key_len=2",
 ]
 
 
@@ -40,7 +40,7 @@ def test_metrics_json_has_the_grid_and_scalars(rope: Path) -> None:
     m = json.loads((rope / "metrics.json").read_text())
     p = m["passkey"]
     assert p["lengths"] == [64, 128] and p["depths"] == [0.0, 0.5, 1.0]
-    assert (p["key_len"], p["samples"], p["seed"]) == (3, 4, 0)
+    assert (p["key_len"], p["samples"], p["seed"]) == (2, 4, 0)
     grid = p["accuracy"]["test"]
     assert len(grid) == 2 and all(len(row) == 3 for row in grid)
     for length, row in zip(p["lengths"], grid, strict=True):
