@@ -220,6 +220,11 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+def _trains(key: str, cfg: DictConfig) -> bool:
+    """An evaluation key that also shapes training: the training mix's key length."""
+    return key == "task.eval.passkey.key_len" and bool(cfg.task.get("passkey_mix"))
+
+
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
@@ -265,7 +270,8 @@ def check_config(path: str, ckpt: dict[str, Any], cfg: DictConfig,
     diff = {k: v for k, v in differences(saved["config"], cfg).items()
             if not _under(k, RUNTIME_ONLY)}
     if resume:
-        bad = {k: v for k, v in diff.items() if not _under(k, RESUME_MAY_CHANGE)}
+        bad = {k: v for k, v in diff.items()
+               if not _under(k, RESUME_MAY_CHANGE) or _trains(k, cfg)}
         if bad:
             raise CheckpointError(
                 f"resume from {path}: the config differs from the run's in keys the "

@@ -407,3 +407,25 @@ def test_checkpoints_from_before_the_mix_resume(tmp_path: Path) -> None:
     assert differences(old, cfg) == {}
     cfg.task.passkey_mix = 0.25
     assert differences(old, cfg) == {"task.passkey_mix": ("<unset>", 0.25)}
+
+
+def test_resume_refuses_another_key_length_under_the_mix(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from posenc.checkpoints import check_config
+    from posenc.errors import CheckpointError
+
+    cfg = compose_run(tmp_path, "task.passkey_mix=0.25")
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    saved.pop("hydra", None)
+    ckpt = {"posenc": {"config": saved}}
+    cfg.task.eval.passkey.samples = 50  # evaluation only: may change
+    assert check_config("x.ckpt", ckpt, cfg, resume=True) == {}
+    cfg.task.eval.passkey.key_len = 7  # the training sequences' keys: may not
+    with pytest.raises(CheckpointError, match="task.eval.passkey.key_len: checkpoint 5, config 7"):
+        check_config("x.ckpt", ckpt, cfg, resume=True)
+    cfg.task.passkey_mix = 0.0
+    cfg.task.eval.passkey.key_len = 5
+    saved["task"]["passkey_mix"] = 0.0
+    cfg.task.eval.passkey.key_len = 7  # no mix: an evaluation setting again
+    assert check_config("x.ckpt", ckpt, cfg, resume=True) == {}
