@@ -17,11 +17,9 @@ An instance is exactly L tokens::
 - **question**: ``"\\nWhat is the pass key? The pass key is $"``; the prompt is
   everything before the trailing key, the answer is the key's K tokens.
 - **the "$"** before the key, in the needle and after the question, makes finding it a
-  one-token match (an induction head: attend to the token after the earlier "$"), which
-  TinyShakespeare never offers otherwise ("$" occurs once in it). Without it, the model
-  must match the 16 characters "The pass key is ": the default 4-layer char model trained
-  2000 steps with ``task.passkey_mix=0.25`` then scored 0 at 1x, its loss on the answer
-  that of a uniform guess among 26 letters.
+  one-token match (an induction head: attend to the token after the earlier "$"; "$"
+  occurs once in all of TinyShakespeare) instead of a match of the 16 characters
+  "The pass key is ".
 
 The last answer token is predicted from position L - 2, so an instance of length L uses
 the same positions as a perplexity window of L tokens (``learned`` runs up to max_len).
