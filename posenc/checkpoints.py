@@ -58,8 +58,12 @@ NO_EFFECT_IN_EVAL = (
     "task.optim", "task.batch_size", "trainer.max_steps", "trainer.gradient_clip_val",
     "trainer.val_check_interval", "trainer.check_val_every_n_epoch",
     "trainer.accumulate_grad_batches", "model.dropout", "model.random_positions", "seed",
-    "checkpoint_every_n_steps",
+    "checkpoint_every_n_steps", "task.passkey_mix",
 )
+
+#: Keys added after checkpoints were first written, with the value that behaves as an
+#: older checkpoint did: unset in the checkpoint and this value in the config is no change.
+ADDED_LATER = {"task.passkey_mix": 0.0}
 
 #: What defines the network a checkpoint holds: ``eval_only`` refuses differences here.
 MODEL_DEFINING = ("task.name", "encoder", "model", "tokenizer", "task.problem", "task.shape",
@@ -216,6 +220,11 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+def _trains(key: str, cfg: DictConfig) -> bool:
+    """An evaluation key that also shapes training: the training mix's key length."""
+    return key == "task.eval.passkey.key_len" and bool(cfg.task.get("passkey_mix"))
+
+
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
@@ -227,7 +236,8 @@ def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, 
     a, b = _flat(saved), _flat(now)
     missing = object()
     return {k: (a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(a.keys() | b.keys())
-            if a.get(k, missing) != b.get(k, missing)}
+            if a.get(k, missing) != b.get(k, missing)
+            and not (k not in a and k in ADDED_LATER and b.get(k) == ADDED_LATER[k])}
 
 
 def _lines(diff: dict[str, tuple[Any, Any]]) -> str:
@@ -260,7 +270,8 @@ def check_config(path: str, ckpt: dict[str, Any], cfg: DictConfig,
     diff = {k: v for k, v in differences(saved["config"], cfg).items()
             if not _under(k, RUNTIME_ONLY)}
     if resume:
-        bad = {k: v for k, v in diff.items() if not _under(k, RESUME_MAY_CHANGE)}
+        bad = {k: v for k, v in diff.items()
+               if not _under(k, RESUME_MAY_CHANGE) or _trains(k, cfg)}
         if bad:
             raise CheckpointError(
                 f"resume from {path}: the config differs from the run's in keys the "

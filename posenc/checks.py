@@ -1,6 +1,7 @@
-"""Value checks that :func:`posenc.config.validate` runs for both tasks: the optimiser,
+"""Value checks that :func:`posenc.config.validate` runs: for both tasks the optimiser,
 the trainer's step budget, the cache folder, and the guard that turns a check tripping
-over a wrongly typed value into a problem line.
+over a wrongly typed value into a problem line; for the LM the batch and the passkey
+evaluation.
 
 Each check appends one line per problem, ``key=value: what is allowed``, to ``problems``.
 """
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["as_list", "cache_dir", "guarded", "lm_batch", "number", "optim", "trainer"]
+__all__ = ["as_list", "cache_dir", "guarded", "lm_batch", "number", "optim", "passkey",
+           "passkey_data", "trainer"]
 
 #: Lightning's time-based ``val_check_interval``, ``DD:HH:MM:SS``.
 _DURATION = re.compile(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}")
@@ -177,6 +179,75 @@ def lm_batch(cfg: DictConfig, train_tokens: int, vocab_size: int) -> str | None:
                 f"{vocab_size}, with their gradient) need {need / 2**30:.1f} GiB, more than "
                 f"this machine's {ram / 2**30:.1f} GiB; lower task.batch_size")
     return None
+
+
+def passkey(t: DictConfig, problems: list[str], keys: list[str]) -> None:
+    """``task.passkey_mix`` and the values of ``task.eval.passkey`` (off while its
+    multipliers are ``[]``); unknown keys are reported by the caller."""
+    mix = t.get("passkey_mix", 0.0)
+    if not number(mix) or not 0.0 <= mix <= 1.0:
+        problems.append(f"task.passkey_mix={mix!r}: must be a number in [0, 1] (the fraction "
+                        f"of training windows replaced by passkey sequences; 0: off)")
+    p = t.eval.get("passkey")
+    if not OmegaConf.is_dict(p):
+        problems.append(f"task.eval.passkey={p!r}: must be a mapping with keys "
+                        f"{', '.join(keys)} (see conf/task/lm.yaml)")
+        return
+    mults = p.get("multipliers", [])
+    if not OmegaConf.is_list(mults):
+        problems.append(f"task.eval.passkey.multipliers={mults!r}: must be a list, e.g. "
+                        f"[1,2,4,8,16] (lengths = multiplier * task.seq_len; []: off)")
+    else:
+        for m in mults:
+            if not _finite(m) or m <= 0:
+                problems.append(f"task.eval.passkey.multipliers contains {m!r}: must be "
+                                f"positive numbers (length = multiplier * task.seq_len)")
+    example = "[0,0.25,0.5,0.75,1]"
+    for d in as_list(problems, "task.eval.passkey.depths", p.get("depths"), example) or []:
+        if not number(d) or not 0.0 <= d <= 1.0:
+            problems.append(f"task.eval.passkey.depths contains {d!r}: must be numbers in "
+                            f"[0, 1] (0: the key first, 1: right before the question)")
+    for key in ("samples", "key_len"):
+        value = p.get(key)
+        if not _integer(value) or value <= 0:
+            problems.append(f"task.eval.passkey.{key}={value!r}: must be a positive integer")
+    seed = p.get("seed", 0)
+    if not _integer(seed) or seed < 0:
+        problems.append(f"task.eval.passkey.seed={seed!r}: must be an integer >= 0")
+
+
+def passkey_data(cfg: DictConfig, lengths: list[int], min_length: int,
+                 split_tokens: dict[str, int]) -> list[str]:
+    """Problems with passkey lengths once the data is tokenized (the format's size in
+    tokens depends on the tokenizer).
+
+    Args:
+        cfg: The validated run config (task=lm).
+        lengths: The passkey evaluation lengths.
+        min_length: The shortest instance the format allows
+            (:meth:`posenc.eval.passkey.PasskeyFormat.min_length`).
+        split_tokens: Tokens per split (filler comes from the evaluated splits, the
+            training mix's from ``train``).
+    """
+    problems = []
+    short = [n for n in lengths if n < min_length]
+    if short:
+        problems.append(
+            f"task.eval.passkey.multipliers give lengths {short}, shorter than the "
+            f"{min_length} tokens a passkey instance needs (needle, question, key, filler); "
+            f"drop those multipliers or raise task.seq_len")
+    for split in cfg.task.eval.splits if lengths else []:
+        if split_tokens[split] < max(lengths):
+            problems.append(
+                f"task.eval.passkey.multipliers give length {max(lengths)}, longer than the "
+                f"{split!r} split ({split_tokens[split]} tokens) the filler comes from")
+    mix = cfg.task.get("passkey_mix", 0)
+    if mix and not cfg.eval_only and cfg.task.seq_len + 1 < min_length:
+        problems.append(
+            f"task.passkey_mix={mix}: training passkey sequences of task.seq_len + 1 = "
+            f"{cfg.task.seq_len + 1} tokens are shorter than the {min_length} the format "
+            f"needs; raise task.seq_len or set task.passkey_mix=0")
+    return problems
 
 
 def _physical_memory() -> int | None:

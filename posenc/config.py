@@ -48,6 +48,24 @@ def eval_lengths(cfg: DictConfig) -> list[int]:
     return [int(m * cfg.task.seq_len) for m in cfg.task.eval.multipliers]
 
 
+def passkey_lengths(cfg: DictConfig) -> list[int]:
+    """Absolute passkey lengths, ``multiplier * seq_len`` (empty: the evaluation is off)."""
+    p = cfg.task.eval.get("passkey") or {}
+    return [int(m * cfg.task.seq_len) for m in p.get("multipliers") or []]
+
+
+def check_passkey(cfg: DictConfig, min_length: int, split_tokens: dict[str, int]) -> None:
+    """Refuse passkey lengths the format or the data cannot fill; run once the data is
+    tokenized (see :func:`posenc.checks.passkey_data`).
+
+    Raises:
+        ConfigError: One line per problem, naming the key, the length and the fix.
+    """
+    problems = checks.passkey_data(cfg, passkey_lengths(cfg), min_length, split_tokens)
+    if problems:
+        raise ConfigError(problem_message(problems))
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem found in ``cfg``.
 
@@ -132,9 +150,11 @@ def _validate_optim(cfg: DictConfig, problems: list[str]) -> None:
     checks.optim(cfg.task.optim, problems, SCHEDULES)
 
 
-LM_TASK_KEYS = ["name", "seq_len", "batch_size", "eval_batch_size", "optim", "eval"]
+LM_TASK_KEYS = ["name", "seq_len", "batch_size", "eval_batch_size", "optim", "eval",
+                "passkey_mix"]
 LM_EVAL_KEYS = ["splits", "multipliers", "protocols", "sliding_stride", "max_tokens",
-                "skip_unsupported", "context_extension", "extension_factor"]
+                "skip_unsupported", "context_extension", "extension_factor", "passkey"]
+PASSKEY_KEYS = ["multipliers", "depths", "samples", "key_len", "seed"]
 OPTIM_KEYS = ["lr", "betas", "weight_decay", "warmup_steps", "schedule", "min_lr_ratio"]
 
 
@@ -164,17 +184,27 @@ def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"task.eval.skip_unsupported={e.skip_unsupported!r}: must be true or "
                         f"false")
     _context_extension(t.eval, problems)
+    _passkey(t, problems)
     max_len = cfg.encoder.get("max_len")
     skip = t.eval.get("skip_unsupported", True)
     fits = _fits_encoder(problems, cfg, "seq_len")
     if fits and max_len is not None and not skip and not problems:
-        too_long = [L for L in eval_lengths(cfg) if max_len < L]
-        if too_long:
-            problems.append(
-                f"task.eval.multipliers give lengths {too_long} past encoder.max_len={max_len}"
-                f"; drop those multipliers, raise encoder.max_len, or set "
-                f"task.eval.skip_unsupported=true to record NaN for them"
-            )
+        for key, lengths in (("task.eval.multipliers", eval_lengths(cfg)),
+                             ("task.eval.passkey.multipliers", passkey_lengths(cfg))):
+            too_long = [L for L in lengths if max_len < L]
+            if too_long:
+                problems.append(
+                    f"{key} give lengths {too_long} past encoder.max_len={max_len}; drop "
+                    f"those multipliers, raise encoder.max_len, or set "
+                    f"task.eval.skip_unsupported=true to record NaN for them"
+                )
+
+
+def _passkey(t: DictConfig, problems: list[str]) -> None:
+    p = t.eval.get("passkey")
+    if OmegaConf.is_dict(p):
+        _check_keys(problems, "task.eval.passkey.", list(p), PASSKEY_KEYS)
+    checks.passkey(t, problems, PASSKEY_KEYS)
 
 
 def _context_extension(e: DictConfig, problems: list[str]) -> None:

@@ -5,6 +5,8 @@
   context-extension method is one more (dashed) curve, ``rope+yarn``, in its protocol's panel.
 - ``lm_<split>_loss_by_position.png``: mean loss by position in the window at the longest
   length each encoder (and each of its context-extension methods) was evaluated at.
+- ``lm_<split>_passkey.png``: passkey-retrieval accuracy by length and depth, one heatmap
+  per encoder, mean over seeds (runs with ``task.eval.passkey`` on).
 - ``mt_<split>_bleu_by_length.png``: BLEU per source-length bucket per encoder.
 - ``algo_<problem>_accuracy_vs_size.png``: exact-match and per-token accuracy against
   instance size per encoder, mean over seeds with a band of one std, trained sizes shaded;
@@ -209,7 +211,67 @@ def _lm_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence
         if curves:
             figs[f"lm_{split}_loss_by_position"] = loss_by_position(
                 curves, train_len, f"LM {split}: loss by position at the longest length")
+        means = passkey_means(by_group, split)
+        if means:
+            figs[f"lm_{split}_passkey"] = passkey_heatmaps(
+                means, train_len, f"LM {split}: passkey accuracy by length and needle depth "
+                f"(mean over seeds)")
     return figs
+
+
+#: One encoder's passkey grid over seeds: lengths, depths, [length][depth] means, n runs.
+PasskeyMean = tuple[list[int], list[float], list[list[float]], int]
+
+
+def passkey_means(by_group: Mapping[tuple[str, str], Sequence[Run]],
+                  split: str) -> dict[str, PasskeyMean]:
+    """Per LM encoder, the mean over its runs of the passkey accuracy grid of ``split``.
+
+    A cell's mean is over the runs with a finite value there (NaN: a length the encoder
+    cannot run); runs whose lengths or depths differ from the group's most common grid are
+    left out.
+    """
+    out: dict[str, PasskeyMean] = {}
+    for (task, encoder), rs in by_group.items():
+        blocks = [r.data.get("passkey") or {} for r in rs] if task == "lm" else []
+        blocks = [b for b in blocks if split in (b.get("accuracy") or {})]
+        if not blocks:
+            continue
+        shape = _most_common([(tuple(b["lengths"]), tuple(b["depths"])) for b in blocks])
+        grids = [b["accuracy"][split] for b in blocks
+                 if (tuple(b["lengths"]), tuple(b["depths"])) == shape]
+        lengths, depths = shape
+        mean = []
+        for i in range(len(lengths)):
+            row = []
+            for j in range(len(depths)):
+                vals = [g[i][j] for g in grids
+                        if isinstance(g[i][j], int | float) and math.isfinite(g[i][j])]
+                row.append(sum(vals) / len(vals) if vals else math.nan)
+            mean.append(row)
+        out[encoder] = (list(lengths), list(depths), mean, len(grids))
+    return out
+
+
+def passkey_heatmaps(means: Mapping[str, PasskeyMean], train_len: int | None,
+                     title: str) -> Figure:
+    """One accuracy heatmap (length x depth) per encoder, four to a row."""
+    from posenc.eval.passkey import heatmap_figure
+
+    cols = min(4, len(means))
+    rows = math.ceil(len(means) / cols)
+    first = next(iter(means.values()))
+    fig, axes = plt.subplots(rows, cols, squeeze=False,
+                             figsize=(cols * (1.6 + 0.8 * len(first[1])),
+                                      rows * (1.4 + 0.45 * len(first[0]))))
+    panels = list(axes.flat)
+    for ax, (encoder, (lengths, depths, grid, n)) in zip(panels, means.items(), strict=False):
+        heatmap_figure(grid, lengths, depths, train_len, f"{encoder} (n={n})", ax=ax)
+    for ax in panels[len(means):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def _mt_figures(runs: Sequence[Run], rows: Sequence[Row]) -> dict[str, Figure]:

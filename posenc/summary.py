@@ -45,8 +45,8 @@ def lm_rows(metrics: dict[str, float], split: str = "test") -> tuple[dict, list[
         if where == split and length.isdigit():
             rows.setdefault(kind + (f"+{extension}" if extension else ""), {})[length] = value
     lengths = sorted({k for r in rows.values() for k in r}, key=int)
-    # The plain protocols first, then each context-extension method's.
-    order = sorted(rows, key=lambda r: (r.partition("+")[2], r))
+    # The plain protocols first, then each context-extension method's, then passkey accuracy.
+    order = sorted(rows, key=lambda r: (r == "passkey", r.partition("+")[2], r))
     return {r: rows[r] for r in order}, lengths
 
 
@@ -59,9 +59,10 @@ def summary(result: dict[str, Any], run_dir: Path) -> str:
         splits = [parse_metric(k)[0] for k in m if parse_metric(k)[3].isdigit()]
         split = "test" if "test" in splits else (splits[0] if splits else "test")
         rows, lengths = lm_rows(m, split)
+        passkey = "; passkey: retrieval accuracy" if "passkey" in rows else ""
         lines.append(
             f"{head}: {split} perplexity by evaluation length (trained at "
-            f"{result['seq_len']}; ppl: non-overlapping windows, ppl_sw: sliding)"
+            f"{result['seq_len']}; ppl: non-overlapping windows, ppl_sw: sliding{passkey})"
         )
         lines += _table(rows, lengths, "length")
     elif result["task"] == "algo":

@@ -19,9 +19,10 @@ Both protocols at a given ``L`` score exactly the same target tokens, so they ar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytorch_lightning as pl
 import torch
@@ -29,10 +30,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from posenc.data.sources import SPLITS
 from posenc.data.tokenizers import Tokenizer, build_tokenizer
+from posenc.eval.passkey import PasskeyFormat, seeded
 
 __all__ = [
     "EvalWindows",
     "LMDataModule",
+    "PasskeyDraw",
+    "PasskeyMixWindows",
     "RandomOffsetSampler",
     "RandomWindows",
     "eval_stream_length",
@@ -213,6 +217,26 @@ class RandomWindows(Dataset[Batch]):
         return {"input": window[:-1], "target": window[1:]}
 
 
+class PasskeyDraw(NamedTuple):
+    """A training slot given to a passkey sequence instead of a text window.
+
+    Attributes:
+        index: The slot's global window index (``step * batch_size + i``); it seeds the
+            instance, so a resumed run draws the same one.
+    """
+
+    index: int
+
+
+def is_passkey_slot(index: int, mix: float) -> bool:
+    """Whether global window ``index`` is a passkey sequence at mix fraction ``mix``.
+
+    Slot g is one iff ``floor((g + 1) * mix) > floor(g * mix)``: evenly spread, and the
+    first n windows hold exactly ``floor(n * mix)`` of them (the sum telescopes).
+    """
+    return math.floor((index + 1) * mix) > math.floor(index * mix)
+
+
 class RandomOffsetSampler(Sampler[int]):
     """Uniform window offsets where the batch of training step ``s`` depends only on
     ``(seed, s)``.
@@ -228,15 +252,20 @@ class RandomOffsetSampler(Sampler[int]):
         batch_size: Offsets per step.
         seed: Base seed.
         start_step: Returns the step the next iteration starts at (default: always 0).
+        passkey_mix: Fraction of slots that yield a :class:`PasskeyDraw` instead of their
+            offset (see :func:`is_passkey_slot`); the other slots keep the offsets a run
+            without the mix draws. For :class:`PasskeyMixWindows`.
     """
 
     def __init__(self, num_offsets: int, steps: int, batch_size: int, seed: int,
-                 start_step: Callable[[], int] | None = None) -> None:
+                 start_step: Callable[[], int] | None = None,
+                 passkey_mix: float = 0.0) -> None:
         self.num_offsets = num_offsets
         self.steps = steps
         self.batch_size = batch_size
         self.seed = seed
         self.start_step = start_step or (lambda: 0)
+        self.passkey_mix = passkey_mix
 
     def __len__(self) -> int:
         return self.steps * self.batch_size
@@ -246,10 +275,40 @@ class RandomOffsetSampler(Sampler[int]):
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (1 << 63))
         return torch.randint(self.num_offsets, (self.batch_size,), generator=gen).tolist()
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int | PasskeyDraw]:
         start = int(self.start_step())
         for step in range(start, start + self.steps):
-            yield from self.offsets(step)
+            for i, offset in enumerate(self.offsets(step)):
+                g = step * self.batch_size + i
+                mixed = self.passkey_mix and is_passkey_slot(g, self.passkey_mix)
+                yield PasskeyDraw(g) if mixed else offset
+
+
+class PasskeyMixWindows(RandomWindows):
+    """Training windows where a :class:`PasskeyDraw` gives a passkey sequence of
+    ``seq_len + 1`` tokens (filler from this stream, a uniform random depth) in place of
+    a text window (see :mod:`posenc.eval.passkey`).
+
+    Args:
+        tokens: The training stream.
+        seq_len: Training context ``T``.
+        passkeys: The passkey format (tokenizer and key length).
+        seed: Base seed; instance ``g`` depends only on ``(seed, g)``.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, passkeys: PasskeyFormat,
+                 seed: int) -> None:
+        super().__init__(tokens, seq_len)
+        self.passkeys = passkeys
+        self.seed = seed
+
+    def __getitem__(self, item: int | PasskeyDraw) -> Batch:
+        if not isinstance(item, PasskeyDraw):
+            return super().__getitem__(item)
+        gen = seeded(self.seed, 7, item.index)  # 7: a stream of its own, apart from offsets
+        depth = float(torch.rand((), generator=gen))
+        inst = self.passkeys.sample(self.tokens, self.seq_len + 1, [depth], gen)[0]
+        return {"input": inst.tokens[:-1], "target": inst.tokens[1:]}
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -281,9 +340,13 @@ class LMDataModule(pl.LightningDataModule):
         train_steps_per_epoch: Training batches per epoch.
         num_workers: DataLoader workers.
         seed: Seed of the training window offsets.
+        passkey_mix: Fraction of training windows replaced by passkey sequences of
+            ``seq_len`` inputs (:class:`PasskeyMixWindows`); 0 turns it off.
+        passkey_key_len: Letters per key of those sequences.
 
     Raises:
-        ValueError: A size is not a positive int or the tokenizer settings lack ``kind``.
+        ValueError: A size is not a positive int, the tokenizer settings lack ``kind``, or
+            ``passkey_mix`` is outside [0, 1].
     """
 
     def __init__(
@@ -301,8 +364,14 @@ class LMDataModule(pl.LightningDataModule):
         train_steps_per_epoch: int = 1000,
         num_workers: int = 0,
         seed: int = 0,
+        passkey_mix: float = 0.0,
+        passkey_key_len: int = 5,
     ) -> None:
         super().__init__()
+        if not 0.0 <= passkey_mix <= 1.0:
+            raise ValueError(f"passkey_mix must be in [0, 1], got {passkey_mix!r}.")
+        self.passkey_mix = float(passkey_mix)
+        self.passkey_key_len = _positive_int("passkey_key_len", passkey_key_len)
         if not callable(source):
             raise ValueError(
                 f"source must be a callable returning split texts, got {type(source).__name__}; "
@@ -457,11 +526,17 @@ class LMDataModule(pl.LightningDataModule):
         Returns:
             ``train_steps_per_epoch`` batches of dicts with ``input`` and ``target`` of shape
             ``(batch_size, seq_len)``; offsets are uniform and depend only on (seed, global step).
+            With ``passkey_mix``, that fraction of windows are passkey sequences.
         """
-        dataset = RandomWindows(self.lm_split_tokens("train"), self.seq_len)
+        tokens = self.lm_split_tokens("train")
+        dataset = (
+            PasskeyMixWindows(tokens, self.seq_len,
+                              PasskeyFormat(self.tokenizer, self.passkey_key_len), self.seed)
+            if self.passkey_mix else RandomWindows(tokens, self.seq_len)
+        )
         sampler = RandomOffsetSampler(
             len(dataset), self.train_steps_per_epoch, self.batch_size, self.seed,
-            start_step=self._global_step,
+            start_step=self._global_step, passkey_mix=self.passkey_mix,
         )
         return self._loader(dataset, batch_size=self.batch_size, sampler=sampler)
 

@@ -110,12 +110,13 @@ class PlainProgress(pl.Callback):
             total,
             "?" if loss is None else f"{float(loss):.4f}",
             self.throughput.tokens_per_s,
-            _clock(elapsed),
-            _clock(eta),
+            clock(elapsed),
+            clock(eta),
         )
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
+    """``h:mm:ss``."""
     minutes, s = divmod(int(seconds), 60)
     h, m = divmod(minutes, 60)
     return f"{h}:{m:02d}:{s:02d}"

@@ -14,7 +14,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import TensorBoardLogger
 
-from posenc.config import check_lm_batch, eval_lengths
+from posenc import checkpoints
+from posenc.config import check_lm_batch, check_passkey, eval_lengths, passkey_lengths
 from posenc.data.lm import LMDataModule
 from posenc.data.samplers import ShardSampler
 from posenc.data.tokenizers import fingerprint
@@ -36,6 +37,7 @@ from posenc.runner import (
     write_json_atomic,
 )
 from posenc.summary import summary
+from posenc.tasks import lm_passkey
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
 from posenc.tasks.lm import Extension, LMTask
 
@@ -75,6 +77,8 @@ def lm_datamodule(cfg: DictConfig) -> LMDataModule:
         eval_lengths=eval_lengths(cfg),
         eval_max_tokens=t.eval.max_tokens,
         seed=cfg.seed,
+        passkey_mix=float(t.get("passkey_mix", 0.0)),
+        passkey_key_len=int(OmegaConf.select(t, "eval.passkey.key_len", default=5)),
     )
 
 
@@ -108,6 +112,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     dm = lm_datamodule(cfg)
     dm.setup("fit")
     check_lm_batch(cfg, dm.lm_split_tokens("train").numel(), dm.vocab_size)
+    if passkey_lengths(cfg) or cfg.task.get("passkey_mix", 0):
+        check_passkey(cfg, lm_passkey.passkey_format(cfg, dm).min_length(),
+                      {s: dm.lm_split_tokens(s).numel() for s in ("train", "val", "test")})
     tokenizer = fingerprint(dm.tokenizer)
     task = lm_task(cfg, dm.vocab_size, tokenizer)
     throughput = Throughput()
@@ -127,7 +134,11 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     best = trainer.checkpoint_callback.best_model_path if not cfg.eval_only else ""
     if loaders:
         trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
-    return finish_lm(cfg, run_dir, task, trainer, throughput, skipped, train_time, val)
+    elif best:  # the passkey evaluation scores the best weights too
+        task.load_state_dict(checkpoints.load(best)["state_dict"])
+    passkey = lm_passkey.evaluate(cfg, dm, task.model, trainer.strategy.root_device)
+    return finish_lm(cfg, run_dir, task, trainer, throughput, skipped, train_time, val,
+                     passkey)
 
 
 def extension_setting(cfg: DictConfig, method: str, length: int) -> Extension:
@@ -192,9 +203,16 @@ def finish_lm(
     skipped: dict[str, str],
     train_time: float,
     val: dict[str, float],
+    passkey: tuple[dict[str, Any], dict[str, float], dict[str, str]] = ({}, {}, {}),
 ) -> dict[str, Any]:
-    """Collect metrics; write metrics.json, figures and HParams (rank zero only)."""
-    metrics: dict[str, float] = {n: float("nan") for n in skipped}
+    """Collect metrics; write metrics.json, figures and HParams (rank zero only).
+
+    Args:
+        passkey: :func:`posenc.tasks.lm_passkey.evaluate`'s block, metrics and skipped.
+    """
+    passkey_block, passkey_metrics, passkey_skipped = passkey
+    skipped = skipped | passkey_skipped
+    metrics: dict[str, float] = {n: float("nan") for n in skipped} | passkey_metrics
     tokens: dict[str, int] = {}
     by_position: dict[str, list[float]] = {}
     for name, out in task.results.items():
@@ -226,6 +244,7 @@ def finish_lm(
         "scored_tokens": tokens,
         "skipped": skipped,
         "loss_by_position": by_position,
+        "passkey": passkey_block,
         "n_params": task.n_params,
         "train_steps": trainer.global_step,
         "train_time_s": round(train_time, 2),
@@ -260,7 +279,7 @@ def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -
         curves: dict[str, dict[int, float]] = {}
         for name, value in result["metrics"].items():
             where, kind, extension, length = parse_metric(name)
-            if where == split and length.isdigit():
+            if where == split and length.isdigit() and kind in PROTOCOLS.values():
                 label = {v: k for k, v in PROTOCOLS.items()}.get(kind, kind)
                 label += f"+{extension}" if extension else ""
                 curves.setdefault(label, {})[int(length)] = value
@@ -285,6 +304,9 @@ def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -
                 ),
                 trainer.global_step,
             )
+    if result["passkey"]:
+        lm_passkey.tensorboard(writer, result["passkey"], result["metrics"], result["encoder"],
+                               seq_len, trainer.global_step)
     m = cfg.model
     hparams = {
         "encoder": result["encoder"],

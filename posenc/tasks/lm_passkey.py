@@ -1,0 +1,122 @@
+"""The LM job's passkey-retrieval evaluation (:mod:`posenc.eval.passkey`): one grid of
+accuracy by length and depth per evaluated split, ``<split>/passkey@L`` scalars (mean
+over depths), and their TensorBoard scalars and heatmap."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from posenc.config import passkey_lengths
+from posenc.data.lm import LMDataModule
+from posenc.eval.passkey import DOC, PasskeyFormat, evaluate_length, greedy, heatmap_figure
+from posenc.model import DecoderLM
+
+log = logging.getLogger(__name__)
+
+
+def metric_name(split: str, length: int) -> str:
+    """``test/passkey@512``: accuracy at length 512, mean over depths."""
+    return f"{split}/passkey@{length}"
+
+
+def passkey_format(cfg: DictConfig, dm: LMDataModule) -> PasskeyFormat:
+    """The run's passkey format (its tokenizer, ``task.eval.passkey.key_len``)."""
+    return PasskeyFormat(dm.tokenizer, int(cfg.task.eval.passkey.key_len))
+
+
+def evaluate(
+    cfg: DictConfig, dm: LMDataModule, model: DecoderLM, device: torch.device
+) -> tuple[dict[str, Any], dict[str, float], dict[str, str]]:
+    """Run the passkey grid of every evaluated split.
+
+    Lengths the encoder cannot run (``learned`` past ``max_len``) get NaN cells and a
+    reason under ``skipped``, like the perplexity columns.
+
+    Args:
+        cfg: The run config (``task.eval.passkey``).
+        dm: The set-up data module (tokenizer, split streams).
+        model: The LM to evaluate (put in eval mode and moved to ``device`` here).
+        device: Where decoding runs.
+
+    Returns:
+        ``(block, metrics, skipped)``: the ``passkey`` entry of ``metrics.json`` (empty when
+        the evaluation is off), the ``<split>/passkey@L`` scalars, the skipped metrics with
+        their reasons.
+    """
+    lengths = passkey_lengths(cfg)
+    if not lengths:
+        return {}, {}, {}
+    p = cfg.task.eval.passkey
+    depths = [float(d) for d in p.depths]
+    fmt = passkey_format(cfg, dm)
+    model = model.to(device).eval()
+    limit, enc_name = model.encoder.max_length, type(model.encoder).__name__
+    metrics: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    grids: dict[str, list[list[float]]] = {}
+    for split in cfg.task.eval.splits:
+        stream = dm.lm_split_tokens(split)
+        rows = []
+        for length in lengths:
+            name = metric_name(split, length)
+            if limit is not None and length > limit:
+                skipped[name] = (
+                    f"encoder {enc_name} encodes at most {limit} positions; "
+                    f"length {length} not evaluated"
+                )
+                log.warning("%s: %s", name, skipped[name])
+                rows.append([math.nan] * len(depths))
+                metrics[name] = math.nan
+                continue
+            acc = evaluate_length(
+                greedy(model),
+                fmt,
+                stream,
+                length,
+                depths,
+                samples=p.samples,
+                seed=p.get("seed", 0),
+                batch_size=cfg.task.eval_batch_size,
+                device=device,
+                log=lambda line, split=split: log.info("%s %s", split, line),
+            )
+            rows.append(acc)
+            metrics[name] = sum(acc) / len(acc)
+            log.info(
+                "%s = %.3f (by depth %s)", name, metrics[name], " ".join(f"{a:.2f}" for a in acc)
+            )
+        grids[split] = rows
+    block = {
+        "doc": DOC,
+        "key_len": fmt.key_len,
+        "samples": int(p.samples),
+        "seed": int(p.get("seed", 0)),
+        "lengths": lengths,
+        "depths": depths,
+        "accuracy": grids,  # split -> [length][depth]
+    }
+    return block, metrics, skipped
+
+
+def tensorboard(
+    writer: Any,
+    block: dict[str, Any],
+    metrics: dict[str, float],
+    encoder: str,
+    seq_len: int,
+    step: int,
+) -> None:
+    """The ``<split>/passkey@L`` scalars and a length x depth heatmap per split."""
+    for name, value in metrics.items():
+        if "/passkey@" in name and math.isfinite(value):
+            writer.add_scalar(name, value, step)
+    for split, grid in block.get("accuracy", {}).items():
+        fig = heatmap_figure(
+            grid, block["lengths"], block["depths"], seq_len, f"{encoder}: {split} passkey accuracy"
+        )
+        writer.add_figure(f"{split}/passkey", fig, step)

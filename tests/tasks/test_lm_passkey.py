@@ -1,0 +1,114 @@
+"""The LM job's passkey evaluation end to end, with a tiny model on TinyShakespeare."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from posenc.data.lm import PasskeyDraw
+from posenc.eval.passkey import evaluate_length, greedy
+from posenc.runner import load_for_eval
+from posenc.tasks.lm import LMTask
+from posenc.tasks.lm_job import lm_datamodule
+from posenc.tasks.lm_passkey import passkey_format
+from posenc.train import train
+from tests.conftest import compose_run
+
+# seq_len 64 holds a training passkey sequence with a 2-letter key (the format needs 64).
+PASSKEY = [
+    "task.seq_len=64",
+    "task.eval.multipliers=[1,2]",
+    "task.passkey_mix=0.5",
+    "task.eval.passkey.multipliers=[1,2]",
+    "task.eval.passkey.depths=[0,0.5,1]",
+    "task.eval.passkey.samples=4",
+    "task.eval.passkey.key_len=2",
+]
+
+
+@pytest.fixture(scope="module")
+def rope(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("rope")
+    train(compose_run(tmp, "encoder=rope", *PASSKEY))
+    return tmp / "run"
+
+
+def test_metrics_json_has_the_grid_and_scalars(rope: Path) -> None:
+    m = json.loads((rope / "metrics.json").read_text())
+    p = m["passkey"]
+    assert p["lengths"] == [64, 128] and p["depths"] == [0.0, 0.5, 1.0]
+    assert (p["key_len"], p["samples"], p["seed"]) == (2, 4, 0)
+    grid = p["accuracy"]["test"]
+    assert len(grid) == 2 and all(len(row) == 3 for row in grid)
+    for length, row in zip(p["lengths"], grid, strict=True):
+        assert all(v in (0.0, 0.25, 0.5, 0.75, 1.0) for v in row)  # 4 keys per cell
+        assert m["metrics"][f"test/passkey@{length}"] == pytest.approx(sum(row) / 3)
+    assert "test/ppl@128" in m["metrics"] and not m["skipped"]
+
+
+def test_grid_equals_a_fresh_evaluation_of_the_best_checkpoint(rope: Path) -> None:
+    """The job's numbers are what the evaluation gives on the weights it reports."""
+    m = json.loads((rope / "metrics.json").read_text())
+    cfg = compose_run(
+        rope.parent / "again",
+        "encoder=rope",
+        *PASSKEY,
+        "eval_only=true",
+        f"ckpt_path={rope / 'checkpoints' / 'best.ckpt'}",
+    )
+    dm = lm_datamodule(cfg)
+    dm.setup()
+    model = load_for_eval(LMTask, cfg, dm.vocab_size).model.eval()
+    for length, row in zip([64, 128], m["passkey"]["accuracy"]["test"], strict=True):
+        acc = evaluate_length(
+            greedy(model),
+            passkey_format(cfg, dm),
+            dm.lm_split_tokens("test"),
+            length,
+            [0.0, 0.5, 1.0],
+            samples=4,
+            seed=0,
+            batch_size=3,
+        )
+        assert acc == row
+
+
+def test_tensorboard_has_the_scalars_and_heatmap(rope: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(rope / "tb"), size_guidance={"images": 0})
+    acc.Reload()
+    m = json.loads((rope / "metrics.json").read_text())
+    for length in (64, 128):
+        events = acc.Scalars(f"test/passkey@{length}")
+        assert [e.value for e in events] == [pytest.approx(m["metrics"][f"test/passkey@{length}"])]
+    assert {"test/passkey", "test/ppl_vs_length"} <= set(acc.Tags()["images"])
+
+
+def test_training_batches_held_the_mix(tmp_path: Path) -> None:
+    cfg = compose_run(tmp_path, "encoder=rope", *PASSKEY)
+    dm = lm_datamodule(cfg)
+    dm.setup()
+    sampler = dm.train_dataloader().sampler
+    slots = [x for _, x in zip(range(400), iter(sampler), strict=False)]
+    assert sum(isinstance(x, PasskeyDraw) for x in slots) == 200
+
+
+def test_learned_skips_lengths_past_max_len(tmp_path: Path) -> None:
+    result = train(compose_run(tmp_path, "encoder=learned", "encoder.max_len=64", *PASSKEY))
+    grid = result["passkey"]["accuracy"]["test"]
+    assert all(math.isnan(v) for v in grid[1]) and all(math.isfinite(v) for v in grid[0])
+    assert math.isnan(result["metrics"]["test/passkey@128"])
+    assert "at most 64 positions" in result["skipped"]["test/passkey@128"]
+    assert math.isfinite(result["metrics"]["test/passkey@64"])
+    on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert math.isnan(on_disk["metrics"]["test/passkey@128"])
+
+
+def test_off_by_default(tmp_path: Path) -> None:
+    result = train(compose_run(tmp_path, "encoder=none", "task.eval.multipliers=[1]"))
+    assert result["passkey"] == {}
+    assert not [k for k in result["metrics"] if "passkey" in k]
