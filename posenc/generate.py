@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from posenc.tasks.generate import generate
 
@@ -46,6 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_config(config: Path) -> DictConfig:
+    """A run's recorded config, its ``${hydra:...}`` values (e.g. the tokenizer cache
+    under the directory the run started from) read from the ``hydra.yaml`` beside it, so
+    the config resolves outside a Hydra run."""
+    text = config.read_text().replace("${hydra:", "${hydra.")
+    cfg = OmegaConf.create(text)
+    record = config.parent / "hydra.yaml"
+    if record.is_file():
+        cfg = OmegaConf.merge(cfg, OmegaConf.load(record))
+    return cfg
+
+
 def run(args: argparse.Namespace) -> str:
     """The generated text for the parsed arguments."""
     from posenc.runner import load_for_eval
@@ -60,7 +72,7 @@ def run(args: argparse.Namespace) -> str:
             f"{config} not found: give a checkpoint inside a posenc run directory "
             f"(<run>/checkpoints/*.ckpt), whose config says how its tokenizer was built"
         )
-    cfg = OmegaConf.load(config)
+    cfg = run_config(config)
     if cfg.task.name != "lm":
         raise ValueError(f"{args.ckpt} is a task={cfg.task.name} checkpoint; generation needs "
                          f"a language model (task=lm)")

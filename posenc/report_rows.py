@@ -13,8 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_KIND_ORDER = {"ppl": 0, "ppl_sw": 1, "passkey": 2, "bleu": 0, "chrf": 1, "seq_acc": 0, "acc": 1,
-               "loss": 2}
+_KIND_ORDER = {
+    "ppl": 0,
+    "ppl_sw": 1,
+    "passkey": 2,
+    "bleu": 0,
+    "chrf": 1,
+    "seq_acc": 0,
+    "acc": 1,
+    "loss": 2,
+}
 
 
 @dataclass

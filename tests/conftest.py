@@ -17,6 +17,8 @@ from posenc.model.attention import Attention
 
 ROOT = Path(__file__).resolve().parents[1]
 ENCODER_YAMLS = sorted(p.stem for p in (ROOT / "conf" / "encoder").glob("*.yaml"))
+#: Sweep arms (conf/variant/): every encoder, and some trained on randomized positions.
+VARIANT_YAMLS = sorted(p.stem for p in (ROOT / "conf" / "variant").glob("*.yaml"))
 
 
 def encoder_class(name: str) -> type[PositionalEncoder]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import csv
 import json
 import os
@@ -22,7 +24,7 @@ from posenc import cli as run
 from posenc.config import validate
 from posenc.encoders.none import NoPositions
 from posenc.report import build_report
-from tests.conftest import ENCODER_YAMLS, ROOT
+from tests.conftest import ENCODER_YAMLS, ROOT, VARIANT_YAMLS
 
 
 class BrokenEncoder(NoPositions):
@@ -124,17 +126,32 @@ def compose_hydra(*overrides: str) -> DictConfig:
 def test_sweep_presets(preset: str, tmp_path: Path) -> None:
     """Every job of a preset's grid (first seed) composes and passes the config checks,
     so a preset cannot hold a job that is refused (a causal-only scheme in translation,
-    an encoder without a YAML)."""
+    an encoder without a YAML). The arms are encoders, or variants (conf/variant/: an
+    encoder, possibly trained on randomized positions)."""
     params = OmegaConf.to_container(compose_hydra(f"sweep={preset}").hydra.sweeper.params)
-    grid = str(params["encoder"]).split(",")
-    assert len(set(grid)) == len(grid) and set(grid) <= set(ENCODER_YAMLS), grid
-    first = {key: str(values).split(",")[0] for key, values in params.items()}
+    arm = "encoder" if "encoder" in params else "+variant"
+    grid = str(params[arm]).split(",")
+    known = ENCODER_YAMLS if arm == "encoder" else VARIANT_YAMLS
+    assert len(set(grid)) == len(grid) and set(grid) <= set(known), grid
+    axes = {key: str(values).split(",") for key, values in params.items() if key != "seed"}
+    first_seed = [f"seed={str(params['seed']).split(',')[0]}"] if "seed" in params else []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        for encoder in grid:
-            job = [f"{key}={value}" for key, value in (first | {"encoder": encoder}).items()]
-            validate(compose("config", overrides=[f"sweep={preset}", *job,
+        for values in itertools.product(*axes.values()):
+            job = [f"{key}={value}" for key, value in zip(axes, values, strict=True)]
+            validate(compose("config", overrides=[f"sweep={preset}", *job, *first_seed,
                                                   f"paths.output_dir={tmp_path}",
                                                   f"paths.cache_dir={tmp_path}"]))
+
+
+def test_every_encoder_is_a_variant_and_rand_variants_randomize() -> None:
+    """conf/variant/<encoder>.yaml selects that encoder and nothing else; <e>_rand.yaml
+    selects e and trains it on randomized positions."""
+    assert set(ENCODER_YAMLS) <= set(VARIANT_YAMLS)
+    for name in VARIANT_YAMLS:
+        cfg = compose_hydra(f"+variant={name}")
+        base = name.removesuffix("_rand")
+        assert cfg.hydra.runtime.choices.encoder == base
+        assert (cfg.model.random_positions is not None) == name.endswith("_rand"), name
 
 
 def test_ddp_is_refused_inside_a_local_multirun() -> None:

@@ -65,3 +65,19 @@ def test_generate_command_on_a_trained_checkpoint(tmp_path: Path) -> None:
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 1 and "no checkpoint at" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_recorded_run_config_resolves_outside_hydra(tmp_path) -> None:
+    """posenc.generate reads <run>/.hydra/config.yaml, whose tokenizer cache is
+    ``${hydra:runtime.cwd}/...``: it resolves from the hydra.yaml recorded beside it."""
+    from omegaconf import OmegaConf
+
+    from posenc.generate import run_config
+
+    record = tmp_path / ".hydra"
+    record.mkdir()
+    (record / "config.yaml").write_text(
+        "paths:\n  cache_dir: ${oc.env:POSENC_TEST_UNSET_VAR,${hydra:runtime.cwd}/outputs/.cache}\n")
+    (record / "hydra.yaml").write_text("hydra:\n  runtime:\n    cwd: /somewhere/else\n")
+    cfg = run_config(record / "config.yaml")
+    assert OmegaConf.select(cfg, "paths.cache_dir") == "/somewhere/else/outputs/.cache"
