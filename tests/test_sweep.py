@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
-
 import csv
+import itertools
 import json
 import os
 import signal

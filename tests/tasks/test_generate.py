@@ -76,8 +76,8 @@ def test_a_recorded_run_config_resolves_outside_hydra(tmp_path) -> None:
 
     record = tmp_path / ".hydra"
     record.mkdir()
-    (record / "config.yaml").write_text(
-        "paths:\n  cache_dir: ${oc.env:POSENC_TEST_UNSET_VAR,${hydra:runtime.cwd}/outputs/.cache}\n")
+    cache = "${oc.env:POSENC_TEST_UNSET_VAR,${hydra:runtime.cwd}/outputs/.cache}"
+    (record / "config.yaml").write_text(f"paths:\n  cache_dir: {cache}\n")
     (record / "hydra.yaml").write_text("hydra:\n  runtime:\n    cwd: /somewhere/else\n")
     cfg = run_config(record / "config.yaml")
     assert OmegaConf.select(cfg, "paths.cache_dir") == "/somewhere/else/outputs/.cache"
