@@ -424,11 +424,16 @@ def _random_positions(cfg: DictConfig, problems: list[str]) -> None:
     else:
         key = "seq_len" if cfg.task.name == "lm" else "max_len"
         longest = cfg.task.get(key)
-    if isinstance(longest, int) and n < longest:
+    if isinstance(longest, int) and n < longest and cfg.task.name == "algo":
         problems.append(
             f"model.random_positions={n}: smaller than the longest training sequence "
-            f"({longest} positions, from task.{key}); it must be at least that "
-            f"(e.g. 8-16x)"
+            f"({longest} positions at the largest of task.train_lengths); it must be at "
+            f"least that (e.g. 8-16x)"
+        )
+    elif isinstance(longest, int) and n < longest:
+        problems.append(
+            f"model.random_positions={n}: smaller than task.{key}={longest}; it must be at "
+            f"least the longest training sequence (e.g. 8-16x task.{key})"
         )
     max_len = cfg.encoder.get("max_len")
     if max_len is not None and n > max_len:
