@@ -27,7 +27,7 @@ from posenc.data.algo import BOS, EOS, PAD
 from posenc.model import DecoderLM, EncoderDecoder, count_parameters
 from posenc.tasks.decode import greedy
 from posenc.tasks.generate import generate
-from posenc.tasks.optim import configure_adamw
+from posenc.tasks.optim import check_finite, configure_adamw
 
 SHAPES = ("decoder", "encdec")
 Batch = dict[str, Tensor]
@@ -147,11 +147,7 @@ class AlgoTask(pl.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss_sum, _, n = self._loss(batch)
         loss = loss_sum / n
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"training loss is {loss.item()} at step {self.global_step}; the last good "
-                f"checkpoint is kept. Lower task.optim.lr."
-            )
+        check_finite(loss, self.global_step)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

@@ -11,17 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt
 import pytorch_lightning as pl
-from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.data.algo import PROBLEMS, AlgoDataModule, bucket_name, buckets
+from posenc.report_plots import accuracy_vs_size
 from posenc.runner import (
     build_trainer,
     group_choice,
@@ -195,32 +190,18 @@ def finish(
     return result
 
 
-def accuracy_figure(curves: dict[str, dict[int, float]], hi: int, title: str) -> Figure:
-    """Accuracy (%) against instance size, one line per label; the training range shaded."""
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for name, curve in curves.items():
-        xs = sorted(curve)
-        ax.plot(xs, [curve[x] for x in xs], marker=".", label=name)
-    ax.axvspan(0.5, hi + 0.5, color="0.9", zorder=0, label="trained sizes")
-    ax.set(xlabel="instance size", ylabel="accuracy (%)", ylim=(-2, 102), title=title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
 def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -> None:
     logger = trainer.logger
     if not isinstance(logger, TensorBoardLogger):
         return
-    curves = {
-        k: {int(n): row[k] for n, row in result["by_size"].items()} for k in ("seq_acc", "acc")
+    # The report's figure, with this run as the one curve of each panel.
+    panels = {
+        k: {result["encoder"]: {int(n): (row[k], None) for n, row in result["by_size"].items()}}
+        for k in ("seq_acc", "acc")
     }
     title = f"{result['encoder']}: {result['problem']} ({result['shape']})"
-    logger.experiment.add_figure(
-        "test/accuracy_vs_size",
-        accuracy_figure(curves, result["train_lengths"][1], title),
-        trainer.global_step,
-    )
+    figure = accuracy_vs_size(panels, tuple(result["train_lengths"]), title)
+    logger.experiment.add_figure("test/accuracy_vs_size", figure, trainer.global_step)
     m = cfg.model
     hparams = {
         "encoder": result["encoder"],

@@ -10,14 +10,13 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
 import pytorch_lightning as pl
-import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch import Tensor, nn
 
 from posenc.eval.lengths import TokenNLL
 from posenc.model import DecoderLM, count_parameters
-from posenc.tasks.optim import configure_adamw
+from posenc.tasks.optim import check_finite, configure_adamw
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +78,7 @@ class LMTask(pl.LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self.token_nll(batch).mean()
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"training loss is {loss.item()} at step {self.global_step}; the last good "
-                f"checkpoint is kept. Lower task.optim.lr or check the data."
-            )
+        check_finite(loss, self.global_step)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

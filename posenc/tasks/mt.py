@@ -24,7 +24,7 @@ from torchmetrics.aggregation import SumMetric
 
 from posenc.model import EncoderDecoder, count_parameters
 from posenc.tasks.decode import Decoded, beam_search, greedy, output_limits
-from posenc.tasks.optim import configure_adamw
+from posenc.tasks.optim import check_finite, configure_adamw
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +146,7 @@ class MTTask(pl.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss_sum, nll_sum, n = self._loss_sums(batch)
         loss = loss_sum / n
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"training loss is {loss.item()} at step {self.global_step}; the last good "
-                f"checkpoint is kept. Lower task.optim.lr or check the data."
-            )
+        check_finite(loss, self.global_step)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/nll", nll_sum / n)
         return loss

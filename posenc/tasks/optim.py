@@ -12,6 +12,16 @@ from torch import nn
 SCHEDULES = ("cosine", "inverse_sqrt")
 
 
+def check_finite(loss: torch.Tensor, step: int) -> None:
+    """Stop training on a NaN or infinite loss, saying what to do (every task's
+    ``training_step``; the last good checkpoint stays as it was)."""
+    if not torch.isfinite(loss):
+        raise FloatingPointError(
+            f"training loss is {loss.item()} at step {step}; the last good checkpoint is "
+            f"kept. Lower task.optim.lr or check the data."
+        )
+
+
 def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total``.
 
