@@ -58,12 +58,12 @@ NO_EFFECT_IN_EVAL = (
     "task.optim", "task.batch_size", "trainer.max_steps", "trainer.gradient_clip_val",
     "trainer.val_check_interval", "trainer.check_val_every_n_epoch",
     "trainer.accumulate_grad_batches", "model.dropout", "model.random_positions", "seed",
-    "checkpoint_every_n_steps", "task.passkey_mix",
+    "checkpoint_every_n_steps", "task.passkey_mix", "task.passkey_answer_weight",
 )
 
 #: Keys added after checkpoints were first written, with the value that behaves as an
 #: older checkpoint did: unset in the checkpoint and this value in the config is no change.
-ADDED_LATER = {"task.passkey_mix": 0.0}
+ADDED_LATER = {"task.passkey_mix": 0.0, "task.passkey_answer_weight": 1.0}
 
 #: What defines the network a checkpoint holds: ``eval_only`` refuses differences here.
 MODEL_DEFINING = ("task.name", "encoder", "model", "tokenizer", "task.problem", "task.shape",
@@ -225,6 +225,12 @@ def _trains(key: str, cfg: DictConfig) -> bool:
     return key == "task.eval.passkey.key_len" and bool(cfg.task.get("passkey_mix"))
 
 
+def _inert(key: str, cfg: DictConfig) -> bool:
+    """A training key that does nothing in this run: the passkey answers' loss weight
+    without the passkey mix."""
+    return key == "task.passkey_answer_weight" and not cfg.task.get("passkey_mix")
+
+
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
@@ -268,7 +274,7 @@ def check_config(path: str, ckpt: dict[str, Any], cfg: DictConfig,
                     "config", path)
         return {}
     diff = {k: v for k, v in differences(saved["config"], cfg).items()
-            if not _under(k, RUNTIME_ONLY)}
+            if not _under(k, RUNTIME_ONLY) and not _inert(k, cfg)}
     if resume:
         bad = {k: v for k, v in diff.items()
                if not _under(k, RESUME_MAY_CHANGE) or _trains(k, cfg)}

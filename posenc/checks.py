@@ -188,6 +188,10 @@ def passkey(t: DictConfig, problems: list[str], keys: list[str]) -> None:
     if not number(mix) or not 0.0 <= mix <= 1.0:
         problems.append(f"task.passkey_mix={mix!r}: must be a number in [0, 1] (the fraction "
                         f"of training windows replaced by passkey sequences; 0: off)")
+    weight = t.get("passkey_answer_weight", 1.0)
+    if not number(weight) or not weight > 0:
+        problems.append(f"task.passkey_answer_weight={weight!r}: must be a number > 0 (the "
+                        f"loss weight of a training passkey answer's key tokens; 1: as text)")
     p = t.eval.get("passkey")
     if not OmegaConf.is_dict(p):
         problems.append(f"task.eval.passkey={p!r}: must be a mapping with keys "

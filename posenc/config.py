@@ -151,7 +151,7 @@ def _validate_optim(cfg: DictConfig, problems: list[str]) -> None:
 
 
 LM_TASK_KEYS = ["name", "seq_len", "batch_size", "eval_batch_size", "optim", "eval",
-                "passkey_mix"]
+                "passkey_mix", "passkey_answer_weight"]
 LM_EVAL_KEYS = ["splits", "multipliers", "protocols", "sliding_stride", "max_tokens",
                 "skip_unsupported", "context_extension", "extension_factor", "passkey"]
 PASSKEY_KEYS = ["multipliers", "depths", "samples", "key_len", "seed"]

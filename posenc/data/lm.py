@@ -289,26 +289,36 @@ class PasskeyMixWindows(RandomWindows):
     ``seq_len + 1`` tokens (filler from this stream, a uniform random depth) in place of
     a text window (see :mod:`posenc.eval.passkey`).
 
+    Every item also has ``weight``, the loss weight of each target: 1, but
+    ``answer_weight`` on the answer's key tokens of a passkey sequence (the targets that
+    need retrieval; :meth:`posenc.tasks.lm.LMTask.training_step` normalises by the sum).
+
     Args:
         tokens: The training stream.
         seq_len: Training context ``T``.
         passkeys: The passkey format (tokenizer and key length).
         seed: Base seed; instance ``g`` depends only on ``(seed, g)``.
+        answer_weight: Loss weight of the answer's key tokens (> 0).
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, passkeys: PasskeyFormat,
-                 seed: int) -> None:
+                 seed: int, answer_weight: float = 1.0) -> None:
         super().__init__(tokens, seq_len)
+        if not answer_weight > 0:
+            raise ValueError(f"answer_weight must be > 0, got {answer_weight!r}.")
         self.passkeys = passkeys
         self.seed = seed
+        self.answer_weight = float(answer_weight)
 
     def __getitem__(self, item: int | PasskeyDraw) -> Batch:
+        weight = torch.ones(self.seq_len)
         if not isinstance(item, PasskeyDraw):
-            return super().__getitem__(item)
+            return {**super().__getitem__(item), "weight": weight}
         gen = seeded(self.seed, 7, item.index)  # 7: a stream of its own, apart from offsets
         depth = float(torch.rand((), generator=gen))
         inst = self.passkeys.sample(self.tokens, self.seq_len + 1, [depth], gen)[0]
-        return {"input": inst.tokens[:-1], "target": inst.tokens[1:]}
+        weight[-inst.answer_len :] = self.answer_weight
+        return {"input": inst.tokens[:-1], "target": inst.tokens[1:], "weight": weight}
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -343,10 +353,11 @@ class LMDataModule(pl.LightningDataModule):
         passkey_mix: Fraction of training windows replaced by passkey sequences of
             ``seq_len`` inputs (:class:`PasskeyMixWindows`); 0 turns it off.
         passkey_key_len: Letters per key of those sequences.
+        passkey_answer_weight: Loss weight of their answers' key tokens (text tokens: 1).
 
     Raises:
         ValueError: A size is not a positive int, the tokenizer settings lack ``kind``, or
-            ``passkey_mix`` is outside [0, 1].
+            ``passkey_mix`` is outside [0, 1], or ``passkey_answer_weight`` is not > 0.
     """
 
     def __init__(
@@ -366,12 +377,18 @@ class LMDataModule(pl.LightningDataModule):
         seed: int = 0,
         passkey_mix: float = 0.0,
         passkey_key_len: int = 5,
+        passkey_answer_weight: float = 1.0,
     ) -> None:
         super().__init__()
         if not 0.0 <= passkey_mix <= 1.0:
             raise ValueError(f"passkey_mix must be in [0, 1], got {passkey_mix!r}.")
         self.passkey_mix = float(passkey_mix)
         self.passkey_key_len = _positive_int("passkey_key_len", passkey_key_len)
+        if not passkey_answer_weight > 0:
+            raise ValueError(
+                f"passkey_answer_weight must be > 0, got {passkey_answer_weight!r}."
+            )
+        self.passkey_answer_weight = float(passkey_answer_weight)
         if not callable(source):
             raise ValueError(
                 f"source must be a callable returning split texts, got {type(source).__name__}; "
@@ -526,12 +543,14 @@ class LMDataModule(pl.LightningDataModule):
         Returns:
             ``train_steps_per_epoch`` batches of dicts with ``input`` and ``target`` of shape
             ``(batch_size, seq_len)``; offsets are uniform and depend only on (seed, global step).
-            With ``passkey_mix``, that fraction of windows are passkey sequences.
+            With ``passkey_mix``, that fraction of windows are passkey sequences, and every
+            batch has ``weight`` too (:class:`PasskeyMixWindows`).
         """
         tokens = self.lm_split_tokens("train")
         dataset = (
             PasskeyMixWindows(tokens, self.seq_len,
-                              PasskeyFormat(self.tokenizer, self.passkey_key_len), self.seed)
+                              PasskeyFormat(self.tokenizer, self.passkey_key_len), self.seed,
+                              self.passkey_answer_weight)
             if self.passkey_mix else RandomWindows(tokens, self.seq_len)
         )
         sampler = RandomOffsetSampler(

@@ -77,7 +77,10 @@ class LMTask(pl.LightningModule):
         ).view_as(batch["target"])
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.token_nll(batch).mean()
+        """Mean token NLL; with per-target ``weight`` (the passkey mix), the weighted mean."""
+        nll = self.token_nll(batch)
+        weight = batch.get("weight")
+        loss = nll.mean() if weight is None else (nll * weight).sum() / weight.sum()
         check_finite(loss, self.global_step)
         self.log("train/loss", loss, prog_bar=True)
         return loss

@@ -79,6 +79,7 @@ def lm_datamodule(cfg: DictConfig) -> LMDataModule:
         seed=cfg.seed,
         passkey_mix=float(t.get("passkey_mix", 0.0)),
         passkey_key_len=int(OmegaConf.select(t, "eval.passkey.key_len", default=5)),
+        passkey_answer_weight=float(t.get("passkey_answer_weight", 1.0)),
     )
 
 

@@ -231,6 +231,52 @@ def test_mix_windows_are_passkey_sequences_of_seq_len() -> None:
     assert torch.equal(ds[5]["input"], STREAM[5 : 5 + seq_len])  # text windows unchanged
 
 
+def test_mix_weights_only_the_answer_letters() -> None:
+    """``weight`` is ``answer_weight`` exactly on the targets that are the answer's key
+    letters (the key after the question), 1 on every other target and on text windows."""
+    seq_len = 96
+    ds = PasskeyMixWindows(STREAM, seq_len, PasskeyFormat(TOK, 4), seed=0, answer_weight=7.5)
+    for g in range(10):
+        item = ds[PasskeyDraw(g)]
+        whole = text(torch.cat((item["input"], item["target"][-1:])))
+        answer_from = len(whole) - 4  # the answer's first letter, as an index of `whole`
+        assert whole[answer_from - len(QUESTION) : answer_from] == QUESTION
+        expected = torch.ones(seq_len)
+        expected[answer_from - 1 :] = 7.5  # target t is token t + 1 of the sequence
+        assert torch.equal(item["weight"], expected)
+    assert torch.equal(ds[5]["weight"], torch.ones(seq_len))
+    with pytest.raises(ValueError, match="answer_weight must be > 0"):
+        PasskeyMixWindows(STREAM, seq_len, PasskeyFormat(TOK, 4), seed=0, answer_weight=0.0)
+
+
+def test_training_loss_is_the_weighted_mean(tmp_path: Path) -> None:
+    """LMTask's training loss is sum(w * nll) / sum(w) with ``weight``, the plain mean
+    without it (checked against cross-entropy computed here)."""
+    from posenc.tasks.lm import LMTask
+
+    torch.manual_seed(0)
+    task = LMTask(
+        vocab_size=TOK.vocab_size,
+        encoder={"_target_": "posenc.encoders.rope.RoPE", "_partial_": True},
+        model={"n_layers": 1, "d_model": 16, "n_heads": 2},
+        optim={},
+        max_steps=1,
+        seq_len=12,
+    )
+    task.log = lambda *a, **k: None  # outside a Trainer
+    x = STREAM[:13].repeat(2, 1)
+    batch = {"input": x[:, :-1], "target": x[:, 1:]}
+    nll = torch.nn.functional.cross_entropy(
+        task(batch["input"]).transpose(1, 2), batch["target"], reduction="none"
+    )
+    assert torch.allclose(task.training_step(batch, 0), nll.mean())
+    weight = torch.ones(2, 12)
+    weight[1, -3:] = 20.0
+    expected = (nll * weight).sum() / weight.sum()
+    got = task.training_step({**batch, "weight": weight}, 0)
+    assert torch.allclose(got, expected) and not torch.allclose(got, nll.mean())
+
+
 def test_data_module_batches_hold_the_mix(tmp_path: Path) -> None:
     texts = {"train": TEXT, "val": TEXT[:3000], "test": TEXT[:3000]}
     dm = LMDataModule(
@@ -280,6 +326,7 @@ def test_metric_names() -> None:
     ("override", "message"),
     [
         ("task.passkey_mix=1.5", "task.passkey_mix=1.5: must be a number in [0, 1]"),
+        ("task.passkey_answer_weight=0", "task.passkey_answer_weight=0: must be a number > 0"),
         ("task.eval.passkey.depths=[0,2]", "task.eval.passkey.depths contains 2: must be numbers"),
         ("task.eval.passkey.depths=[]", "task.eval.passkey.depths=[]: must list at least one"),
         ("task.eval.passkey.samples=0", "task.eval.passkey.samples=0: must be a positive integer"),
@@ -407,6 +454,31 @@ def test_checkpoints_from_before_the_mix_resume(tmp_path: Path) -> None:
     assert differences(old, cfg) == {}
     cfg.task.passkey_mix = 0.25
     assert differences(old, cfg) == {"task.passkey_mix": ("<unset>", 0.25)}
+
+
+def test_answer_weight_matters_to_resume_only_under_the_mix(tmp_path: Path) -> None:
+    """Checkpoints from before ``task.passkey_answer_weight`` trained their mix at weight
+    1: resuming one with the mix and another weight is refused; without the mix the key
+    does nothing, so any value resumes."""
+    from omegaconf import OmegaConf
+
+    from posenc.checkpoints import check_config
+    from posenc.errors import CheckpointError
+
+    cfg = compose_run(tmp_path)
+    assert cfg.task.passkey_answer_weight != 1.0  # the default differs from old runs'
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    saved.pop("hydra", None)
+    del saved["task"]["passkey_answer_weight"]
+    ckpt = {"posenc": {"config": saved}}
+    assert check_config("x.ckpt", ckpt, cfg, resume=True) == {}  # no mix: inert
+    saved["task"]["passkey_mix"] = cfg.task.passkey_mix = 0.5
+    with pytest.raises(
+        CheckpointError, match="task.passkey_answer_weight: checkpoint '<unset>', config 20.0"
+    ):
+        check_config("x.ckpt", ckpt, cfg, resume=True)
+    cfg.task.passkey_answer_weight = 1.0  # what the old run trained with
+    assert check_config("x.ckpt", ckpt, cfg, resume=True) == {}
 
 
 def test_resume_refuses_another_key_length_under_the_mix(tmp_path: Path) -> None:
