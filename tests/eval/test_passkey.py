@@ -474,7 +474,7 @@ def test_answer_weight_matters_to_resume_only_under_the_mix(tmp_path: Path) -> N
     assert check_config("x.ckpt", ckpt, cfg, resume=True) == {}  # no mix: inert
     saved["task"]["passkey_mix"] = cfg.task.passkey_mix = 0.5
     with pytest.raises(
-        CheckpointError, match="task.passkey_answer_weight: checkpoint '<unset>', config 20.0"
+        CheckpointError, match="task.passkey_answer_weight: checkpoint '<unset>', config 100.0"
     ):
         check_config("x.ckpt", ckpt, cfg, resume=True)
     cfg.task.passkey_answer_weight = 1.0  # what the old run trained with
