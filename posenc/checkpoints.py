@@ -296,16 +296,22 @@ def check_config(path: str, ckpt: dict[str, Any], cfg: DictConfig,
     return {k: v for k, v in diff.items() if _under(k, NO_EFFECT_IN_EVAL)}
 
 
-def check_tokenizer(path: str, ckpt: dict[str, Any], fingerprint: str) -> None:
+def check_tokenizer(path: str, ckpt: dict[str, Any], accepted: tuple[str, ...]) -> None:
     """Refuse a checkpoint trained with another tokenizer than the configured one.
+
+    Args:
+        path: The checkpoint's path, for the message.
+        ckpt: The loaded checkpoint.
+        accepted: The configured tokenizer's fingerprints
+            (:func:`posenc.data.tokenizers.fingerprints`); the checkpoint's must be one.
 
     Raises:
         CheckpointError: The fingerprints differ.
     """
     saved = (ckpt.get("posenc") or {}).get("tokenizer")
-    if saved is not None and saved != fingerprint:
+    if saved is not None and saved not in accepted:
         raise CheckpointError(
             f"{path} was trained with tokenizer {saved[:12]}, but the configured data and "
-            f"tokenizer give {fingerprint[:12]}: its token ids would mean other text. Use the "
+            f"tokenizer give {accepted[0][:12]}: its token ids would mean other text. Use the "
             f"data and tokenizer settings it was trained with."
         )

@@ -156,10 +156,13 @@ class RunState(pl.Callback):
 
     Args:
         record: :func:`posenc.checkpoints.record` of this run.
+        tokenizer: The fingerprints a resumed checkpoint's tokenizer may have (see
+            :func:`posenc.data.tokenizers.fingerprints`); None skips the check.
     """
 
-    def __init__(self, record: dict[str, Any]) -> None:
+    def __init__(self, record: dict[str, Any], tokenizer: tuple[str, ...] | None = None) -> None:
         self.record = record
+        self.tokenizer = tokenizer
         self.val: dict[str, float] = {}
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -187,9 +190,8 @@ class RunState(pl.Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        fingerprint = self.record.get("tokenizer")
-        if fingerprint is not None:
-            checkpoints.check_tokenizer(str(trainer.ckpt_path), checkpoint, fingerprint)
+        if self.tokenizer is not None:
+            checkpoints.check_tokenizer(str(trainer.ckpt_path), checkpoint, self.tokenizer)
         self.val = dict((checkpoint.get("posenc") or {}).get("val") or {}) or self.val
         state = checkpoint.get("posenc_rng")
         if state is None:
@@ -205,7 +207,7 @@ def run_state(trainer: pl.Trainer) -> RunState:
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
-                  tokenizer: str | None = None) -> pl.Trainer:
+                  tokenizer: tuple[str, ...] | None = None) -> pl.Trainer:
     """Lightning Trainer from ``cfg.trainer`` plus posenc's logger and callbacks.
 
     Checkpoints (:mod:`posenc.checkpoints`: atomic, checksummed, replaced in place):
@@ -216,7 +218,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
         cfg: The run's config.
         run_dir: The run directory.
         throughput: The throughput callback the job reads.
-        tokenizer: The tokenizer's fingerprint, recorded in every checkpoint.
+        tokenizer: The tokenizer's fingerprints (:func:`posenc.data.tokenizers.fingerprints`):
+            the first is recorded in every checkpoint, and a resumed one must carry one.
     """
     logger = TensorBoardLogger(
         save_dir=str(run_dir), name="tb", version="", default_hp_metric=False
@@ -239,7 +242,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
             enable_version_counter=False,
         ),
         LearningRateMonitor(logging_interval="step"),
-        RunState(checkpoints.record(cfg, tokenizer)),
+        RunState(checkpoints.record(cfg, tokenizer[0] if tokenizer else None), tokenizer),
         throughput,
     ]
     progress = cfg.trainer.get("enable_progress_bar", True)
@@ -285,7 +288,7 @@ def log_hparams(trainer: pl.Trainer, hparams: dict[str, Any], metrics: dict[str,
 
 def load_for_eval(
     task_cls: type[pl.LightningModule], cfg: DictConfig, vocab_size: int,
-    tokenizer: str | None = None,
+    tokenizer: tuple[str, ...] | None = None,
 ) -> pl.LightningModule:
     """The task stored in ``cfg.ckpt_path`` (for ``eval_only``), checked against the data.
 
@@ -293,7 +296,7 @@ def load_for_eval(
         task_cls: The task's LightningModule class.
         cfg: The run's config.
         vocab_size: The configured tokenizer's vocabulary size.
-        tokenizer: Its fingerprint; the checkpoint's must be the same.
+        tokenizer: Its fingerprints; the checkpoint's must be one of them.
 
     Raises:
         CheckpointError: The file is damaged, or was trained with another tokenizer.

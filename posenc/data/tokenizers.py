@@ -494,11 +494,32 @@ def _cached(path: Path) -> bool:
 
 def fingerprint(tok: Tokenizer) -> str:
     """sha256 of a tokenizer's vocabulary: equal fingerprints encode text identically.
-    Checkpoints store it, so a model is never run with another tokenizer's ids."""
+    Checkpoints store it, so a model is never run with another tokenizer's ids.
+
+    For SentencePiece it hashes the model without the paths SentencePiece writes into it
+    (the training corpus and output prefix, which are temporary files), so the same model
+    trained in another folder or on another machine has the same fingerprint."""
     if isinstance(tok, CharTokenizer):
         data = json.dumps(tok.chars, ensure_ascii=False).encode()
     elif isinstance(tok, SentencePieceTokenizer):
-        data = tok._sp.serialized_model_proto()
+        from sentencepiece import sentencepiece_model_pb2
+
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(tok._sp.serialized_model_proto())
+        for name in ("input", "model_prefix"):
+            proto.trainer_spec.ClearField(name)
+        data = proto.SerializeToString(deterministic=True)
     else:
         raise TypeError(f"no fingerprint for tokenizer type {type(tok).__name__}")
     return hashlib.sha256(data).hexdigest()
+
+
+def fingerprints(tok: Tokenizer) -> tuple[str, ...]:
+    """The fingerprints a checkpoint trained with ``tok`` may carry: :func:`fingerprint`
+    first (what new checkpoints record), then, for SentencePiece, the hash of the whole
+    model file that checkpoints recorded before 2026-11-25 (it includes the temporary
+    training paths, so it matches only the cached model file it was computed from)."""
+    if isinstance(tok, SentencePieceTokenizer):
+        whole = hashlib.sha256(tok._sp.serialized_model_proto()).hexdigest()
+        return (fingerprint(tok), whole)
+    return (fingerprint(tok),)

@@ -71,9 +71,9 @@ def datamodule(cfg: DictConfig) -> AlgoDataModule:
     )
 
 
-def vocab_fingerprint(dm: AlgoDataModule) -> str:
+def vocab_fingerprint(dm: AlgoDataModule) -> tuple[str]:
     """What the checkpoint records in place of a tokenizer's fingerprint."""
-    return hashlib.sha256("\n".join(dm.vocab.tokens).encode()).hexdigest()
+    return (hashlib.sha256("\n".join(dm.vocab.tokens).encode()).hexdigest(),)
 
 
 def algo_task(cfg: DictConfig, dm: AlgoDataModule) -> AlgoTask:

@@ -18,7 +18,7 @@ from posenc import checkpoints
 from posenc.config import check_lm_batch, check_passkey, eval_lengths, passkey_lengths
 from posenc.data.lm import LMDataModule
 from posenc.data.samplers import ShardSampler
-from posenc.data.tokenizers import fingerprint
+from posenc.data.tokenizers import fingerprints
 from posenc.eval.lengths import (
     PROTOCOLS,
     loss_by_position_figure,
@@ -83,7 +83,7 @@ def lm_datamodule(cfg: DictConfig) -> LMDataModule:
     )
 
 
-def lm_task(cfg: DictConfig, vocab_size: int, tokenizer: str | None = None) -> LMTask:
+def lm_task(cfg: DictConfig, vocab_size: int, tokenizer: tuple[str, ...] | None = None) -> LMTask:
     """A new task (with ``init_from``'s weights, if set), or the one stored in
     ``cfg.ckpt_path`` for ``eval_only`` (checked against the tokenizer's fingerprint)."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
@@ -116,7 +116,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if passkey_lengths(cfg) or cfg.task.get("passkey_mix", 0):
         check_passkey(cfg, lm_passkey.passkey_format(cfg, dm).min_length(),
                       {s: dm.lm_split_tokens(s).numel() for s in ("train", "val", "test")})
-    tokenizer = fingerprint(dm.tokenizer)
+    tokenizer = fingerprints(dm.tokenizer)
     task = lm_task(cfg, dm.vocab_size, tokenizer)
     throughput = Throughput()
     trainer = build_trainer(cfg, run_dir, throughput, tokenizer)

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.data.mt import MTDataModule, restore_order
-from posenc.data.tokenizers import fingerprint
+from posenc.data.tokenizers import fingerprints
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.eval.lengths import plt  # the Agg backend is selected there
 from posenc.runner import (
@@ -54,7 +54,7 @@ def mt_datamodule(cfg: DictConfig) -> MTDataModule:
     )
 
 
-def mt_task(cfg: DictConfig, dm: MTDataModule, tokenizer: str | None = None) -> MTTask:
+def mt_task(cfg: DictConfig, dm: MTDataModule, tokenizer: tuple[str, ...] | None = None) -> MTTask:
     """A new task (with ``init_from``'s weights, if set), or the one stored in
     ``cfg.ckpt_path`` for ``eval_only`` (checked against the tokenizer's fingerprint)."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
@@ -93,7 +93,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             f"task.eval_split={split!r}: {err} Give the corpus a {split} split (e.g. "
             f"data.source.test_src/test_tgt) or set task.eval_split=val."
         ) from err
-    tokenizer = fingerprint(dm.tokenizer)
+    tokenizer = fingerprints(dm.tokenizer)
     task = mt_task(cfg, dm, tokenizer)
     throughput = Throughput(key="tgt_in")  # target tokens (with padding) per second
     trainer = build_trainer(cfg, run_dir, throughput, tokenizer)

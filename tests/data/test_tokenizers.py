@@ -14,6 +14,8 @@ from posenc.data.tokenizers import (
     SentencePieceTokenizer,
     Tokenizer,
     build_tokenizer,
+    fingerprint,
+    fingerprints,
 )
 from posenc.errors import CacheError
 
@@ -172,3 +174,21 @@ def test_sentencepiece_too_large_vocab_is_explained(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="vocab_size=5000.*Lower vocab_size"):
         build_tokenizer("bpe", ["a tiny corpus\nwith two lines"], tmp_path, vocab_size=5000)
     assert list(tmp_path.glob("*.model")) == []
+
+
+def test_sentencepiece_fingerprint_ignores_where_it_was_trained(
+    tmp_path: Path, small_train: str
+) -> None:
+    """SentencePiece writes its temporary corpus path into the model file, so the same model
+    trained in two folders differs byte for byte; the fingerprint must not."""
+    a = build_tokenizer("bpe", [small_train], tmp_path / "a", vocab_size=300)
+    b = build_tokenizer("bpe", [small_train], tmp_path / "b", vocab_size=300)
+    files = [next((tmp_path / d).glob("*.model")).read_bytes() for d in ("a", "b")]
+    assert files[0] != files[1]
+    assert fingerprint(a) == fingerprint(b)
+    # The older whole-file hash is offered second and tells the two files apart.
+    assert fingerprints(a)[0] == fingerprint(a) and fingerprints(a)[1] != fingerprints(b)[1]
+    other = build_tokenizer("bpe", [small_train], tmp_path / "c", vocab_size=301)
+    assert fingerprint(other) != fingerprint(a)
+    chars = CharTokenizer.from_texts([small_train])
+    assert fingerprints(chars) == (fingerprint(chars),)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from posenc.checkpoints import CheckpointError
 from posenc.config import ConfigError, validate
 from posenc.train import train
 from tests.conftest import BIDIRECTIONAL_YAMLS, ROOT
@@ -91,6 +94,33 @@ def test_eval_only_from_a_checkpoint(tmp_path: Path, cache_dir: Path) -> None:
                                 f"ckpt_path={ckpt}", "task.decode.use_cache=false"))
     assert (tmp_path / "c" / "test.hyp.txt").read_text(encoding="utf-8") == hyps
     assert uncached["metrics"]["test/bleu"] == trained["metrics"]["test/bleu"]
+
+
+def test_a_checkpoint_evaluates_with_a_tokenizer_trained_elsewhere(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """Another checkout or machine retrains SentencePiece into another cache folder: the
+    same model, so the checkpoint is accepted and translates the same. Checkpoints from
+    before the path-free fingerprint (the whole model file's hash) are accepted too."""
+    train(compose_mt(tmp_path / "a", cache_dir, "encoder=rope"))
+    ckpt = tmp_path / "a" / "checkpoints" / "best.ckpt"
+    hyps = (tmp_path / "a" / "test.hyp.txt").read_text(encoding="utf-8")
+    elsewhere = tmp_path / "other-cache"
+    train(compose_mt(tmp_path / "b", elsewhere, "encoder=rope", "eval_only=true",
+                     f"ckpt_path={ckpt}"))
+    assert (tmp_path / "b" / "test.hyp.txt").read_text(encoding="utf-8") == hyps
+    (model,) = elsewhere.glob("*.model")
+    assert model.read_bytes() != next(cache_dir.glob(model.name)).read_bytes()  # paths inside
+
+    old = torch.load(ckpt, weights_only=True)
+    old["posenc"]["tokenizer"] = hashlib.sha256(model.read_bytes()).hexdigest()
+    torch.save(old, tmp_path / "old.ckpt")
+    train(compose_mt(tmp_path / "c", elsewhere, "encoder=rope", "eval_only=true",
+                     f"ckpt_path={tmp_path / 'old.ckpt'}"))
+    assert (tmp_path / "c" / "test.hyp.txt").read_text(encoding="utf-8") == hyps
+    # ... but only with the very model file it names.
+    with pytest.raises(CheckpointError, match="trained with tokenizer"):
+        train(compose_mt(tmp_path / "d", cache_dir, "encoder=rope", "eval_only=true",
+                         f"ckpt_path={tmp_path / 'old.ckpt'}"))
 
 
 def test_train_short_experiment_drops_long_sources(tmp_path: Path, cache_dir: Path) -> None:
