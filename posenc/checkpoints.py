@@ -26,7 +26,7 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -206,7 +206,7 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
 def record(cfg: DictConfig, tokenizer_fingerprint: str | None) -> dict[str, Any]:
     """What a checkpoint stores of its run: the resolved config (without ``hydra``) and
     the tokenizer's fingerprint."""
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's dict
     config.pop("hydra", None)
     return {"config": config, "tokenizer": tokenizer_fingerprint}
 
@@ -237,7 +237,7 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
 
 def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     """``{key: (checkpoint's value, config's value)}`` for every leaf that differs."""
-    now = OmegaConf.to_container(cfg, resolve=True)
+    now = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     now.pop("hydra", None)
     a, b = _flat(saved), _flat(now)
     missing = object()

@@ -14,6 +14,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import cast
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -125,7 +126,7 @@ def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path:
             "task": hc.runtime.choices.get("task"),
             "encoder": hc.runtime.choices.get("encoder"),
             "seed": seed,
-            "job_num": hc.job.get("num"),
+            "job_num": cast(DictConfig, hc.job).get("num"),  # a DictConfig, typed JobConf
         },
     )
     return path
@@ -145,7 +146,8 @@ def local_processes(devices: object, accelerator: object = "auto") -> int:
     if acc in ("gpu", "cuda") or (acc == "auto" and CUDAAccelerator.is_available()):
         if str(devices).strip() == "auto":
             return CUDAAccelerator.auto_device_count()
-        return len(CUDAAccelerator.parse_devices(devices) or [])
+        # Lightning's parser also takes a ListConfig (any sequence of ints)
+        return len(CUDAAccelerator.parse_devices(cast("int | str | list[int]", devices)) or [])
     if isinstance(devices, list | ListConfig):
         return len(devices)
     text = str(devices).strip()
@@ -276,6 +278,7 @@ def _isolated(cfg: DictConfig) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     code = proc.exitcode
+    assert code is not None  # join() returned: the process has ended
     if code == TERMINATED:  # the job said where it stopped and how to continue
         sys.exit(TERMINATED)
     if code == -signal.SIGTERM:

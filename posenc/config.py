@@ -10,6 +10,7 @@ import difflib
 import inspect
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"task.name={cfg.task.name!r}: allowed lm, mt, algo (choose with "
                         f"task=lm, task=mt or task=algo)")
     for section, check in groups:
-        checks.guarded(problems, section, lambda check=check: check(cfg, problems))
+        checks.guarded(problems, section, partial(check, cfg, problems))
     if not problems:
         checks.guarded(problems, "encoder", lambda: _try_encoder(cfg, problems))
     if problems:
@@ -472,10 +473,10 @@ def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:
     """Misspelled or unknown keys would be ignored or crash late: name them now."""
     from posenc.model import DecoderLM, EncoderDecoder
 
-    _check_keys(problems, "", [k for k in cfg if k != "hydra"], TOP_LEVEL)
+    _check_keys(problems, "", [str(k) for k in cfg if k != "hydra"], TOP_LEVEL)
     fixed = ("d_model", "n_heads", "n_layers")
     try:
-        cls = get_class(cfg.encoder._target_)
+        cls: type[Any] = get_class(cfg.encoder._target_)
     except Exception as err:
         problems.append(f"encoder._target_={cfg.encoder.get('_target_')!r}: {err}")
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -55,7 +56,7 @@ def run_config(config: Path) -> DictConfig:
     record = config.parent / "hydra.yaml"
     if record.is_file():
         cfg = OmegaConf.merge(cfg, OmegaConf.load(record))
-    return cfg
+    return cast(DictConfig, cfg)  # config.yaml is a mapping
 
 
 def run(args: argparse.Namespace) -> str:

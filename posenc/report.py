@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from posenc.report_rows import (
     Failure,
@@ -51,11 +51,11 @@ def _job_dirs(root: Path, exclude: Path | None) -> list[Path]:
 
 def _hydra_record(d: Path) -> dict[str, Any]:
     """task, encoder and seed from a job's ``.hydra/`` files (empty if unreadable)."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     try:
         choices = OmegaConf.load(d / ".hydra" / "hydra.yaml").hydra.runtime.choices
-        seed = OmegaConf.load(d / ".hydra" / "config.yaml").get("seed")
+        seed = cast(DictConfig, OmegaConf.load(d / ".hydra" / "config.yaml")).get("seed")
         return {"task": choices.get("task", "?"), "encoder": choices.get("encoder", "?"),
                 "seed": seed}
     except Exception:  # any damage: the directory is still listed, just unlabelled

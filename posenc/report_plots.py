@@ -195,7 +195,7 @@ def _lm_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence
         if panels:
             figs[f"lm_{split}_ppl_vs_length"] = ppl_vs_length(
                 panels, train_len, f"LM {split} perplexity by evaluation length")
-        curves = {}
+        by_position: dict[str, list[float]] = {}
         for (task, encoder), rs in by_group.items():
             if task != "lm":
                 continue
@@ -207,10 +207,10 @@ def _lm_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence
                 longest = max(names, key=lambda n: int(n.rsplit("@", 1)[1]))
                 arrays = [p[longest] for p in pos if longest in p]
                 label = f"{encoder}{suffix} (L={longest.rsplit('@', 1)[1]}, n={len(arrays)})"
-                curves[label] = [sum(col) / len(col) for col in zip(*arrays, strict=False)]
-        if curves:
+                by_position[label] = [sum(col) / len(col) for col in zip(*arrays, strict=False)]
+        if by_position:
             figs[f"lm_{split}_loss_by_position"] = loss_by_position(
-                curves, train_len, f"LM {split}: loss by position at the longest length")
+                by_position, train_len, f"LM {split}: loss by position at the longest length")
         means = passkey_means(by_group, split)
         if means:
             figs[f"lm_{split}_passkey"] = passkey_heatmaps(
@@ -302,7 +302,7 @@ def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
         title: Figure title.
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4), squeeze=False)
-    colors = plt.get_cmap("tab20").colors
+    colors = matplotlib.color_sequences["tab20"]  # the tab20 colormap's colors
     for ax, (metric, curves) in zip(axes[0], panels.items(), strict=True):
         if trained:
             ax.axvspan(trained[0] - 0.5, trained[1] + 0.5, color="0.92", zorder=0)

@@ -10,7 +10,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import pytorch_lightning as pl
 import torch
@@ -20,12 +20,15 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
+from torch import nn
 
 from posenc import checkpoints
 from posenc.errors import RunDirError
 from posenc.tasks.callbacks import PlainProgress, Throughput
 
 log = logging.getLogger(__name__)
+
+Task = TypeVar("Task", bound=pl.LightningModule)
 
 
 class _DropNoise(logging.Filter):
@@ -203,7 +206,8 @@ class RunState(pl.Callback):
 
 def run_state(trainer: pl.Trainer) -> RunState:
     """The trainer's :class:`RunState` callback."""
-    return next(c for c in trainer.callbacks if isinstance(c, RunState))
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # not declared on Trainer
+    return next(c for c in callbacks if isinstance(c, RunState))
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
@@ -260,6 +264,17 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
     )
 
 
+def best_checkpoint(trainer: pl.Trainer) -> str:
+    """The path of ``best.ckpt`` (empty before the first one is saved): the trainer's
+    first checkpoint callback is :func:`build_trainer`'s ``best`` ModelCheckpoint."""
+    return cast(ModelCheckpoint, trainer.checkpoint_callback).best_model_path
+
+
+def to_dict(node: DictConfig) -> dict[str, Any]:
+    """A config section as a plain, resolved dict (what the tasks' hyperparameters take)."""
+    return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
+
+
 def save_last(trainer: pl.Trainer, run_dir: Path) -> None:
     """``last.ckpt`` at the end of training (after the final validation), so a run killed
     during its final evaluation resumes straight to it with every metric."""
@@ -287,9 +302,9 @@ def log_hparams(trainer: pl.Trainer, hparams: dict[str, Any], metrics: dict[str,
 
 
 def load_for_eval(
-    task_cls: type[pl.LightningModule], cfg: DictConfig, vocab_size: int,
+    task_cls: type[Task], cfg: DictConfig, vocab_size: int,
     tokenizer: tuple[str, ...] | None = None,
-) -> pl.LightningModule:
+) -> Task:
     """The task stored in ``cfg.ckpt_path`` (for ``eval_only``), checked against the data.
 
     Args:
@@ -306,9 +321,9 @@ def load_for_eval(
     if tokenizer is not None:
         checkpoints.check_tokenizer(str(cfg.ckpt_path), ckpt, tokenizer)
     task = task_cls.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
-    if task.hparams.vocab_size != vocab_size:
+    if task.hparams["vocab_size"] != vocab_size:
         raise ValueError(
-            f"checkpoint {cfg.ckpt_path} has vocab_size={task.hparams.vocab_size} but the "
+            f"checkpoint {cfg.ckpt_path} has vocab_size={task.hparams['vocab_size']} but the "
             f"configured data/tokenizer give {vocab_size}; use the data and tokenizer "
             f"settings it was trained with"
         )
@@ -330,7 +345,7 @@ def init_from_checkpoint(task: pl.LightningModule, path: str) -> None:
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
              if k.startswith("model.")}
     try:
-        task.model.load_state_dict(state, strict=True)
+        cast(nn.Module, task.model).load_state_dict(state, strict=True)
     except RuntimeError as err:
         raise ValueError(
             f"init_from={path}: the checkpoint's model does not match this run's; use the "

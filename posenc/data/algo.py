@@ -23,7 +23,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any
+from typing import Any, TypedDict
 
 import pytorch_lightning as pl
 import torch
@@ -215,6 +215,13 @@ def bucket_name(bucket: tuple[int, int]) -> str:
     return f"len{bucket[0]}-{bucket[1]}"
 
 
+class _InstanceOptions(TypedDict):
+    """The keyword options of :func:`instance`."""
+
+    symbols: int
+    reverse_digits: bool
+
+
 class AlgoSet(Dataset):
     """Encoded instances ``(prompt ids, answer ids, size)``.
 
@@ -241,7 +248,7 @@ class AlgoSet(Dataset):
             raise ValueError(f"{len(sizes)} sizes but {len(keys)} keys")
         self.problem, self.vocab = problem, vocab
         self.sizes, self.keys = list(sizes), list(keys)
-        self.options = {"symbols": symbols, "reverse_digits": reverse_digits}
+        self.options: _InstanceOptions = {"symbols": symbols, "reverse_digits": reverse_digits}
 
     def __len__(self) -> int:
         return len(self.sizes)

@@ -225,7 +225,7 @@ class PasskeyDraw(NamedTuple):
             instance, so a resumed run draws the same one.
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index on purpose (the field)
 
 
 def is_passkey_slot(index: int, mix: float) -> bool:
@@ -237,7 +237,7 @@ def is_passkey_slot(index: int, mix: float) -> bool:
     return math.floor((index + 1) * mix) > math.floor(index * mix)
 
 
-class RandomOffsetSampler(Sampler[int]):
+class RandomOffsetSampler(Sampler[int | PasskeyDraw]):
     """Uniform window offsets where the batch of training step ``s`` depends only on
     ``(seed, s)``.
 

@@ -744,7 +744,7 @@ class MTDataModule(pl.LightningDataModule):
         sampler = TokenBucketSampler(
             costs, self.max_tokens, shuffle=shuffle, seed=self.seed, chunk_size=self.shuffle_chunk
         )
-        tok = self._tokenizer
+        tok = self.tokenizer
         return DataLoader(
             ds,
             sampler=sampler,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
+from typing import cast
 
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
 
 class ShardSampler(DistributedSampler):
@@ -28,7 +29,7 @@ class ShardSampler(DistributedSampler):
 
     def __init__(self, dataset: Sized) -> None:
         # DistributedSampler.__init__ is skipped on purpose: it needs a process group now.
-        self.dataset = dataset
+        self.dataset = cast(Dataset, dataset)  # the base class's type; only len() is read
         self.shuffle = False  # read by Lightning to decide whether a loader shuffles
         self.drop_last = False
         self.seed = 0
@@ -43,7 +44,7 @@ class ShardSampler(DistributedSampler):
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def _indices(self) -> range:
-        return range(self.rank, len(self.dataset), self.num_replicas)
+        return range(self.rank, len(cast(Sized, self.dataset)), self.num_replicas)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._indices())

@@ -502,9 +502,9 @@ def fingerprint(tok: Tokenizer) -> str:
     if isinstance(tok, CharTokenizer):
         data = json.dumps(tok.chars, ensure_ascii=False).encode()
     elif isinstance(tok, SentencePieceTokenizer):
-        from sentencepiece import sentencepiece_model_pb2
+        from sentencepiece import sentencepiece_model_pb2 as model_pb2
 
-        proto = sentencepiece_model_pb2.ModelProto()
+        proto = model_pb2.ModelProto()  # type: ignore[attr-defined]  # protobuf-generated: no stub
         proto.ParseFromString(tok._sp.serialized_model_proto())
         for name in ("input", "model_prefix"):
             proto.trainer_spec.ClearField(name)

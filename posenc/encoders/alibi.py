@@ -88,6 +88,7 @@ class ALiBi(PositionalEncoder):
     """
 
     relative = True
+    slopes: Tensor  # a buffer (not saved): (H,) float32
 
     def __init__(self, *, d_model: int, n_heads: int, n_layers: int) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)

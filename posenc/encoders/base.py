@@ -40,9 +40,10 @@ Every hook defaults to "nothing", so a scheme overrides only what it uses.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -269,6 +270,8 @@ class PositionalEncoder(nn.Module):
     """One per stack. Subclasses take keyword arguments ``d_model``, ``n_heads``,
     ``n_layers`` (filled in by the model builder) plus their own settings."""
 
+    #: The registry name, set by :func:`posenc.encoders.registry.register`.
+    name: ClassVar[str]
     # What a scheme declares about itself. The conformance tests read these, so a new
     # scheme is checked for what it claims without a list in the tests to edit.
     #: True for schemes whose attention scores depend only on relative positions.
@@ -356,6 +359,15 @@ class PositionalEncoder(nn.Module):
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         """Make the per-layer hooks for attention module ``layer`` of ``kind``."""
         return AttentionPositional()
+
+
+class Scalable(Protocol):
+    """What a scheme with :attr:`PositionalEncoder.scaling_methods` provides: ``scaled``
+    applies a context-extension method for the duration of a ``with`` block."""
+
+    def scaled(
+        self, method: str, factor: float = 1.0, original_length: int | None = None
+    ) -> AbstractContextManager[None]: ...
 
 
 def position_bound(*positions: Tensor) -> int:

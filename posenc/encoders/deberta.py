@@ -291,6 +291,7 @@ class _DebertaAttention(AttentionPositional):
             return None
         # c2p: q_i . K^r[rows[d - lo]] for distance d = i - j = -n. Lookup entries up to
         # flat[0] share a row (d small: n large), so do those from flat[1] (n small).
+        assert ctx.starts is not None  # score_parts calls this for consecutive positions only
         (a, b), (q0, k0), t = x["flat"], ctx.starts, q.shape[-2]
         # Causal with keys up to the queries (lo <= 0): a lookup's flat run at one end is
         # the masked distances (< 0; distance 0 has a row of its own), at the other the
@@ -452,10 +453,15 @@ class DebertaRelative(PositionalEncoder):
         p2c_rows = rows if self.p2c_row == "code" else self.row(-dist)
         # Beyond the largest distance told apart, rows repeat: score those ends once.
         flat = flat_ends(lo, hi, self.saturation, causal)
-        for name, value in (("table", self.table), ("lo", lo), ("rows", rows)):
-            ctx.put(name, value)
-        # (flat_ends is symmetric in the sign of d, so it holds for both p2c lookups)
-        for name, value in (("p2c_rows", p2c_rows), ("flat", flat), ("p2c_flat", flat)):
+        for name, value in (
+            ("table", self.table),
+            ("lo", lo),
+            ("rows", rows),
+            ("p2c_rows", p2c_rows),
+            # (flat_ends is symmetric in the sign of d, so it holds for both p2c lookups)
+            ("flat", flat),
+            ("p2c_flat", flat),
+        ):
             ctx.put(name, value)
         # The far keys' rows (a query's farthest keys), as tensors: their c2p value
         # is dropped from each query row and their p2c value moved into q (module

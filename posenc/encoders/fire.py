@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +56,15 @@ from posenc.encoders.base import (
 )
 from posenc.encoders.offsets import index_positions, toeplitz
 from posenc.encoders.registry import register
+
+
+class _FireArgs(TypedDict):
+    """The keyword arguments of :class:`FireFunction`."""
+
+    n_heads: int
+    width: int
+    threshold: float
+    init_c: float
 
 
 class FireFunction(nn.Module):
@@ -291,7 +301,7 @@ class Fire(PositionalEncoder):
             )
         self.mlp_width = int(mlp_width)
         self.per_layer = per_layer
-        self._fire_args = dict(
+        self._fire_args = _FireArgs(
             n_heads=n_heads, width=self.mlp_width, threshold=float(threshold), init_c=init_c
         )
         self.fire = None if per_layer else FireFunction(**self._fire_args)

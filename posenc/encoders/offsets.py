@@ -126,8 +126,8 @@ def window_parts(
     w: OffsetWindow,
     *,
     left: Tensor | None,
-    table: Tensor | None,
-    right: Tensor | None,
+    table: Tensor,
+    right: Tensor,
 ) -> ScoreParts | None:
     """Score parts of a query-major offset term split by :func:`offset_window`.
 
@@ -142,6 +142,7 @@ def window_parts(
     Returns:
         The parts, or None when the window's view does not fit (the caller gathers).
     """
+    assert ctx.starts is not None  # w came from offset_window, which needs them
     (q0, k0), s = ctx.starts, ctx.k_pos.shape[-1]
     parts: ScoreParts = []
     if w.left and left is not None:

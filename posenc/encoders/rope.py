@@ -118,7 +118,8 @@ def put_rotation_tables(
     ``ctx`` for every layer's :func:`apply_rope`, with their :func:`rope_factors` built
     once, and the axes a block of queries is cut along."""
     same = k is None
-    k = q if same else k
+    if k is None:
+        k = q
     ctx.put("layout", layout)
     for name, value in (("cos", q[0]), ("sin", q[1])):
         ctx.put(f"q_{name}", value, query_dim=-2)
@@ -239,6 +240,7 @@ class Scaling:
         ``dynamic_ntk`` becomes ``ntk`` with its ``s'``, and every s = 1 becomes plain
         RoPE (:data:`PLAIN`)."""
         if self.method == "dynamic_ntk":
+            assert self.original_length is not None  # Scaling.__post_init__: NEEDS_LENGTH
             s = dynamic_ntk_factor(self.factor, length, self.original_length)
             return replace(self, method="ntk", factor=s) if s > 1.0 else PLAIN
         return PLAIN if self.method == "none" or self.factor == 1.0 else self
@@ -329,6 +331,7 @@ def scaled_frequencies(
     if method == "yarn":
         t = theta.double()
         length, alpha, beta = scaling.original_length, scaling.yarn_alpha, scaling.yarn_beta
+        assert length is not None  # Scaling.__post_init__: yarn needs it (NEEDS_LENGTH)
         if scaling.yarn_ramp == "code":
             gamma = yarn_pair_ramp(rot_dim, base, length, alpha, beta, device=device)
         else:
@@ -469,6 +472,7 @@ class RoPE(PositionalEncoder):
         if sc.method != "dynamic_ntk":
             return scaled_frequencies(self.rot_dim, self.base, sc, device=device)
         length = torch.as_tensor(length, device=device)
+        assert sc.original_length is not None  # Scaling.__post_init__: NEEDS_LENGTH
         freq = dynamic_ntk_frequencies(
             self.rot_dim, self.base, sc.factor, sc.original_length, length
         )
@@ -501,6 +505,7 @@ class RoPE(PositionalEncoder):
         if ctx.kind is AttnKind.CROSS:
             return
         # dynamic_ntk's l, the keys' length: known from the run, else each row's own.
+        length: int | Tensor
         if ctx.starts is not None:
             length = ctx.starts[1] + ctx.k_pos.shape[-1]
         else:

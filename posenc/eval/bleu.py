@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from functools import cache
+from typing import TypedDict
 
 from sacrebleu.metrics import BLEU, CHRF
 
@@ -19,15 +20,37 @@ from posenc.data.mt import bucket_names, bucket_of, check_edges
 
 __all__ = ["corpus_scores", "scores_by_bucket", "signature"]
 
+
+class _BleuArgs(TypedDict):
+    tokenize: str
+    smooth_method: str
+    lowercase: bool
+    effective_order: bool
+
+
+class _ChrfArgs(TypedDict):
+    char_order: int
+    word_order: int
+    beta: int
+    whitespace: bool
+    lowercase: bool
+
+
 # sacreBLEU's defaults, spelled out so a sacreBLEU upgrade that changed a default cannot
 # silently change what "bleu" and "chrf" mean here.
-_BLEU_ARGS = {
+_BLEU_ARGS: _BleuArgs = {
     "tokenize": "13a",
     "smooth_method": "exp",
     "lowercase": False,
     "effective_order": False,
 }
-_CHRF_ARGS = {"char_order": 6, "word_order": 0, "beta": 2, "whitespace": False, "lowercase": False}
+_CHRF_ARGS: _ChrfArgs = {
+    "char_order": 6,
+    "word_order": 0,
+    "beta": 2,
+    "whitespace": False,
+    "lowercase": False,
+}
 
 
 def _check_pairs(hyps: Sequence[str], refs: Sequence[str]) -> None:

@@ -32,6 +32,10 @@ class TokenNLL(Metric):
     """
 
     full_state_update = False
+    nll: Tensor
+    count: Tensor
+    pos_nll: Tensor
+    pos_count: Tensor
 
     def __init__(self, length: int) -> None:
         super().__init__()

@@ -172,6 +172,7 @@ class Attention(nn.Module):
         most ``causal_block`` queries, since each block skips the keys masked for all of
         its queries (about half the work of a long sequence, as a fused causal kernel
         skips it)."""
+        assert self.max_score_bytes is not None  # called only with a budget (not None)
         block = max(1, min(t, self.max_score_bytes // max(1, b * h * s * itemsize)))
         return min(block, self.causal_block) if causal else block
 

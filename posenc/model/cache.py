@@ -38,7 +38,8 @@ class LayerCache:
             if t is not None:
                 setattr(self, name, t.index_select(0, rows))
         if self.cross is not None:
-            self.cross = tuple(t.index_select(0, rows) for t in self.cross)
+            k, v = self.cross
+            self.cross = (k.index_select(0, rows), v.index_select(0, rows))
 
 
 class KVCache:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import Tensor, nn
 
 from posenc.encoders.base import AttentionContext, AttentionPositional
@@ -43,11 +45,13 @@ class Block(nn.Module):
         score_budget: int | None = 8 * 2**20,
     ) -> None:
         super().__init__()
-        sizes = dict(d_model=d_model, n_heads=n_heads, dropout=dropout, score_budget=score_budget)
+        attention = partial(
+            Attention, d_model=d_model, n_heads=n_heads, dropout=dropout, score_budget=score_budget
+        )
         self.ln_self = nn.LayerNorm(d_model)
-        self.self_attn = Attention(pos=self_pos, **sizes)
+        self.self_attn = attention(pos=self_pos)
         self.ln_cross = nn.LayerNorm(d_model) if cross_pos is not None else None
-        self.cross_attn = Attention(pos=cross_pos, **sizes) if cross_pos is not None else None
+        self.cross_attn = attention(pos=cross_pos) if cross_pos is not None else None
         self.ln_ff = nn.LayerNorm(d_model)
         self.ff = FeedForward(d_model, d_ff, dropout)
         self.drop = nn.Dropout(dropout)
@@ -79,6 +83,7 @@ class Block(nn.Module):
         """
         x = x + self.drop(self.self_attn(self.ln_self(x), ctx, key_valid=valid, cache=cache))
         if self.cross_attn is not None and memory is not None:
+            assert self.ln_cross is not None  # built together with cross_attn
             x = x + self.drop(
                 self.cross_attn(
                     self.ln_cross(x), cross_ctx, memory=memory, key_valid=memory_valid, cache=cache

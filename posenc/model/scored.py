@@ -121,7 +121,7 @@ class _ScoredAttention(torch.autograd.Function):
             return (None,) * n_in
         b, h, t, s = probs.shape
         d = q3.shape[-1]
-        d_v, d_p = None, d_used
+        d_v = None
         if d_out is not None:
             if ctx.needs_input_grad[2]:
                 used = probs if keep is None else probs * keep / (1.0 - ctx.p_drop)
@@ -129,8 +129,9 @@ class _ScoredAttention(torch.autograd.Function):
             d_p = d_out @ v.transpose(-1, -2)  # (B, H, T, S)
             if d_used is not None:
                 d_p += d_used
-        elif keep is not None:
-            d_p = d_p.clone()  # scaled in place below
+        else:
+            assert d_used is not None  # both None returned above
+            d_p = d_used.clone() if keep is not None else d_used  # scaled in place below
         if keep is not None:
             d_p.mul_(keep).div_(1.0 - ctx.p_drop)
         d_s = torch.ops.aten._softmax_backward_data(d_p, probs, -1, probs.dtype)

@@ -181,7 +181,8 @@ class Stack(nn.Module):
         t, o = x.shape[1], cache.length
         self.encoder.check_length(o + t)
         slots = torch.arange(o + t, device=x.device)[None]  # (1, S)
-        valid, starts = None, (o, 0)
+        valid: Tensor | None = None
+        starts: tuple[int, int] | None = (o, 0)
         k_pos = slots
         if cache.pad is not None:
             shifted = slots - cache.pad[:, None]  # (B, S)

@@ -13,7 +13,7 @@ every instance with the key/value cache and scores it by size ``n``:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
@@ -58,6 +58,10 @@ class LengthAccuracy(Metric):
     """
 
     full_state_update = False
+    count: Tensor
+    exact: Tensor
+    tokens: Tensor
+    right: Tensor
 
     def __init__(self, top: int) -> None:
         super().__init__()
@@ -113,6 +117,7 @@ class AlgoTask(pl.LightningModule):
             raise ValueError(f"task.shape={shape!r}: allowed {', '.join(SHAPES)}")
         self.save_hyperparameters()
         sizes = {k: v for k, v in model.items() if k != "compile"}
+        self.model: DecoderLM | EncoderDecoder
         if shape == "decoder":
             self.model = DecoderLM(vocab_size=vocab_size, encoder=instantiate(encoder), **sizes)
         else:
@@ -132,7 +137,7 @@ class AlgoTask(pl.LightningModule):
 
     def _logits(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """Teacher-forced logits ``(B, T, V)``, targets ``(B, T)`` and the answer mask."""
-        if self.hparams.shape == "decoder":
+        if self.hparams["shape"] == "decoder":
             return self.model(batch["input"]), batch["target"], batch["loss_mask"]
         logits = self.model(batch["src"], batch["tgt_in"], batch["src_mask"])
         return logits, batch["tgt_out"], batch["tgt_mask"]
@@ -151,17 +156,20 @@ class AlgoTask(pl.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def _sum(self, name: str) -> SumMetric:
+        return cast(SumMetric, self.sums[name])
+
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         for key, value in zip(("loss", "right", "tokens"), self._loss(batch), strict=True):
-            self.sums[key].update(value)
+            self._sum(key).update(value)
 
     def on_validation_epoch_end(self) -> None:
-        loss, right, n = (self.sums[k].compute() for k in ("loss", "right", "tokens"))
+        loss, right, n = (self._sum(k).compute() for k in ("loss", "right", "tokens"))
         n = n.clamp(min=1)
         self.log("val/loss", loss / n, prog_bar=True)
         self.log("val/acc", 100 * right / n, prog_bar=True)
-        for metric in self.sums.values():
-            metric.reset()
+        for name in self.sums:
+            self._sum(name).reset()
 
     # ---- greedy decoding -------------------------------------------------------------------
 
@@ -170,9 +178,11 @@ class AlgoTask(pl.LightningModule):
         """Greedy outputs (ids before EOS) of an evaluation batch, whose instances all have
         one size; each gets one token more than its reference answer, room for the EOS."""
         budget = batch["answer_len"] + 1
-        if self.hparams.shape == "encdec":
+        if self.hparams["shape"] == "encdec":
+            assert isinstance(self.model, EncoderDecoder)  # built for shape=encdec
             out = greedy(self.model, batch["src"], None, bos=BOS, eos=EOS, pad=PAD, max_len=budget)
             return out.tokens
+        assert isinstance(self.model, DecoderLM)  # built for shape=decoder
         prompt = batch["prompt"]
         full = generate(self.model, prompt, int(budget.max()), temperature=0.0)
         return [
@@ -196,4 +206,4 @@ class AlgoTask(pl.LightningModule):
         self.by_size.reset()
 
     def configure_optimizers(self) -> Any:
-        return configure_adamw(self, self.hparams.optim, self.hparams.max_steps)
+        return configure_adamw(self, self.hparams["optim"], self.hparams["max_steps"])

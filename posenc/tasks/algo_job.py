@@ -18,6 +18,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from posenc.data.algo import PROBLEMS, AlgoDataModule, bucket_name, buckets
 from posenc.report_plots import accuracy_vs_size
 from posenc.runner import (
+    best_checkpoint,
     build_trainer,
     group_choice,
     init_from_checkpoint,
@@ -25,6 +26,7 @@ from posenc.runner import (
     log_hparams,
     run_state,
     save_last,
+    to_dict,
     write_json_atomic,
 )
 from posenc.summary import summary
@@ -81,9 +83,9 @@ def algo_task(cfg: DictConfig, dm: AlgoDataModule) -> AlgoTask:
         return load_for_eval(AlgoTask, cfg, len(dm.vocab), vocab_fingerprint(dm))
     task = AlgoTask(
         vocab_size=len(dm.vocab),
-        encoder=OmegaConf.to_container(cfg.encoder, resolve=True),
-        model=OmegaConf.to_container(cfg.model, resolve=True),
-        optim=OmegaConf.to_container(cfg.task.optim, resolve=True),
+        encoder=to_dict(cfg.encoder),
+        model=to_dict(cfg.model),
+        optim=to_dict(cfg.task.optim),
         max_steps=cfg.trainer.max_steps,
         shape=cfg.task.shape,
         top_size=top_size(cfg),
@@ -105,7 +107,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         save_last(trainer, run_dir)
     train_time = time.perf_counter() - t0
     val = dict(run_state(trainer).val)
-    best = trainer.checkpoint_callback.best_model_path if not cfg.eval_only else ""
+    best = best_checkpoint(trainer) if not cfg.eval_only else ""
     log.info(
         "testing sizes %d..%d (%d instances each), greedy decoding",
         dm.test_sizes()[0],

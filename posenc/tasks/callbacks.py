@@ -57,7 +57,8 @@ class Throughput(pl.Callback):
         self.tokens += n
         self.seconds += dt
         self._window.append((n, dt))
-        if len(self._window) >= trainer.log_every_n_steps:
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # not declared on Trainer
+        if len(self._window) >= every:
             tok, sec = map(sum, zip(*self._window, strict=True))
             pl_module.log("train/tokens_per_s", tok / max(sec, 1e-9))
             self._window.clear()

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import pytorch_lightning as pl
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch import Tensor, nn
 
+from posenc.encoders.base import Scalable
 from posenc.eval.lengths import TokenNLL
 from posenc.model import DecoderLM, count_parameters
 from posenc.tasks.optim import check_finite, configure_adamw
@@ -123,7 +124,7 @@ class LMTask(pl.LightningModule):
         self.results = {}
 
     def _metric(self, idx: int) -> TokenNLL:
-        return list(self.eval_metrics.values())[idx]
+        return cast(TokenNLL, list(self.eval_metrics.values())[idx])
 
     def _extension(self, idx: int) -> AbstractContextManager:
         """The encoder switched to loader ``idx``'s method for the ``with`` block; state is
@@ -131,7 +132,9 @@ class LMTask(pl.LightningModule):
         ext = self.eval_extensions[idx] if idx < len(self.eval_extensions) else None
         if ext is None:
             return nullcontext()
-        return self.model.encoder.scaled(ext.method, ext.factor, ext.original_length)
+        # Only schemes with scaling_methods get an extension (the LM job checks).
+        encoder = cast(Scalable, self.model.encoder)
+        return encoder.scaled(ext.method, ext.factor, ext.original_length)
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         with self._extension(dataloader_idx):
@@ -146,4 +149,4 @@ class LMTask(pl.LightningModule):
             self._metric(i).reset()
 
     def configure_optimizers(self) -> Any:
-        return configure_adamw(self, self.hparams.optim, self.hparams.max_steps)
+        return configure_adamw(self, self.hparams["optim"], self.hparams["max_steps"])

@@ -27,6 +27,7 @@ from posenc.eval.lengths import (
     ppl_vs_length_figure,
 )
 from posenc.runner import (
+    best_checkpoint,
     build_trainer,
     group_choice,
     init_from_checkpoint,
@@ -34,6 +35,7 @@ from posenc.runner import (
     log_hparams,
     run_state,
     save_last,
+    to_dict,
     write_json_atomic,
 )
 from posenc.summary import summary
@@ -69,7 +71,7 @@ def lm_datamodule(cfg: DictConfig) -> LMDataModule:
     t = cfg.task
     return LMDataModule(
         source=instantiate(cfg.data.source),
-        tokenizer=OmegaConf.to_container(cfg.tokenizer, resolve=True),
+        tokenizer=to_dict(cfg.tokenizer),
         cache_dir=cfg.paths.cache_dir,
         seq_len=t.seq_len,
         batch_size=t.batch_size,
@@ -88,7 +90,7 @@ def lm_task(cfg: DictConfig, vocab_size: int, tokenizer: tuple[str, ...] | None 
     ``cfg.ckpt_path`` for ``eval_only`` (checked against the tokenizer's fingerprint)."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
         task = load_for_eval(LMTask, cfg, vocab_size, tokenizer)
-        trained = task.hparams.seq_len
+        trained = task.hparams["seq_len"]
         if cfg.task.eval.get("context_extension") and trained != cfg.task.seq_len:
             log.warning(
                 "context extension takes task.seq_len=%d as the original length, but the "
@@ -97,9 +99,9 @@ def lm_task(cfg: DictConfig, vocab_size: int, tokenizer: tuple[str, ...] | None 
         return task
     task = LMTask(
         vocab_size=vocab_size,
-        encoder=OmegaConf.to_container(cfg.encoder, resolve=True),
-        model=OmegaConf.to_container(cfg.model, resolve=True),
-        optim=OmegaConf.to_container(cfg.task.optim, resolve=True),
+        encoder=to_dict(cfg.encoder),
+        model=to_dict(cfg.model),
+        optim=to_dict(cfg.task.optim),
         max_steps=cfg.trainer.max_steps,
         seq_len=cfg.task.seq_len,
     )
@@ -132,7 +134,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # context-extension method).
     names, lengths, extensions, loaders, skipped = eval_loaders(cfg, dm, task)
     task.set_eval_loaders(names, lengths, extensions)
-    best = trainer.checkpoint_callback.best_model_path if not cfg.eval_only else ""
+    best = best_checkpoint(trainer) if not cfg.eval_only else ""
     if loaders:
         trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
     elif best:  # the passkey evaluation scores the best weights too

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -83,7 +84,7 @@ def evaluate(
                 seed=p.get("seed", 0),
                 batch_size=cfg.task.eval_batch_size,
                 device=device,
-                log=lambda line, split=split: log.info("%s %s", split, line),
+                log=partial(log.info, "%s %s", split),  # log(line): "<split> <line>"
             )
             rows.append(acc)
             metrics[name] = sum(acc) / len(acc)

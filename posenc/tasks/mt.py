@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
@@ -139,7 +139,7 @@ class MTTask(pl.LightningModule):
     def _loss_sums(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         logits = self(batch["src"], batch["tgt_in"], batch["src_mask"])
         loss, nll = label_smoothed_nll(
-            logits, batch["tgt_out"], batch["tgt_mask"], self.hparams.label_smoothing
+            logits, batch["tgt_out"], batch["tgt_mask"], self.hparams["label_smoothing"]
         )
         return loss, nll, batch["tgt_mask"].sum()
 
@@ -166,8 +166,8 @@ class MTTask(pl.LightningModule):
         key/value cache unless ``use_cache`` is false (the same output, slower)."""
         limit = output_limits(
             src_valid,
-            max_len_a=self.hparams.max_len_a,
-            max_len_b=self.hparams.max_len_b,
+            max_len_a=self.hparams["max_len_a"],
+            max_len_b=self.hparams["max_len_b"],
             cap=self.max_out_cap,
         )
         ids = {"bos": self.bos, "eos": self.eos, "pad": self.pad}
@@ -200,31 +200,34 @@ class MTTask(pl.LightningModule):
 
     # ---- validation and test ---------------------------------------------------------------
 
+    def _sum(self, name: str) -> SumMetric:
+        return cast(SumMetric, self.sums[name])
+
     def _update_sums(self, batch: Batch) -> None:
         loss, nll, n = self._loss_sums(batch)
-        self.sums["loss"].update(loss)
-        self.sums["nll"].update(nll)
-        self.sums["tokens"].update(n)
+        self._sum("loss").update(loss)
+        self._sum("nll").update(nll)
+        self._sum("tokens").update(n)
 
     def _log_sums(self, split: str) -> None:
-        loss, nll, n = (self.sums[k].compute() for k in ("loss", "nll", "tokens"))
+        loss, nll, n = (self._sum(k).compute() for k in ("loss", "nll", "tokens"))
         n = n.clamp(min=1)
         self.log(f"{split}/loss", loss / n, prog_bar=split == "val")
         self.log(f"{split}/nll", nll / n)
         self.log(f"{split}/ppl", (nll / n).exp())
-        for metric in self.sums.values():
-            metric.reset()
+        for name in self.sums:
+            self._sum(name).reset()
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._update_sums(batch)
-        if self.hparams.val_bleu_sentences > 0:
-            self._val_hyps += self._decode_first(batch, self.hparams.val_bleu_sentences)
+        if self.hparams["val_bleu_sentences"] > 0:
+            self._val_hyps += self._decode_first(batch, self.hparams["val_bleu_sentences"])
 
     def on_validation_epoch_end(self) -> None:
         self._log_sums("val")
         hyps, self._val_hyps = self._val_hyps, []
         dm = getattr(self.trainer, "datamodule", None)
-        if self.hparams.val_bleu_sentences == 0 or not hasattr(dm, "references"):
+        if self.hparams["val_bleu_sentences"] == 0 or dm is None or not hasattr(dm, "references"):
             return
         bleu = math.nan  # none of the first N sentences was in the batches validated
         if hyps:
@@ -237,7 +240,7 @@ class MTTask(pl.LightningModule):
             log.warning(
                 "val/bleu is NaN: trainer.limit_val_batches left out all of the first %d "
                 "validation sentences; use limit_val_batches=1.0",
-                self.hparams.val_bleu_sentences,
+                self.hparams["val_bleu_sentences"],
             )
         # Rank-local under DDP: each rank decodes its own shard of the sentences.
         self.log("val/bleu", bleu, prog_bar=True, rank_zero_only=True)
@@ -268,4 +271,4 @@ class MTTask(pl.LightningModule):
         self._log_sums("test")
 
     def configure_optimizers(self) -> Any:
-        return configure_adamw(self, self.hparams.optim, self.hparams.max_steps)
+        return configure_adamw(self, self.hparams["optim"], self.hparams["max_steps"])

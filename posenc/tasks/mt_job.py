@@ -22,6 +22,7 @@ from posenc.data.tokenizers import fingerprints
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.eval.lengths import plt  # the Agg backend is selected there
 from posenc.runner import (
+    best_checkpoint,
     build_trainer,
     group_choice,
     init_from_checkpoint,
@@ -29,6 +30,7 @@ from posenc.runner import (
     log_hparams,
     run_state,
     save_last,
+    to_dict,
     write_json_atomic,
 )
 from posenc.summary import summary
@@ -44,7 +46,7 @@ def mt_datamodule(cfg: DictConfig) -> MTDataModule:
     t = cfg.task
     return MTDataModule(
         source=instantiate(cfg.data.source),
-        tokenizer=OmegaConf.to_container(cfg.tokenizer, resolve=True),
+        tokenizer=to_dict(cfg.tokenizer),
         cache_dir=cfg.paths.cache_dir,
         max_tokens=t.max_tokens,
         max_train_src_len=t.max_train_src_len,
@@ -64,9 +66,9 @@ def mt_task(cfg: DictConfig, dm: MTDataModule, tokenizer: tuple[str, ...] | None
     t = cfg.task
     task = MTTask(
         vocab_size=dm.vocab_size,
-        encoder=OmegaConf.to_container(cfg.encoder, resolve=True),
-        model=OmegaConf.to_container(cfg.model, resolve=True),
-        optim=OmegaConf.to_container(t.optim, resolve=True),
+        encoder=to_dict(cfg.encoder),
+        model=to_dict(cfg.model),
+        optim=to_dict(t.optim),
         max_steps=cfg.trainer.max_steps,
         label_smoothing=t.label_smoothing,
         share_embeddings=t.share_embeddings,
@@ -113,7 +115,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         use_cache=d.get("use_cache", True),
     )
     loader = dm.test_dataloader() if split == "test" else dm.val_dataloader()
-    best = trainer.checkpoint_callback.best_model_path if not cfg.eval_only else ""
+    best = best_checkpoint(trainer) if not cfg.eval_only else ""
     t0 = time.perf_counter()
     trainer.test(task, dataloaders=loader, ckpt_path=best or None, verbose=False)
     decode_time = time.perf_counter() - t0

@@ -45,7 +45,8 @@ def warmup_inverse_sqrt(step: int, *, warmup: int) -> float:
 
 def adamw_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay matrices only; biases, norms and 1-D positional vectors are not decayed."""
-    decay, rest = [], []
+    decay: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else rest).append(p)
