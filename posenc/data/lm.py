@@ -221,11 +221,11 @@ class PasskeyDraw(NamedTuple):
     """A training slot given to a passkey sequence instead of a text window.
 
     Attributes:
-        index: The slot's global window index (``step * batch_size + i``); it seeds the
+        slot: The slot's global window index (``step * batch_size + i``); it seeds the
             instance, so a resumed run draws the same one.
     """
 
-    index: int  # type: ignore[assignment]  # shadows tuple.index on purpose (the field)
+    slot: int
 
 
 def is_passkey_slot(index: int, mix: float) -> bool:
@@ -314,7 +314,7 @@ class PasskeyMixWindows(RandomWindows):
         weight = torch.ones(self.seq_len)
         if not isinstance(item, PasskeyDraw):
             return {**super().__getitem__(item), "weight": weight}
-        gen = seeded(self.seed, 7, item.index)  # 7: a stream of its own, apart from offsets
+        gen = seeded(self.seed, 7, item.slot)  # 7: a stream of its own, apart from offsets
         depth = float(torch.rand((), generator=gen))
         inst = self.passkeys.sample(self.tokens, self.seq_len + 1, [depth], gen)[0]
         weight[-inst.answer_len :] = self.answer_weight
