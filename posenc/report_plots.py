@@ -29,7 +29,7 @@ matplotlib.use("Agg")  # files and TensorBoard only, never a window
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
-from matplotlib.ticker import FormatStrFormatter
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from posenc.report_rows import Row, Run, split_extension, summarize
 
@@ -57,31 +57,46 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
         train_len: Training length, drawn as a vertical line (None: not drawn).
         title: Figure title.
     """
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4),
+                             squeeze=False)
+    names = list(dict.fromkeys(e for curves in panels.values() for e in curves))
+    color = dict(zip(names, distinct_colors(len(names)), strict=True))
     for ax, (kind, curves) in zip(axes[0], panels.items(), strict=True):
         for encoder, points in curves.items():
             xs = sorted(points)
             ax.errorbar(xs, [points[x][0] for x in xs],
                         yerr=[points[x][1] or 0.0 for x in xs], marker="o", ms=3, capsize=3,
-                        ls="--" if "+" in encoder else "-", label=encoder)
+                        ls="--" if "+" in encoder else "-", color=color[encoder], label=encoder)
         if train_len:
             ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"train {train_len}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         lengths = sorted({x for points in curves.values() for x in points})
         ax.set_xticks(lengths, [str(x) for x in lengths])
-        ax.xaxis.set_minor_formatter(FormatStrFormatter(""))
-        # Plain numbers: perplexities often span less than a decade.
-        ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
-        ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        # Plain numbers (1000, not 1e+03); the minor ticks are labelled only when the
+        # curves span less than a decade, where the major ticks alone would be too few.
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        low, high = ax.get_ylim()
+        ax.yaxis.set_minor_formatter(
+            FuncFormatter(lambda v, _: f"{v:.3g}") if high < 10 * low else NullFormatter())
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel(f"{kind} (mean ± std over seeds)")
         ax.set_title(kind, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    # One legend, beside the panels: inside them it hides the curves.
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def distinct_colors(n: int) -> list[Any]:
+    """``n`` colours, all different up to 20: tab20's ten dark colours, then its ten
+    light ones (the default cycle repeats after ten, so an 11th curve took the 1st's)."""
+    tab20 = list(matplotlib.color_sequences["tab20"])
+    palette = tab20[0::2] + tab20[1::2]
+    return [palette[i % len(palette)] for i in range(n)]
 
 
 def loss_by_position(curves: Mapping[str, Sequence[float]], train_len: int | None,
@@ -302,7 +317,8 @@ def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
         title: Figure title.
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4), squeeze=False)
-    colors = matplotlib.color_sequences["tab20"]  # the tab20 colormap's colors
+    n = max((len(curves) for curves in panels.values()), default=0)
+    colors = distinct_colors(n)
     for ax, (metric, curves) in zip(axes[0], panels.items(), strict=True):
         if trained:
             ax.axvspan(trained[0] - 0.5, trained[1] + 0.5, color="0.92", zorder=0)
@@ -310,7 +326,7 @@ def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
             xs = sorted(points)
             mean = [points[x][0] for x in xs]
             std = [points[x][1] or 0.0 for x in xs]
-            color = colors[i % len(colors)]
+            color = colors[i]
             ax.plot(xs, mean, color=color, lw=1.4, ls="--" if encoder.endswith("_rand") else "-",
                     label=encoder)
             ax.fill_between(xs, [m - s for m, s in zip(mean, std, strict=True)],

@@ -246,3 +246,24 @@ def test_algorithmic_runs_are_grouped_by_problem_with_per_size_figures(tmp_path:
     seq_acc = fig.axes[0]
     curves = {line.get_label(): list(line.get_ydata()) for line in seq_acc.lines}
     assert curves == {"rope": [90.0, 45.0], "rope_rand": [50.0, 25.0]}  # means over seeds
+
+
+def test_ppl_figure_gives_each_of_eleven_curves_its_own_colour_and_plain_ticks() -> None:
+    """Matplotlib's default cycle repeats after ten lines: an eleventh encoder took the
+    first's colour. Over more than a decade, minor tick labels overprinted each other."""
+    from matplotlib.colors import to_hex
+
+    from posenc.report_plots import ppl_vs_length
+
+    names = ["none", "learned", "sinusoidal", "shaw", "xl", "deberta", "rope", "rope+ntk",
+             "rope+yarn", "rope+linear", "alibi"]
+    curves = {n: {128: (5.0 + i, None), 2048: (5.0 + 30 * i, None)}
+              for i, n in enumerate(names)}
+    fig = ppl_vs_length({"test/ppl": curves}, 128, "t")
+    ax = fig.axes[0]
+    drawn = [to_hex(c[0].get_color()) for c in ax.containers]  # each errorbar's line
+    assert len(drawn) == 11 and len(set(drawn)) == 11, drawn
+    fig.canvas.draw()
+    assert all(t.get_text() == "" for t in ax.yaxis.get_minorticklabels())
+    assert "1e+02" not in [t.get_text() for t in ax.yaxis.get_majorticklabels()]
+    assert "100" in [t.get_text() for t in ax.yaxis.get_majorticklabels()]
