@@ -84,8 +84,14 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
         ax.set_ylabel(f"{kind} (mean ± std over seeds)")
         ax.set_title(kind, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-    # One legend, beside the panels: inside them it hides the curves.
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    # One legend, beside the panels (inside them it hides the curves), naming the curves
+    # of every panel: a run may have one protocol only.
+    named: dict[str, Any] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            named.setdefault(label, handle)
+    axes[0][-1].legend(list(named.values()), list(named), fontsize=7, loc="upper left",
+                       bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig

@@ -267,3 +267,8 @@ def test_ppl_figure_gives_each_of_eleven_curves_its_own_colour_and_plain_ticks()
     assert all(t.get_text() == "" for t in ax.yaxis.get_minorticklabels())
     assert "1e+02" not in [t.get_text() for t in ax.yaxis.get_majorticklabels()]
     assert "100" in [t.get_text() for t in ax.yaxis.get_majorticklabels()]
+    # The one legend names the curves of every panel, also those only one panel has.
+    two = ppl_vs_length({"test/ppl": {"rope": curves["rope"], "alibi": curves["alibi"]},
+                         "test/ppl_sw": {"rope": curves["rope"]}}, 128, "t")
+    legend = two.axes[-1].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["train 128", "rope", "alibi"]

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -492,6 +492,62 @@ def _cached(path: Path) -> bool:
     return True
 
 
+def _records(buf: bytes) -> Iterator[tuple[int, bytes, bytes]]:
+    """The records of a serialized protobuf message: (field number, the record's bytes,
+    the payload of a length-delimited record or b"")."""
+
+    def varint(i: int) -> tuple[int, int]:
+        value = shift = 0
+        while True:
+            byte = buf[i]
+            value |= (byte & 0x7F) << shift
+            i, shift = i + 1, shift + 7
+            if byte < 0x80:
+                return value, i
+
+    i = 0
+    while i < len(buf):
+        start = i
+        key, i = varint(i)
+        wire = key & 7
+        payload = b""
+        if wire == 0:
+            _, i = varint(i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            n, i = varint(i)
+            payload, i = buf[i : i + n], i + n
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire} in a SentencePiece model")
+        yield key >> 3, buf[start:i], payload
+
+
+def _without_training_paths(model: bytes) -> bytes:
+    """A serialized SentencePiece ``ModelProto`` without its ``trainer_spec`` (field 2)'s
+    ``input`` (1) and ``model_prefix`` (2): the temporary paths training wrote into it.
+    Read at the wire level, so no protobuf package (or version) is needed."""
+    out = bytearray()
+    for field, record, payload in _records(model):
+        if field != 2:
+            out += record
+            continue
+        spec = b"".join(r for f, r, _ in _records(payload) if f not in (1, 2))
+        out += record[:1] + _varint_bytes(len(spec)) + spec  # key 0x12 is one byte
+    return bytes(out)
+
+
+def _varint_bytes(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
 def fingerprint(tok: Tokenizer) -> str:
     """sha256 of a tokenizer's vocabulary: equal fingerprints encode text identically.
     Checkpoints store it, so a model is never run with another tokenizer's ids.
@@ -502,13 +558,7 @@ def fingerprint(tok: Tokenizer) -> str:
     if isinstance(tok, CharTokenizer):
         data = json.dumps(tok.chars, ensure_ascii=False).encode()
     elif isinstance(tok, SentencePieceTokenizer):
-        from sentencepiece import sentencepiece_model_pb2 as model_pb2
-
-        proto = model_pb2.ModelProto()  # type: ignore[attr-defined]  # protobuf-generated: no stub
-        proto.ParseFromString(tok._sp.serialized_model_proto())
-        for name in ("input", "model_prefix"):
-            proto.trainer_spec.ClearField(name)
-        data = proto.SerializeToString(deterministic=True)
+        data = _without_training_paths(tok._sp.serialized_model_proto())
     else:
         raise TypeError(f"no fingerprint for tokenizer type {type(tok).__name__}")
     return hashlib.sha256(data).hexdigest()

@@ -13,6 +13,7 @@ from posenc.data.tokenizers import (
     CharTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
+    _without_training_paths,
     build_tokenizer,
     fingerprint,
     fingerprints,
@@ -188,6 +189,11 @@ def test_sentencepiece_fingerprint_ignores_where_it_was_trained(
     assert fingerprint(a) == fingerprint(b)
     # The older whole-file hash is offered second and tells the two files apart.
     assert fingerprints(a)[0] == fingerprint(a) and fingerprints(a)[1] != fingerprints(b)[1]
+    # What is hashed is the same model, paths removed: it loads and encodes as before.
+    stripped = _without_training_paths(files[0])
+    assert b"spm-train" in files[0] and b"spm-train" not in stripped
+    again = spm.SentencePieceProcessor(model_proto=stripped)
+    assert again.encode(small_train[:5000]) == a._sp.encode(small_train[:5000])
     other = build_tokenizer("bpe", [small_train], tmp_path / "c", vocab_size=301)
     assert fingerprint(other) != fingerprint(a)
     chars = CharTokenizer.from_texts([small_train])

@@ -121,6 +121,11 @@ def test_a_checkpoint_evaluates_with_a_tokenizer_trained_elsewhere(
     with pytest.raises(CheckpointError, match="trained with tokenizer"):
         train(compose_mt(tmp_path / "d", cache_dir, "encoder=rope", "eval_only=true",
                          f"ckpt_path={tmp_path / 'old.ckpt'}"))
+    # Training on from either checkpoint (the resume path) accepts them the same way.
+    for i, given in enumerate((ckpt, tmp_path / "old.ckpt")):
+        out = train(compose_mt(tmp_path / f"e{i}", elsewhere, "encoder=rope",
+                               "trainer.max_steps=3", f"ckpt_path={given}"))
+        assert out["train_steps"] == 3
 
 
 def test_train_short_experiment_drops_long_sources(tmp_path: Path, cache_dir: Path) -> None:
