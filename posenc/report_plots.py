@@ -59,8 +59,7 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4),
                              squeeze=False)
-    names = list(dict.fromkeys(e for curves in panels.values() for e in curves))
-    color = dict(zip(names, distinct_colors(len(names)), strict=True))
+    color = colours([e for curves in panels.values() for e in curves])
     for ax, (kind, curves) in zip(axes[0], panels.items(), strict=True):
         for encoder, points in curves.items():
             xs = sorted(points)
@@ -97,12 +96,14 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
     return fig
 
 
-def distinct_colors(n: int) -> list[Any]:
-    """``n`` colours, all different up to 20: tab20's ten dark colours, then its ten
-    light ones (the default cycle repeats after ten, so an 11th curve took the 1st's)."""
+def colours(names: Sequence[str]) -> dict[str, Any]:
+    """A colour per name, all different up to 20: tab20's ten dark colours, then its ten
+    light ones (the default cycle repeats after ten, so an 11th curve took the 1st's).
+    One name keeps one colour in every panel of a figure."""
     tab20 = list(matplotlib.color_sequences["tab20"])
     palette = tab20[0::2] + tab20[1::2]
-    return [palette[i % len(palette)] for i in range(n)]
+    unique = list(dict.fromkeys(names))
+    return {name: palette[i % len(palette)] for i, name in enumerate(unique)}
 
 
 def loss_by_position(curves: Mapping[str, Sequence[float]], train_len: int | None,
@@ -116,11 +117,12 @@ def loss_by_position(curves: Mapping[str, Sequence[float]], train_len: int | Non
         points: Bins per curve (long windows are noisy position by position).
     """
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    color = colours(list(curves))
     for label, ys in curves.items():
         width = max(1, math.ceil(len(ys) / points))
         xs = [i + (min(width, len(ys) - i) - 1) / 2 for i in range(0, len(ys), width)]
         means = [sum(ys[i:i + width]) / len(ys[i:i + width]) for i in range(0, len(ys), width)]
-        ax.plot(xs, means, lw=1.2, label=label)
+        ax.plot(xs, means, lw=1.2, color=color[label], label=label)
     if train_len:
         ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"train {train_len}")
     ax.set_xlabel("position in window")
@@ -323,16 +325,15 @@ def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
         title: Figure title.
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4), squeeze=False)
-    n = max((len(curves) for curves in panels.values()), default=0)
-    colors = distinct_colors(n)
+    color_of = colours([e for curves in panels.values() for e in curves])
     for ax, (metric, curves) in zip(axes[0], panels.items(), strict=True):
         if trained:
             ax.axvspan(trained[0] - 0.5, trained[1] + 0.5, color="0.92", zorder=0)
-        for i, (encoder, points) in enumerate(curves.items()):
+        for encoder, points in curves.items():
             xs = sorted(points)
             mean = [points[x][0] for x in xs]
             std = [points[x][1] or 0.0 for x in xs]
-            color = colors[i]
+            color = color_of[encoder]
             ax.plot(xs, mean, color=color, lw=1.4, ls="--" if encoder.endswith("_rand") else "-",
                     label=encoder)
             ax.fill_between(xs, [m - s for m, s in zip(mean, std, strict=True)],

@@ -73,14 +73,14 @@ def datamodule(cfg: DictConfig) -> AlgoDataModule:
     )
 
 
-def vocab_fingerprint(dm: AlgoDataModule) -> tuple[str]:
-    """What the checkpoint records in place of a tokenizer's fingerprint."""
+def vocab_fingerprints(dm: AlgoDataModule) -> tuple[str]:
+    """What the checkpoint records in place of a tokenizer's fingerprints (one here)."""
     return (hashlib.sha256("\n".join(dm.vocab.tokens).encode()).hexdigest(),)
 
 
 def algo_task(cfg: DictConfig, dm: AlgoDataModule) -> AlgoTask:
     if cfg.eval_only:
-        return load_for_eval(AlgoTask, cfg, len(dm.vocab), vocab_fingerprint(dm))
+        return load_for_eval(AlgoTask, cfg, len(dm.vocab), vocab_fingerprints(dm))
     task = AlgoTask(
         vocab_size=len(dm.vocab),
         encoder=to_dict(cfg.encoder),
@@ -100,7 +100,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     dm = datamodule(cfg)
     task = algo_task(cfg, dm)
     throughput = Throughput("input" if cfg.task.shape == "decoder" else "tgt_in")
-    trainer = build_trainer(cfg, run_dir, throughput, vocab_fingerprint(dm))
+    trainer = build_trainer(cfg, run_dir, throughput, vocab_fingerprints(dm))
     t0 = time.perf_counter()
     if not cfg.eval_only:
         trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
