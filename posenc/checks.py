@@ -109,6 +109,11 @@ def trainer(cfg: DictConfig, problems: list[str]) -> None:
     if clip is not None and not (_finite(clip) and clip >= 0):
         problems.append(f"trainer.gradient_clip_val={clip!r}: must be a number >= 0, or null "
                         f"for no clipping")
+    # Lightning's own positive-integer knobs: 0 fails deep inside it (ZeroDivisionError).
+    for key in ("accumulate_grad_batches", "log_every_n_steps", "num_nodes"):
+        value = t.get(key)
+        if value is not None and not (_integer(value) and value >= 1):
+            problems.append(f"trainer.{key}={value!r}: must be a positive integer")
     _val_check_interval(t, problems)
 
 
@@ -178,6 +183,47 @@ def lm_batch(cfg: DictConfig, train_tokens: int, vocab_size: int) -> str | None:
         return (f"task.batch_size={batch}: its logits alone ({batch} x {seq_len} x vocab "
                 f"{vocab_size}, with their gradient) need {need / 2**30:.1f} GiB, more than "
                 f"this machine's {ram / 2**30:.1f} GiB; lower task.batch_size")
+    return None
+
+
+def algo_memory(cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
+    """The problem with an algorithmic task's sizes that would exhaust the memory, or None:
+    its test set (``task.test_per_size`` instances of every size ``lo..test_hi``, held
+    in memory) or, on a CPU, the attention scores of one training batch at the largest
+    training size (``batch x heads x T^2`` per layer, kept for the backward pass).
+
+    Args:
+        cfg: The run config (task=algo, known problem and shape).
+        lo: The smallest training size.
+        hi: The largest training size.
+        test_hi: The largest test size.
+    """
+    from posenc.config import algo_longest
+
+    ram = _physical_memory()
+    if not ram:
+        return None
+    t = cfg.task
+    # sum over sizes of longest(n), from its values at the ends (linear in n for every
+    # problem): int64 token ids, input and target
+    ends = (algo_longest(cfg, lo) or 0) + (algo_longest(cfg, test_hi) or 0)
+    test_bytes = t.test_per_size * (test_hi - lo + 1) * ends / 2 * 8 * 2
+    if test_bytes > ram / 4:
+        return (f"task.train_lengths=[{lo},{hi}]: its test set ({t.test_per_size} instances "
+                f"of every size {lo}..{test_hi}, task.test_multiple={t.test_multiple}) needs "
+                f"{test_bytes / 2**30:.1f} GiB, over a quarter of this machine's "
+                f"{ram / 2**30:.1f} GiB; lower the largest size, task.test_multiple or "
+                f"task.test_per_size")
+    on_cpu = cfg.trainer.get("accelerator") == "cpu" or not torch.cuda.is_available()
+    longest = algo_longest(cfg, hi) or 0
+    m = cfg.model
+    scores = t.batch_size * m.n_heads * longest**2 * 4 * m.n_layers
+    if on_cpu and scores > ram:
+        return (f"task.train_lengths=[{lo},{hi}]: a training batch at size {hi} ({longest} "
+                f"positions) holds {t.batch_size} x {m.n_heads} heads x {longest}^2 attention "
+                f"scores in each of {m.n_layers} layers: {scores / 2**30:.1f} GiB, more than "
+                f"this machine's {ram / 2**30:.1f} GiB; lower the largest size or "
+                f"task.batch_size")
     return None
 
 

@@ -11,12 +11,16 @@ import multiprocessing
 import os
 import secrets
 import signal
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import cast
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -44,7 +48,8 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("posenc_preset"):
         # A preset's name and "_" (experiment=baby_gpt: baby_gpt_2026-...); "" for none.
         OmegaConf.register_new_resolver(
-            "posenc_preset", lambda name=None: f"{name}_" if name not in (None, "None") else "")
+            "posenc_preset", lambda name=None: f"{name}_" if name not in (None, "None") else ""
+        )
 
 
 def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
@@ -67,7 +72,8 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
 
     try:
         parsed = OverridesParser.create().parse_overrides(
-            [o for o in overrides if not o.startswith(("hydra/", "hydra."))])
+            [o for o in overrides if not o.startswith(("hydra/", "hydra."))]
+        )
     except Exception:
         return []
     groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
@@ -84,11 +90,18 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
     found = []
     for o in parsed:
         key = o.key_or_group
-        if o.type is not OverrideType.CHANGE or key in groups or "." not in key:
+        if o.type is not OverrideType.CHANGE or key in groups:
+            continue
+        if "." not in key:  # a top-level key or a config group (encoder=, task=, ...)
+            if key not in cfg.keys():  # noqa: SIM118 (see below)
+                close = difflib.get_close_matches(key, sorted(groups | set(cfg.keys())), n=1)
+                hint = f"did you mean {close[0]}?" if close else "see python run.py --help"
+                found.append(f"{key}: no such key or config group; {hint}")
             continue
         parent, leaf = key.rsplit(".", 1)
         node = OmegaConf.select(cfg, parent)
-        if not OmegaConf.is_dict(node) or leaf in node:
+        # keys(), not `in`: a DictConfig says a `???` (MISSING) key is not in it.
+        if not OmegaConf.is_dict(node) or leaf in node.keys():  # noqa: SIM118
             continue
         keys = sorted(str(k) for k in node)
         close = difflib.get_close_matches(leaf, keys, n=1)
@@ -197,19 +210,178 @@ def _on_sigterm(signum: int, frame: object) -> None:
         raise Terminated()
 
 
-def _terminated(cfg: DictConfig) -> None:
-    """Say where the run stopped and how to continue it, then exit with status 143."""
+def _in_pool_worker() -> bool:
+    """This process is a worker of the ``local_parallel`` (joblib) launcher's pool."""
+    return "joblib" in str(HydraConfig.get().launcher.get("_target_", ""))
+
+
+def _say_stopped() -> None:
+    """Say where this run stopped and how to continue it."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     last = run_dir / "checkpoints" / "last.ckpt"
-    overrides = " ".join(o for o in HydraConfig.get().overrides.task
-                         if not o.startswith(("hydra.run.dir=", "resume=")))
+    overrides = " ".join(
+        o
+        for o in HydraConfig.get().overrides.task
+        if not o.startswith(("hydra.run.dir=", "resume="))
+    )
     if last.exists():
-        print(f"stopped by SIGTERM; progress is saved in {last}. Continue with:\n  python "
-              f"run.py {overrides} hydra.run.dir={run_dir} resume=true", file=sys.stderr)
+        print(
+            f"stopped by SIGTERM; progress is saved in {last}. Continue with:\n  python "
+            f"run.py {overrides} hydra.run.dir={run_dir} resume=true",
+            file=sys.stderr,
+        )
     else:
-        print(f"stopped by SIGTERM before any checkpoint was saved in {run_dir}",
-              file=sys.stderr)
+        print(f"stopped by SIGTERM before any checkpoint was saved in {run_dir}", file=sys.stderr)
+
+
+def _terminated(cfg: DictConfig) -> None:
+    """Say where the run stopped and how to continue it, then exit with status 143."""
+    _say_stopped()
     sys.exit(TERMINATED)
+
+
+def sweep_resume_command(sweep_dir: Path, argv: list[str]) -> str:
+    """The command that continues a stopped sweep: the same overrides in the same sweep
+    directory with ``resume=true`` (finished jobs are skipped, stopped ones continue from
+    their ``last.ckpt``, jobs that never started run).
+
+    Args:
+        sweep_dir: The sweep's directory.
+        argv: The sweep's command line (``sys.argv``).
+    """
+    args = [a for a in argv[1:] if not a.startswith(("hydra.sweep.dir=", "resume="))]
+    return " ".join(["python", argv[0], *args, f"hydra.sweep.dir={sweep_dir}", "resume=true"])
+
+
+def _say_sweep_stopped(sweep_dir: Path) -> None:
+    done = sum(1 for _ in sweep_dir.glob("*/metrics.json"))
+    print(
+        f"sweep stopped by SIGTERM ({done} jobs finished) in {sweep_dir}. Continue the "
+        f"sweep with:\n  {sweep_resume_command(sweep_dir, sys.argv)}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from ``/proc``; ``ps`` where there is none)."""
+    found = []
+    proc = Path("/proc")
+    if proc.is_dir():
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # ended meanwhile
+                continue
+            # "pid (name) state ppid ...": the name may hold spaces and parentheses
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+        return found
+    out = subprocess.run(
+        ["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, check=False
+    ).stdout
+    return [int(a) for a, b in (line.split() for line in out.splitlines()) if int(b) == pid]
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _writable_folder(path: Path) -> str | None:
+    """Why ``path`` cannot be made and written into, or None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
+class OutputDirCheck(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): a run or sweep
+    directory that cannot be created or written is one line and exit status 2, before
+    Hydra makes it (Hydra's own ``mkdir`` fails with a traceback)."""
+
+    def _check(self, key: str, path: Path) -> None:
+        why = _writable_folder(path)
+        if why is not None:
+            print(
+                f"error: {key}={path}: cannot create or write this folder ({why}); pick "
+                f"another {key}, or make it writable",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+
+    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        self._check("hydra.run.dir", Path(str(config.hydra.run.dir)))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        self._check("hydra.sweep.dir", Path(str(config.hydra.sweep.dir)))
+
+
+class SweepSignals(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): SIGTERM to a
+    ``local_parallel`` sweep stops it as it stops a single run.
+
+    That launcher runs the jobs in a pool of worker processes and nothing of posenc runs
+    in the sweep's own process, which would end at once and leave its workers training
+    on. Here the sweep's process passes SIGTERM on to its workers (each stops its job
+    between two steps, saves ``last.ckpt`` and says how to continue it, then ends), waits
+    for them, prints the command that continues the whole sweep and exits with 143.
+    The basic launcher runs jobs in the sweep's process: :func:`run_job` handles it.
+
+    Args:
+        grace_s: How long to wait for the workers to end before exiting anyway.
+    """
+
+    def __init__(self, grace_s: float = 300.0) -> None:
+        self.grace_s = grace_s
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        if "joblib" not in str(config.hydra.launcher.get("_target_", "")):
+            return
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        main = os.getpid()
+
+        def stop_sweep(signum: int, frame: object) -> None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM while waiting
+            # The pool's workers; its resource trackers end by themselves with this process.
+            workers = [p for p in _children(main) if "resource_tracker" not in _command_line(p)]
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.grace_s
+            while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                for pid in workers:  # reap them: a zombie child still answers kill(pid, 0)
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, os.WNOHANG)
+            left = [p for p in workers if _alive(p)]
+            if left:
+                print(
+                    f"workers {', '.join(map(str, left))} did not end within "
+                    f"{self.grace_s:.0f} s of SIGTERM",
+                    file=sys.stderr,
+                )
+            _say_sweep_stopped(sweep_dir)
+            sys.stdout.flush()
+            sys.exit(TERMINATED)
+
+        signal.signal(signal.SIGTERM, stop_sweep)
 
 
 def run_job(cfg: DictConfig) -> None:
@@ -239,7 +411,12 @@ def run_job(cfg: DictConfig) -> None:
 
 
 def _sweep_job(cfg: DictConfig) -> None:
-    """One multirun job in this process: a failure is recorded in ``error.json``."""
+    """One multirun job in this process: a failure is recorded in ``error.json``; with
+    ``resume=true`` a job that has finished already is skipped (a stopped sweep resumed)."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.get("resume") and (run_dir / "metrics.json").exists():
+        log.info("job %s finished already (metrics.json): skipped", run_dir.name)
+        return
     try:
         check_ddp_in_multirun(cfg)
         train(cfg)
@@ -248,7 +425,7 @@ def _sweep_job(cfg: DictConfig) -> None:
     except Exception as err:
         # One bad job must not end the sweep. Exception, not BaseException: Ctrl-C
         # (KeyboardInterrupt) still stops the whole sweep.
-        path = record_failure(err, Path(HydraConfig.get().runtime.output_dir), cfg.get("seed"))
+        path = record_failure(err, run_dir, cfg.get("seed"))
         if isinstance(err, UserError):  # bad input: the message says it all
             log.error("job refused: %s (recorded in %s)", err, path)
         else:
@@ -276,18 +453,26 @@ def _isolated(cfg: DictConfig) -> None:
     try:
         proc.join()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # Between two jobs a pool worker just ends on SIGTERM (SweepSignals waits for it).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if _in_pool_worker() else previous)
     code = proc.exitcode
     assert code is not None  # join() returned: the process has ended
-    if code == TERMINATED:  # the job said where it stopped and how to continue
+    if code in (TERMINATED, -signal.SIGTERM):
+        if code == -signal.SIGTERM:  # ended before it could say so itself
+            _say_stopped()
+        if _in_pool_worker():
+            # End the worker now: the pool would catch SystemExit and hand it the next job.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(TERMINATED)
+        _say_sweep_stopped(Path(str(HydraConfig.get().sweep.dir)))
         sys.exit(TERMINATED)
-    if code == -signal.SIGTERM:
-        _terminated(cfg)
     if code == 0:
         return
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    how = (f"killed by {signal.Signals(-code).name}" if code < 0
-           else f"ended with exit status {code}")
+    how = (
+        f"killed by {signal.Signals(-code).name}" if code < 0 else f"ended with exit status {code}"
+    )
     hint = " (SIGKILL: often the out-of-memory killer)" if code == -signal.SIGKILL else ""
     err = JobKilled(f"the job's process was {how}{hint} before it recorded a result")
     path = record_failure(err, run_dir, cfg.get("seed"))

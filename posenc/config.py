@@ -173,6 +173,11 @@ def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
         if not _number(mult) or not math.isfinite(mult) or mult <= 0:
             problems.append(f"task.eval.multipliers contains {mult!r}: must be positive numbers "
                             f"(evaluation length = multiplier * task.seq_len)")
+        elif (isinstance(t.seq_len, int) and not isinstance(t.seq_len, bool) and t.seq_len > 0
+              and int(mult * t.seq_len) < 1):
+            problems.append(f"task.eval.multipliers contains {mult!r}: {mult} * task.seq_len="
+                            f"{t.seq_len} is below one token; give multipliers >= "
+                            f"{1 / t.seq_len:.3g}")
     allowed = ("nonoverlap", "sliding")
     for p in checks.as_list(problems, "task.eval.protocols", e.protocols, "[nonoverlap]") or []:
         if p not in allowed:
@@ -305,6 +310,9 @@ def _validate_algo(cfg: DictConfig, problems: list[str]) -> None:
             f"task.test_multiple={m}: the largest test instance takes {longest} positions, "
             f"more than encoder.max_len={max_len}; raise encoder.max_len or lower "
             f"task.test_multiple")
+    problem = checks.algo_memory(cfg, lengths[0], lengths[1], int(math.floor(m * lengths[1])))
+    if problem:
+        problems.append(problem)
 
 
 def _reject_mt_options(cfg: DictConfig, problems: list[str]) -> None:

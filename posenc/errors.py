@@ -20,3 +20,17 @@ class CheckpointError(UserError):
 
 class CacheError(UserError):
     """A file posenc wrote to its cache is damaged or unusable."""
+
+
+class DataError(UserError, ValueError):
+    """A data file or the data it holds is unusable (empty, not text, corrupt, too short
+    for the configured lengths, a checksum that does not match): the message names the
+    file or split and the fix. A ``ValueError`` too, for code that catches those."""
+
+
+class DataFileNotFound(DataError, FileNotFoundError):
+    """A data file given in the config does not exist, or is not a file."""
+
+
+class TrainingDiverged(UserError, FloatingPointError):
+    """The training loss became NaN or infinite: the message gives the step and the fix."""

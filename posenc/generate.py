@@ -3,8 +3,9 @@
     python -m posenc.generate outputs/lm/rope/<run>/checkpoints/best.ckpt \\
         --prompt "ROMEO:" --tokens 200 --temperature 0.8 --top-k 40 --seed 0
 
-The run's own config (``<run>/.hydra/config.yaml``, next to ``checkpoints/``) gives the
-data and tokenizer, so the prompt is encoded as in training. Decoding uses the
+The checkpoint carries its run's config and tokenizer, so the prompt is encoded as in
+training, without the training data (older checkpoints: the run directory's config and
+data rebuild the tokenizer). Decoding uses the
 key/value cache (``--no-cache``: re-run the whole sequence each step; same tokens).
 Generation may run past the training length, as far as the encoder allows.
 """
@@ -12,19 +13,24 @@ Generation may run past the training length, as far as the encoder allows.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from posenc.errors import UserError
 from posenc.tasks.generate import generate
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m posenc.generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m posenc.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("ckpt", type=Path, help="an LM checkpoint (.ckpt) of a posenc run")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--tokens", type=int, default=200, help="new tokens to generate")
@@ -36,15 +42,31 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the prompt and its continuation; a clear message and exit 1 on bad input."""
+    """Print the prompt and its continuation; bad input is one line and exit status 2."""
     args = _parse(argv)
     try:
         text = run(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (UserError, ValueError, FileNotFoundError) as err:
         print(f"posenc.generate: {err}", file=sys.stderr)
-        return 1
+        return 2
     print(text)
     return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """The numbers on the command line, before any work.
+
+    Raises:
+        ValueError: One is out of range (the message names it and what is allowed).
+    """
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(
+            f"--temperature {args.temperature}: must be a finite number >= 0 (0: greedy decoding)"
+        )
+    if args.tokens < 1:
+        raise ValueError(f"--tokens {args.tokens}: must be at least 1")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k {args.top_k}: must be at least 1 (or left out: all tokens)")
 
 
 def run_config(config: Path) -> DictConfig:
@@ -59,33 +81,56 @@ def run_config(config: Path) -> DictConfig:
     return cast(DictConfig, cfg)  # config.yaml is a mapping
 
 
-def run(args: argparse.Namespace) -> str:
-    """The generated text for the parsed arguments."""
-    from posenc.runner import load_for_eval
-    from posenc.tasks.lm import LMTask
-    from posenc.tasks.lm_job import lm_datamodule
-
-    if not args.ckpt.is_file():
-        raise FileNotFoundError(f"no checkpoint at {args.ckpt}")
-    config = args.ckpt.resolve().parent.parent / ".hydra" / "config.yaml"
+def _config(ckpt_path: Path, saved: dict[str, Any]) -> DictConfig:
+    """The run's config: the one the checkpoint carries, else its run directory's."""
+    if "config" in saved:
+        return OmegaConf.create(saved["config"])
+    config = ckpt_path.resolve().parent.parent / ".hydra" / "config.yaml"
     if not config.is_file():
         raise FileNotFoundError(
-            f"{config} not found: give a checkpoint inside a posenc run directory "
-            f"(<run>/checkpoints/*.ckpt), whose config says how its tokenizer was built"
+            f"{ckpt_path} carries no config and {config} is not there: give a checkpoint "
+            f"inside its posenc run directory (<run>/checkpoints/*.ckpt)"
         )
-    cfg = run_config(config)
+    return run_config(config)
+
+
+def run(args: argparse.Namespace) -> str:
+    """The generated text for the parsed arguments.
+
+    A checkpoint carries its run's config and its tokenizer, so it generates on its own;
+    one written before checkpoints carried the tokenizer (2026-11-26) rebuilds it from
+    the training data that its run directory's config names.
+    """
+    from posenc import checkpoints
+    from posenc.data.tokenizers import fingerprints, from_payload
+    from posenc.runner import load_for_eval
+    from posenc.tasks.lm import LMTask
+
+    _check_args(args)
+    if not args.ckpt.is_file():
+        raise FileNotFoundError(f"no checkpoint at {args.ckpt}")
+    saved = checkpoints.load(args.ckpt).get("posenc") or {}
+    cfg = _config(args.ckpt, saved)
     if cfg.task.name != "lm":
-        raise ValueError(f"{args.ckpt} is a task={cfg.task.name} checkpoint; generation needs "
-                         f"a language model (task=lm)")
-    dm = lm_datamodule(cfg)
-    dm.setup()
+        raise ValueError(
+            f"{args.ckpt} is a task={cfg.task.name} checkpoint; generation needs "
+            f"a language model (task=lm)"
+        )
+    if "tokenizer_payload" in saved:
+        tokenizer = from_payload(saved["tokenizer_payload"], str(args.ckpt))
+    else:
+        from posenc.tasks.lm_job import lm_datamodule
+
+        dm = lm_datamodule(cfg)
+        dm.setup()
+        tokenizer = dm.tokenizer
     cfg.ckpt_path = str(args.ckpt)
-    model = load_for_eval(LMTask, cfg, dm.vocab_size).model.eval()
-    ids = dm.tokenizer.encode(args.prompt)
+    model = load_for_eval(LMTask, cfg, tokenizer.vocab_size, fingerprints(tokenizer))
+    ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ValueError(f"the prompt {args.prompt!r} encodes to no tokens; give some text")
     out = generate(
-        model,
+        model.model.eval(),
         torch.tensor([ids]),
         args.tokens,
         temperature=args.temperature,
@@ -93,7 +138,7 @@ def run(args: argparse.Namespace) -> str:
         seed=args.seed,
         use_cache=not args.no_cache,
     )
-    return dm.tokenizer.decode(out[0].tolist())
+    return tokenizer.decode(out[0].tolist())
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import argparse
 import csv
 import json
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from posenc.report_rows import (
     Failure,
     Row,
     Run,
+    as_float,
     encoder_key,
     metric_key,
     split_extension,
@@ -105,6 +107,14 @@ def collect(root: Path, exclude: Path | None = None) -> tuple[list[Run], list[Fa
             data = json.loads(source.read_text())
             if not isinstance(data, dict) or not isinstance(data.get("metrics", {}), dict):
                 raise ValueError("not a posenc result (expected an object with 'metrics')")
+            # A skipped length is NaN or null; anything else that is not a number is a
+            # malformed result, never a "skipped" cell.
+            bad = {k: v for k, v in data.get("metrics", {}).items()
+                   if v is not None and as_float(v) is None}
+            if bad and source is metrics:
+                name, value = next(iter(bad.items()))
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                raise ValueError(f"metric {name!r} is {value!r}, not a number{more}")
         except (OSError, ValueError) as err:
             failures.append(Failure(d, "unreadable", f"{source.name}: {err}", **_hydra_record(d)))
             continue
@@ -340,6 +350,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output dir (default <dir>/report)")
     parser.add_argument("--no-tensorboard", action="store_true", help="skip <out>/tb")
     args = parser.parse_args(argv)
+    out = args.out if args.out is not None else args.dir / "report"
+    try:
+        if args.dir.is_dir():  # (a missing sweep directory is build_report's message)
+            out.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=out):
+                pass
+    except OSError as err:
+        print(f"error: --out {out}: cannot create or write this folder "
+              f"({err.strerror or err}); give another --out", file=sys.stderr)
+        return 2
     try:
         rep = build_report(args.dir, args.out, tensorboard=not args.no_tensorboard)
     except FileNotFoundError as err:

@@ -23,7 +23,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
 
 from posenc import checkpoints
-from posenc.errors import RunDirError
+from posenc.errors import CheckpointError, RunDirError
 from posenc.tasks.callbacks import PlainProgress, Throughput
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,8 @@ def run_state(trainer: pl.Trainer) -> RunState:
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
-                  tokenizer: tuple[str, ...] | None = None) -> pl.Trainer:
+                  tokenizer: tuple[str, ...] | None = None,
+                  tokenizer_payload: dict[str, Any] | None = None) -> pl.Trainer:
     """Lightning Trainer from ``cfg.trainer`` plus posenc's logger and callbacks.
 
     Checkpoints (:mod:`posenc.checkpoints`: atomic, checksummed, replaced in place):
@@ -224,6 +225,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
         throughput: The throughput callback the job reads.
         tokenizer: The tokenizer's fingerprints (:func:`posenc.data.tokenizers.fingerprints`):
             the first is recorded in every checkpoint, and a resumed one must carry one.
+        tokenizer_payload: The tokenizer itself (:func:`posenc.data.tokenizers.to_payload`),
+            carried by every checkpoint so it generates text without the training data.
     """
     logger = TensorBoardLogger(
         save_dir=str(run_dir), name="tb", version="", default_hp_metric=False
@@ -246,7 +249,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
             enable_version_counter=False,
         ),
         LearningRateMonitor(logging_interval="step"),
-        RunState(checkpoints.record(cfg, tokenizer[0] if tokenizer else None), tokenizer),
+        RunState(checkpoints.record(cfg, tokenizer[0] if tokenizer else None,
+                                    tokenizer_payload), tokenizer),
         throughput,
     ]
     progress = cfg.trainer.get("enable_progress_bar", True)
@@ -338,19 +342,26 @@ def init_from_checkpoint(task: pl.LightningModule, path: str) -> None:
     checkpoint's optimiser state, step and settings are not used.
 
     Raises:
-        ValueError: The checkpoint's model does not match this run's (sizes, vocabulary,
-            or an encoder with other parameters); loading is strict.
+        CheckpointError: The checkpoint's model does not match this run's (sizes,
+            vocabulary, or an encoder with other parameters); loading is strict.
     """
     ckpt = checkpoints.load(path)
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
              if k.startswith("model.")}
-    try:
-        cast(nn.Module, task.model).load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise ValueError(
-            f"init_from={path}: the checkpoint's model does not match this run's; use the "
-            f"model sizes, data/tokenizer and encoder it was trained with.\n{err}"
-        ) from err
+    model = cast(nn.Module, task.model)
+    ours = model.state_dict()
+    differ = [f"{k} is {tuple(v.shape)} there, {tuple(ours[k].shape)} here"
+              for k, v in state.items() if k in ours and v.shape != ours[k].shape]
+    differ += [f"{k} only there" for k in state if k not in ours]
+    differ += [f"{k} only here" for k in ours if k not in state]
+    if differ:
+        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+        raise CheckpointError(
+            f"init_from={path}: the checkpoint's model does not match this run's "
+            f"({'; '.join(differ[:3])}{more}); use the model sizes, data/tokenizer and "
+            f"encoder it was trained with"
+        )
+    model.load_state_dict(state, strict=True)
     theirs = ckpt.get("hyper_parameters", {}).get("encoder", {}).get("_target_")
     ours = task.hparams.get("encoder", {}).get("_target_")
     if theirs != ours:

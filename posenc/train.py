@@ -60,6 +60,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     record_job(cfg, run_dir)
     if ckpt and not cfg.eval_only:
         cfg.ckpt_path = ckpt  # the job continues fitting from here
+        log.info("continuing from %s", ckpt)
     if cfg.ckpt_path:
         check_checkpoint(cfg)
     if cfg.get("threads"):

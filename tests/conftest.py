@@ -45,6 +45,13 @@ register_resolvers()  # ${posenc_uid:} in the run directories, as run.py registe
 os.environ.setdefault("POSENC_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--all-documented-commands", action="store_true",
+        help="run every command README.md and docs/ print (tests/test_documented_commands.py;"
+             " CI runs a fast subset)")
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -272,3 +272,30 @@ def test_ppl_figure_gives_each_of_eleven_curves_its_own_colour_and_plain_ticks()
                          "test/ppl_sw": {"rope": curves["rope"]}}, 128, "t")
     legend = two.axes[-1].get_legend()
     assert [t.get_text() for t in legend.get_texts()] == ["train 128", "rope", "alibi"]
+
+
+def test_a_metric_that_is_not_a_number_is_a_failure_not_a_skip(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A list where a number belongs is a malformed result: listed as unreadable, never
+    counted as a skipped length, and never "no failures" (#38)."""
+    write_run(tmp_path / "0_lm_rope", "lm", "rope", 0, {"test/ppl@16": 5.0})
+    write_run(tmp_path / "1_lm_rope", "lm", "rope", 1,
+              {"test/ppl@16": [5.0, 6.0], "test/ppl@64": float("nan")})
+    assert main([str(tmp_path), "--no-tensorboard"]) == 0
+    assert "{'unreadable': 1}" in capsys.readouterr().out
+    rep = build_report(tmp_path, tensorboard=False)
+    (bad,) = rep.failures
+    assert bad.dir.name == "1_lm_rope" and bad.status == "unreadable"
+    assert bad.error == "metrics.json: metric 'test/ppl@16' is [5.0, 6.0], not a number"
+    row = next(r for r in rep.rows if r.metric == "test/ppl@16")
+    assert (row.n, row.skipped) == (1, 0)
+
+
+def test_an_unwritable_out_folder_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "sweep" / "0_lm_rope", "lm", "rope", 0, {"test/ppl@16": 5.0})
+    (tmp_path / "a_file").write_text("not a folder")
+    assert main([str(tmp_path / "sweep"), "--out", str(tmp_path / "a_file" / "report")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {tmp_path / 'a_file' / 'report'}: cannot create or write this folder "
+        f"(Not a directory); give another --out\n")

@@ -255,3 +255,82 @@ def test_a_killed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     build_report(out)
     report = (out / "report" / "report.md").read_text()
     assert f"| {dead.name} | failed |" in report and "killed by SIGKILL" in report
+
+
+def test_a_multirun_from_an_empty_folder_makes_its_own_sweep_dir(tmp_path: Path) -> None:
+    """``python run.py -m ...`` as the README prints it, without ``hydra.sweep.dir``, from
+    an empty folder: the sweep directory comes from conf/config.yaml (it failed with
+    "HydraConfig was not set"), and two sweeps started together keep their own (#38)."""
+    cmd = [sys.executable, str(ROOT / "run.py"), "-m", "sweep=smoke", "encoder=none",
+           "seed=0", f"paths.cache_dir={tmp_path / 'cache'}"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        assert "sweep finished: 1 of 1 jobs have results" in out
+    sweeps = sorted((tmp_path / "outputs" / "multirun").iterdir())
+    assert len(sweeps) == 2 and all(s.name.startswith("smoke_") for s in sweeps), sweeps
+    for s in sweeps:
+        assert [p.parent.name for p in s.glob("*/metrics.json")] == ["0_lm_none_seed0"]
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_sigterm_to_a_parallel_sweep_stops_its_jobs_and_says_how_to_resume(
+        tmp_path: Path) -> None:
+    """SIGTERM to a ``local_parallel`` sweep: both running jobs save ``last.ckpt`` and
+    stop, no worker or job process outlives the sweep, which exits 143 printing the
+    command that continues it; that command finishes both jobs from their checkpoints,
+    and run once more skips them (#38: the jobs ran on as
+    orphans and wrote metrics.json after the sweep had "ended")."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    from tests.conftest import TINY
+
+    tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check"))]
+    out = tmp_path / "multirun"
+    proc = subprocess.Popen(
+        [sys.executable, "run.py", "-m", "hydra/launcher=local_parallel", *tiny,
+         "encoder=none,rope", "trainer.max_steps=300", "trainer.val_check_interval=300",
+         "checkpoint_every_n_steps=1", f"hydra.sweep.dir={out}",
+         f"paths.cache_dir={tmp_path / 'cache'}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while len(list(out.glob("*/checkpoints/last.ckpt"))) < 2 and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    family = [c for c in _children(proc.pid)]
+    family += [g for c in family for g in _children(c)]
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    # (the pool's resource tracker ends on its own once the sweep's process has gone)
+    deadline = time.monotonic() + 10
+    while [p for p in family if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in family if _alive(p)], "processes outlived the sweep"
+    assert err.count("stopped by SIGTERM; progress is saved in") == 2, err[-3000:]
+    assert not list(out.glob("*/metrics.json"))
+    resume = err.split("Continue the sweep with:\n", 1)[1].splitlines()[0].split()
+    assert resume[:2] == ["python", "run.py"] and resume[-1] == "resume=true", resume
+    # As printed, with checkpoints less often (a setting a resumed run may change).
+    resume = [sys.executable, *resume[1:], "checkpoint_every_n_steps=1000"]
+    again = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(list(out.glob("*/metrics.json"))) == 2
+    for d in out.glob("*/checkpoints"):  # each continued from where it stopped
+        log = (d.parent / "run.log").read_text()
+        assert "SIGTERM at step" in log and f"continuing from {d / 'last.ckpt'}" in log, log
+    before = {p: p.read_bytes() for p in out.glob("*/metrics.json")}
+    skipped = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    said = skipped.stdout + skipped.stderr
+    assert said.count("finished already (metrics.json): skipped") == 2, said[-3000:]
+    assert {p: p.read_bytes() for p in out.glob("*/metrics.json")} == before

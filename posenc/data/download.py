@@ -19,7 +19,7 @@ import urllib.request
 import zlib
 from pathlib import Path
 
-from posenc.errors import UserError
+from posenc.errors import DataError, DataFileNotFound, UserError
 
 __all__ = [
     "FILES",
@@ -117,7 +117,7 @@ def _lookup(relpath: str) -> tuple[str, str]:
         return FILES[relpath]
     except KeyError:
         known = ", ".join(sorted(FILES))
-        raise ValueError(
+        raise DataError(
             f"unknown data file {relpath!r}; known files are: {known}. "
             "Use one of these relative paths, or read your own files with "
             "posenc.data.sources.text_files."
@@ -131,7 +131,7 @@ def _verify_existing(path: Path, relpath: str, expected: str) -> None:
         return
     actual = sha256_file(path)
     if actual != expected:
-        raise ValueError(
+        raise DataError(
             f"data file {path} ({relpath}) is corrupt or a different version: "
             f"expected sha256 {expected}, got {actual}. Delete it so posenc downloads a "
             f"fresh copy from {FILES[relpath][0]}, or replace it with the correct file."
@@ -193,7 +193,7 @@ def _download(url: str, dest: Path, relpath: str, expected: str) -> None:
     actual = digest.hexdigest()
     if actual != expected:
         tmp.unlink(missing_ok=True)
-        raise ValueError(
+        raise DataError(
             f"downloaded {relpath} from {url} but its sha256 is {actual}, expected {expected}; "
             "the file was discarded. The upstream file may have changed or the transfer was "
             f"altered. Download it by hand to {dest} after checking it, or set {ENV_VAR}."
@@ -219,7 +219,7 @@ def fetch(relpath: str, root: str | os.PathLike[str] | None = None) -> Path:
         ``root / relpath``, verified.
 
     Raises:
-        ValueError: ``relpath`` is unknown, or the local or downloaded file has the wrong sha256.
+        DataError: ``relpath`` is unknown, or the local or downloaded file has the wrong sha256.
         DataUnavailableError: The file is missing and could not be downloaded.
     """
     url, expected = _lookup(relpath)
@@ -242,32 +242,33 @@ def read_text(path: str | os.PathLike[str]) -> str:
         The decoded text, unchanged (no newline or whitespace normalisation).
 
     Raises:
-        FileNotFoundError: The file does not exist.
-        ValueError: The file is empty, a truncated or corrupt gzip stream, or not valid UTF-8
+        DataFileNotFound: The file does not exist or is not a file.
+        DataError: The file is empty, a truncated or corrupt gzip stream, or not valid UTF-8
             (the message gives the byte offset of the first bad byte).
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"text file {path} does not exist; check the path.")
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise DataFileNotFound(f"text file {path} {what}; check the path.")
     raw = path.read_bytes()
     if path.suffix == ".gz":
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError, zlib.error) as err:
-            raise ValueError(
+            raise DataError(
                 f"{path} is not a complete gzip file ({err}); it is truncated or corrupt. "
                 "Delete it and download or recompress it again."
             ) from err
     if not raw:
         after = " after decompression" if path.suffix == ".gz" else ""
-        raise ValueError(
+        raise DataError(
             f"{path} is empty{after}; expected UTF-8 text. Replace it with a non-empty file."
         )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         where = "decompressed byte" if path.suffix == ".gz" else "byte"
-        raise ValueError(
+        raise DataError(
             f"{path} is not valid UTF-8: {where} offset {err.start} holds "
             f"{raw[err.start : err.start + 4]!r} ({err.reason}). Convert the file to UTF-8, e.g. "
             "with iconv."

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from posenc.data.sources import SPLITS
 from posenc.data.tokenizers import Tokenizer, build_tokenizer
+from posenc.errors import DataError
 from posenc.eval.passkey import PasskeyFormat, seeded
 
 __all__ = [
@@ -449,7 +450,7 @@ class LMDataModule(pl.LightningDataModule):
                 f"with string values for {list(SPLITS)}, got keys {sorted(texts)}."
             )
         if not texts["train"].strip():
-            raise ValueError(
+            raise DataError(
                 f"the train split holds only whitespace ({len(texts['train'])} characters): "
                 "nothing to learn from; check the data source."
             )
@@ -465,7 +466,7 @@ class LMDataModule(pl.LightningDataModule):
             )
         n_train = tokens["train"].numel()
         if n_train < self.seq_len + 1:
-            raise ValueError(
+            raise DataError(
                 f"the train split has {n_train} tokens, fewer than seq_len + 1 = "
                 f"{self.seq_len + 1}; lower seq_len or use more training text."
             )
@@ -479,7 +480,7 @@ class LMDataModule(pl.LightningDataModule):
     @staticmethod
     def _check_fits(split: str, n_tokens: int, length: int) -> None:
         if n_tokens < length + 1:
-            raise ValueError(
+            raise DataError(
                 f"the {split!r} split has {n_tokens} tokens, too few for one evaluation window "
                 f"of length L={length} (needs {length + 1}); drop L={length} from eval_lengths "
                 "or use a longer split."

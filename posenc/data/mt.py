@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from posenc.data.download import fetch, read_text
 from posenc.data.tokenizers import Tokenizer, build_tokenizer
+from posenc.errors import DataError
 
 __all__ = [
     "MTCollator",
@@ -75,7 +76,7 @@ def _read_pair(
 ) -> tuple[list[str], list[str]]:
     src, tgt = _lines(read_text(src_path)), _lines(read_text(tgt_path))
     if len(src) != len(tgt):
-        raise ValueError(
+        raise DataError(
             f"parallel files differ in line count: {src_path} has {len(src)} lines but "
             f"{tgt_path} has {len(tgt)}; line i of one must translate line i of the other. "
             "Check that the two files belong together and that neither is truncated."
@@ -141,7 +142,7 @@ def parallel_files(
     """
     if (test_src is None) != (test_tgt is None):
         given, missing = ("test_src", "test_tgt") if test_tgt is None else ("test_tgt", "test_src")
-        raise ValueError(
+        raise DataError(
             f"{given} was given but {missing} was not; pass both test files or neither."
         )
     out: ParallelCorpus = {
@@ -226,7 +227,7 @@ def hf_translation(
         tgt: list[str] = []
         for i, pair in enumerate(column):
             if src_lang not in pair or tgt_lang not in pair:
-                raise ValueError(
+                raise DataError(
                     f"row {i} of split {hf_split!r} of {name!r} ({config!r}) has languages "
                     f"{sorted(pair)} but src_lang={src_lang!r}, tgt_lang={tgt_lang!r} were "
                     "asked for; pick codes from those languages or another config."
@@ -571,12 +572,12 @@ def _check_corpus(data: Any) -> ParallelCorpus:
             )
         src, tgt = list(pair[0]), list(pair[1])
         if len(src) != len(tgt):
-            raise ValueError(
+            raise DataError(
                 f"split {split!r} has {len(src)} sources but {len(tgt)} targets; they must be "
                 "aligned one to one."
             )
         if not src:
-            raise ValueError(f"split {split!r} of the MT source is empty; it needs sentences.")
+            raise DataError(f"split {split!r} of the MT source is empty; it needs sentences.")
         out[split] = (src, tgt)
     return out
 
@@ -725,7 +726,7 @@ class MTDataModule(pl.LightningDataModule):
             else:
                 keep.append(i)
         if not keep:
-            raise ValueError(
+            raise DataError(
                 f"all {len(src_ids)} training pairs were dropped (max_len={self.max_len}, "
                 f"max_train_src_len={self.max_train_src_len}); raise these limits."
             )

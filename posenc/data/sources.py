@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.data.download import data_dir, fetch, read_text
+from posenc.errors import DataError, DataFileNotFound
 
 __all__ = ["SPLITS", "text_files", "tinyshakespeare", "wikitext103"]
 
@@ -36,17 +37,17 @@ def tinyshakespeare(
         ``{"train", "val", "test"}`` -> text.
 
     Raises:
-        ValueError: ``splits`` does not have 3 non-negative entries summing to 1, or gives
+        DataError: ``splits`` does not have 3 non-negative entries summing to 1, or gives
             train or val no characters.
     """
     fractions = [float(f) for f in splits]
     if len(fractions) != 3 or any(f < 0 or not math.isfinite(f) for f in fractions):
-        raise ValueError(
+        raise DataError(
             f"splits must be 3 non-negative fractions (train, val, test), got {tuple(splits)!r}; "
             "e.g. (0.9, 0.05, 0.05) or nanoGPT's (0.9, 0.1, 0.0)."
         )
     if not math.isclose(sum(fractions), 1.0, abs_tol=1e-6):
-        raise ValueError(
+        raise DataError(
             f"splits must sum to 1, got {tuple(splits)!r} (sum {sum(fractions):.6g}); "
             "e.g. (0.9, 0.05, 0.05)."
         )
@@ -56,7 +57,7 @@ def tinyshakespeare(
     # With no test fraction the validation part runs to the end, regardless of float rounding.
     val_end = n if fractions[2] == 0 else int(n * (fractions[0] + fractions[1]))
     if train_end == 0 or val_end <= train_end:
-        raise ValueError(
+        raise DataError(
             f"splits {tuple(splits)!r} leave the train or val split of TinyShakespeare "
             f"({n} characters) empty; give both a positive fraction."
         )
@@ -82,23 +83,26 @@ def text_files(
         ``{"train", "val", "test"}`` -> text.
 
     Raises:
-        FileNotFoundError: A path does not exist (the message names the split and path).
-        ValueError: A file is empty, only whitespace, corrupt gzip or not UTF-8.
+        DataFileNotFound: A path does not exist or is a directory (the message names the
+            split and path).
+        DataError: A file is empty, only whitespace, corrupt gzip or not UTF-8.
     """
     paths = {"train": train, "val": val, "test": test if test is not None else val}
     for key, p in paths.items():
-        if not Path(p).expanduser().is_file():
-            raise FileNotFoundError(
-                f"text_files: the {key!r} file {str(p)!r} does not exist; "
-                f"fix the data.{key} path in your configuration."
+        path = Path(p).expanduser()
+        if not path.is_file():
+            what = "is a directory, not a file" if path.is_dir() else "does not exist"
+            raise DataFileNotFound(
+                f"text_files: the {key!r} file {str(p)!r} {what}; "
+                f"fix data.source.{key} in your configuration."
             )
     texts = {key: read_text(Path(p).expanduser()) for key, p in paths.items()}
     for key, text in texts.items():
         if not text.strip():
-            raise ValueError(
+            raise DataError(
                 f"text_files: the {key!r} file {str(paths[key])!r} holds only whitespace "
-                f"({len(text)} characters), nothing to train or score on; give data.{key} "
-                f"a file with text."
+                f"({len(text)} characters), nothing to train or score on; give "
+                f"data.source.{key} a file with text."
             )
     return texts
 
@@ -153,7 +157,7 @@ def wikitext103(
 
     Raises:
         ImportError: ``datasets`` is not installed (``pip install posenc[hf]``).
-        ValueError: The loaded dataset lacks a split or a split is empty.
+        DataError: The loaded dataset lacks a split or a split is empty.
     """
     load = loader if loader is not None else _hf_load_dataset
     ds = load("wikitext", "wikitext-103-raw-v1", cache_dir=str(data_dir(root) / "hf"))
@@ -162,12 +166,12 @@ def wikitext103(
         try:
             rows = ds[theirs]["text"]
         except (KeyError, TypeError) as err:
-            raise ValueError(
+            raise DataError(
                 f"wikitext103: the loaded dataset has no {theirs!r} split with a 'text' column "
                 f"({err!r}); expected splits train/validation/test."
             ) from err
         text = _join_wikitext(rows)
         if not text:
-            raise ValueError(f"wikitext103: the {theirs!r} split holds no text.")
+            raise DataError(f"wikitext103: the {theirs!r} split holds no text.")
         out[ours] = text
     return out

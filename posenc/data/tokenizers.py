@@ -182,7 +182,10 @@ class SentencePieceTokenizer:
     repeated spaces removed), so ``decode(encode(t)) == t`` holds for normalised text only.
 
     Args:
-        model_file: Path of a ``.model`` file trained by :meth:`train`.
+        model_file: Path of a ``.model`` file trained by :meth:`train` (with
+            ``model_proto``: only the name messages give the model).
+        model_proto: The model's bytes, instead of reading ``model_file`` (a checkpoint
+            carries them: :func:`to_payload`).
 
     Raises:
         ValueError: The file cannot be loaded as a SentencePiece model or lacks posenc's ids.
@@ -190,12 +193,17 @@ class SentencePieceTokenizer:
 
     NEWLINE = "<nl>"
 
-    def __init__(self, model_file: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, model_file: str | os.PathLike[str], *, model_proto: bytes | None = None
+    ) -> None:
         import sentencepiece as spm
 
         self.model_file = Path(model_file)
         try:
-            self._sp = spm.SentencePieceProcessor(model_file=str(self.model_file))
+            if model_proto is not None:
+                self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+            else:
+                self._sp = spm.SentencePieceProcessor(model_file=str(self.model_file))
         except (OSError, RuntimeError) as err:
             raise ValueError(
                 f"cannot load SentencePiece model {self.model_file} ({err}); delete it so it is "
@@ -546,6 +554,35 @@ def _varint_bytes(n: int) -> bytes:
         n >>= 7
         if not n:
             return bytes(out)
+
+
+def to_payload(tok: Tokenizer) -> dict[str, Any]:
+    """The tokenizer as plain values that a checkpoint carries (and a ``weights_only``
+    load reads back), so a checkpoint encodes and decodes text without the data it was
+    trained on: :func:`from_payload`."""
+    if isinstance(tok, CharTokenizer):
+        return {"kind": "char", "chars": list(tok.chars)}
+    if isinstance(tok, SentencePieceTokenizer):
+        return {"kind": "sentencepiece", "model": tok._sp.serialized_model_proto()}
+    raise TypeError(f"no payload for tokenizer type {type(tok).__name__}")
+
+
+def from_payload(payload: dict[str, Any], where: str) -> Tokenizer:
+    """The tokenizer :func:`to_payload` stored.
+
+    Args:
+        payload: What :func:`to_payload` returned.
+        where: Where it was read from, for messages (a checkpoint's path).
+
+    Raises:
+        ValueError: The payload is not a tokenizer's.
+    """
+    kind = payload.get("kind")
+    if kind == "char" and isinstance(payload.get("chars"), list):
+        return CharTokenizer(payload["chars"])
+    if kind == "sentencepiece" and isinstance(payload.get("model"), bytes):
+        return SentencePieceTokenizer(where, model_proto=payload["model"])
+    raise ValueError(f"{where}: the stored tokenizer is damaged (kind {kind!r})")
 
 
 def fingerprint(tok: Tokenizer) -> str:

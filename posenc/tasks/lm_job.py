@@ -18,7 +18,7 @@ from posenc import checkpoints
 from posenc.config import check_lm_batch, check_passkey, eval_lengths, passkey_lengths
 from posenc.data.lm import LMDataModule
 from posenc.data.samplers import ShardSampler
-from posenc.data.tokenizers import fingerprints
+from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.lengths import (
     PROTOCOLS,
     loss_by_position_figure,
@@ -121,7 +121,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     tokenizer = fingerprints(dm.tokenizer)
     task = lm_task(cfg, dm.vocab_size, tokenizer)
     throughput = Throughput()
-    trainer = build_trainer(cfg, run_dir, throughput, tokenizer)
+    trainer = build_trainer(cfg, run_dir, throughput, tokenizer, to_payload(dm.tokenizer))
     t0 = time.perf_counter()
     if not cfg.eval_only:
         trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.data.mt import MTDataModule, restore_order
-from posenc.data.tokenizers import fingerprints
+from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.eval.lengths import plt  # the Agg backend is selected there
 from posenc.runner import (
@@ -98,7 +98,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     tokenizer = fingerprints(dm.tokenizer)
     task = mt_task(cfg, dm, tokenizer)
     throughput = Throughput(key="tgt_in")  # target tokens (with padding) per second
-    trainer = build_trainer(cfg, run_dir, throughput, tokenizer)
+    trainer = build_trainer(cfg, run_dir, throughput, tokenizer, to_payload(dm.tokenizer))
     t0 = time.perf_counter()
     if not cfg.eval_only:
         trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)

@@ -9,6 +9,8 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from posenc.errors import TrainingDiverged
+
 SCHEDULES = ("cosine", "inverse_sqrt")
 
 
@@ -16,7 +18,7 @@ def check_finite(loss: torch.Tensor, step: int) -> None:
     """Stop training on a NaN or infinite loss, saying what to do (every task's
     ``training_step``; the last good checkpoint stays as it was)."""
     if not torch.isfinite(loss):
-        raise FloatingPointError(
+        raise TrainingDiverged(
             f"training loss is {loss.item()} at step {step}; the last good checkpoint is "
             f"kept. Lower task.optim.lr or check the data."
         )

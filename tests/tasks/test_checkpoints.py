@@ -241,3 +241,47 @@ def test_resume_takes_the_newer_of_last_and_a_slurm_requeue_checkpoint(tmp_path:
     os.utime(hpc, (1e8, 1e8))
     assert resume_checkpoint(cfg, tmp_path) == str(last)
     assert resume_checkpoint(OmegaConf.merge(cfg, {"resume": False}), tmp_path) is None
+
+
+@pytest.mark.parametrize("message", [
+    "[enforce fail at inline_container.cc:672] . unexpected pos 397184 vs 397072",
+    "[enforce fail at inline_container.cc:747] . open file failed with strerror: "
+    "Operation not permitted",
+])
+def test_a_write_torch_reports_as_runtime_error_names_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, message: str) -> None:
+    """torch.save reports a full disk, a file-size limit or a refused file as RuntimeError,
+    not OSError (#38): the same one-line CheckpointError, and no temporary file left."""
+    def failing(obj: object, f: str, *args: object, **kwargs: object) -> None:
+        Path(f).write_bytes(b"x" * 1000)  # what a cut-short write leaves
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(checkpoints.torch, "save", failing)
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    cause = "the file was cut short" if "pos" in message else "cannot create the file"
+    with pytest.raises(CheckpointError, match=f"could not write checkpoint {path}: {cause}"):
+        checkpoints.save_atomic({"state_dict": {}}, path)
+    assert list(path.parent.iterdir()) == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE as on Linux")
+def test_a_checkpoint_past_a_file_size_limit_stops_the_run_with_one_line(tmp_path: Path) -> None:
+    """A real run whose checkpoint cannot be written whole (a file-size limit below its
+    size, as a full disk does): exit 2, one line naming the file, no traceback, no
+    temporary file left behind (#38: torch's raw RuntimeError and a .ckpt.tmp file)."""
+    import resource
+
+    def limit() -> None:  # 40 KB: the logs fit, a checkpoint of this model (75 KB) does not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+
+    run = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *TINY, f"hydra.run.dir={run}",
+         f"paths.cache_dir={tmp_path / 'cache'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert out.returncode == 2, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: could not write checkpoint {run / 'checkpoints'}/"), last
+    assert "the file was cut short (a full disk or a file-size limit" in last
+    assert "Traceback" not in out.stderr
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name]

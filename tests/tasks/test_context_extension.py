@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from posenc.config import ConfigError
+from posenc.errors import CheckpointError
 from posenc.eval.lengths import metric_name, parse_metric
 from posenc.report import build_report, metric_key
 from posenc.train import train
@@ -116,7 +117,11 @@ def test_init_from_copies_weights_only(trained: Path, tmp_path: Path) -> None:
 
 
 def test_init_from_a_different_model_is_a_clear_error(trained: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="does not match this run's"):
+    """One line naming the first tensors that differ (a UserError: exit 2, no traceback;
+    #38), not torch's multi-line load_state_dict report."""
+    with pytest.raises(CheckpointError, match=r"does not match this run's \(embed.weight is "
+                                              r"\(\d+, 16\) there, \(\d+, 32\) here; "
+                                              r".* and \d+ more\)"):
         train(compose_run(tmp_path, "encoder=rope", f"init_from={trained}", "model.d_model=32"))
 
 

@@ -3,6 +3,7 @@ real checkpoint."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +64,34 @@ def test_generate_command_on_a_trained_checkpoint(tmp_path: Path) -> None:
     assert outs[0] == outs[1] and outs[0].startswith("ROMEO:") and len(outs[0]) > 40
     bad = subprocess.run([sys.executable, "-m", "posenc.generate", str(tmp_path / "nope.ckpt")],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert bad.returncode == 1 and "no checkpoint at" in bad.stderr
+    assert bad.returncode == 2 and "no checkpoint at" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    # The checkpoint alone, handed to a colleague without the run directory or the data:
+    # it carries its config and tokenizer, and generates the same text (#38).
+    alone = tmp_path / "elsewhere" / "model.ckpt"
+    alone.parent.mkdir()
+    alone.write_bytes(ckpt.read_bytes())
+    env = {**os.environ, "POSENC_DATA_DIR": str(tmp_path / "no_data"),
+           "POSENC_CACHE_DIR": str(tmp_path / "no_cache")}
+    cmd = [sys.executable, "-m", "posenc.generate", str(alone), "--prompt", "ROMEO:",
+           "--tokens", "40", "--temperature", "0.8", "--top-k", "10", "--seed", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=alone.parent, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == outs[0]
+    assert not (tmp_path / "no_data").exists() and not (tmp_path / "no_cache").exists()
+    for args, message in ((["--temperature", "nan"], "--temperature nan: must be a finite"),
+                          (["--tokens", "0"], "--tokens 0: must be at least 1"),
+                          (["--top-k", "0"], "--top-k 0: must be at least 1")):
+        bad = subprocess.run([sys.executable, "-m", "posenc.generate", str(alone), *args],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]
+        assert "Traceback" not in bad.stderr
+    damaged = tmp_path / "damaged.ckpt"
+    damaged.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    bad = subprocess.run([sys.executable, "-m", "posenc.generate", str(damaged)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "damaged.ckpt" in bad.stderr, bad.stderr[-2000:]
     assert "Traceback" not in bad.stderr
 
 

@@ -74,10 +74,19 @@ REFUSED = [
     ("task=mt +task.optim.lr_min=0.1", r"task.optim.lr_min: unknown key"),
     ("task=mt task.length_buckets=5", r"task.length_buckets=5: must be a list"),
     ("task=mt trainer.max_steps=0", r"trainer.max_steps=0: .*eval_only=true ckpt_path="),
+    # #38 point 6: failed deep inside a run before
+    ("task=algo task.train_lengths=[1,100000]",
+     r"task.train_lengths=\[1,100000\]: its test set \(24 instances of every size "
+     r"1..300000, task.test_multiple=3\) needs \d+\.\d GiB"),
+    ("+trainer.accumulate_grad_batches=0",
+     r"trainer.accumulate_grad_batches=0: must be a positive integer"),
+    ("task.eval.multipliers=[0.01]",
+     r"task.eval.multipliers contains 0.01: 0.01 \* task.seq_len=16 is below one token"),
 ]
 
 #: Allowed edge values: they must pass the same checks.
 ACCEPTED = [
+    "task=algo task.train_lengths=[1,64]", "+trainer.accumulate_grad_batches=2",
     "task.optim.warmup_steps=0", "task.optim.min_lr_ratio=0", "task.optim.min_lr_ratio=1",
     "task.optim.weight_decay=0", "trainer.gradient_clip_val=0", "trainer.gradient_clip_val=null",
     "task.optim.betas=[0,0.999]", "trainer.val_check_interval=00:00:10:00",
@@ -88,7 +97,7 @@ ACCEPTED = [
 def _compose(tmp_path: Path, overrides: str) -> DictConfig:
     """compose_run for task=lm; for task=mt the same, without the LM-only tiny settings."""
     words = overrides.split()
-    if "task=mt" not in words:
+    if "task=mt" not in words and "task=algo" not in words:
         return compose_run(tmp_path, *words)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[

@@ -95,3 +95,22 @@ def test_a_misspelled_key_gets_the_nearest_key(tmp_path: Path) -> None:
     out = _run(tmp_path, "model.d_modle=64")
     assert out.returncode == 2 and "did you mean model.d_model?" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_keys_that_must_be_set_are_known_keys() -> None:
+    """``???`` keys (a DictConfig says they are not "in" it) are the ones a user must set:
+    the README's own-data commands were refused as misspelled (#38)."""
+    from posenc.cli import misspelled_keys
+
+    conf = ROOT / "conf"
+    assert misspelled_keys(["data=text_files", "data.source.train=a.txt",
+                            "data.source.val=b.txt"], conf) == []
+    assert misspelled_keys(["task=mt", "data=parallel_files", "data.source.train_src=a",
+                            "data.source.train_tgt=b", "data.source.val_src=c",
+                            "data.source.val_tgt=d"], conf) == []
+    assert misspelled_keys(["data=text_files", "data.source.trian=a.txt"], conf) == [
+        "data.source.trian: no such key; did you mean data.source.train?"]
+    # A misspelled group or top-level key: Hydra's "not in struct" named no alternative.
+    assert misspelled_keys(["encodr=rope", "seeed=1", "seed=2"], conf) == [
+        "encodr: no such key or config group; did you mean encoder?",
+        "seeed: no such key or config group; did you mean seed?"]
