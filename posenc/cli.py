@@ -93,8 +93,9 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
         if o.type is not OverrideType.CHANGE or key in groups:
             continue
         if "." not in key:  # a top-level key or a config group (encoder=, task=, ...)
-            if key not in cfg.keys():  # noqa: SIM118 (see below)
-                close = difflib.get_close_matches(key, sorted(groups | set(cfg.keys())), n=1)
+            top = {str(k) for k in cfg.keys()}  # noqa: SIM118 (see below)
+            if key not in top:
+                close = difflib.get_close_matches(key, sorted(groups | top), n=1)
                 hint = f"did you mean {close[0]}?" if close else "see python run.py --help"
                 found.append(f"{key}: no such key or config group; {hint}")
             continue
