@@ -57,7 +57,8 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
     key: Hydra would refuse them with "not in struct" and no suggestion.
 
     The config is composed with the command's group choices (a sweep's first value of
-    each); anything this check cannot parse is left to Hydra.
+    each, then a sweep preset's own first values); anything this check cannot parse is
+    left to Hydra.
 
     Args:
         overrides: The command line's overrides (``model.d_modle=3``).
@@ -84,7 +85,15 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
             choices.append(f"{o.key_or_group}={value}")
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            cfg = compose("config", overrides=choices)
+            cfg = compose("config", overrides=choices, return_hydra_config=True)
+            # A sweep preset's own grid (hydra.sweeper.params, e.g. sweep=mt_length sets
+            # task=mt): its first value of each group the command line leaves open.
+            given = {c.partition("=")[0] for c in choices}
+            params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+            more = [f"{k}={str(v).split(',')[0].strip()}" for k, v in params.items()
+                    if k in groups and k not in given]
+            if more:
+                cfg = compose("config", overrides=[*choices, *more])
     except Exception:
         return []
     found = []

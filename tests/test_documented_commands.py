@@ -4,8 +4,9 @@ with only size overrides appended (steps, lengths, model size; never ``hydra.run
 ``hydra.sweep.dir``), and must exit 0 with a result (#38).
 
 - Each document's commands run in document order in one folder, empty at its first
-  command, so a later command's placeholder (``<run>``, ``<date>``) is what an earlier one
-  produced there, as a reader following the page would have it.
+  command, so a later command's placeholder is what an earlier one produced there, as a
+  reader following the page would have it: ``<date>``/``<dir>`` the newest sweep,
+  ``<run>`` the page's first run of that task and encoder on the same data.
 - A size override is appended only for a key the command does not set itself; a sweep
   over ``task=lm,mt`` runs as its two halves, each with its task's sizes.
 - Commands that need a GPU, SLURM or a download are skipped by name with the reason.
@@ -208,9 +209,10 @@ def sized(c: Command, kind: str, args: list[str]) -> list[str]:
     args = [f"task={kind}" if a.startswith("task=") and "," in a else a for a in args]
     given = {_key(a) for a in args}
     sizes = [s for s in SIZES[kind] if _key(s) not in given]
-    if "passkey" in " ".join(args) and "task.seq_len" not in given:
-        # the passkey prompt (filler, key, question) needs more than 16 characters
-        sizes = [s for s in sizes if not s.startswith("task.seq_len=")] + ["task.seq_len=64"]
+    if "passkey" in " ".join(args):
+        # a passkey instance (filler, key, question) needs about 70 characters: keep the
+        # task's own 128
+        sizes = [s for s in sizes if not s.startswith("task.seq_len=")]
     return [*args, *sizes] if c.words[1] == "run.py" else args
 
 
@@ -222,6 +224,18 @@ def _newest(paths: list[Path], what: str, c: Command) -> Path:
 
 def _setting(words: list[str], key: str, default: str) -> str:
     return next((w.split("=", 1)[1] for w in words if w.startswith(f"{key}=")), default)
+
+
+def _data(words: list[str]) -> set[str]:
+    """The data and tokenizer overrides of a command (empty: the task's defaults)."""
+    return {w for w in words if w.startswith(("data=", "data.", "tokenizer"))}
+
+
+def _data_of(run: Path) -> set[str]:
+    """:func:`_data` of the run in ``run`` (its recorded overrides)."""
+    record = run / ".hydra" / "overrides.yaml"
+    lines = record.read_text().splitlines() if record.is_file() else []
+    return _data([line.removeprefix("- ").strip().strip("'\"") for line in lines])
 
 
 def resolve(c: Command, folder: Path) -> list[str]:
@@ -242,7 +256,12 @@ def resolve(c: Command, folder: Path) -> list[str]:
                 pattern = path.replace("<run>", "*")  # outputs/lm/rope/<run>/...
             else:
                 pattern = f"outputs/{task}/{encoder}/*/checkpoints/best.ckpt"
-            ckpt = _newest(list(folder.glob(pattern)), f"a run for {pattern}", c)
+            same = [p for p in folder.glob(pattern) if _data_of(p.parent.parent) == _data(words)]
+            # the page's first such run: where a page writes <run>, it means its main job
+            ckpt = min(
+                same or [_newest(same, f"a run for {pattern} on the same data", c)],
+                key=lambda p: p.stat().st_mtime,
+            )
             w = w[: len(w) - len(path)] + str(ckpt) if eq else str(ckpt)
         out.append(w)
     return out
@@ -280,8 +299,11 @@ def check_result(
     else:
         new = set(folder.rglob("metrics.json")) - before
         assert new, f"no new metrics.json: {said}"
-        if "-m" in words[:3]:
-            errors = list(folder.rglob("error.json"))
+        if "-m" in words[:3]:  # every job of the sweep: its newest directory
+            sweep = max(
+                (folder / "outputs" / "multirun").iterdir(), key=lambda p: p.stat().st_mtime
+            )
+            errors = list(sweep.glob("*/error.json"))
             assert not errors, f"{errors[0].read_text()[:2000]}\n{said}"
 
 

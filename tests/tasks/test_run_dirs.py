@@ -110,6 +110,10 @@ def test_keys_that_must_be_set_are_known_keys() -> None:
                             "data.source.val_tgt=d"], conf) == []
     assert misspelled_keys(["data=text_files", "data.source.trian=a.txt"], conf) == [
         "data.source.trian: no such key; did you mean data.source.train?"]
+    # A sweep preset's own grid picks the task: its keys are known keys (#38).
+    assert misspelled_keys(["sweep=mt_length", "task.max_len=64"], conf) == []
+    assert misspelled_keys(["sweep=mt_length", "task.max_lne=64"], conf) == [
+        "task.max_lne: no such key; did you mean task.max_len?"]
     # A misspelled group or top-level key: Hydra's "not in struct" named no alternative.
     assert misspelled_keys(["encodr=rope", "seeed=1", "seed=2"], conf) == [
         "encodr: no such key or config group; did you mean encoder?",
