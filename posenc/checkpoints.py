@@ -48,7 +48,7 @@ RESUME_MAY_CHANGE = (
     "trainer.enable_model_summary", "task.eval", "task.eval_batch_size", "task.decode",
     "task.eval_split", "task.eval_max_sentences", "task.samples", "task.val_bleu_sentences",
     "checkpoint_every_n_steps", "paths", "resume", "ckpt_path", "eval_only", "init_from",
-    "model.compile", "model.score_budget_mib", "threads",
+    "model.compile", "model.score_budget_mib", "threads", "task.learned",
 )
 
 #: Training settings that do nothing in an ``eval_only`` run: given there with another
@@ -59,6 +59,7 @@ NO_EFFECT_IN_EVAL = (
     "trainer.val_check_interval", "trainer.check_val_every_n_epoch",
     "trainer.accumulate_grad_batches", "model.dropout", "model.random_positions", "seed",
     "checkpoint_every_n_steps", "task.passkey_mix", "task.passkey_answer_weight",
+    "task.learned", "tuned",
 )
 
 #: Keys added after checkpoints were first written, with the value that behaves as an

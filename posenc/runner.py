@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from posenc import checkpoints
 from posenc.errors import RunDirError
+from posenc.tasks import gate
 from posenc.tasks.callbacks import PlainProgress, Throughput
 
 log = logging.getLogger(__name__)
@@ -211,12 +213,15 @@ def run_state(trainer: pl.Trainer) -> RunState:
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
-                  tokenizer: tuple[str, ...] | None = None) -> pl.Trainer:
+                  tokenizer: tuple[str, ...] | None = None,
+                  extra: Sequence[pl.Callback] = ()) -> pl.Trainer:
     """Lightning Trainer from ``cfg.trainer`` plus posenc's logger and callbacks.
 
     Checkpoints (:mod:`posenc.checkpoints`: atomic, checksummed, replaced in place):
     ``best.ckpt`` by the task's ``monitor`` metric at each validation, and ``last.ckpt``
     every ``checkpoint_every_n_steps`` steps and at the end of training, for resuming.
+    With ``task.learned`` set, the learnability gate (:mod:`posenc.tasks.gate`) watches
+    every validation.
 
     Args:
         cfg: The run's config.
@@ -224,6 +229,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
         throughput: The throughput callback the job reads.
         tokenizer: The tokenizer's fingerprints (:func:`posenc.data.tokenizers.fingerprints`):
             the first is recorded in every checkpoint, and a resumed one must carry one.
+        extra: The task's own callbacks (e.g. a validation metric the gate watches).
     """
     logger = TensorBoardLogger(
         save_dir=str(run_dir), name="tb", version="", default_hp_metric=False
@@ -248,7 +254,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
         LearningRateMonitor(logging_interval="step"),
         RunState(checkpoints.record(cfg, tokenizer[0] if tokenizer else None), tokenizer),
         throughput,
+        *extra,
     ]
+    learned = gate.callback(cfg)
+    if learned is not None:
+        callbacks.append(learned)
     progress = cfg.trainer.get("enable_progress_bar", True)
     if progress and sys.stdout.isatty():
         callbacks.append(RichProgressBar())

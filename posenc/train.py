@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posenc import checkpoints
+from posenc import checkpoints, tuned
 from posenc.config import validate
 from posenc.runner import guard_run_dir, quiet_third_party, record_job, resume_checkpoint
 
@@ -51,6 +51,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         The metrics dictionary written to ``<run dir>/metrics.json``.
     """
     quiet_third_party()
+    tuned.apply(cfg)  # +tuned=<report dir>: this encoder's tuned lr, before the checks
     validate(cfg)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ from posenc.runner import (
     write_json_atomic,
 )
 from posenc.summary import summary
-from posenc.tasks import lm_passkey
+from posenc.tasks import gate, lm_passkey
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
 from posenc.tasks.lm import Extension, LMTask
 
@@ -121,7 +121,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     tokenizer = fingerprints(dm.tokenizer)
     task = lm_task(cfg, dm.vocab_size, tokenizer)
     throughput = Throughput()
-    trainer = build_trainer(cfg, run_dir, throughput, tokenizer)
+    trainer = build_trainer(cfg, run_dir, throughput, tokenizer,
+                            lm_passkey.validation_callbacks(cfg, dm))
     t0 = time.perf_counter()
     if not cfg.eval_only:
         trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
@@ -248,6 +249,7 @@ def finish_lm(
         "skipped": skipped,
         "loss_by_position": by_position,
         "passkey": passkey_block,
+        **gate.result(cfg, trainer, val),  # gate, learned, learned_step
         "n_params": task.n_params,
         "train_steps": trainer.global_step,
         "train_time_s": round(train_time, 2),
