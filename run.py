@@ -18,8 +18,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    typos = misspelled_keys([a for a in sys.argv[1:] if not a.startswith("-")],
-                            Path(__file__).parent / "conf")
+    typos = misspelled_keys(
+        [a for a in sys.argv[1:] if not a.startswith("-")], Path(__file__).parent / "conf"
+    )
     if typos:
         print("error: " + "\n  ".join(["unknown keys:", *typos]), file=sys.stderr)
         sys.exit(2)

@@ -45,8 +45,21 @@ from posenc.report_tune import Grid, arm_note, assign_arms, grid_table, grids, w
 
 #: Compute columns: averaged over a group's runs so comparisons can be compute-matched.
 COST_KEYS = ("n_params", "tokens_per_s", "peak_memory_mb", "train_time_s")
-CSV_FIELDS = ("task", "encoder", "metric", "mean", "std", "ci95", "n", "skipped",
-              "dropped_not_learned", "learned", "mark", "p_vs_best", *COST_KEYS)
+CSV_FIELDS = (
+    "task",
+    "encoder",
+    "metric",
+    "mean",
+    "std",
+    "ci95",
+    "n",
+    "skipped",
+    "dropped_not_learned",
+    "learned",
+    "mark",
+    "p_vs_best",
+    *COST_KEYS,
+)
 
 
 # ----------------------------------------------------------------------------- collecting
@@ -70,8 +83,11 @@ def _hydra_record(d: Path) -> dict[str, Any]:
     try:
         choices = OmegaConf.load(d / ".hydra" / "hydra.yaml").hydra.runtime.choices
         seed = cast(DictConfig, OmegaConf.load(d / ".hydra" / "config.yaml")).get("seed")
-        return {"task": choices.get("task", "?"), "encoder": choices.get("encoder", "?"),
-                "seed": seed}
+        return {
+            "task": choices.get("task", "?"),
+            "encoder": choices.get("encoder", "?"),
+            "seed": seed,
+        }
     except Exception:  # any damage: the directory is still listed, just unlabelled
         return {}
 
@@ -111,9 +127,15 @@ def collect(root: Path, exclude: Path | None = None) -> tuple[list[Run], list[Fa
         metrics, error = d / "metrics.json", d / "error.json"
         source = metrics if metrics.exists() else error if error.exists() else None
         if source is None:
-            failures.append(Failure(
-                d, "missing", "no metrics.json and no error.json: killed (e.g. by the OOM "
-                f"killer), or still running; {_last_log_line(d)}", **_hydra_record(d)))
+            failures.append(
+                Failure(
+                    d,
+                    "missing",
+                    "no metrics.json and no error.json: killed (e.g. by the OOM "
+                    f"killer), or still running; {_last_log_line(d)}",
+                    **_hydra_record(d),
+                )
+            )
             continue
         try:
             data = json.loads(source.read_text())
@@ -125,10 +147,16 @@ def collect(root: Path, exclude: Path | None = None) -> tuple[list[Run], list[Fa
         if source is metrics:
             runs.append(Run(d, data))
         else:
-            failures.append(Failure(
-                d, "failed", f"{data.get('error_type', 'Error')}: {data.get('message', '')}",
-                task=str(data.get("task", "?")), encoder=str(data.get("encoder", "?")),
-                seed=data.get("seed")))
+            failures.append(
+                Failure(
+                    d,
+                    "failed",
+                    f"{data.get('error_type', 'Error')}: {data.get('message', '')}",
+                    task=str(data.get("task", "?")),
+                    encoder=str(data.get("encoder", "?")),
+                    seed=data.get("seed"),
+                )
+            )
     return runs, failures
 
 
@@ -154,8 +182,21 @@ def aggregate(runs: Sequence[Run]) -> list[Row]:
             present = [r.data["metrics"][name] for r in having if r.counts(name)]
             mean, std, n, skipped = summarize(present)
             values, _ = finite_values(present)
-            rows.append(Row(task, encoder, name, mean, std, n, skipped, cost, values,
-                            ci95(values), dropped=len(having) - len(present)))
+            rows.append(
+                Row(
+                    task,
+                    encoder,
+                    name,
+                    mean,
+                    std,
+                    n,
+                    skipped,
+                    cost,
+                    values,
+                    ci95(values),
+                    dropped=len(having) - len(present),
+                )
+            )
     mark_rows(rows)
     return rows
 
@@ -199,13 +240,16 @@ def config_differences(runs: Sequence[Run]) -> list[str]:
         flat = [_flatten(r.data.get("config", {})) for r in rs]
         keys = set().union(*flat) if flat else set()
         differ = sorted(
-            k for k in keys
+            k
+            for k in keys
             if not k.startswith(("paths.", "seed", "hydra.", "ckpt_path", "eval_only", "resume"))
             and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flat}) > 1
         )
         if differ:
-            notes.append(f"{task}/{encoder}: runs differ in {', '.join(differ[:8])}"
-                         + (" ..." if len(differ) > 8 else ""))
+            notes.append(
+                f"{task}/{encoder}: runs differ in {', '.join(differ[:8])}"
+                + (" ..." if len(differ) > 8 else "")
+            )
     return notes
 
 
@@ -240,9 +284,23 @@ def write_csv(rows: Sequence[Row], path: Path, learned: dict[tuple[str, str], st
         w.writerow(CSV_FIELDS)
         for r in rows:
             cost = [_num(r.cost.get(k)) for k in COST_KEYS]
-            w.writerow([r.task, r.encoder, r.metric, _num(r.mean), _num(r.std), _num(r.ci95),
-                        r.n, r.skipped, r.dropped, learned.get((r.task, r.encoder), ""),
-                        r.mark, _num(r.p), *cost])
+            w.writerow(
+                [
+                    r.task,
+                    r.encoder,
+                    r.metric,
+                    _num(r.mean),
+                    _num(r.std),
+                    _num(r.ci95),
+                    r.n,
+                    r.skipped,
+                    r.dropped,
+                    learned.get((r.task, r.encoder), ""),
+                    r.mark,
+                    _num(r.p),
+                    *cost,
+                ]
+            )
 
 
 def _cell(r: Row, n_runs: int) -> str:
@@ -295,16 +353,26 @@ def _notes(rs: Sequence[Run]) -> list[str]:
     return [f"> **{k}**: {v}  " for k, v in seen.items()]
 
 
-def markdown(roots: Sequence[Path], runs: Sequence[Run], failures: Sequence[Failure],
-             rows: Sequence[Row], figures: Sequence[Path],
-             lr_grids: Sequence[Grid] = (), tuned: Path | None = None) -> str:
+def markdown(
+    roots: Sequence[Path],
+    runs: Sequence[Run],
+    failures: Sequence[Failure],
+    rows: Sequence[Row],
+    figures: Sequence[Path],
+    lr_grids: Sequence[Grid] = (),
+    tuned: Path | None = None,
+) -> str:
     """The text of ``report.md``."""
-    out = [f"# Sweep report: {', '.join(f'`{r}`' for r in roots)}", "",
-           f"{len(runs)} finished, {sum(f.status == 'failed' for f in failures)} failed, "
-           f"{sum(f.status != 'failed' for f in failures)} missing or unreadable. "
-           f"Tables: mean ± 95% confidence interval over seeds, ties with the best in bold; "
-           f"`All metrics`: mean, sample std (n-1), CI, n; skipped = NaN (a length the "
-           f"encoder cannot run). Generated {datetime.now():%Y-%m-%d %H:%M}.", ""]
+    out = [
+        f"# Sweep report: {', '.join(f'`{r}`' for r in roots)}",
+        "",
+        f"{len(runs)} finished, {sum(f.status == 'failed' for f in failures)} failed, "
+        f"{sum(f.status != 'failed' for f in failures)} missing or unreadable. "
+        f"Tables: mean ± 95% confidence interval over seeds, ties with the best in bold; "
+        f"`All metrics`: mean, sample std (n-1), CI, n; skipped = NaN (a length the "
+        f"encoder cannot run). Generated {datetime.now():%Y-%m-%d %H:%M}.",
+        "",
+    ]
     by_group = groups(runs)
     tasks = sorted({t for t, _ in by_group})
     for task in tasks:
@@ -315,21 +383,58 @@ def markdown(roots: Sequence[Path], runs: Sequence[Run], failures: Sequence[Fail
         if any(r.lr is not None for r in task_runs):
             out += [arm_note(task_runs), ""]
         out += ["Compute (means over runs):", ""]
-        out += _table(["encoder", "runs", "params", "tokens/s", "peak MB", "train s"],
-                      ([e, len(rs), *(fmt(task_rows_cost(task_rows, e, k), 6) for k in COST_KEYS)]
-                       for e, rs in task_groups.items()))
+        out += _table(
+            ["encoder", "runs", "params", "tokens/s", "peak MB", "train s"],
+            (
+                [e, len(rs), *(fmt(task_rows_cost(task_rows, e, k), 6) for k in COST_KEYS)]
+                for e, rs in task_groups.items()
+            ),
+        )
         gated = any(learned_cell(rs) for rs in task_groups.values())
-        out += ["", "Test metrics (`rope+yarn`: the same runs evaluated with a RoPE "
-                "context-extension method):", ""]
+        out += [
+            "",
+            "Test metrics (`rope+yarn`: the same runs evaluated with a RoPE "
+            "context-extension method):",
+            "",
+        ]
         out += _test_table(task_groups, task_rows, gated)
-        out += ["", STATS_NOTE + "  ", *([LEARNED_NOTE + "  "] if gated else []),
-                *_notes(task_runs), ""]
+        out += [
+            "",
+            STATS_NOTE + "  ",
+            *([LEARNED_NOTE + "  "] if gated else []),
+            *_notes(task_runs),
+            "",
+        ]
         out += ["<details><summary>All metrics</summary>", ""]
-        out += _table(["encoder", "metric", "mean", "std", "ci95", "n", "skipped",
-                       "not learned", "mark", "p vs best"],
-                      ([r.encoder, r.metric, fmt(r.mean, 6), fmt(r.std, 4), fmt(r.ci95, 4), r.n,
-                        r.skipped, r.dropped, r.mark, fmt(r.p, 3)]
-                       for r in task_rows))
+        out += _table(
+            [
+                "encoder",
+                "metric",
+                "mean",
+                "std",
+                "ci95",
+                "n",
+                "skipped",
+                "not learned",
+                "mark",
+                "p vs best",
+            ],
+            (
+                [
+                    r.encoder,
+                    r.metric,
+                    fmt(r.mean, 6),
+                    fmt(r.std, 4),
+                    fmt(r.ci95, 4),
+                    r.n,
+                    r.skipped,
+                    r.dropped,
+                    r.mark,
+                    fmt(r.p, 3),
+                ]
+                for r in task_rows
+            ),
+        )
         out += ["", "</details>", ""]
         out += [f"![{p.stem}]({p.name})" for p in figures if _figure_task(p, tasks) == task]
         out += [""]
@@ -341,22 +446,36 @@ def markdown(roots: Sequence[Path], runs: Sequence[Run], failures: Sequence[Fail
         for g in lr_grids:
             out += [f"### {g.task}", "", *grid_table(g), ""]
         if tuned is not None:
-            out += [f"The chosen rates are in `{tuned}`; give them to any sweep with "
-                    f"`+tuned={tuned.parent}`.", ""]
+            out += [
+                f"The chosen rates are in `{tuned}`; give them to any sweep with "
+                f"`+tuned={tuned.parent}`.",
+                "",
+            ]
     differ = config_differences(runs)
     if differ:
         out += ["## Warning: mixed configs averaged together", "", *[f"- {d}" for d in differ], ""]
     if failures:
         out += ["## Failed and missing runs", ""]
-        out += _table(["run", "status", "task", "encoder", "seed", "error"],
-                      ([_rel(f.dir, roots), f.status, f.task, f.encoder,
-                        "" if f.seed is None else f.seed,
-                        _one_line(f.error)]
-                       for f in failures))
+        out += _table(
+            ["run", "status", "task", "encoder", "seed", "error"],
+            (
+                [
+                    _rel(f.dir, roots),
+                    f.status,
+                    f.task,
+                    f.encoder,
+                    "" if f.seed is None else f.seed,
+                    _one_line(f.error),
+                ]
+                for f in failures
+            ),
+        )
         out += [""]
     if not runs and not failures:
-        out += [f"No metrics.json or error.json found below "
-                f"{', '.join(f'`{r}`' for r in roots)}.", ""]
+        out += [
+            f"No metrics.json or error.json found below {', '.join(f'`{r}`' for r in roots)}.",
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -367,8 +486,9 @@ def _figure_task(path: Path, tasks: Sequence[str]) -> str | None:
     return max(found, key=len) if found else None
 
 
-def _test_table(task_groups: dict[str, list[Run]], task_rows: Sequence[Row],
-                gated: bool = False) -> list[str]:
+def _test_table(
+    task_groups: dict[str, list[Run]], task_rows: Sequence[Row], gated: bool = False
+) -> list[str]:
     """Encoders as rows, test metrics as columns; each context-extension method of an
     encoder is a row of its own (``rope+yarn``) under the plain metric's column. With a
     learnability gate, a ``learned`` column (k of n runs)."""
@@ -387,8 +507,15 @@ def _test_table(task_groups: dict[str, list[Run]], task_rows: Sequence[Row],
         for ext in sorted(extensions.get(e, {""})):
             label = f"{e}+{ext}" if ext else e
             head = [label, *([learned_cell(rs)] if gated else []), len(rs)]
-            body.append([*head, *(_cell(cells[label, m], len(rs)) if (label, m) in cells
-                                  else "" for m in metrics)])
+            body.append(
+                [
+                    *head,
+                    *(
+                        _cell(cells[label, m], len(rs)) if (label, m) in cells else ""
+                        for m in metrics
+                    ),
+                ]
+            )
     return _table(["encoder", *(["learned"] if gated else []), "n", *metrics], body)
 
 
@@ -418,8 +545,9 @@ class Report:
     files: list[Path]
 
 
-def build_report(root: Path | Sequence[Path], out: Path | None = None,
-                 tensorboard: bool = True) -> Report:
+def build_report(
+    root: Path | Sequence[Path], out: Path | None = None, tensorboard: bool = True
+) -> Report:
     """Collect, aggregate and write the report.
 
     Args:
@@ -474,11 +602,14 @@ def build_report(root: Path | Sequence[Path], out: Path | None = None,
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m posenc.report", description=__doc__)
-    parser.add_argument("dir", type=Path, nargs="+",
-                        help="sweep directory or outputs/ (searched recursively); several: "
-                             "one report over all of them (needs --out)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output dir (default <dir>/report)")
+    parser.add_argument(
+        "dir",
+        type=Path,
+        nargs="+",
+        help="sweep directory or outputs/ (searched recursively); several: "
+        "one report over all of them (needs --out)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="output dir (default <dir>/report)")
     parser.add_argument("--no-tensorboard", action="store_true", help="skip <out>/tb")
     args = parser.parse_args(argv)
     try:
@@ -487,8 +618,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     status = Counter(f.status for f in rep.failures)
-    print(f"{len(rep.runs)} runs, {dict(status) or 'no failures'}; wrote "
-          + ", ".join(str(p) for p in rep.files))
+    print(
+        f"{len(rep.runs)} runs, {dict(status) or 'no failures'}; wrote "
+        + ", ".join(str(p) for p in rep.files)
+    )
     return 0
 
 

@@ -48,8 +48,9 @@ def _most_common(values: Sequence[Any]) -> Any:
     return Counter(values).most_common(1)[0][0] if values else None
 
 
-def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
-                  train_len: int | None, title: str) -> Figure:
+def ppl_vs_length(
+    panels: Mapping[str, Mapping[str, Mapping[int, Point]]], train_len: int | None, title: str
+) -> Figure:
     """Log-log perplexity against length, one line per encoder, one panel per protocol.
 
     Args:
@@ -57,15 +58,22 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
         train_len: Training length, drawn as a vertical line (None: not drawn).
         title: Figure title.
     """
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4), squeeze=False)
     color = colours([e for curves in panels.values() for e in curves])
     for ax, (kind, curves) in zip(axes[0], panels.items(), strict=True):
         for encoder, points in curves.items():
             xs = sorted(points)
-            ax.errorbar(xs, [points[x][0] for x in xs],
-                        yerr=[points[x][1] or 0.0 for x in xs], marker="o", ms=3, capsize=3,
-                        ls="--" if "+" in encoder else "-", color=color[encoder], label=encoder)
+            ax.errorbar(
+                xs,
+                [points[x][0] for x in xs],
+                yerr=[points[x][1] or 0.0 for x in xs],
+                marker="o",
+                ms=3,
+                capsize=3,
+                ls="--" if "+" in encoder else "-",
+                color=color[encoder],
+                label=encoder,
+            )
         if train_len:
             ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"train {train_len}")
         ax.set_xscale("log", base=2)
@@ -78,7 +86,8 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         low, high = ax.get_ylim()
         ax.yaxis.set_minor_formatter(
-            FuncFormatter(lambda v, _: f"{v:.3g}") if high < 10 * low else NullFormatter())
+            FuncFormatter(lambda v, _: f"{v:.3g}") if high < 10 * low else NullFormatter()
+        )
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel(f"{kind} (mean ± std over seeds)")
         ax.set_title(kind, fontsize=9)
@@ -89,8 +98,9 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             named.setdefault(label, handle)
-    axes[0][-1].legend(list(named.values()), list(named), fontsize=7, loc="upper left",
-                       bbox_to_anchor=(1.02, 1.0))
+    axes[0][-1].legend(
+        list(named.values()), list(named), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0)
+    )
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
@@ -106,8 +116,9 @@ def colours(names: Sequence[str]) -> dict[str, Any]:
     return {name: palette[i % len(palette)] for i, name in enumerate(unique)}
 
 
-def loss_by_position(curves: Mapping[str, Sequence[float]], train_len: int | None,
-                     title: str, points: int = 256) -> Figure:
+def loss_by_position(
+    curves: Mapping[str, Sequence[float]], train_len: int | None, title: str, points: int = 256
+) -> Figure:
     """Mean loss against position in the window, averaged into at most ``points`` bins.
 
     Args:
@@ -121,7 +132,7 @@ def loss_by_position(curves: Mapping[str, Sequence[float]], train_len: int | Non
     for label, ys in curves.items():
         width = max(1, math.ceil(len(ys) / points))
         xs = [i + (min(width, len(ys) - i) - 1) / 2 for i in range(0, len(ys), width)]
-        means = [sum(ys[i:i + width]) / len(ys[i:i + width]) for i in range(0, len(ys), width)]
+        means = [sum(ys[i : i + width]) / len(ys[i : i + width]) for i in range(0, len(ys), width)]
         ax.plot(xs, means, lw=1.2, color=color[label], label=label)
     if train_len:
         ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"train {train_len}")
@@ -134,8 +145,12 @@ def loss_by_position(curves: Mapping[str, Sequence[float]], train_len: int | Non
     return fig
 
 
-def bleu_by_bucket(bars: Mapping[str, Mapping[str, Point]], buckets: Sequence[str],
-                   train_max: int | None, title: str) -> Figure:
+def bleu_by_bucket(
+    bars: Mapping[str, Mapping[str, Point]],
+    buckets: Sequence[str],
+    train_max: int | None,
+    title: str,
+) -> Figure:
     """Grouped bars: BLEU per source-length bucket, one bar per encoder, std error bars.
 
     Args:
@@ -151,14 +166,25 @@ def bleu_by_bucket(bars: Mapping[str, Mapping[str, Point]], buckets: Sequence[st
         xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(buckets))]
         means = [values.get(b, (math.nan, None))[0] for b in buckets]
         stds = [values.get(b, (math.nan, None))[1] or 0.0 for b in buckets]
-        ax.bar(xs, [0.0 if math.isnan(m) else m for m in means], width, yerr=stds, capsize=2,
-               label=encoder)
+        ax.bar(
+            xs,
+            [0.0 if math.isnan(m) else m for m in means],
+            width,
+            yerr=stds,
+            capsize=2,
+            label=encoder,
+        )
     if train_max is not None:
         starts = [_bucket_start(b) for b in buckets]
         beyond = [j for j, s in enumerate(starts) if s > train_max]
         if beyond:
-            ax.axvline(beyond[0] - 0.5, color="grey", ls="--", lw=1,
-                       label=f"beyond training max {train_max}")
+            ax.axvline(
+                beyond[0] - 0.5,
+                color="grey",
+                ls="--",
+                lw=1,
+                label=f"beyond training max {train_max}",
+            )
     ax.set_xticks(range(len(buckets)), [b.removeprefix("len") for b in buckets])
     ax.set_xlabel("source length (tokens)")
     ax.set_ylabel("BLEU (mean ± std over seeds)")
@@ -200,19 +226,27 @@ def _points(rows: Sequence[Row], task: str, prefix: str) -> dict[str, dict[str, 
     out: dict[str, dict[str, Point]] = {}
     for r in rows:
         if r.task == task and r.metric.startswith(prefix) and r.mean is not None:
-            out.setdefault(r.encoder, {})[r.metric[len(prefix):]] = (r.mean, r.std)
+            out.setdefault(r.encoder, {})[r.metric[len(prefix) :]] = (r.mean, r.std)
     return out
 
 
 def _extensions(rows: Sequence[Row], split: str, task: str = "lm") -> list[str]:
     """RoPE context-extension methods among the LM metrics of ``split`` (``yarn`` from
     ``test/ppl+yarn@64``), sorted."""
-    return sorted({ext for r in rows if r.task == task and r.metric.startswith(f"{split}/")
-                   for ext in [split_extension(r.metric)[1]] if ext})
+    return sorted(
+        {
+            ext
+            for r in rows
+            if r.task == task and r.metric.startswith(f"{split}/")
+            for ext in [split_extension(r.metric)[1]]
+            if ext
+        }
+    )
 
 
-def _length_curves(rows: Sequence[Row], split: str, kind: str, extensions: Sequence[str],
-                   task: str = "lm") -> dict[str, dict[int, Point]]:
+def _length_curves(
+    rows: Sequence[Row], split: str, kind: str, extensions: Sequence[str], task: str = "lm"
+) -> dict[str, dict[int, Point]]:
     """``encoder`` and ``encoder+method`` -> length -> (mean, std) of one protocol."""
     out: dict[str, dict[int, Point]] = {}
     for ext in ["", *extensions]:
@@ -225,12 +259,14 @@ def _length_curves(rows: Sequence[Row], split: str, kind: str, extensions: Seque
     order: dict[str, int] = {}
     for label in out:
         order.setdefault(label.partition("+")[0], len(order))
-    return dict(sorted(out.items(), key=lambda kv: (order[kv[0].partition("+")[0]],
-                                                    "+" in kv[0], kv[0])))
+    return dict(
+        sorted(out.items(), key=lambda kv: (order[kv[0].partition("+")[0]], "+" in kv[0], kv[0]))
+    )
 
 
-def _lm_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]],
-                rows: Sequence[Row]) -> dict[str, Figure]:
+def _lm_figures(
+    runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]], rows: Sequence[Row]
+) -> dict[str, Figure]:
     """The LM figures of each LM table (``lm``, or ``lm_same_lr`` and ``lm_tuned_lr``)."""
     figs: dict[str, Figure] = {}
     for task in sorted({r.task for r in runs if r.base_task == "lm"}):
@@ -238,9 +274,12 @@ def _lm_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence
     return figs
 
 
-def _lm_task_figures(task: str, lm: Sequence[Run],
-                     by_group: Mapping[tuple[str, str], Sequence[Run]],
-                     rows: Sequence[Row]) -> dict[str, Figure]:
+def _lm_task_figures(
+    task: str,
+    lm: Sequence[Run],
+    by_group: Mapping[tuple[str, str], Sequence[Run]],
+    rows: Sequence[Row],
+) -> dict[str, Figure]:
     train_len = _most_common([r.data.get("seq_len") for r in lm])
     labels = _labels(by_group, task)
     figs: dict[str, Figure] = {}
@@ -254,30 +293,41 @@ def _lm_task_figures(task: str, lm: Sequence[Run],
                 panels[f"{split}/{kind}"] = _relabel(curves, labels)
         if panels:
             figs[f"{task}_{split}_ppl_vs_length"] = ppl_vs_length(
-                panels, train_len, f"LM {split} perplexity by evaluation length")
+                panels, train_len, f"LM {split} perplexity by evaluation length"
+            )
         by_position: dict[str, list[float]] = {}
         for (t, encoder), rs in by_group.items():
             if t != task:
                 continue
             for suffix in ["", *(f"+{ext}" for ext in extensions)]:
-                names = {n for r in rs for n in r.data.get("loss_by_position", {})
-                         if n.startswith(f"{split}/ppl{suffix}@") and r.counts(n)}
+                names = {
+                    n
+                    for r in rs
+                    for n in r.data.get("loss_by_position", {})
+                    if n.startswith(f"{split}/ppl{suffix}@") and r.counts(n)
+                }
                 if not names:
                     continue
                 longest = max(names, key=lambda n: int(n.rsplit("@", 1)[1]))
-                arrays = [r.data["loss_by_position"][longest] for r in rs
-                          if longest in r.data.get("loss_by_position", {}) and r.counts(longest)]
+                arrays = [
+                    r.data["loss_by_position"][longest]
+                    for r in rs
+                    if longest in r.data.get("loss_by_position", {}) and r.counts(longest)
+                ]
                 label = next(iter(_relabel({f"{encoder}{suffix}": 0}, labels)))
                 label += f" (L={longest.rsplit('@', 1)[1]}, n={len(arrays)})"
                 by_position[label] = [sum(col) / len(col) for col in zip(*arrays, strict=False)]
         if by_position:
             figs[f"{task}_{split}_loss_by_position"] = loss_by_position(
-                by_position, train_len, f"LM {split}: loss by position at the longest length")
+                by_position, train_len, f"LM {split}: loss by position at the longest length"
+            )
         means = passkey_means({k: v for k, v in by_group.items() if k[0] == task}, split)
         if means:
             figs[f"{task}_{split}_passkey"] = passkey_heatmaps(
-                means, train_len, f"LM {split}: passkey accuracy by length and needle depth "
-                f"(mean over seeds)")
+                means,
+                train_len,
+                f"LM {split}: passkey accuracy by length and needle depth (mean over seeds)",
+            )
     return figs
 
 
@@ -287,8 +337,9 @@ def _lm_task_figures(task: str, lm: Sequence[Run],
 PasskeyMean = tuple[list[int], list[float], list[list[float]], int, list[str]]
 
 
-def passkey_means(by_group: Mapping[tuple[str, str], Sequence[Run]],
-                  split: str) -> dict[str, PasskeyMean]:
+def passkey_means(
+    by_group: Mapping[tuple[str, str], Sequence[Run]], split: str
+) -> dict[str, PasskeyMean]:
     """Per LM encoder, the mean over its runs of the passkey accuracy grid of ``split``.
 
     A cell's mean is over the runs with a finite value there (NaN: a length the encoder
@@ -301,10 +352,17 @@ def passkey_means(by_group: Mapping[tuple[str, str], Sequence[Run]],
         have = have if task.startswith("lm") else []
         if not have:
             continue
-        shape = _most_common([(tuple(r.data["passkey"]["lengths"]),
-                               tuple(r.data["passkey"]["depths"])) for r in have])
-        grids = [r for r in have if (tuple(r.data["passkey"]["lengths"]),
-                                     tuple(r.data["passkey"]["depths"])) == shape]
+        shape = _most_common(
+            [
+                (tuple(r.data["passkey"]["lengths"]), tuple(r.data["passkey"]["depths"]))
+                for r in have
+            ]
+        )
+        grids = [
+            r
+            for r in have
+            if (tuple(r.data["passkey"]["lengths"]), tuple(r.data["passkey"]["depths"])) == shape
+        ]
         lengths, depths = shape
         mean, blank = [], []
         for i, length in enumerate(lengths):
@@ -312,39 +370,46 @@ def passkey_means(by_group: Mapping[tuple[str, str], Sequence[Run]],
             blank.append("skipped" if counted else "not learned")
             row = []
             for j in range(len(depths)):
-                vals = [v for r in counted for v in [r.data["passkey"]["accuracy"][split][i][j]]
-                        if isinstance(v, int | float) and math.isfinite(v)]
+                vals = [
+                    v
+                    for r in counted
+                    for v in [r.data["passkey"]["accuracy"][split][i][j]]
+                    if isinstance(v, int | float) and math.isfinite(v)
+                ]
                 row.append(sum(vals) / len(vals) if vals else math.nan)
             mean.append(row)
         out[learned_label(encoder, rs)] = (list(lengths), list(depths), mean, len(grids), blank)
     return out
 
 
-def passkey_heatmaps(means: Mapping[str, PasskeyMean], train_len: int | None,
-                     title: str) -> Figure:
+def passkey_heatmaps(means: Mapping[str, PasskeyMean], train_len: int | None, title: str) -> Figure:
     """One accuracy heatmap (length x depth) per encoder, four to a row."""
     from posenc.eval.passkey import heatmap_figure
 
     cols = min(4, len(means))
     rows = math.ceil(len(means) / cols)
     first = next(iter(means.values()))
-    fig, axes = plt.subplots(rows, cols, squeeze=False,
-                             figsize=(cols * (1.6 + 0.8 * len(first[1])),
-                                      rows * (1.4 + 0.45 * len(first[0]))))
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        squeeze=False,
+        figsize=(cols * (1.6 + 0.8 * len(first[1])), rows * (1.4 + 0.45 * len(first[0]))),
+    )
     panels = list(axes.flat)
-    for ax, (encoder, (lengths, depths, grid, n, blank)) in zip(panels, means.items(),
-                                                               strict=False):
-        heatmap_figure(grid, lengths, depths, train_len, f"{encoder} (n={n})", ax=ax,
-                       blank=blank)
-    for ax in panels[len(means):]:
+    for ax, (encoder, (lengths, depths, grid, n, blank)) in zip(
+        panels, means.items(), strict=False
+    ):
+        heatmap_figure(grid, lengths, depths, train_len, f"{encoder} (n={n})", ax=ax, blank=blank)
+    for ax in panels[len(means) :]:
         ax.axis("off")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def _mt_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]],
-                rows: Sequence[Row]) -> dict[str, Figure]:
+def _mt_figures(
+    runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]], rows: Sequence[Row]
+) -> dict[str, Figure]:
     figs: dict[str, Figure] = {}
     for task in sorted({r.task for r in runs if r.base_task == "mt"}):
         mt = [r for r in runs if r.task == task]
@@ -352,18 +417,27 @@ def _mt_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence
             prefix = f"{split}/bleu@"
             bars = _relabel(_points(rows, task, prefix), _labels(by_group, task))
             # Every bucket gets a slot, also one no run had sentences in (no bar there).
-            buckets = sorted({r.metric[len(prefix):] for r in rows
-                              if r.task == task and r.metric.startswith(prefix)},
-                             key=_bucket_start)
+            buckets = sorted(
+                {
+                    r.metric[len(prefix) :]
+                    for r in rows
+                    if r.task == task and r.metric.startswith(prefix)
+                },
+                key=_bucket_start,
+            )
             if buckets:
                 train_max = _most_common([r.data.get("max_train_src_len") for r in mt])
                 figs[f"{task}_{split}_bleu_by_length"] = bleu_by_bucket(
-                    bars, buckets, train_max, f"MT {split} BLEU by source length")
+                    bars, buckets, train_max, f"MT {split} BLEU by source length"
+                )
     return figs
 
 
-def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
-                     trained: tuple[int, int] | None, title: str) -> Figure:
+def accuracy_vs_size(
+    panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
+    trained: tuple[int, int] | None,
+    title: str,
+) -> Figure:
     """Accuracy (%) against instance size, one line per encoder (a band of one std), one
     panel per metric; the trained sizes shaded.
 
@@ -383,13 +457,21 @@ def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
             std = [points[x][1] or 0.0 for x in xs]
             color = color_of[encoder]
             rand = encoder.partition(" ")[0].endswith("_rand")  # "rope_rand (1/3 learned)"
-            ax.plot(xs, mean, color=color, lw=1.4, ls="--" if rand else "-",
-                    label=encoder)
-            ax.fill_between(xs, [m - s for m, s in zip(mean, std, strict=True)],
-                            [m + s for m, s in zip(mean, std, strict=True)], color=color,
-                            alpha=0.15, lw=0)
-        ax.set(xlabel="instance size (shaded: trained)", ylabel="accuracy (%)",
-               ylim=(-2, 102), title=metric)
+            ax.plot(xs, mean, color=color, lw=1.4, ls="--" if rand else "-", label=encoder)
+            ax.fill_between(
+                xs,
+                [m - s for m, s in zip(mean, std, strict=True)],
+                [m + s for m, s in zip(mean, std, strict=True)],
+                color=color,
+                alpha=0.15,
+                lw=0,
+            )
+        ax.set(
+            xlabel="instance size (shaded: trained)",
+            ylabel="accuracy (%)",
+            ylim=(-2, 102),
+            title=metric,
+        )
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, ncol=2, loc="upper right")
     fig.suptitle(title)
@@ -413,8 +495,10 @@ def _algo_figures(by_group: Mapping[tuple[str, str], Sequence[Run]]) -> dict[str
                 curve = {}
                 for n in sizes:
                     mean, std, count, _ = summarize(
-                        r.data["by_size"].get(str(n), {}).get(metric) for r in rs
-                        if r.counts(f"test/{metric}@len{n}-{n}"))
+                        r.data["by_size"].get(str(n), {}).get(metric)
+                        for r in rs
+                        if r.counts(f"test/{metric}@len{n}-{n}")
+                    )
                     if count and mean is not None:
                         curve[n] = (mean, std)
                 if curve:
@@ -424,21 +508,28 @@ def _algo_figures(by_group: Mapping[tuple[str, str], Sequence[Run]]) -> dict[str
         shape = _most_common([r.data.get("shape") for r in runs])
         if any(panels.values()):
             figs[f"{task}_accuracy_vs_size"] = accuracy_vs_size(
-                {k: v for k, v in panels.items() if v}, trained,
-                f"{problem} ({shape}): test accuracy by instance size")
+                {k: v for k, v in panels.items() if v},
+                trained,
+                f"{problem} ({shape}): test accuracy by instance size",
+            )
             arm = runs[0].arm if runs else ""
             overview[f"{problem} ({shape}{', ' + arm if arm else ''}): seq_acc"] = panels["seq_acc"]
     if len(overview) > 1:
         figs["algo_seq_acc_vs_size"] = accuracy_vs_size(
-            overview, trained, "Exact-match accuracy by instance size (mean ± std over seeds)")
+            overview, trained, "Exact-match accuracy by instance size (mean ± std over seeds)"
+        )
     return figs
 
 
-def figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]],
-            rows: Sequence[Row]) -> dict[str, Figure]:
+def figures(
+    runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]], rows: Sequence[Row]
+) -> dict[str, Figure]:
     """All report figures by file stem."""
-    return (_lm_figures(runs, by_group, rows) | _mt_figures(runs, by_group, rows)
-            | _algo_figures(by_group))
+    return (
+        _lm_figures(runs, by_group, rows)
+        | _mt_figures(runs, by_group, rows)
+        | _algo_figures(by_group)
+    )
 
 
 def save(figs: Mapping[str, Figure], out: Path, writer: Any = None) -> list[Path]:

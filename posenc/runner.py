@@ -73,8 +73,11 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
         return None
     # last.ckpt, or the checkpoint Lightning saved before a SLURM requeue (hpc_ckpt_N),
     # whichever is newer.
-    found = [p for p in (run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt"))
-             if p.is_file()]
+    found = [
+        p
+        for p in (run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt"))
+        if p.is_file()
+    ]
     return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 
@@ -134,8 +137,11 @@ def record_job(cfg: DictConfig, run_dir: Path) -> None:
     hc = HydraConfig.get()
     record = run_dir / ".hydra"
     record.mkdir(parents=True, exist_ok=True)
-    files = {"config.yaml": cfg, "hydra.yaml": OmegaConf.create({"hydra": hc}),
-             "overrides.yaml": hc.overrides.task}
+    files = {
+        "config.yaml": cfg,
+        "hydra.yaml": OmegaConf.create({"hydra": hc}),
+        "overrides.yaml": hc.overrides.task,
+    }
     for name, node in files.items():
         tmp = record / f".{name}.tmp{os.getpid()}"
         tmp.write_text(OmegaConf.to_yaml(node), encoding="utf-8")
@@ -144,8 +150,9 @@ def record_job(cfg: DictConfig, run_dir: Path) -> None:
     path = str(run_dir / f"{hc.job.name}.log")
     if not any(getattr(h, "baseFilename", None) == path for h in root.handlers):
         handler = logging.FileHandler(path)
-        handler.setFormatter(logging.Formatter(
-            "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        handler.setFormatter(
+            logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+        )
         root.addHandler(handler)
 
 
@@ -172,11 +179,13 @@ class RunState(pl.Callback):
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self.val = {k: float(v) for k, v in trainer.callback_metrics.items()
-                        if k.startswith("val/")}
+            self.val = {
+                k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")
+            }
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         # SIGTERM (a scheduler's preemption or time limit): Lightning stops between two
         # steps; keep the progress up to here for resume=true.
         if isinstance(exception, SIGTERMException) and trainer.training:
@@ -212,9 +221,13 @@ def run_state(trainer: pl.Trainer) -> RunState:
     return next(c for c in callbacks if isinstance(c, RunState))
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
-                  tokenizer: tuple[str, ...] | None = None,
-                  extra: Sequence[pl.Callback] = ()) -> pl.Trainer:
+def build_trainer(
+    cfg: DictConfig,
+    run_dir: Path,
+    throughput: Throughput,
+    tokenizer: tuple[str, ...] | None = None,
+    extra: Sequence[pl.Callback] = (),
+) -> pl.Trainer:
     """Lightning Trainer from ``cfg.trainer`` plus posenc's logger and callbacks.
 
     Checkpoints (:mod:`posenc.checkpoints`: atomic, checksummed, replaced in place):
@@ -269,8 +282,12 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
         # SIGUSR1 before the time limit: Lightning saves a checkpoint and requeues the job.
         plugins.append(SLURMEnvironment(auto_requeue=True))
     return instantiate(
-        cfg.trainer, logger=logger, callbacks=callbacks, default_root_dir=str(run_dir),
-        plugins=plugins, enable_progress_bar=bool(progress and sys.stdout.isatty()),
+        cfg.trainer,
+        logger=logger,
+        callbacks=callbacks,
+        default_root_dir=str(run_dir),
+        plugins=plugins,
+        enable_progress_bar=bool(progress and sys.stdout.isatty()),
     )
 
 
@@ -312,7 +329,9 @@ def log_hparams(trainer: pl.Trainer, hparams: dict[str, Any], metrics: dict[str,
 
 
 def load_for_eval(
-    task_cls: type[Task], cfg: DictConfig, vocab_size: int,
+    task_cls: type[Task],
+    cfg: DictConfig,
+    vocab_size: int,
     tokenizer: tuple[str, ...] | None = None,
 ) -> Task:
     """The task stored in ``cfg.ckpt_path`` (for ``eval_only``), checked against the data.
@@ -352,8 +371,9 @@ def init_from_checkpoint(task: pl.LightningModule, path: str) -> None:
             or an encoder with other parameters); loading is strict.
     """
     ckpt = checkpoints.load(path)
-    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
-             if k.startswith("model.")}
+    state = {
+        k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")
+    }
     try:
         cast(nn.Module, task.model).load_state_dict(state, strict=True)
     except RuntimeError as err:
@@ -364,7 +384,7 @@ def init_from_checkpoint(task: pl.LightningModule, path: str) -> None:
     theirs = ckpt.get("hyper_parameters", {}).get("encoder", {}).get("_target_")
     ours = task.hparams.get("encoder", {}).get("_target_")
     if theirs != ours:
-        log.warning("init_from=%s: weights of a %s model initialise a %s model", path,
-                    theirs, ours)
-    log.info("model weights initialised from %s (step %s of that run)", path,
-             ckpt.get("global_step"))
+        log.warning("init_from=%s: weights of a %s model initialise a %s model", path, theirs, ours)
+    log.info(
+        "model weights initialised from %s (step %s of that run)", path, ckpt.get("global_step")
+    )

@@ -35,7 +35,8 @@ def check_checkpoint(cfg: DictConfig) -> None:
         log.warning(
             "eval_only: these settings differ from the checkpoint's and have no effect on "
             "an evaluation; metrics.json records the checkpoint's values:\n  %s",
-            "\n  ".join(f"{k}: checkpoint {a!r}, config {b!r}" for k, (a, b) in ignored.items()))
+            "\n  ".join(f"{k}: checkpoint {a!r}, config {b!r}" for k, (a, b) in ignored.items()),
+        )
         for key, (saved, _) in ignored.items():
             if saved != "<unset>":
                 OmegaConf.update(cfg, key, saved, force_add=True)
