@@ -7,6 +7,7 @@ import hydra
 from omegaconf import DictConfig
 
 from posenc.cli import misspelled_keys, register_resolvers, run_job
+from posenc.tuned import check_argument
 
 register_resolvers()
 
@@ -17,9 +18,15 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    typos = misspelled_keys([a for a in sys.argv[1:] if not a.startswith("-")],
-                            Path(__file__).parent / "conf")
+    typos = misspelled_keys(
+        [a for a in sys.argv[1:] if not a.startswith("-")], Path(__file__).parent / "conf"
+    )
     if typos:
         print("error: " + "\n  ".join(["unknown keys:", *typos]), file=sys.stderr)
+        sys.exit(2)
+    # +tuned=<report dir>: a missing or malformed file fails once, before a sweep starts.
+    problem = check_argument(sys.argv[1:])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     main()

@@ -69,6 +69,7 @@ RESUME_MAY_CHANGE = (
     "model.compile",
     "model.score_budget_mib",
     "threads",
+    "task.learned",
 )
 
 #: Training settings that do nothing in an ``eval_only`` run: given there with another
@@ -88,6 +89,8 @@ NO_EFFECT_IN_EVAL = (
     "checkpoint_every_n_steps",
     "task.passkey_mix",
     "task.passkey_answer_weight",
+    "task.learned",
+    "tuned",
 )
 
 #: Keys added after checkpoints were first written, with the value that behaves as an

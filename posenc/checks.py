@@ -297,6 +297,12 @@ def passkey_data(cfg: DictConfig, lengths: list[int], min_length: int,
             f"task.passkey_mix={mix}: training passkey sequences of task.seq_len + 1 = "
             f"{cfg.task.seq_len + 1} tokens are shorter than the {min_length} the format "
             f"needs; raise task.seq_len or set task.passkey_mix=0")
+    if mix and not cfg.eval_only and split_tokens.get("val", 0) < cfg.task.seq_len:
+        problems.append(
+            f"task.passkey_mix={mix}: validation checks retrieval at task.seq_len="
+            f"{cfg.task.seq_len} with filler from the 'val' split, which has only "
+            f"{split_tokens.get('val', 0)} tokens; lower task.seq_len or give the data a "
+            f"longer validation split")
     return problems
 
 

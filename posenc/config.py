@@ -87,6 +87,7 @@ def validate(cfg: DictConfig) -> None:
         ("trainer", checks.trainer),
         ("task.optim", _validate_optim),
         ("paths.cache_dir", lambda c, p: checks.cache_dir(c.paths.cache_dir, p)),
+        ("task.learned", _validate_gate),
     ]
     if cfg.task.name == "lm":
         groups += [("tokenizer", _validate_tokenizer), ("task", _validate_lm),
@@ -143,6 +144,14 @@ def _validate_tokenizer(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"tokenizer.kind={cfg.tokenizer.kind!r}: allowed {kinds}")
 
 
+def _validate_gate(cfg: DictConfig, problems: list[str]) -> None:
+    """``task.learned``: the learnability gate (:mod:`posenc.tasks.gate`)."""
+    from posenc.tasks import gate
+
+    if cfg.task.name in ("lm", "mt", "algo"):
+        gate.validate(cfg, problems)
+
+
 def _validate_optim(cfg: DictConfig, problems: list[str]) -> None:
     """``task.optim``, the same keys and rules for every task."""
     from posenc.tasks.optim import SCHEDULES
@@ -152,7 +161,7 @@ def _validate_optim(cfg: DictConfig, problems: list[str]) -> None:
 
 
 LM_TASK_KEYS = ["name", "seq_len", "batch_size", "eval_batch_size", "optim", "eval",
-                "passkey_mix", "passkey_answer_weight"]
+                "passkey_mix", "passkey_answer_weight", "learned"]
 LM_EVAL_KEYS = ["splits", "multipliers", "protocols", "sliding_stride", "max_tokens",
                 "skip_unsupported", "context_extension", "extension_factor", "passkey"]
 PASSKEY_KEYS = ["multipliers", "depths", "samples", "key_len", "seed"]
@@ -256,7 +265,7 @@ MT_MODEL_KEYS = ("n_enc_layers", "n_dec_layers")
 
 ALGO_TASK_KEYS = ["name", "problem", "shape", "train_lengths", "test_multiple", "bucket_width",
                   "symbols", "reverse_digits", "batch_size", "eval_batch_size",
-                  "val_per_size", "test_per_size", "optim"]
+                  "val_per_size", "test_per_size", "optim", "learned"]
 
 
 def algo_longest(cfg: DictConfig, size: int) -> int | None:
@@ -474,7 +483,8 @@ def _params(fn: Any, drop: tuple[str, ...] = ()) -> list[str]:
 
 
 TOP_LEVEL = ["encoder", "task", "trainer", "data", "tokenizer", "model", "seed", "eval_only",
-             "ckpt_path", "resume", "checkpoint_every_n_steps", "paths", "init_from", "threads"]
+             "ckpt_path", "resume", "checkpoint_every_n_steps", "paths", "init_from", "threads",
+             "tuned"]
 
 
 def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:

@@ -1,10 +1,17 @@
-"""Compare the runs of a sweep: ``python -m posenc.report <sweep or outputs dir> [--out DIR]``.
+"""Compare the runs of a sweep: ``python -m posenc.report <sweep or outputs dir>... [--out DIR]``.
 
-Reads every ``metrics.json`` and ``error.json`` below the directory and writes, into
+Reads every ``metrics.json`` and ``error.json`` below the directories and writes, into
 ``--out`` (default ``<dir>/report/``): ``report.md``, ``report.csv`` (one row per task x
-encoder x metric: mean, sample std, n, skipped, and the compute columns), PNG figures, and
-the same figures in TensorBoard (``<out>/tb``). A partial sweep is reported as it stands:
+encoder x metric: mean, sample std, 95% CI, n, skipped, runs left out as not learned, the
+mark against the column's best and its p-value, and the compute columns), PNG figures, the
+same figures in TensorBoard (``<out>/tb``), and ``tuned_lr.yaml`` when the runs hold a
+learning-rate grid (:mod:`posenc.report_tune`). A partial sweep is reported as it stands:
 failed runs (``error.json``) and job directories without results are listed, never fatal.
+
+Statistics (:mod:`posenc.report_stats`): intervals by Student's t over seeds, Welch's
+t-test against each column's best; columns past the training length count only runs that
+learned their task (:mod:`posenc.tasks.gate`). Runs of several learning rates are never
+averaged together: same lr, tuned lr and each rate of a grid get tables of their own.
 """
 
 from __future__ import annotations
@@ -22,19 +29,39 @@ from pathlib import Path
 from typing import Any, cast
 
 from posenc.report_rows import (
+    LEARNED,
+    NO_GATE,
+    UNKNOWN,
     Failure,
     Row,
     Run,
     as_float,
     encoder_key,
+    finite_values,
     metric_key,
     split_extension,
     summarize,
 )
+from posenc.report_stats import BEST, TIE, ci95, lower_is_better, rank
+from posenc.report_tune import Grid, arm_note, assign_arms, grid_table, grids, write_tuned
 
 #: Compute columns: averaged over a group's runs so comparisons can be compute-matched.
 COST_KEYS = ("n_params", "tokens_per_s", "peak_memory_mb", "train_time_s")
-CSV_FIELDS = ("task", "encoder", "metric", "mean", "std", "n", "skipped", *COST_KEYS)
+CSV_FIELDS = (
+    "task",
+    "encoder",
+    "metric",
+    "mean",
+    "std",
+    "ci95",
+    "n",
+    "skipped",
+    "dropped_not_learned",
+    "learned",
+    "mark",
+    "p_vs_best",
+    *COST_KEYS,
+)
 
 
 # ----------------------------------------------------------------------------- collecting
@@ -58,8 +85,11 @@ def _hydra_record(d: Path) -> dict[str, Any]:
     try:
         choices = OmegaConf.load(d / ".hydra" / "hydra.yaml").hydra.runtime.choices
         seed = cast(DictConfig, OmegaConf.load(d / ".hydra" / "config.yaml")).get("seed")
-        return {"task": choices.get("task", "?"), "encoder": choices.get("encoder", "?"),
-                "seed": seed}
+        return {
+            "task": choices.get("task", "?"),
+            "encoder": choices.get("encoder", "?"),
+            "seed": seed,
+        }
     except Exception:  # any damage: the directory is still listed, just unlabelled
         return {}
 
@@ -99,9 +129,15 @@ def collect(root: Path, exclude: Path | None = None) -> tuple[list[Run], list[Fa
         metrics, error = d / "metrics.json", d / "error.json"
         source = metrics if metrics.exists() else error if error.exists() else None
         if source is None:
-            failures.append(Failure(
-                d, "missing", "no metrics.json and no error.json: killed (e.g. by the OOM "
-                f"killer), or still running; {_last_log_line(d)}", **_hydra_record(d)))
+            failures.append(
+                Failure(
+                    d,
+                    "missing",
+                    "no metrics.json and no error.json: killed (e.g. by the OOM "
+                    f"killer), or still running; {_last_log_line(d)}",
+                    **_hydra_record(d),
+                )
+            )
             continue
         try:
             data = json.loads(source.read_text())
@@ -109,8 +145,11 @@ def collect(root: Path, exclude: Path | None = None) -> tuple[list[Run], list[Fa
                 raise ValueError("not a posenc result (expected an object with 'metrics')")
             # A skipped length is NaN or null; anything else that is not a number is a
             # malformed result, never a "skipped" cell.
-            bad = {k: v for k, v in data.get("metrics", {}).items()
-                   if v is not None and as_float(v) is None}
+            bad = {
+                k: v
+                for k, v in data.get("metrics", {}).items()
+                if v is not None and as_float(v) is None
+            }
             if bad and source is metrics:
                 name, value = next(iter(bad.items()))
                 more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
@@ -121,10 +160,16 @@ def collect(root: Path, exclude: Path | None = None) -> tuple[list[Run], list[Fa
         if source is metrics:
             runs.append(Run(d, data))
         else:
-            failures.append(Failure(
-                d, "failed", f"{data.get('error_type', 'Error')}: {data.get('message', '')}",
-                task=str(data.get("task", "?")), encoder=str(data.get("encoder", "?")),
-                seed=data.get("seed")))
+            failures.append(
+                Failure(
+                    d,
+                    "failed",
+                    f"{data.get('error_type', 'Error')}: {data.get('message', '')}",
+                    task=str(data.get("task", "?")),
+                    encoder=str(data.get("encoder", "?")),
+                    seed=data.get("seed"),
+                )
+            )
     return runs, failures
 
 
@@ -137,17 +182,67 @@ def groups(runs: Sequence[Run]) -> dict[tuple[str, str], list[Run]]:
 
 
 def aggregate(runs: Sequence[Run]) -> list[Row]:
-    """One :class:`Row` per (task, encoder, metric). A run without the metric at all is
-    not counted; one holding NaN (a skipped length) counts under ``skipped``."""
+    """One :class:`Row` per (task, encoder, metric), marked against its column's best
+    (:func:`mark_rows`). A run without the metric at all is not counted; one holding NaN
+    (a skipped length) counts under ``skipped``; one that did not learn its task is left
+    out of metrics past the training length (``dropped``)."""
     rows = []
     for (task, encoder), rs in groups(runs).items():
         cost = {k: summarize(r.data.get(k) for r in rs)[0] for k in COST_KEYS}
         names = sorted({m for r in rs for m in r.data.get("metrics", {})}, key=metric_key)
         for name in names:
-            present = [r.data["metrics"][name] for r in rs if name in r.data.get("metrics", {})]
+            having = [r for r in rs if name in r.data.get("metrics", {})]
+            present = [r.data["metrics"][name] for r in having if r.counts(name)]
             mean, std, n, skipped = summarize(present)
-            rows.append(Row(task, encoder, name, mean, std, n, skipped, cost))
+            values, _ = finite_values(present)
+            rows.append(
+                Row(
+                    task,
+                    encoder,
+                    name,
+                    mean,
+                    std,
+                    n,
+                    skipped,
+                    cost,
+                    values,
+                    ci95(values),
+                    dropped=len(having) - len(present),
+                )
+            )
+    mark_rows(rows)
     return rows
+
+
+def mark_rows(rows: Sequence[Row]) -> None:
+    """Per task and column, mark each row against the best mean (:func:`report_stats.rank`).
+    A context-extension row (``test/ppl+yarn@L``) competes in its plain metric's column,
+    as the table shows it."""
+    columns: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    for r in rows:
+        columns[r.task, split_extension(r.metric)[0]].append(r)
+    for (_, metric), column in columns.items():
+        marks = rank({str(i): r.values for i, r in enumerate(column)}, lower_is_better(metric))
+        for i, r in enumerate(column):
+            found = marks.get(str(i))
+            r.mark, r.p = (found.mark, found.p) if found else ("", None)
+
+
+def learned_counts(rs: Sequence[Run]) -> Counter[str]:
+    """How many of a group's runs stand where at the learnability gate."""
+    return Counter(r.learned for r in rs)
+
+
+def learned_cell(rs: Sequence[Run]) -> str:
+    """``k/n`` runs that learned; unknown ones (results from before the gate) said so;
+    "" when no run has a gate."""
+    c = learned_counts(rs)
+    if c[NO_GATE] == len(rs):
+        return ""
+    if c[UNKNOWN] == len(rs):
+        return "unknown"
+    text = f"{c[LEARNED]}/{len(rs)}"
+    return text + (f" ({c[UNKNOWN]} unknown)" if c[UNKNOWN] else "")
 
 
 def config_differences(runs: Sequence[Run]) -> list[str]:
@@ -158,13 +253,16 @@ def config_differences(runs: Sequence[Run]) -> list[str]:
         flat = [_flatten(r.data.get("config", {})) for r in rs]
         keys = set().union(*flat) if flat else set()
         differ = sorted(
-            k for k in keys
+            k
+            for k in keys
             if not k.startswith(("paths.", "seed", "hydra.", "ckpt_path", "eval_only", "resume"))
             and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flat}) > 1
         )
         if differ:
-            notes.append(f"{task}/{encoder}: runs differ in {', '.join(differ[:8])}"
-                         + (" ..." if len(differ) > 8 else ""))
+            notes.append(
+                f"{task}/{encoder}: runs differ in {', '.join(differ[:8])}"
+                + (" ..." if len(differ) > 8 else "")
+            )
     return notes
 
 
@@ -182,22 +280,70 @@ def fmt(x: float | None, digits: int = 4) -> str:
     return "" if x is None else f"{x:.{digits}g}"
 
 
-def write_csv(rows: Sequence[Row], path: Path) -> None:
-    """``report.csv``: full precision; blank where a value does not exist."""
+def _num(x: float | None) -> str:
+    return "" if x is None else repr(x)
+
+
+def write_csv(rows: Sequence[Row], path: Path, learned: dict[tuple[str, str], str]) -> None:
+    """``report.csv``: full precision; blank where a value does not exist.
+
+    Args:
+        rows: The aggregated rows.
+        path: Where.
+        learned: ``(task, encoder)`` -> :func:`learned_cell`.
+    """
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(CSV_FIELDS)
         for r in rows:
-            cost = ["" if r.cost.get(k) is None else repr(r.cost[k]) for k in COST_KEYS]
-            w.writerow([r.task, r.encoder, r.metric, "" if r.mean is None else repr(r.mean),
-                        "" if r.std is None else repr(r.std), r.n, r.skipped, *cost])
+            cost = [_num(r.cost.get(k)) for k in COST_KEYS]
+            w.writerow(
+                [
+                    r.task,
+                    r.encoder,
+                    r.metric,
+                    _num(r.mean),
+                    _num(r.std),
+                    _num(r.ci95),
+                    r.n,
+                    r.skipped,
+                    r.dropped,
+                    learned.get((r.task, r.encoder), ""),
+                    r.mark,
+                    _num(r.p),
+                    *cost,
+                ]
+            )
 
 
 def _cell(r: Row, n_runs: int) -> str:
+    """``12 ± 5`` (mean ± 95% CI half-width), bold for the best and its ties, ``(n=k)``
+    where fewer than all runs count; why a cell is empty."""
     if r.mean is None:
-        return f"skipped ({r.skipped})" if r.skipped else ""
-    text = fmt(r.mean) + ("" if r.std is None else f" ± {fmt(r.std, 2)}")
+        why = [f"skipped ({r.skipped})"] if r.skipped else []
+        why += [f"not learned ({r.dropped} left out)"] if r.dropped else []
+        return "; ".join(why)
+    text = fmt(r.mean) + ("" if r.ci95 is None else f" ± {fmt(r.ci95, 2)}")
+    if r.mark in (BEST, TIE):
+        text = f"**{text}**"
+    if r.n == 1:
+        return text + " (n=1, no CI)"
     return text + ("" if r.n == n_runs else f" (n={r.n})")
+
+
+STATS_NOTE = (
+    "> Mean ± 95% confidence interval of the mean (Student's t over seeds, n − 1 degrees of "
+    "freedom); `(n=k)`: only k runs count there; n = 1: no interval and no test. **Bold**: "
+    "the column's best mean and every scheme not significantly different from it (Welch's "
+    "t-test, two-sided, Holm-corrected over the column, p ≥ 0.05): ties, not a ranking."
+)
+LEARNED_NOTE = (
+    "> **learned**: runs (of n) that met the task's learnability gate (`task.learned`) at "
+    "their last validation; unknown: results from before the gate. Columns past the "
+    "training length count only runs that learned: runs that did not are left out, so no "
+    "table ranks a model that never learned the task (`not learned (k left out)`: no run "
+    "that learned has a value there)."
+)
 
 
 def _table(header: Sequence[str], body: Iterable[Sequence[Any]]) -> list[str]:
@@ -220,63 +366,151 @@ def _notes(rs: Sequence[Run]) -> list[str]:
     return [f"> **{k}**: {v}  " for k, v in seen.items()]
 
 
-def markdown(root: Path, runs: Sequence[Run], failures: Sequence[Failure],
-             rows: Sequence[Row], figures: Sequence[Path]) -> str:
+def markdown(
+    roots: Sequence[Path],
+    runs: Sequence[Run],
+    failures: Sequence[Failure],
+    rows: Sequence[Row],
+    figures: Sequence[Path],
+    lr_grids: Sequence[Grid] = (),
+    tuned: Path | None = None,
+) -> str:
     """The text of ``report.md``."""
-    out = [f"# Sweep report: `{root}`", "",
-           f"{len(runs)} finished, {sum(f.status == 'failed' for f in failures)} failed, "
-           f"{sum(f.status != 'failed' for f in failures)} missing or unreadable. "
-           f"Mean ± sample std (n-1) over seeds; `(n=k)` when fewer runs have a finite value; "
-           f"skipped = NaN (a length the encoder cannot run). "
-           f"Generated {datetime.now():%Y-%m-%d %H:%M}.", ""]
+    out = [
+        f"# Sweep report: {', '.join(f'`{r}`' for r in roots)}",
+        "",
+        f"{len(runs)} finished, {sum(f.status == 'failed' for f in failures)} failed, "
+        f"{sum(f.status != 'failed' for f in failures)} missing or unreadable. "
+        f"Tables: mean ± 95% confidence interval over seeds, ties with the best in bold; "
+        f"`All metrics`: mean, sample std (n-1), CI, n; skipped = NaN (a length the "
+        f"encoder cannot run). Generated {datetime.now():%Y-%m-%d %H:%M}.",
+        "",
+    ]
     by_group = groups(runs)
-    for task in sorted({t for t, _ in by_group}):
+    tasks = sorted({t for t, _ in by_group})
+    for task in tasks:
         task_groups = {e: rs for (t, e), rs in by_group.items() if t == task}
         task_rows = [r for r in rows if r.task == task]
-        out += [f"## {task}", "", "Compute (means over runs):", ""]
-        out += _table(["encoder", "runs", "params", "tokens/s", "peak MB", "train s"],
-                      ([e, len(rs), *(fmt(task_rows_cost(task_rows, e, k), 6) for k in COST_KEYS)]
-                       for e, rs in task_groups.items()))
-        out += ["", "Test metrics (mean ± std; `rope+yarn`: the same runs evaluated with "
-                "a RoPE context-extension method):", ""]
-        out += _test_table(task_groups, task_rows)
-        out += ["", *_notes([r for rs in task_groups.values() for r in rs]), ""]
+        task_runs = [r for rs in task_groups.values() for r in rs]
+        out += [f"## {task}", ""]
+        if any(r.lr is not None for r in task_runs):
+            out += [arm_note(task_runs), ""]
+        out += ["Compute (means over runs):", ""]
+        out += _table(
+            ["encoder", "runs", "params", "tokens/s", "peak MB", "train s"],
+            (
+                [e, len(rs), *(fmt(task_rows_cost(task_rows, e, k), 6) for k in COST_KEYS)]
+                for e, rs in task_groups.items()
+            ),
+        )
+        gated = any(learned_cell(rs) for rs in task_groups.values())
+        out += [
+            "",
+            "Test metrics (`rope+yarn`: the same runs evaluated with a RoPE "
+            "context-extension method):",
+            "",
+        ]
+        out += _test_table(task_groups, task_rows, gated)
+        out += [
+            "",
+            STATS_NOTE + "  ",
+            *([LEARNED_NOTE + "  "] if gated else []),
+            *_notes(task_runs),
+            "",
+        ]
         out += ["<details><summary>All metrics</summary>", ""]
-        out += _table(["encoder", "metric", "mean", "std", "n", "skipped"],
-                      ([r.encoder, r.metric, fmt(r.mean, 6), fmt(r.std, 4), r.n, r.skipped]
-                       for r in task_rows))
+        out += _table(
+            [
+                "encoder",
+                "metric",
+                "mean",
+                "std",
+                "ci95",
+                "n",
+                "skipped",
+                "not learned",
+                "mark",
+                "p vs best",
+            ],
+            (
+                [
+                    r.encoder,
+                    r.metric,
+                    fmt(r.mean, 6),
+                    fmt(r.std, 4),
+                    fmt(r.ci95, 4),
+                    r.n,
+                    r.skipped,
+                    r.dropped,
+                    r.mark,
+                    fmt(r.p, 3),
+                ]
+                for r in task_rows
+            ),
+        )
         out += ["", "</details>", ""]
-        out += [f"![{p.stem}]({p.name})" for p in figures if p.name.startswith(f"{task}_")]
+        out += [f"![{p.stem}]({p.name})" for p in figures if _figure_task(p, tasks) == task]
         out += [""]
-    tasks = {t for t, _ in by_group}
-    loose = [p for p in figures if not any(p.name.startswith(f"{t}_") for t in tasks)]
+    loose = [p for p in figures if _figure_task(p, tasks) is None]
     if loose:
         out += ["## Overview", "", *[f"![{p.stem}]({p.name})" for p in loose], ""]
+    if lr_grids:
+        out += ["## Learning rates", ""]
+        for g in lr_grids:
+            out += [f"### {g.task}", "", *grid_table(g), ""]
+        if tuned is not None:
+            out += [
+                f"The chosen rates are in `{tuned}`; give them to any sweep with "
+                f"`+tuned={tuned.parent}`.",
+                "",
+            ]
     differ = config_differences(runs)
     if differ:
         out += ["## Warning: mixed configs averaged together", "", *[f"- {d}" for d in differ], ""]
     if failures:
         out += ["## Failed and missing runs", ""]
-        out += _table(["run", "status", "task", "encoder", "seed", "error"],
-                      ([_rel(f.dir, root), f.status, f.task, f.encoder,
-                        "" if f.seed is None else f.seed,
-                        _one_line(f.error)]
-                       for f in failures))
+        out += _table(
+            ["run", "status", "task", "encoder", "seed", "error"],
+            (
+                [
+                    _rel(f.dir, roots),
+                    f.status,
+                    f.task,
+                    f.encoder,
+                    "" if f.seed is None else f.seed,
+                    _one_line(f.error),
+                ]
+                for f in failures
+            ),
+        )
         out += [""]
     if not runs and not failures:
-        out += [f"No metrics.json or error.json found below `{root}`.", ""]
+        out += [
+            f"No metrics.json or error.json found below {', '.join(f'`{r}`' for r in roots)}.",
+            "",
+        ]
     return "\n".join(out)
 
 
-def _test_table(task_groups: dict[str, list[Run]], task_rows: Sequence[Row]) -> list[str]:
+def _figure_task(path: Path, tasks: Sequence[str]) -> str | None:
+    """The table a figure belongs to: the longest task name its file name starts with
+    (``algo_sort_encdec_...`` is algo_sort_encdec's, not algo_sort's)."""
+    found = [t for t in tasks if path.stem.startswith(f"{t}_")]
+    return max(found, key=len) if found else None
+
+
+def _test_table(
+    task_groups: dict[str, list[Run]], task_rows: Sequence[Row], gated: bool = False
+) -> list[str]:
     """Encoders as rows, test metrics as columns; each context-extension method of an
-    encoder is a row of its own (``rope+yarn``) under the plain metric's column."""
+    encoder is a row of its own (``rope+yarn``) under the plain metric's column. With a
+    learnability gate, a ``learned`` column (k of n runs)."""
     cells: dict[tuple[str, str], Row] = {}
     extensions: dict[str, set[str]] = {}
     for r in task_rows:
         if r.metric.startswith("test/"):
             plain, ext = split_extension(r.metric)
-            if ext and r.n == 0:
+            if ext and r.n == 0 and not r.dropped:
                 continue  # a method the encoder lacks (all skipped): no row of blanks
             cells[f"{r.encoder}+{ext}" if ext else r.encoder, plain] = r
             extensions.setdefault(r.encoder, set()).add(ext)
@@ -285,17 +519,33 @@ def _test_table(task_groups: dict[str, list[Run]], task_rows: Sequence[Row]) -> 
     for e, rs in task_groups.items():
         for ext in sorted(extensions.get(e, {""})):
             label = f"{e}+{ext}" if ext else e
-            body.append([label, *(_cell(cells[label, m], len(rs)) if (label, m) in cells
-                                  else "" for m in metrics)])
-    return _table(["encoder", *metrics], body)
+            head = [label, *([learned_cell(rs)] if gated else []), len(rs)]
+            body.append(
+                [
+                    *head,
+                    *(
+                        _cell(cells[label, m], len(rs)) if (label, m) in cells else ""
+                        for m in metrics
+                    ),
+                ]
+            )
+    return _table(["encoder", *(["learned"] if gated else []), "n", *metrics], body)
 
 
 def task_rows_cost(rows: Sequence[Row], encoder: str, key: str) -> float | None:
     return next((r.cost.get(key) for r in rows if r.encoder == encoder), None)
 
 
-def _rel(d: Path, root: Path) -> str:
-    return str(d.relative_to(root)) if d != root else "."
+def _rel(d: Path, roots: Sequence[Path]) -> str:
+    """``d`` relative to the searched directory that holds it (with several, its name
+    first)."""
+    for root in roots:
+        if d == root:
+            return "."
+        if d.is_relative_to(root):
+            rel = str(d.relative_to(root))
+            return rel if len(roots) == 1 else f"{root.name}/{rel}"
+    return str(d)
 
 
 @dataclass
@@ -308,66 +558,98 @@ class Report:
     files: list[Path]
 
 
-def build_report(root: Path, out: Path | None = None, tensorboard: bool = True) -> Report:
+def build_report(
+    root: Path | Sequence[Path], out: Path | None = None, tensorboard: bool = True
+) -> Report:
     """Collect, aggregate and write the report.
 
     Args:
-        root: Directory to search (recursively).
-        out: Output directory; default ``<root>/report``.
+        root: Directory to search (recursively), or several (e.g. a same-lr sweep and the
+            same sweep with ``+tuned``: one report with a table for each).
+        out: Output directory; default ``<root>/report`` (required with several).
         tensorboard: Also write the figures to ``<out>/tb``.
 
     Returns:
         The runs, failures, rows and the files written.
 
     Raises:
-        FileNotFoundError: ``root`` is not a directory.
+        FileNotFoundError: A ``root`` is not a directory.
+        ValueError: Several directories and no ``out``.
     """
     from posenc import report_plots
 
-    root = Path(root).resolve()
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root} is not a directory; pass a sweep dir or outputs/")
-    out = (Path(out) if out is not None else root / "report").resolve()
+    roots = [Path(r).resolve() for r in ([root] if isinstance(root, str | Path) else root)]
+    for r in roots:
+        if not r.is_dir():
+            raise FileNotFoundError(f"{r} is not a directory; pass a sweep dir or outputs/")
+    if out is None and len(roots) != 1:
+        raise ValueError(f"{len(roots)} directories: say where the report goes with --out DIR")
+    out = (Path(out) if out is not None else roots[0] / "report").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    runs, failures = collect(root, exclude=out if out.is_relative_to(root) else None)
+    runs: list[Run] = []
+    failures: list[Failure] = []
+    seen: set[Path] = set()
+    for r in roots:
+        found, failed = collect(r, exclude=out if out.is_relative_to(r) else None)
+        runs += [x for x in found if x.dir not in seen]  # nested roots: each run once
+        failures += [x for x in failed if x.dir not in seen]
+        seen |= {x.dir for x in found} | {x.dir for x in failed}
+    assign_arms(runs)  # same lr, tuned lr, or one table per rate of a grid
     rows = aggregate(runs)
-    figures = report_plots.figures(runs, groups(runs), rows)
+    lr_grids = grids(runs)
+    tuned = write_tuned(lr_grids, out, roots)
+    by_group = groups(runs)
+    figures = report_plots.figures(runs, by_group, rows)
     writer = report_plots.summary_writer(out / "tb") if tensorboard else None
     pngs = report_plots.save(figures, out, writer)
-    text = markdown(root, runs, failures, rows, pngs)
+    text = markdown(roots, runs, failures, rows, pngs, lr_grids, tuned)
     (out / "report.md").write_text(text)
-    write_csv(rows, out / "report.csv")
+    write_csv(rows, out / "report.csv", {k: learned_cell(rs) for k, rs in by_group.items()})
     if writer is not None:
         writer.add_text("report/summary", text, 0)  # TensorBoard renders the markdown
         writer.close()
-    return Report(runs, failures, rows, [out / "report.md", out / "report.csv", *pngs])
+    files = [out / "report.md", out / "report.csv", *([tuned] if tuned else []), *pngs]
+    return Report(runs, failures, rows, files)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m posenc.report", description=__doc__)
-    parser.add_argument("dir", type=Path, help="sweep directory or outputs/ (searched recursively)")
+    parser.add_argument(
+        "dir",
+        type=Path,
+        nargs="+",
+        help="sweep directory or outputs/ (searched recursively); several: "
+        "one report over all of them (needs --out)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="output dir (default <dir>/report)")
     parser.add_argument("--no-tensorboard", action="store_true", help="skip <out>/tb")
     args = parser.parse_args(argv)
-    out = args.out if args.out is not None else args.dir / "report"
+    dirs = args.dir
+    out = args.out if args.out is not None else dirs[0] / "report"
     try:
-        if args.dir.is_dir():  # (a missing sweep directory is build_report's message)
+        # (a missing sweep directory, or several without --out, is build_report's message)
+        if all(d.is_dir() for d in dirs) and (len(dirs) == 1 or args.out is not None):
             out.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=out):
                 pass
     except OSError as err:
-        print(f"error: --out {out}: cannot create or write this folder "
-              f"({err.strerror or err}); give another --out", file=sys.stderr)
+        print(
+            f"error: --out {out}: cannot create or write this folder "
+            f"({err.strerror or err}); give another --out",
+            file=sys.stderr,
+        )
         return 2
     try:
         rep = build_report(args.dir, args.out, tensorboard=not args.no_tensorboard)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     status = Counter(f.status for f in rep.failures)
-    print(f"{len(rep.runs)} runs, {dict(status) or 'no failures'}; wrote "
-          + ", ".join(str(p) for p in rep.files))
+    print(
+        f"{len(rep.runs)} runs, {dict(status) or 'no failures'}; wrote "
+        + ", ".join(str(p) for p in rep.files)
+    )
     return 0
 
 

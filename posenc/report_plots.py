@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from posenc.report_rows import Row, Run, split_extension, summarize
+from posenc.report_rows import LEARNED, NOT_LEARNED, Row, Run, split_extension, summarize
 
 #: (mean, std or None) of one point.
 Point = tuple[float, float | None]
@@ -48,8 +48,9 @@ def _most_common(values: Sequence[Any]) -> Any:
     return Counter(values).most_common(1)[0][0] if values else None
 
 
-def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
-                  train_len: int | None, title: str) -> Figure:
+def ppl_vs_length(
+    panels: Mapping[str, Mapping[str, Mapping[int, Point]]], train_len: int | None, title: str
+) -> Figure:
     """Log-log perplexity against length, one line per encoder, one panel per protocol.
 
     Args:
@@ -57,15 +58,22 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
         train_len: Training length, drawn as a vertical line (None: not drawn).
         title: Figure title.
     """
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4), squeeze=False)
     color = colours([e for curves in panels.values() for e in curves])
     for ax, (kind, curves) in zip(axes[0], panels.items(), strict=True):
         for encoder, points in curves.items():
             xs = sorted(points)
-            ax.errorbar(xs, [points[x][0] for x in xs],
-                        yerr=[points[x][1] or 0.0 for x in xs], marker="o", ms=3, capsize=3,
-                        ls="--" if "+" in encoder else "-", color=color[encoder], label=encoder)
+            ax.errorbar(
+                xs,
+                [points[x][0] for x in xs],
+                yerr=[points[x][1] or 0.0 for x in xs],
+                marker="o",
+                ms=3,
+                capsize=3,
+                ls="--" if "+" in encoder else "-",
+                color=color[encoder],
+                label=encoder,
+            )
         if train_len:
             ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"train {train_len}")
         ax.set_xscale("log", base=2)
@@ -78,7 +86,8 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         low, high = ax.get_ylim()
         ax.yaxis.set_minor_formatter(
-            FuncFormatter(lambda v, _: f"{v:.3g}") if high < 10 * low else NullFormatter())
+            FuncFormatter(lambda v, _: f"{v:.3g}") if high < 10 * low else NullFormatter()
+        )
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel(f"{kind} (mean ± std over seeds)")
         ax.set_title(kind, fontsize=9)
@@ -89,8 +98,9 @@ def ppl_vs_length(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             named.setdefault(label, handle)
-    axes[0][-1].legend(list(named.values()), list(named), fontsize=7, loc="upper left",
-                       bbox_to_anchor=(1.02, 1.0))
+    axes[0][-1].legend(
+        list(named.values()), list(named), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0)
+    )
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
@@ -106,8 +116,9 @@ def colours(names: Sequence[str]) -> dict[str, Any]:
     return {name: palette[i % len(palette)] for i, name in enumerate(unique)}
 
 
-def loss_by_position(curves: Mapping[str, Sequence[float]], train_len: int | None,
-                     title: str, points: int = 256) -> Figure:
+def loss_by_position(
+    curves: Mapping[str, Sequence[float]], train_len: int | None, title: str, points: int = 256
+) -> Figure:
     """Mean loss against position in the window, averaged into at most ``points`` bins.
 
     Args:
@@ -121,7 +132,7 @@ def loss_by_position(curves: Mapping[str, Sequence[float]], train_len: int | Non
     for label, ys in curves.items():
         width = max(1, math.ceil(len(ys) / points))
         xs = [i + (min(width, len(ys) - i) - 1) / 2 for i in range(0, len(ys), width)]
-        means = [sum(ys[i:i + width]) / len(ys[i:i + width]) for i in range(0, len(ys), width)]
+        means = [sum(ys[i : i + width]) / len(ys[i : i + width]) for i in range(0, len(ys), width)]
         ax.plot(xs, means, lw=1.2, color=color[label], label=label)
     if train_len:
         ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"train {train_len}")
@@ -134,8 +145,12 @@ def loss_by_position(curves: Mapping[str, Sequence[float]], train_len: int | Non
     return fig
 
 
-def bleu_by_bucket(bars: Mapping[str, Mapping[str, Point]], buckets: Sequence[str],
-                   train_max: int | None, title: str) -> Figure:
+def bleu_by_bucket(
+    bars: Mapping[str, Mapping[str, Point]],
+    buckets: Sequence[str],
+    train_max: int | None,
+    title: str,
+) -> Figure:
     """Grouped bars: BLEU per source-length bucket, one bar per encoder, std error bars.
 
     Args:
@@ -151,14 +166,25 @@ def bleu_by_bucket(bars: Mapping[str, Mapping[str, Point]], buckets: Sequence[st
         xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(buckets))]
         means = [values.get(b, (math.nan, None))[0] for b in buckets]
         stds = [values.get(b, (math.nan, None))[1] or 0.0 for b in buckets]
-        ax.bar(xs, [0.0 if math.isnan(m) else m for m in means], width, yerr=stds, capsize=2,
-               label=encoder)
+        ax.bar(
+            xs,
+            [0.0 if math.isnan(m) else m for m in means],
+            width,
+            yerr=stds,
+            capsize=2,
+            label=encoder,
+        )
     if train_max is not None:
         starts = [_bucket_start(b) for b in buckets]
         beyond = [j for j, s in enumerate(starts) if s > train_max]
         if beyond:
-            ax.axvline(beyond[0] - 0.5, color="grey", ls="--", lw=1,
-                       label=f"beyond training max {train_max}")
+            ax.axvline(
+                beyond[0] - 0.5,
+                color="grey",
+                ls="--",
+                lw=1,
+                label=f"beyond training max {train_max}",
+            )
     ax.set_xticks(range(len(buckets)), [b.removeprefix("len") for b in buckets])
     ax.set_xlabel("source length (tokens)")
     ax.set_ylabel("BLEU (mean ± std over seeds)")
@@ -168,29 +194,64 @@ def bleu_by_bucket(bars: Mapping[str, Mapping[str, Point]], buckets: Sequence[st
     return fig
 
 
+def learned_label(encoder: str, rs: Sequence[Run]) -> str:
+    """``rope (1/3 learned)`` when some of the group's runs did not learn the task (their
+    points past the training length are left out); else the encoder's name."""
+    gated = [r for r in rs if r.learned in (LEARNED, NOT_LEARNED)]
+    k = sum(r.learned == LEARNED for r in gated)
+    return f"{encoder} ({k}/{len(rs)} learned)" if k < len(gated) else encoder
+
+
+def _labels(by_group: Mapping[tuple[str, str], Sequence[Run]], task: str) -> dict[str, str]:
+    """Encoder -> its curve label (:func:`learned_label`) in one task's figures."""
+    return {e: learned_label(e, rs) for (t, e), rs in by_group.items() if t == task}
+
+
+def _relabel(curves: Mapping[str, Any], labels: Mapping[str, str]) -> dict[str, Any]:
+    """``encoder`` and ``encoder+method`` keys renamed with their encoder's label."""
+    out = {}
+    for key, value in curves.items():
+        encoder, plus, ext = key.partition("+")
+        base = labels.get(encoder, encoder)
+        if plus:  # rope+yarn (1/3 learned): the method right after the encoder's name
+            head, paren, tail = base.partition(" (")
+            out[f"{head}+{ext}{paren}{tail}"] = value
+        else:
+            out[base] = value
+    return out
+
+
 def _points(rows: Sequence[Row], task: str, prefix: str) -> dict[str, dict[str, Point]]:
     """encoder -> suffix after ``prefix`` -> (mean, std), finite means only."""
     out: dict[str, dict[str, Point]] = {}
     for r in rows:
         if r.task == task and r.metric.startswith(prefix) and r.mean is not None:
-            out.setdefault(r.encoder, {})[r.metric[len(prefix):]] = (r.mean, r.std)
+            out.setdefault(r.encoder, {})[r.metric[len(prefix) :]] = (r.mean, r.std)
     return out
 
 
-def _extensions(rows: Sequence[Row], split: str) -> list[str]:
+def _extensions(rows: Sequence[Row], split: str, task: str = "lm") -> list[str]:
     """RoPE context-extension methods among the LM metrics of ``split`` (``yarn`` from
     ``test/ppl+yarn@64``), sorted."""
-    return sorted({ext for r in rows if r.task == "lm" and r.metric.startswith(f"{split}/")
-                   for ext in [split_extension(r.metric)[1]] if ext})
+    return sorted(
+        {
+            ext
+            for r in rows
+            if r.task == task and r.metric.startswith(f"{split}/")
+            for ext in [split_extension(r.metric)[1]]
+            if ext
+        }
+    )
 
 
-def _length_curves(rows: Sequence[Row], split: str, kind: str,
-                   extensions: Sequence[str]) -> dict[str, dict[int, Point]]:
+def _length_curves(
+    rows: Sequence[Row], split: str, kind: str, extensions: Sequence[str], task: str = "lm"
+) -> dict[str, dict[int, Point]]:
     """``encoder`` and ``encoder+method`` -> length -> (mean, std) of one protocol."""
     out: dict[str, dict[int, Point]] = {}
     for ext in ["", *extensions]:
         suffix = f"+{ext}" if ext else ""
-        for e, pts in _points(rows, "lm", f"{split}/{kind}{suffix}@").items():
+        for e, pts in _points(rows, task, f"{split}/{kind}{suffix}@").items():
             curve = {int(k): v for k, v in pts.items() if k.isdigit()}
             if curve:
                 out[f"{e}{suffix}"] = curve
@@ -198,124 +259,185 @@ def _length_curves(rows: Sequence[Row], split: str, kind: str,
     order: dict[str, int] = {}
     for label in out:
         order.setdefault(label.partition("+")[0], len(order))
-    return dict(sorted(out.items(), key=lambda kv: (order[kv[0].partition("+")[0]],
-                                                    "+" in kv[0], kv[0])))
+    return dict(
+        sorted(out.items(), key=lambda kv: (order[kv[0].partition("+")[0]], "+" in kv[0], kv[0]))
+    )
 
 
-def _lm_figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]],
-                rows: Sequence[Row]) -> dict[str, Figure]:
-    lm = [r for r in runs if r.task == "lm"]
-    train_len = _most_common([r.data.get("seq_len") for r in lm])
-    figs = {}
-    splits = sorted({m.split("/")[0] for r in lm for m in r.data.get("metrics", {}) if "@" in m})
-    for split in splits:
-        panels = {}
-        extensions = _extensions(rows, split)
-        for kind in ("ppl", "ppl_sw"):
-            curves = _length_curves(rows, split, kind, extensions)
-            if curves:
-                panels[f"{split}/{kind}"] = curves
-        if panels:
-            figs[f"lm_{split}_ppl_vs_length"] = ppl_vs_length(
-                panels, train_len, f"LM {split} perplexity by evaluation length")
-        by_position: dict[str, list[float]] = {}
-        for (task, encoder), rs in by_group.items():
-            if task != "lm":
-                continue
-            pos = [r.data.get("loss_by_position", {}) for r in rs]
-            for suffix in ["", *(f"+{ext}" for ext in extensions)]:
-                names = {n for p in pos for n in p if n.startswith(f"{split}/ppl{suffix}@")}
-                if not names:
-                    continue
-                longest = max(names, key=lambda n: int(n.rsplit("@", 1)[1]))
-                arrays = [p[longest] for p in pos if longest in p]
-                label = f"{encoder}{suffix} (L={longest.rsplit('@', 1)[1]}, n={len(arrays)})"
-                by_position[label] = [sum(col) / len(col) for col in zip(*arrays, strict=False)]
-        if by_position:
-            figs[f"lm_{split}_loss_by_position"] = loss_by_position(
-                by_position, train_len, f"LM {split}: loss by position at the longest length")
-        means = passkey_means(by_group, split)
-        if means:
-            figs[f"lm_{split}_passkey"] = passkey_heatmaps(
-                means, train_len, f"LM {split}: passkey accuracy by length and needle depth "
-                f"(mean over seeds)")
+def _lm_figures(
+    runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]], rows: Sequence[Row]
+) -> dict[str, Figure]:
+    """The LM figures of each LM table (``lm``, or ``lm_same_lr`` and ``lm_tuned_lr``)."""
+    figs: dict[str, Figure] = {}
+    for task in sorted({r.task for r in runs if r.base_task == "lm"}):
+        figs |= _lm_task_figures(task, [r for r in runs if r.task == task], by_group, rows)
     return figs
 
 
-#: One encoder's passkey grid over seeds: lengths, depths, [length][depth] means, n runs.
-PasskeyMean = tuple[list[int], list[float], list[list[float]], int]
+def _lm_task_figures(
+    task: str,
+    lm: Sequence[Run],
+    by_group: Mapping[tuple[str, str], Sequence[Run]],
+    rows: Sequence[Row],
+) -> dict[str, Figure]:
+    train_len = _most_common([r.data.get("seq_len") for r in lm])
+    labels = _labels(by_group, task)
+    figs: dict[str, Figure] = {}
+    splits = sorted({m.split("/")[0] for r in lm for m in r.data.get("metrics", {}) if "@" in m})
+    for split in splits:
+        panels = {}
+        extensions = _extensions(rows, split, task)
+        for kind in ("ppl", "ppl_sw"):
+            curves = _length_curves(rows, split, kind, extensions, task)
+            if curves:
+                panels[f"{split}/{kind}"] = _relabel(curves, labels)
+        if panels:
+            figs[f"{task}_{split}_ppl_vs_length"] = ppl_vs_length(
+                panels, train_len, f"LM {split} perplexity by evaluation length"
+            )
+        by_position: dict[str, list[float]] = {}
+        for (t, encoder), rs in by_group.items():
+            if t != task:
+                continue
+            for suffix in ["", *(f"+{ext}" for ext in extensions)]:
+                names = {
+                    n
+                    for r in rs
+                    for n in r.data.get("loss_by_position", {})
+                    if n.startswith(f"{split}/ppl{suffix}@") and r.counts(n)
+                }
+                if not names:
+                    continue
+                longest = max(names, key=lambda n: int(n.rsplit("@", 1)[1]))
+                arrays = [
+                    r.data["loss_by_position"][longest]
+                    for r in rs
+                    if longest in r.data.get("loss_by_position", {}) and r.counts(longest)
+                ]
+                label = next(iter(_relabel({f"{encoder}{suffix}": 0}, labels)))
+                label += f" (L={longest.rsplit('@', 1)[1]}, n={len(arrays)})"
+                by_position[label] = [sum(col) / len(col) for col in zip(*arrays, strict=False)]
+        if by_position:
+            figs[f"{task}_{split}_loss_by_position"] = loss_by_position(
+                by_position, train_len, f"LM {split}: loss by position at the longest length"
+            )
+        means = passkey_means({k: v for k, v in by_group.items() if k[0] == task}, split)
+        if means:
+            figs[f"{task}_{split}_passkey"] = passkey_heatmaps(
+                means,
+                train_len,
+                f"LM {split}: passkey accuracy by length and needle depth (mean over seeds)",
+            )
+    return figs
 
 
-def passkey_means(by_group: Mapping[tuple[str, str], Sequence[Run]],
-                  split: str) -> dict[str, PasskeyMean]:
+#: One encoder's passkey grid over seeds: lengths, depths, [length][depth] means, n runs,
+#: and per length what an empty row means ("skipped", or "not learned" when every run that
+#: has it did not learn the task).
+PasskeyMean = tuple[list[int], list[float], list[list[float]], int, list[str]]
+
+
+def passkey_means(
+    by_group: Mapping[tuple[str, str], Sequence[Run]], split: str
+) -> dict[str, PasskeyMean]:
     """Per LM encoder, the mean over its runs of the passkey accuracy grid of ``split``.
 
     A cell's mean is over the runs with a finite value there (NaN: a length the encoder
-    cannot run); runs whose lengths or depths differ from the group's most common grid are
-    left out.
+    cannot run) that count (lengths past the training one: runs that learned the task);
+    runs whose lengths or depths differ from the group's most common grid are left out.
     """
     out: dict[str, PasskeyMean] = {}
     for (task, encoder), rs in by_group.items():
-        blocks = [r.data.get("passkey") or {} for r in rs] if task == "lm" else []
-        blocks = [b for b in blocks if split in (b.get("accuracy") or {})]
-        if not blocks:
+        have = [r for r in rs if split in ((r.data.get("passkey") or {}).get("accuracy") or {})]
+        have = have if task.startswith("lm") else []
+        if not have:
             continue
-        shape = _most_common([(tuple(b["lengths"]), tuple(b["depths"])) for b in blocks])
-        grids = [b["accuracy"][split] for b in blocks
-                 if (tuple(b["lengths"]), tuple(b["depths"])) == shape]
+        shape = _most_common(
+            [
+                (tuple(r.data["passkey"]["lengths"]), tuple(r.data["passkey"]["depths"]))
+                for r in have
+            ]
+        )
+        grids = [
+            r
+            for r in have
+            if (tuple(r.data["passkey"]["lengths"]), tuple(r.data["passkey"]["depths"])) == shape
+        ]
         lengths, depths = shape
-        mean = []
-        for i in range(len(lengths)):
+        mean, blank = [], []
+        for i, length in enumerate(lengths):
+            counted = [r for r in grids if r.counts(f"{split}/passkey@{length}")]
+            blank.append("skipped" if counted else "not learned")
             row = []
             for j in range(len(depths)):
-                vals = [g[i][j] for g in grids
-                        if isinstance(g[i][j], int | float) and math.isfinite(g[i][j])]
+                vals = [
+                    v
+                    for r in counted
+                    for v in [r.data["passkey"]["accuracy"][split][i][j]]
+                    if isinstance(v, int | float) and math.isfinite(v)
+                ]
                 row.append(sum(vals) / len(vals) if vals else math.nan)
             mean.append(row)
-        out[encoder] = (list(lengths), list(depths), mean, len(grids))
+        out[learned_label(encoder, rs)] = (list(lengths), list(depths), mean, len(grids), blank)
     return out
 
 
-def passkey_heatmaps(means: Mapping[str, PasskeyMean], train_len: int | None,
-                     title: str) -> Figure:
+def passkey_heatmaps(means: Mapping[str, PasskeyMean], train_len: int | None, title: str) -> Figure:
     """One accuracy heatmap (length x depth) per encoder, four to a row."""
     from posenc.eval.passkey import heatmap_figure
 
     cols = min(4, len(means))
     rows = math.ceil(len(means) / cols)
     first = next(iter(means.values()))
-    fig, axes = plt.subplots(rows, cols, squeeze=False,
-                             figsize=(cols * (1.6 + 0.8 * len(first[1])),
-                                      rows * (1.4 + 0.45 * len(first[0]))))
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        squeeze=False,
+        figsize=(cols * (1.6 + 0.8 * len(first[1])), rows * (1.4 + 0.45 * len(first[0]))),
+    )
     panels = list(axes.flat)
-    for ax, (encoder, (lengths, depths, grid, n)) in zip(panels, means.items(), strict=False):
-        heatmap_figure(grid, lengths, depths, train_len, f"{encoder} (n={n})", ax=ax)
-    for ax in panels[len(means):]:
+    for ax, (encoder, (lengths, depths, grid, n, blank)) in zip(
+        panels, means.items(), strict=False
+    ):
+        heatmap_figure(grid, lengths, depths, train_len, f"{encoder} (n={n})", ax=ax, blank=blank)
+    for ax in panels[len(means) :]:
         ax.axis("off")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def _mt_figures(runs: Sequence[Run], rows: Sequence[Row]) -> dict[str, Figure]:
-    mt = [r for r in runs if r.task == "mt"]
-    figs = {}
-    for split in sorted({str(r.data.get("eval_split", "test")) for r in mt}):
-        prefix = f"{split}/bleu@"
-        bars = _points(rows, "mt", prefix)
-        # Every bucket gets a slot, also one no run had sentences in (no bar there).
-        buckets = sorted({r.metric[len(prefix):] for r in rows
-                          if r.task == "mt" and r.metric.startswith(prefix)},
-                         key=_bucket_start)
-        if buckets:
-            train_max = _most_common([r.data.get("max_train_src_len") for r in mt])
-            figs[f"mt_{split}_bleu_by_length"] = bleu_by_bucket(
-                bars, buckets, train_max, f"MT {split} BLEU by source length")
+def _mt_figures(
+    runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]], rows: Sequence[Row]
+) -> dict[str, Figure]:
+    figs: dict[str, Figure] = {}
+    for task in sorted({r.task for r in runs if r.base_task == "mt"}):
+        mt = [r for r in runs if r.task == task]
+        for split in sorted({str(r.data.get("eval_split", "test")) for r in mt}):
+            prefix = f"{split}/bleu@"
+            bars = _relabel(_points(rows, task, prefix), _labels(by_group, task))
+            # Every bucket gets a slot, also one no run had sentences in (no bar there).
+            buckets = sorted(
+                {
+                    r.metric[len(prefix) :]
+                    for r in rows
+                    if r.task == task and r.metric.startswith(prefix)
+                },
+                key=_bucket_start,
+            )
+            if buckets:
+                train_max = _most_common([r.data.get("max_train_src_len") for r in mt])
+                figs[f"{task}_{split}_bleu_by_length"] = bleu_by_bucket(
+                    bars, buckets, train_max, f"MT {split} BLEU by source length"
+                )
     return figs
 
 
-def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
-                     trained: tuple[int, int] | None, title: str) -> Figure:
+def accuracy_vs_size(
+    panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
+    trained: tuple[int, int] | None,
+    title: str,
+) -> Figure:
     """Accuracy (%) against instance size, one line per encoder (a band of one std), one
     panel per metric; the trained sizes shaded.
 
@@ -334,13 +456,22 @@ def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
             mean = [points[x][0] for x in xs]
             std = [points[x][1] or 0.0 for x in xs]
             color = color_of[encoder]
-            ax.plot(xs, mean, color=color, lw=1.4, ls="--" if encoder.endswith("_rand") else "-",
-                    label=encoder)
-            ax.fill_between(xs, [m - s for m, s in zip(mean, std, strict=True)],
-                            [m + s for m, s in zip(mean, std, strict=True)], color=color,
-                            alpha=0.15, lw=0)
-        ax.set(xlabel="instance size (shaded: trained)", ylabel="accuracy (%)",
-               ylim=(-2, 102), title=metric)
+            rand = encoder.partition(" ")[0].endswith("_rand")  # "rope_rand (1/3 learned)"
+            ax.plot(xs, mean, color=color, lw=1.4, ls="--" if rand else "-", label=encoder)
+            ax.fill_between(
+                xs,
+                [m - s for m, s in zip(mean, std, strict=True)],
+                [m + s for m, s in zip(mean, std, strict=True)],
+                color=color,
+                alpha=0.15,
+                lw=0,
+            )
+        ax.set(
+            xlabel="instance size (shaded: trained)",
+            ylabel="accuracy (%)",
+            ylim=(-2, 102),
+            title=metric,
+        )
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, ncol=2, loc="upper right")
     fig.suptitle(title)
@@ -349,7 +480,8 @@ def accuracy_vs_size(panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
 
 
 def _algo_figures(by_group: Mapping[tuple[str, str], Sequence[Run]]) -> dict[str, Figure]:
-    """One figure per algorithmic problem, from each run's per-size accuracy."""
+    """One figure per algorithmic problem, from each run's per-size accuracy; past the
+    trained sizes, only runs that learned the task count (:meth:`Run.counts`)."""
     figs = {}
     overview: dict[str, dict[str, dict[int, Point]]] = {}
     for task in sorted({t for t, _ in by_group if t.startswith("algo_")}):
@@ -363,29 +495,41 @@ def _algo_figures(by_group: Mapping[tuple[str, str], Sequence[Run]]) -> dict[str
                 curve = {}
                 for n in sizes:
                     mean, std, count, _ = summarize(
-                        r.data["by_size"].get(str(n), {}).get(metric) for r in rs)
+                        r.data["by_size"].get(str(n), {}).get(metric)
+                        for r in rs
+                        if r.counts(f"test/{metric}@len{n}-{n}")
+                    )
                     if count and mean is not None:
                         curve[n] = (mean, std)
                 if curve:
-                    curves[encoder] = curve
+                    curves[learned_label(encoder, rs)] = curve
         trained = _most_common([tuple(r.data.get("train_lengths", ())) or None for r in runs])
         problem = _most_common([r.data.get("problem") for r in runs])
         shape = _most_common([r.data.get("shape") for r in runs])
         if any(panels.values()):
             figs[f"{task}_accuracy_vs_size"] = accuracy_vs_size(
-                {k: v for k, v in panels.items() if v}, trained,
-                f"{problem} ({shape}): test accuracy by instance size")
-            overview[f"{problem} ({shape}): seq_acc"] = panels["seq_acc"]
+                {k: v for k, v in panels.items() if v},
+                trained,
+                f"{problem} ({shape}): test accuracy by instance size",
+            )
+            arm = runs[0].arm if runs else ""
+            overview[f"{problem} ({shape}{', ' + arm if arm else ''}): seq_acc"] = panels["seq_acc"]
     if len(overview) > 1:
         figs["algo_seq_acc_vs_size"] = accuracy_vs_size(
-            overview, trained, "Exact-match accuracy by instance size (mean ± std over seeds)")
+            overview, trained, "Exact-match accuracy by instance size (mean ± std over seeds)"
+        )
     return figs
 
 
-def figures(runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]],
-            rows: Sequence[Row]) -> dict[str, Figure]:
+def figures(
+    runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]], rows: Sequence[Row]
+) -> dict[str, Figure]:
     """All report figures by file stem."""
-    return _lm_figures(runs, by_group, rows) | _mt_figures(runs, rows) | _algo_figures(by_group)
+    return (
+        _lm_figures(runs, by_group, rows)
+        | _mt_figures(runs, by_group, rows)
+        | _algo_figures(by_group)
+    )
 
 
 def save(figs: Mapping[str, Figure], out: Path, writer: Any = None) -> list[Path]:

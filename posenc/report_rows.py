@@ -25,26 +25,107 @@ _KIND_ORDER = {
 }
 
 
+#: A run's standing at the learnability gate (``learned`` in ``metrics.json``).
+LEARNED, NOT_LEARNED, NO_GATE, UNKNOWN = "learned", "not learned", "no gate", "unknown"
+
+
+def task_key(task: str, problem: Any = None, shape: Any = None) -> str:
+    """``lm``, ``mt``, or ``algo_<problem>`` (``..._encdec`` for the encoder-decoder): each
+    algorithmic problem is a table of its own, and a tuned learning rate is per table."""
+    if task == "algo":
+        name = "?" if problem is None else problem
+        return f"algo_{name}_encdec" if shape == "encdec" else f"algo_{name}"
+    return task
+
+
+def _start(where: str) -> int | None:
+    """The first number of ``128`` or ``len5-8`` / ``len25+`` (None if it has none)."""
+    found = re.search(r"\d+", where)
+    return int(found.group()) if found else None
+
+
 @dataclass
 class Run:
-    """One finished job: its directory and the contents of its ``metrics.json``."""
+    """One finished job: its directory and the contents of its ``metrics.json``.
+
+    Attributes:
+        arm: Which learning-rate arm of its task the run belongs to (``same_lr``,
+            ``tuned_lr``, ``lr0.001``; set by the report when a task has several, else "").
+    """
 
     dir: Path
     data: dict[str, Any]
+    arm: str = ""
+
+    @property
+    def base_task(self) -> str:
+        """:func:`task_key` of the run."""
+        return task_key(
+            str(self.data.get("task", "?")), self.data.get("problem"), self.data.get("shape")
+        )
 
     @property
     def task(self) -> str:
-        """``lm``, ``mt``, or ``algo_<problem>`` (``..._encdec`` for the encoder-decoder):
-        each algorithmic problem is a table of its own."""
-        task = str(self.data.get("task", "?"))
-        if task == "algo":
-            shape = "_encdec" if self.data.get("shape") == "encdec" else ""
-            return f"algo_{self.data.get('problem', '?')}{shape}"
-        return task
+        """The report table the run is in: :attr:`base_task`, with ``_<arm>`` when its
+        task has runs of several learning-rate arms (``lm_tuned_lr``)."""
+        return f"{self.base_task}_{self.arm}" if self.arm else self.base_task
 
     @property
     def encoder(self) -> str:
         return str(self.data.get("encoder", "?"))
+
+    @property
+    def config(self) -> dict[str, Any]:
+        config = self.data.get("config")
+        return config if isinstance(config, dict) else {}
+
+    @property
+    def lr(self) -> float | None:
+        """The peak learning rate it trained with (``task.optim.lr``)."""
+        optim = (self.config.get("task") or {}).get("optim") or {}
+        return as_float(optim.get("lr"))
+
+    @property
+    def tuned(self) -> dict[str, Any] | None:
+        """Where its learning rate came from when tuned (``+tuned=...``), else None."""
+        tuned = self.config.get("tuned")
+        return tuned if isinstance(tuned, dict) else None
+
+    @property
+    def learned(self) -> str:
+        """:data:`LEARNED` or :data:`NOT_LEARNED` at its gate, :data:`NO_GATE`, or
+        :data:`UNKNOWN` (a ``metrics.json`` from before the gate, or no validation)."""
+        if "learned" not in self.data:
+            return UNKNOWN
+        if not self.data.get("gate"):
+            return NO_GATE
+        value = self.data["learned"]
+        return UNKNOWN if value is None else LEARNED if value else NOT_LEARNED
+
+    def beyond_training(self, metric: str) -> bool:
+        """Whether ``metric`` is measured past the training length: an LM length over
+        ``seq_len``, an algorithmic size bucket starting past the largest trained size, a
+        translation bucket starting past ``max_train_src_len``."""
+        where = metric.partition("@")[2]
+        start = _start(where) if where else None
+        if start is None:
+            return False
+        task = self.data.get("task")
+        if task == "lm":
+            limit = self.data.get("seq_len")
+        elif task == "algo":
+            trained = self.data.get("train_lengths") or [None, None]
+            limit = trained[-1]
+        elif task == "mt":
+            limit = self.data.get("max_train_src_len")
+        else:
+            limit = None
+        return isinstance(limit, int) and start > limit
+
+    def counts(self, metric: str) -> bool:
+        """Whether its value of ``metric`` enters the report: not when the run did not
+        learn its task and the metric lies past the training length."""
+        return not (self.learned == NOT_LEARNED and self.beyond_training(metric))
 
 
 @dataclass
@@ -61,7 +142,17 @@ class Failure:
 
 @dataclass
 class Row:
-    """Statistics of one metric over the runs of one (task, encoder) group."""
+    """Statistics of one metric over the runs of one (task, encoder) group.
+
+    Attributes:
+        n: Runs with a finite value that count (see :meth:`Run.counts`).
+        skipped: Runs holding NaN there (a length the encoder cannot run).
+        values: Those n finite values.
+        ci95: Half-width of the 95% confidence interval of the mean (None for n < 2).
+        dropped: Runs left out because they did not learn the task (past training only).
+        mark: Standing in its column (:mod:`posenc.report_stats`: best, tie, worse,
+            untested), and p: Holm-adjusted p-value against the best.
+    """
 
     task: str
     encoder: str
@@ -71,6 +162,11 @@ class Row:
     n: int
     skipped: int
     cost: dict[str, float | None] = field(default_factory=dict)
+    values: list[float] = field(default_factory=list)
+    ci95: float | None = None
+    dropped: int = 0
+    mark: str = ""
+    p: float | None = None
 
 
 # ----------------------------------------------------------------------------- sort keys
@@ -134,11 +230,8 @@ def as_float(value: Any) -> float | None:
     return float(value)
 
 
-def summarize(values: Iterable[Any]) -> tuple[float | None, float | None, int, int]:
-    """``(mean, sample std (n-1), n, skipped)``: NaN, inf and null count as skipped.
-
-    The std is None when fewer than two finite values exist.
-    """
+def finite_values(values: Iterable[Any]) -> tuple[list[float], int]:
+    """The finite numbers among ``values``, and how many others (NaN, inf, null) there were."""
     finite, skipped = [], 0
     for v in values:
         x = as_float(v)
@@ -146,6 +239,15 @@ def summarize(values: Iterable[Any]) -> tuple[float | None, float | None, int, i
             finite.append(x)
         else:
             skipped += 1
+    return finite, skipped
+
+
+def summarize(values: Iterable[Any]) -> tuple[float | None, float | None, int, int]:
+    """``(mean, sample std (n-1), n, skipped)``: NaN, inf and null count as skipped.
+
+    The std is None when fewer than two finite values exist.
+    """
+    finite, skipped = finite_values(values)
     mean = statistics.fmean(finite) if finite else None
     std = statistics.stdev(finite) if len(finite) > 1 else None
     return mean, std, len(finite), skipped

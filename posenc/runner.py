@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from posenc import checkpoints
 from posenc.errors import CheckpointError, RunDirError
+from posenc.tasks import gate
 from posenc.tasks.callbacks import PlainProgress, Throughput
 
 log = logging.getLogger(__name__)
@@ -71,8 +73,11 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
         return None
     # last.ckpt, or the checkpoint Lightning saved before a SLURM requeue (hpc_ckpt_N),
     # whichever is newer.
-    found = [p for p in (run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt"))
-             if p.is_file()]
+    found = [
+        p
+        for p in (run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt"))
+        if p.is_file()
+    ]
     return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 
@@ -132,8 +137,11 @@ def record_job(cfg: DictConfig, run_dir: Path) -> None:
     hc = HydraConfig.get()
     record = run_dir / ".hydra"
     record.mkdir(parents=True, exist_ok=True)
-    files = {"config.yaml": cfg, "hydra.yaml": OmegaConf.create({"hydra": hc}),
-             "overrides.yaml": hc.overrides.task}
+    files = {
+        "config.yaml": cfg,
+        "hydra.yaml": OmegaConf.create({"hydra": hc}),
+        "overrides.yaml": hc.overrides.task,
+    }
     for name, node in files.items():
         tmp = record / f".{name}.tmp{os.getpid()}"
         tmp.write_text(OmegaConf.to_yaml(node), encoding="utf-8")
@@ -142,8 +150,9 @@ def record_job(cfg: DictConfig, run_dir: Path) -> None:
     path = str(run_dir / f"{hc.job.name}.log")
     if not any(getattr(h, "baseFilename", None) == path for h in root.handlers):
         handler = logging.FileHandler(path)
-        handler.setFormatter(logging.Formatter(
-            "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        handler.setFormatter(
+            logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+        )
         root.addHandler(handler)
 
 
@@ -170,11 +179,13 @@ class RunState(pl.Callback):
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self.val = {k: float(v) for k, v in trainer.callback_metrics.items()
-                        if k.startswith("val/")}
+            self.val = {
+                k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")
+            }
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         # SIGTERM (a scheduler's preemption or time limit): Lightning stops between two
         # steps; keep the progress up to here for resume=true.
         if isinstance(exception, SIGTERMException) and trainer.training:
@@ -210,14 +221,21 @@ def run_state(trainer: pl.Trainer) -> RunState:
     return next(c for c in callbacks if isinstance(c, RunState))
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
-                  tokenizer: tuple[str, ...] | None = None,
-                  tokenizer_payload: dict[str, Any] | None = None) -> pl.Trainer:
+def build_trainer(
+    cfg: DictConfig,
+    run_dir: Path,
+    throughput: Throughput,
+    tokenizer: tuple[str, ...] | None = None,
+    tokenizer_payload: dict[str, Any] | None = None,
+    extra: Sequence[pl.Callback] = (),
+) -> pl.Trainer:
     """Lightning Trainer from ``cfg.trainer`` plus posenc's logger and callbacks.
 
     Checkpoints (:mod:`posenc.checkpoints`: atomic, checksummed, replaced in place):
     ``best.ckpt`` by the task's ``monitor`` metric at each validation, and ``last.ckpt``
     every ``checkpoint_every_n_steps`` steps and at the end of training, for resuming.
+    With ``task.learned`` set, the learnability gate (:mod:`posenc.tasks.gate`) watches
+    every validation.
 
     Args:
         cfg: The run's config.
@@ -227,6 +245,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
             the first is recorded in every checkpoint, and a resumed one must carry one.
         tokenizer_payload: The tokenizer itself (:func:`posenc.data.tokenizers.to_payload`),
             carried by every checkpoint so it generates text without the training data.
+        extra: The task's own callbacks (e.g. a validation metric the gate watches).
     """
     logger = TensorBoardLogger(
         save_dir=str(run_dir), name="tb", version="", default_hp_metric=False
@@ -249,10 +268,16 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
             enable_version_counter=False,
         ),
         LearningRateMonitor(logging_interval="step"),
-        RunState(checkpoints.record(cfg, tokenizer[0] if tokenizer else None,
-                                    tokenizer_payload), tokenizer),
+        RunState(
+            checkpoints.record(cfg, tokenizer[0] if tokenizer else None, tokenizer_payload),
+            tokenizer,
+        ),
         throughput,
+        *extra,
     ]
+    learned = gate.callback(cfg)
+    if learned is not None:
+        callbacks.append(learned)
     progress = cfg.trainer.get("enable_progress_bar", True)
     if progress and sys.stdout.isatty():
         callbacks.append(RichProgressBar())
@@ -263,8 +288,12 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput,
         # SIGUSR1 before the time limit: Lightning saves a checkpoint and requeues the job.
         plugins.append(SLURMEnvironment(auto_requeue=True))
     return instantiate(
-        cfg.trainer, logger=logger, callbacks=callbacks, default_root_dir=str(run_dir),
-        plugins=plugins, enable_progress_bar=bool(progress and sys.stdout.isatty()),
+        cfg.trainer,
+        logger=logger,
+        callbacks=callbacks,
+        default_root_dir=str(run_dir),
+        plugins=plugins,
+        enable_progress_bar=bool(progress and sys.stdout.isatty()),
     )
 
 
@@ -306,7 +335,9 @@ def log_hparams(trainer: pl.Trainer, hparams: dict[str, Any], metrics: dict[str,
 
 
 def load_for_eval(
-    task_cls: type[Task], cfg: DictConfig, vocab_size: int,
+    task_cls: type[Task],
+    cfg: DictConfig,
+    vocab_size: int,
     tokenizer: tuple[str, ...] | None = None,
 ) -> Task:
     """The task stored in ``cfg.ckpt_path`` (for ``eval_only``), checked against the data.
@@ -346,12 +377,16 @@ def init_from_checkpoint(task: pl.LightningModule, path: str) -> None:
             vocabulary, or an encoder with other parameters); loading is strict.
     """
     ckpt = checkpoints.load(path)
-    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()
-             if k.startswith("model.")}
+    state = {
+        k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")
+    }
     model = cast(nn.Module, task.model)
     ours = model.state_dict()
-    differ = [f"{k} is {tuple(v.shape)} there, {tuple(ours[k].shape)} here"
-              for k, v in state.items() if k in ours and v.shape != ours[k].shape]
+    differ = [
+        f"{k} is {tuple(v.shape)} there, {tuple(ours[k].shape)} here"
+        for k, v in state.items()
+        if k in ours and v.shape != ours[k].shape
+    ]
     differ += [f"{k} only there" for k in state if k not in ours]
     differ += [f"{k} only here" for k in ours if k not in state]
     if differ:
@@ -365,7 +400,7 @@ def init_from_checkpoint(task: pl.LightningModule, path: str) -> None:
     theirs = ckpt.get("hyper_parameters", {}).get("encoder", {}).get("_target_")
     ours = task.hparams.get("encoder", {}).get("_target_")
     if theirs != ours:
-        log.warning("init_from=%s: weights of a %s model initialise a %s model", path,
-                    theirs, ours)
-    log.info("model weights initialised from %s (step %s of that run)", path,
-             ckpt.get("global_step"))
+        log.warning("init_from=%s: weights of a %s model initialise a %s model", path, theirs, ours)
+    log.info(
+        "model weights initialised from %s (step %s of that run)", path, ckpt.get("global_step")
+    )

@@ -10,6 +10,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from posenc.eval.lengths import parse_metric
+from posenc.tasks.gate import describe
 
 
 def _fmt(value: float) -> str:
@@ -99,6 +100,9 @@ def summary(result: dict[str, Any], run_dir: Path) -> str:
     val = [f"{k} {_fmt(v)}" for k, v in m.items() if k.startswith("val/") and "@" not in k]
     if val:
         lines.append("  last validation: " + ", ".join(val))
+    learned = describe(result)
+    if learned:
+        lines.append(f"  {learned}")
     lines += [
         f"run directory: {run_dir}",
         f"all numbers:   {run_dir / 'metrics.json'}",

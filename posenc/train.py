@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posenc import checkpoints
+from posenc import checkpoints, tuned
 from posenc.config import validate
 from posenc.runner import guard_run_dir, quiet_third_party, record_job, resume_checkpoint
 
@@ -35,7 +35,8 @@ def check_checkpoint(cfg: DictConfig) -> None:
         log.warning(
             "eval_only: these settings differ from the checkpoint's and have no effect on "
             "an evaluation; metrics.json records the checkpoint's values:\n  %s",
-            "\n  ".join(f"{k}: checkpoint {a!r}, config {b!r}" for k, (a, b) in ignored.items()))
+            "\n  ".join(f"{k}: checkpoint {a!r}, config {b!r}" for k, (a, b) in ignored.items()),
+        )
         for key, (saved, _) in ignored.items():
             if saved != "<unset>":
                 OmegaConf.update(cfg, key, saved, force_add=True)
@@ -51,6 +52,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         The metrics dictionary written to ``<run dir>/metrics.json``.
     """
     quiet_third_party()
+    tuned.apply(cfg)  # +tuned=<report dir>: this encoder's tuned lr, before the checks
     validate(cfg)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -17,13 +17,22 @@ from posenc.report_rows import encoder_key, encoder_order
 from tests.conftest import ROOT
 
 
-def write_run(d: Path, task: str, encoder: str, seed: int, metrics: dict[str, float],
-              **extra: Any) -> None:
+def write_run(
+    d: Path, task: str, encoder: str, seed: int, metrics: dict[str, float], **extra: Any
+) -> None:
     """A metrics.json like the jobs write (only the fields the report reads)."""
     d.mkdir(parents=True)
-    data = {"task": task, "encoder": encoder, "seed": seed, "metrics": metrics,
-            "n_params": 1000, "tokens_per_s": 100.0 + seed, "peak_memory_mb": 50.0,
-            "train_time_s": 2.0, "config": {"seed": seed, "model": {"d_model": 16}}} | extra
+    data = {
+        "task": task,
+        "encoder": encoder,
+        "seed": seed,
+        "metrics": metrics,
+        "n_params": 1000,
+        "tokens_per_s": 100.0 + seed,
+        "peak_memory_mb": 50.0,
+        "train_time_s": 2.0,
+        "config": {"seed": seed, "model": {"d_model": 16}},
+    } | extra
     (d / "metrics.json").write_text(json.dumps(data))  # NaN is written as NaN, as the jobs do
 
 
@@ -38,28 +47,57 @@ def sweep(tmp_path: Path) -> Path:
     root = tmp_path / "sweep"
     nan = float("nan")
     for seed, (p16, p64) in enumerate([(10.0, 20.0), (12.0, nan), (14.0, 26.0)]):
-        write_run(root / f"{seed}_lm_rope", "lm", "rope", seed,
-                  {"test/ppl@16": p16, "test/ppl@64": p64, "val/loss": 2.0},
-                  loss_by_position={"test/ppl@16": [1.0] * 16, "test/ppl@64": [2.0] * 64},
-                  **LM_EXTRA)
-    write_run(root / "3_lm_learned", "lm", "learned", 0,
-              {"test/ppl@16": 9.0, "test/ppl@64": nan}, skipped={"test/ppl@64": "max_len"},
-              loss_by_position={"test/ppl@16": [1.5] * 16}, **LM_EXTRA)
+        write_run(
+            root / f"{seed}_lm_rope",
+            "lm",
+            "rope",
+            seed,
+            {"test/ppl@16": p16, "test/ppl@64": p64, "val/loss": 2.0},
+            loss_by_position={"test/ppl@16": [1.0] * 16, "test/ppl@64": [2.0] * 64},
+            **LM_EXTRA,
+        )
+    write_run(
+        root / "3_lm_learned",
+        "lm",
+        "learned",
+        0,
+        {"test/ppl@16": 9.0, "test/ppl@64": nan},
+        skipped={"test/ppl@64": "max_len"},
+        loss_by_position={"test/ppl@16": [1.5] * 16},
+        **LM_EXTRA,
+    )
     for seed, bleu in enumerate([20.0, 30.0]):
-        write_run(root / f"mt/{seed}_mt_rope", "mt", "rope", seed,
-                  {"test/bleu": bleu, "test/bleu@len0-10": bleu + 5, "test/bleu@len10+": nan},
-                  bleu_signature="BLEU: nrefs:1", max_train_src_len=9, eval_split="test")
+        write_run(
+            root / f"mt/{seed}_mt_rope",
+            "mt",
+            "rope",
+            seed,
+            {"test/bleu": bleu, "test/bleu@len0-10": bleu + 5, "test/bleu@len10+": nan},
+            bleu_signature="BLEU: nrefs:1",
+            max_train_src_len=9,
+            eval_split="test",
+        )
     failed = root / "6_lm_xl"
     failed.mkdir()
-    (failed / "error.json").write_text(json.dumps({
-        "error_type": "FloatingPointError", "message": "training loss is nan at step 2",
-        "traceback": "...", "overrides": ["encoder=xl"], "task": "lm", "encoder": "xl",
-        "seed": 0}))
+    (failed / "error.json").write_text(
+        json.dumps(
+            {
+                "error_type": "FloatingPointError",
+                "message": "training loss is nan at step 2",
+                "traceback": "...",
+                "overrides": ["encoder=xl"],
+                "task": "lm",
+                "encoder": "xl",
+                "seed": 0,
+            }
+        )
+    )
     missing = root / "7_lm_shaw"
     (missing / ".hydra").mkdir(parents=True)
     (missing / ".hydra" / "overrides.yaml").write_text("- encoder=shaw\n")
-    (missing / "run.log").write_text("[..][posenc][INFO] - tokenizer ready\n[..][lightning]"
-                                     "[INFO] - Epoch 0: step 40\n")
+    (missing / "run.log").write_text(
+        "[..][posenc][INFO] - tokenizer ready\n[..][lightning][INFO] - Epoch 0: step 40\n"
+    )
     (root / "8_lm_deberta").mkdir()
     (root / "8_lm_deberta" / "metrics.json").write_text('{"task": "lm", "metr')  # cut short
     return root
@@ -116,8 +154,11 @@ def test_failed_missing_and_unreadable_runs_are_listed(sweep: Path) -> None:
 def test_markdown_tables_and_protocols(sweep: Path) -> None:
     build_report(sweep)
     md = (sweep / "report" / "report.md").read_text()
-    assert "| rope | 12 ± 2 | 23 ± 4.2 (n=2) |" in md  # ppl@16, ppl@64 for 3 runs
-    assert "| learned | 9 | skipped (1) |" in md
+    # Mean ± 95% CI: rope's ppl@16 (10, 12, 14): 4.3027 * 2 / sqrt(3) = 4.97; ppl@64 (20,
+    # 26): 12.706 * 4.243 / sqrt(2) = 38.1. Results from before the gate: learned unknown.
+    # learned's single run is the best of ppl@16 (bold) but has no CI and is not tested.
+    assert "| rope | unknown | 3 | 12 ± 5 | **23 ± 38** (n=2) |" in md
+    assert "| learned | unknown | 1 | **9** (n=1, no CI) | skipped (1) |" in md
     assert "> **nonoverlap**: ppl@L: non-overlapping windows" in md
     assert "> **bleu_signature**: BLEU: nrefs:1" in md
 
@@ -126,8 +167,11 @@ def test_figures_and_tensorboard(sweep: Path, tmp_path: Path) -> None:
     out = tmp_path / "elsewhere"
     rep = build_report(sweep, out)
     pngs = sorted(p.name for p in rep.files if p.suffix == ".png")
-    assert pngs == ["lm_test_loss_by_position.png", "lm_test_ppl_vs_length.png",
-                    "mt_test_bleu_by_length.png"]
+    assert pngs == [
+        "lm_test_loss_by_position.png",
+        "lm_test_ppl_vs_length.png",
+        "mt_test_bleu_by_length.png",
+    ]
     for name in pngs:
         assert (out / name).stat().st_size > 1000
     assert list((out / "tb").glob("events.out.tfevents*"))
@@ -162,11 +206,26 @@ def test_empty_and_absent_dirs(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_summarize_and_order() -> None:
     assert summarize([1.0, None, float("inf"), float("nan"), 3.0, "x"]) == (2.0, math.sqrt(2), 2, 4)
     assert summarize([]) == (None, None, 0, 0)
-    names = ["val/loss", "test/ppl_sw@16", "test/ppl@1024", "test/ppl@128", "test/bleu@len30+",
-             "test/bleu", "test/bleu@len10-20", "test/chrf"]
+    names = [
+        "val/loss",
+        "test/ppl_sw@16",
+        "test/ppl@1024",
+        "test/ppl@128",
+        "test/bleu@len30+",
+        "test/bleu",
+        "test/bleu@len10-20",
+        "test/chrf",
+    ]
     assert sorted(names, key=metric_key) == [
-        "test/bleu", "test/bleu@len10-20", "test/bleu@len30+", "test/ppl@128", "test/ppl@1024",
-        "test/chrf", "test/ppl_sw@16", "val/loss"]
+        "test/bleu",
+        "test/bleu@len10-20",
+        "test/bleu@len30+",
+        "test/ppl@128",
+        "test/ppl@1024",
+        "test/chrf",
+        "test/ppl_sw@16",
+        "val/loss",
+    ]
 
 
 def test_every_registered_encoder_has_its_place_in_the_order() -> None:
@@ -175,16 +234,19 @@ def test_every_registered_encoder_has_its_place_in_the_order() -> None:
     # NoPE first, absolute before relative, thresholded relative (FIRE) last.
     assert order[0] == "none" and order[-1] == "fire"
     assert max(map(order.index, ("learned", "sinusoidal"))) < order.index("alibi")
-    assert sorted(["zzz", "rope", "none", "aaa"], key=encoder_key) == ["none", "rope", "aaa",
-                                                                       "zzz"]
+    assert sorted(["zzz", "rope", "none", "aaa"], key=encoder_key) == ["none", "rope", "aaa", "zzz"]
 
 
 def _imports(module: str) -> set[str]:
     tree = ast.parse((ROOT / "posenc" / f"{module}.py").read_text())
-    return {node.module for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.module} | {
-        alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-        for alias in node.names}
+    return {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    } | {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
 
 
 def test_report_modules_have_no_import_cycle() -> None:
@@ -194,50 +256,80 @@ def test_report_modules_have_no_import_cycle() -> None:
 
 
 def test_a_config_errors_problems_and_a_dead_jobs_last_log_line_are_in_the_table(
-        sweep: Path) -> None:
+    sweep: Path,
+) -> None:
     """The error column holds the whole message, not a header cut at its colon, and a job
     that died without a word (SIGKILL, the OOM killer) is named with how far it got."""
-    (sweep / "6_lm_xl" / "error.json").write_text(json.dumps({
-        "error_type": "ConfigError", "task": "lm", "encoder": "xl", "seed": 0,
-        "message": "invalid config (2 problems):\n  seed=-1: must be an integer >= 0\n"
-                   "  task.seq_len=0: must be a positive integer"}))
+    (sweep / "6_lm_xl" / "error.json").write_text(
+        json.dumps(
+            {
+                "error_type": "ConfigError",
+                "task": "lm",
+                "encoder": "xl",
+                "seed": 0,
+                "message": "invalid config (2 problems):\n  seed=-1: must be an integer >= 0\n"
+                "  task.seq_len=0: must be a positive integer",
+            }
+        )
+    )
     build_report(sweep)
     md = (sweep / "report" / "report.md").read_text()
-    assert ("ConfigError: invalid config (2 problems): seed=-1: must be an integer >= 0 "
-            "task.seq_len=0: must be a positive integer |") in md
-    assert ("| 7_lm_shaw | missing | ? | ? |  | no metrics.json and no error.json: killed"
-            " (e.g. by the OOM killer), or still running; last log line: [..][lightning][INFO]"
-            " - Epoch 0: step 40 |") in md
+    assert (
+        "ConfigError: invalid config (2 problems): seed=-1: must be an integer >= 0 "
+        "task.seq_len=0: must be a positive integer |"
+    ) in md
+    assert (
+        "| 7_lm_shaw | missing | ? | ? |  | no metrics.json and no error.json: killed"
+        " (e.g. by the OOM killer), or still running; last log line: [..][lightning][INFO]"
+        " - Epoch 0: step 40 |"
+    ) in md
 
 
 def test_algorithmic_runs_are_grouped_by_problem_with_per_size_figures(tmp_path: Path) -> None:
     """Each problem (and shape) is a table of its own; exact match comes first; the
     per-size curves are averaged over seeds into each problem's figure and an overview."""
     root = tmp_path / "sweep"
-    for i, (problem, shape, encoder, seed, acc) in enumerate([
-        ("copy", "decoder", "rope", 0, 100.0), ("copy", "decoder", "rope", 1, 80.0),
-        ("copy", "decoder", "rope_rand", 0, 50.0), ("sort", "decoder", "rope", 0, 30.0),
-        ("sort", "encdec", "t5", 0, 20.0),
-    ]):
-        write_run(root / f"{i}", "algo", encoder, seed,
-                  {"test/acc@len1-4": acc, "test/seq_acc@len1-4": acc / 2},
-                  problem=problem, shape=shape, train_lengths=[1, 4],
-                  by_size={"1": {"count": 2, "seq_acc": acc, "acc": acc},
-                           "2": {"count": 2, "seq_acc": acc / 2, "acc": acc}})
+    for i, (problem, shape, encoder, seed, acc) in enumerate(
+        [
+            ("copy", "decoder", "rope", 0, 100.0),
+            ("copy", "decoder", "rope", 1, 80.0),
+            ("copy", "decoder", "rope_rand", 0, 50.0),
+            ("sort", "decoder", "rope", 0, 30.0),
+            ("sort", "encdec", "t5", 0, 20.0),
+        ]
+    ):
+        write_run(
+            root / f"{i}",
+            "algo",
+            encoder,
+            seed,
+            {"test/acc@len1-4": acc, "test/seq_acc@len1-4": acc / 2},
+            problem=problem,
+            shape=shape,
+            train_lengths=[1, 4],
+            by_size={
+                "1": {"count": 2, "seq_acc": acc, "acc": acc},
+                "2": {"count": 2, "seq_acc": acc / 2, "acc": acc},
+            },
+        )
     report = build_report(root, tensorboard=False)
     rows = read_csv(root / "report" / "report.csv")
     assert {t for t, _, _ in rows} == {"algo_copy", "algo_sort", "algo_sort_encdec"}
     assert float(rows["algo_copy", "rope", "test/acc@len1-4"]["mean"]) == 90.0
     assert float(rows["algo_copy", "rope", "test/acc@len1-4"]["std"]) == pytest.approx(
-        math.sqrt(200))
+        math.sqrt(200)
+    )
     assert rows["algo_copy", "rope_rand", "test/acc@len1-4"]["n"] == "1"
     md = (root / "report" / "report.md").read_text()
-    copy = md[md.index("## algo_copy"):md.index("## algo_sort")]
+    copy = md[md.index("## algo_copy") : md.index("## algo_sort")]
     assert copy.index("test/seq_acc@len1-4") < copy.index("test/acc@len1-4")
     names = sorted(p.name for p in report.files if p.suffix == ".png")
-    assert names == ["algo_copy_accuracy_vs_size.png", "algo_seq_acc_vs_size.png",
-                     "algo_sort_accuracy_vs_size.png",
-                     "algo_sort_encdec_accuracy_vs_size.png"]
+    assert names == [
+        "algo_copy_accuracy_vs_size.png",
+        "algo_seq_acc_vs_size.png",
+        "algo_sort_accuracy_vs_size.png",
+        "algo_sort_encdec_accuracy_vs_size.png",
+    ]
     assert "![algo_seq_acc_vs_size](algo_seq_acc_vs_size.png)" in md
     from posenc.report import groups
     from posenc.report_plots import figures
@@ -255,10 +347,20 @@ def test_ppl_figure_gives_each_of_eleven_curves_its_own_colour_and_plain_ticks()
 
     from posenc.report_plots import ppl_vs_length
 
-    names = ["none", "learned", "sinusoidal", "shaw", "xl", "deberta", "rope", "rope+ntk",
-             "rope+yarn", "rope+linear", "alibi"]
-    curves = {n: {128: (5.0 + i, None), 2048: (5.0 + 30 * i, None)}
-              for i, n in enumerate(names)}
+    names = [
+        "none",
+        "learned",
+        "sinusoidal",
+        "shaw",
+        "xl",
+        "deberta",
+        "rope",
+        "rope+ntk",
+        "rope+yarn",
+        "rope+linear",
+        "alibi",
+    ]
+    curves = {n: {128: (5.0 + i, None), 2048: (5.0 + 30 * i, None)} for i, n in enumerate(names)}
     fig = ppl_vs_length({"test/ppl": curves}, 128, "t")
     ax = fig.axes[0]
     drawn = [to_hex(c[0].get_color()) for c in ax.containers]  # each errorbar's line
@@ -268,19 +370,31 @@ def test_ppl_figure_gives_each_of_eleven_curves_its_own_colour_and_plain_ticks()
     assert "1e+02" not in [t.get_text() for t in ax.yaxis.get_majorticklabels()]
     assert "100" in [t.get_text() for t in ax.yaxis.get_majorticklabels()]
     # The one legend names the curves of every panel, also those only one panel has.
-    two = ppl_vs_length({"test/ppl": {"rope": curves["rope"], "alibi": curves["alibi"]},
-                         "test/ppl_sw": {"rope": curves["rope"]}}, 128, "t")
+    two = ppl_vs_length(
+        {
+            "test/ppl": {"rope": curves["rope"], "alibi": curves["alibi"]},
+            "test/ppl_sw": {"rope": curves["rope"]},
+        },
+        128,
+        "t",
+    )
     legend = two.axes[-1].get_legend()
     assert [t.get_text() for t in legend.get_texts()] == ["train 128", "rope", "alibi"]
 
 
 def test_a_metric_that_is_not_a_number_is_a_failure_not_a_skip(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A list where a number belongs is a malformed result: listed as unreadable, never
     counted as a skipped length, and never "no failures" (#38)."""
     write_run(tmp_path / "0_lm_rope", "lm", "rope", 0, {"test/ppl@16": 5.0})
-    write_run(tmp_path / "1_lm_rope", "lm", "rope", 1,
-              {"test/ppl@16": [5.0, 6.0], "test/ppl@64": float("nan")})
+    write_run(
+        tmp_path / "1_lm_rope",
+        "lm",
+        "rope",
+        1,
+        {"test/ppl@16": [5.0, 6.0], "test/ppl@64": float("nan")},
+    )
     assert main([str(tmp_path), "--no-tensorboard"]) == 0
     assert "{'unreadable': 1}" in capsys.readouterr().out
     rep = build_report(tmp_path, tensorboard=False)
@@ -292,10 +406,327 @@ def test_a_metric_that_is_not_a_number_is_a_failure_not_a_skip(
 
 
 def test_an_unwritable_out_folder_is_one_line(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_run(tmp_path / "sweep" / "0_lm_rope", "lm", "rope", 0, {"test/ppl@16": 5.0})
     (tmp_path / "a_file").write_text("not a folder")
     assert main([str(tmp_path / "sweep"), "--out", str(tmp_path / "a_file" / "report")]) == 2
     assert capsys.readouterr().err == (
         f"error: --out {tmp_path / 'a_file' / 'report'}: cannot create or write this folder "
-        f"(Not a directory); give another --out\n")
+        f"(Not a directory); give another --out\n"
+    )
+
+
+# ----------------------------------------------------------------------------- statistics
+def test_confidence_intervals_by_hand() -> None:
+    from posenc.report_stats import ci95
+
+    # t(0.975, 2) = 4.302652729749464 (tables); s = 2 for 10, 12, 14.
+    assert ci95([10.0, 12.0, 14.0]) == pytest.approx(4.302652729749464 * 2 / math.sqrt(3))
+    # t(0.975, 1) = 12.706204736174706; s = sqrt(18) for 20, 26.
+    assert ci95([20.0, 26.0]) == pytest.approx(12.706204736174706 * math.sqrt(18) / math.sqrt(2))
+    assert ci95([5.0]) is None and ci95([]) is None  # n = 1: no interval
+
+
+def test_welch_p_values_by_hand() -> None:
+    from scipy.stats import t as student
+
+    from posenc.report_stats import welch_p
+
+    # a = 1, 2, 3 (mean 2, var 1); b = 4, 5, 6, 7 (mean 5.5, var 5/3).
+    se2 = 1 / 3 + (5 / 3) / 4
+    t = (2 - 5.5) / math.sqrt(se2)
+    df = se2**2 / ((1 / 3) ** 2 / 2 + ((5 / 3) / 4) ** 2 / 3)  # Welch-Satterthwaite
+    assert df == pytest.approx(4.9592, abs=1e-4)
+    p = 2 * student.sf(abs(t), df)
+    assert welch_p([1, 2, 3], [4, 5, 6, 7]) == pytest.approx(p, rel=1e-9)
+    assert p == pytest.approx(0.010077, abs=1e-6)
+    assert welch_p([1.0], [2.0, 3.0]) is None  # n = 1: no test
+    assert welch_p([100, 100], [100, 100]) == 1.0  # no spread, equal: a tie
+    assert welch_p([100, 100], [90, 90]) == 0.0  # no spread, different: a difference
+
+
+def test_holm_and_marks_by_hand() -> None:
+    from posenc.report_stats import BEST, TIE, UNTESTED, WORSE, holm, lower_is_better, rank
+
+    # Sorted p: a 0.01 (x3 = 0.03), c 0.03 (x2 = 0.06), b 0.04 (x1, but never below 0.06).
+    assert holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx(
+        {"a": 0.03, "c": 0.06, "b": 0.06}
+    )
+    assert lower_is_better("test/ppl@128") and lower_is_better("test/ppl_sw+yarn@256")
+    assert lower_is_better("val/loss") and not lower_is_better("test/seq_acc@len1-8")
+    cells = {"x": [1.0, 2.0, 3.0], "y": [4.0, 5.0, 6.0, 7.0], "z": [1.5, 2.5, 2.0], "w": [9.0]}
+    marks = rank(cells, lower=True)
+    assert marks["x"].mark == BEST and marks["w"].mark == UNTESTED
+    assert marks["z"].mark == TIE and marks["y"].mark == WORSE
+    assert marks["y"].p == pytest.approx(2 * 0.010077, abs=1e-5)  # 2 tests: Holm x2
+    higher = rank(cells, lower=False)
+    assert higher["w"].mark == BEST and all(
+        m.mark == UNTESTED for k, m in higher.items() if k != "w"
+    )  # the best has n = 1
+
+
+def _run(
+    root: Path,
+    name: str,
+    encoder: str,
+    seed: int,
+    metrics: dict[str, float],
+    learned: bool | None,
+    lr: float = 3e-3,
+    tuned: dict[str, Any] | None = None,
+    **extra: Any,
+) -> None:
+    """An algorithmic copy run (trained sizes 1..4) with the gate's fields; ``learned``
+    None: a metrics.json from before the gate (no fields)."""
+    gate = (
+        {}
+        if learned is None
+        else {
+            "gate": {"metric": "val/seq_acc", "threshold": 95.0, "stop": True},
+            "learned": learned,
+            "learned_step": 250 if learned else None,
+        }
+    )
+    config = {"seed": seed, "task": {"optim": {"lr": lr}}} | ({"tuned": tuned} if tuned else {})
+    write_run(
+        root / name,
+        "algo",
+        encoder,
+        seed,
+        metrics,
+        problem="copy",
+        shape="decoder",
+        train_lengths=[1, 4],
+        config=config,
+        **gate,
+        **extra,
+    )
+
+
+def test_runs_that_did_not_learn_are_left_out_past_the_trained_sizes(tmp_path: Path) -> None:
+    """'k of n learned' per encoder; past the trained sizes only learned runs count (a
+    dash where none did); inside them every run counts; old results: unknown."""
+    root = tmp_path / "sweep"
+    for seed, (inside, past, ok) in enumerate(
+        [(100.0, 60.0, True), (40.0, 5.0, False), (98.0, 70.0, True)]
+    ):
+        _run(
+            root,
+            f"rope{seed}",
+            "rope",
+            seed,
+            {"test/seq_acc@len1-4": inside, "test/seq_acc@len5-6": past},
+            ok,
+            by_size={"4": {"seq_acc": inside, "acc": inside}, "6": {"seq_acc": past, "acc": past}},
+        )
+    for seed in range(2):
+        _run(
+            root,
+            f"sin{seed}",
+            "sinusoidal",
+            seed,
+            {"test/seq_acc@len1-4": 10.0 + seed, "test/seq_acc@len5-6": 90.0},
+            False,
+            by_size={"4": {"seq_acc": 10.0, "acc": 10.0}, "6": {"seq_acc": 90.0, "acc": 90.0}},
+        )
+    _run(
+        root,
+        "old",
+        "alibi",
+        0,
+        {"test/seq_acc@len1-4": 99.0, "test/seq_acc@len5-6": 50.0},
+        None,
+        by_size={"4": {"seq_acc": 99.0, "acc": 99.0}, "6": {"seq_acc": 50.0, "acc": 50.0}},
+    )
+    report = build_report(root, tensorboard=False)
+    md = (root / "report" / "report.md").read_text()
+    rows = read_csv(root / "report" / "report.csv")
+    # rope: 3 runs inside (mean 79.33, CI 4.303 * 34.08 / sqrt 3), the 2 that learned past
+    # (60, 70: 65, CI 12.71 * 7.071 / sqrt 2 = 63.5).
+    assert "| rope | 2/3 | 3 | 79.33 ± 85 | **65 ± 64** (n=2) |" in md
+    # sinusoidal learned nothing: its 90% past the trained sizes is in no table.
+    assert "| sinusoidal | 0/2 | 2 | 10.5 ± 6.4 | not learned (2 left out) |" in md
+    assert "| alibi | unknown | 1 | **99** (n=1, no CI) | 50 (n=1, no CI) |" in md
+    assert "Columns past the training length count only runs that learned" in md
+    r = rows["algo_copy", "rope", "test/seq_acc@len5-6"]
+    assert (r["mean"], r["n"], r["dropped_not_learned"], r["learned"]) == ("65.0", "2", "1", "2/3")
+    r = rows["algo_copy", "sinusoidal", "test/seq_acc@len5-6"]
+    assert (r["mean"], r["n"], r["dropped_not_learned"]) == ("", "0", "2")
+    assert rows["algo_copy", "sinusoidal", "test/seq_acc@len1-4"]["n"] == "2"
+    # The figure: past size 4, only learned runs; labels say how many learned.
+    from posenc.report import groups
+    from posenc.report_plots import figures
+
+    fig = figures(report.runs, groups(report.runs), report.rows)["algo_copy_accuracy_vs_size"]
+    curves = {
+        line.get_label(): dict(zip(line.get_xdata(), line.get_ydata(), strict=True))
+        for line in fig.axes[0].lines
+    }
+    assert curves["rope (2/3 learned)"] == {4: pytest.approx(238 / 3), 6: 65.0}
+    assert curves["sinusoidal (0/2 learned)"] == {4: 10.0}
+    assert curves["alibi"] == {4: 99.0, 6: 50.0}
+
+
+def test_lm_lengths_past_training_and_passkey_rows_follow_the_gate(tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    grid = {
+        "lengths": [16, 32],
+        "depths": [0.0, 1.0],
+        "accuracy": {"test": [[1.0, 1.0], [0.5, 0.0]]},
+    }
+    for seed, ok in enumerate([True, False]):
+        write_run(
+            root / f"r{seed}",
+            "lm",
+            "rope",
+            seed,
+            {
+                "test/ppl@16": 5.0 + seed,
+                "test/ppl@32": 8.0 + 10 * seed,
+                "test/passkey@16": 1.0,
+                "test/passkey@32": 0.25 + seed / 2,
+            },
+            gate={"metric": "val/passkey", "threshold": 0.9, "stop": False},
+            learned=ok,
+            learned_step=3 if ok else None,
+            passkey=grid,
+            **LM_EXTRA,
+        )
+    report = build_report(root, tensorboard=False)
+    row = {r.metric: r for r in report.rows}
+    assert (row["test/ppl@16"].n, row["test/ppl@32"].n) == (2, 1)
+    assert row["test/ppl@32"].mean == 8.0 and row["test/ppl@32"].dropped == 1
+    assert row["test/passkey@32"].mean == 0.25
+    from posenc.report import groups
+    from posenc.report_plots import passkey_means
+
+    means = passkey_means(groups(report.runs), "test")
+    lengths, _, mean, n, blank = means["rope (1/2 learned)"]
+    assert (lengths, mean, n, blank) == (
+        [16, 32],
+        [[1.0, 1.0], [0.5, 0.0]],
+        2,
+        ["skipped", "skipped"],
+    )
+    write_run(
+        root / "r2",
+        "lm",
+        "none",
+        0,
+        {"test/ppl@16": 5.0, "test/ppl@32": 9.0},
+        gate={"metric": "val/passkey", "threshold": 0.9, "stop": False},
+        learned=False,
+        learned_step=None,
+        passkey=grid,
+        **LM_EXTRA,
+    )
+    report = build_report(root, tensorboard=False)
+    _, _, mean, _, blank = passkey_means(groups(report.runs), "test")["none (0/1 learned)"]
+    assert mean[0] == [1.0, 1.0] and all(math.isnan(v) for v in mean[1])
+    assert blank == ["skipped", "not learned"]
+
+
+# ----------------------------------------------------------------------------- learning rates
+def test_a_learning_rate_grid_chooses_by_validation_and_writes_tuned_lr(tmp_path: Path) -> None:
+    """Per encoder the rate with the best mean val/loss (never a test metric); the grid's
+    report has one same-lr table per rate, and writes tuned_lr.yaml."""
+    from posenc.tuned import load
+
+    root = tmp_path / "grid"
+    # rope: val/loss best at 1e-3; its test ppl would favour 3e-3, which must not matter.
+    values = {
+        ("rope", 3e-4): (2.0, 2.2),
+        ("rope", 1e-3): (1.5, 1.7),
+        ("rope", 3e-3): (1.8, 1.6),
+        ("alibi", 3e-4): (1.9, 2.1),
+        ("alibi", 1e-3): (1.7, 1.9),
+        ("alibi", 3e-3): (1.6, 1.4),
+    }
+    for i, ((encoder, lr), losses) in enumerate(values.items()):
+        for seed, loss in enumerate(losses):
+            write_run(
+                root / f"{i}_{seed}",
+                "lm",
+                encoder,
+                seed,
+                {"val/loss": loss, "test/ppl@16": (1 / lr if lr == 3e-3 else 5.0)},
+                config={"seed": seed, "task": {"optim": {"lr": lr}}},
+                **LM_EXTRA,
+            )
+    report = build_report(root, tensorboard=False)
+    assert sorted({r.task for r in report.runs}) == ["lm_lr0.0003", "lm_lr0.001", "lm_lr0.003"]
+    tuned = root / "report" / "tuned_lr.yaml"
+    assert tuned in report.files
+    assert load(tuned) == {"lm": {"alibi": 3e-3, "rope": 1e-3}}
+    md = (root / "report" / "report.md").read_text()
+    assert "## lm_lr0.001" in md and "Same lr: task.optim.lr = 0.001 for every scheme." in md
+    assert "| rope | 2.1 ± 1.3 (n=2) | **1.6 ± 1.3 (n=2)** | 1.7 ± 1.3 (n=2) | 0.001 |" in md
+    assert "Chosen at the edge of the grid: alibi" in md
+    assert f"`+tuned={tuned.parent}`" in md
+
+
+def test_same_lr_and_tuned_lr_runs_get_a_table_each(tmp_path: Path) -> None:
+    root = tmp_path / "both"
+    tuned = {"file": "/x/tuned_lr.yaml", "task": "algo_copy", "encoder": "rope", "lr": 1e-3}
+    for seed in range(2):
+        sizes = {"by_size": {"4": {"seq_acc": 80.0, "acc": 90.0}}}
+        _run(root, f"same{seed}", "rope", seed, {"test/seq_acc@len1-4": 80.0 + seed}, True, **sizes)
+        _run(
+            root,
+            f"tuned{seed}",
+            "rope",
+            seed,
+            {"test/seq_acc@len1-4": 90.0 + seed},
+            True,
+            lr=1e-3,
+            tuned=tuned,
+            **sizes,
+        )
+    report = build_report(root, tensorboard=False)
+    md = (root / "report" / "report.md").read_text()
+    assert "## algo_copy_same_lr" in md and "## algo_copy_tuned_lr" in md
+    assert "Tuned lr: each scheme's own rate (rope 0.001), from /x/tuned_lr.yaml." in md
+    rows = read_csv(root / "report" / "report.csv")
+    assert float(rows["algo_copy_same_lr", "rope", "test/seq_acc@len1-4"]["mean"]) == 80.5
+    assert float(rows["algo_copy_tuned_lr", "rope", "test/seq_acc@len1-4"]["mean"]) == 90.5
+    assert not (root / "report" / "tuned_lr.yaml").exists()  # no grid: nothing chosen
+    assert {p.name for p in report.files if p.suffix == ".png"} == {
+        "algo_copy_same_lr_accuracy_vs_size.png",
+        "algo_copy_tuned_lr_accuracy_vs_size.png",
+        "algo_seq_acc_vs_size.png",
+    }
+
+
+def test_one_report_over_a_same_lr_sweep_and_its_tuned_rerun(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Several directories: one report, a table per arm; --out is then required."""
+    same, rerun = tmp_path / "lm_extrapolation", tmp_path / "lm_extrapolation_tuned"
+    record = {"file": "/r/tuned_lr.yaml", "task": "lm", "encoder": "rope", "lr": 3e-3}
+    for seed in range(2):
+        write_run(
+            same / f"{seed}",
+            "lm",
+            "rope",
+            seed,
+            {"test/ppl@16": 6.0 + seed},
+            config={"seed": seed, "task": {"optim": {"lr": 1e-3}}},
+            **LM_EXTRA,
+        )
+        write_run(
+            rerun / f"{seed}",
+            "lm",
+            "rope",
+            seed,
+            {"test/ppl@16": 5.0 + seed},
+            config={"seed": seed, "task": {"optim": {"lr": 3e-3}}, "tuned": record},
+            **LM_EXTRA,
+        )
+    assert main([str(same), str(rerun)]) == 2
+    assert "2 directories: say where the report goes with --out DIR" in capsys.readouterr().err
+    assert main([str(same), str(rerun), "--out", str(tmp_path / "both"), "--no-tensorboard"]) == 0
+    md = (tmp_path / "both" / "report.md").read_text()
+    assert "## lm_same_lr" in md and "## lm_tuned_lr" in md
+    assert "| rope | unknown | 2 | **6.5 ± 6.4** |" in md  # one row each: not averaged
+    assert "| rope | unknown | 2 | **5.5 ± 6.4** |" in md

@@ -311,6 +311,7 @@ def heatmap_figure(
     train_len: int | None,
     title: str = "",
     ax=None,
+    blank: Sequence[str] | None = None,
 ):
     """Accuracy as a length x depth heatmap (NaN cells, lengths not run, are blank).
 
@@ -321,6 +322,8 @@ def heatmap_figure(
         train_len: The training length (its row is marked ``(train)``).
         title: Axes title.
         ax: Axes to draw into; None makes a new figure.
+        blank: Per length, the word written in its NaN cells (default ``skipped``: a length
+            the encoder cannot run; the report writes ``not learned`` for lengths left out).
 
     Returns:
         The figure.
@@ -341,8 +344,9 @@ def heatmap_figure(
             if math.isfinite(v):
                 color = "black" if v > 0.6 else "white"
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color=color)
-            else:  # a length the encoder cannot run
-                ax.text(j, i, "skipped", ha="center", va="center", fontsize=6, color="grey")
+            else:  # a length the encoder cannot run, or runs left out
+                word = blank[i] if blank is not None else "skipped"
+                ax.text(j, i, word, ha="center", va="center", fontsize=6, color="grey")
     ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set_yticks(
         range(len(lengths)), [f"{n} (train)" if n == train_len else str(n) for n in lengths]

@@ -3,8 +3,10 @@
 Notation: B instances, P prompt length, A answer length (EOS not counted), V vocabulary.
 
 Training and validation are teacher-forced cross-entropy over the answer tokens and their
-EOS (``val/acc``: the share of those tokens whose argmax is right). Testing greedy-decodes
-every instance with the key/value cache and scores it by size ``n``:
+EOS (``val/acc``: the share of those tokens whose argmax is right; ``val/seq_acc``: the
+share of instances whose every answer token and EOS is the argmax, which is greedy
+decoding's exact match, since greedy then sees the right prefix at every step). Testing
+greedy-decodes every instance with the key/value cache and scores it by size ``n``:
 
 - ``seq_acc``: the output equals the answer exactly (and ends there, with EOS);
 - ``acc``: the share of answer positions whose output token is right.
@@ -31,6 +33,19 @@ from posenc.tasks.optim import check_finite, configure_adamw
 
 SHAPES = ("decoder", "encdec")
 Batch = dict[str, Tensor]
+#: Validation sums (over ranks): loss, right tokens, tokens, exact instances, instances.
+VAL_SUMS = ("loss", "right", "tokens", "exact", "count")
+
+
+def exact_rows(hit: Tensor, mask: Tensor) -> Tensor:
+    """``(B,)`` bool: every answer position of the row (``mask``) has its argmax right
+    (``hit``); rows without answer positions (padding) are not exact.
+
+    Args:
+        hit: ``(B, T)`` bool, argmax equals the target.
+        mask: ``(B, T)`` bool, the answer tokens and EOS.
+    """
+    return (hit | ~mask).all(-1) & mask.any(-1)
 
 
 def score(output: Sequence[int], answer: Sequence[int]) -> tuple[bool, int]:
@@ -131,7 +146,7 @@ class AlgoTask(pl.LightningModule):
         if model.get("compile"):
             self.model.compile()
         self.n_params = count_parameters(self.model)
-        self.sums = torch.nn.ModuleDict({k: SumMetric() for k in ("loss", "right", "tokens")})
+        self.sums = torch.nn.ModuleDict({k: SumMetric() for k in VAL_SUMS})
         self.by_size = LengthAccuracy(top_size)
         self.results: dict[str, Tensor] = {}
 
@@ -142,15 +157,23 @@ class AlgoTask(pl.LightningModule):
         logits = self.model(batch["src"], batch["tgt_in"], batch["src_mask"])
         return logits, batch["tgt_out"], batch["tgt_mask"]
 
-    def _loss(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """Summed loss, right argmax tokens and token count over the answer tokens."""
+    def _loss(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Summed loss, right argmax tokens, token count, exact instances and instance
+        count over the answer tokens (EOS included)."""
         logits, target, mask = self._logits(batch)
         nll = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="none")
-        right = (logits.argmax(-1) == target) & mask
-        return nll.view_as(target)[mask].sum(), right.sum(), mask.sum()
+        hit = logits.argmax(-1) == target  # (B, T)
+        right = hit & mask
+        return (
+            nll.view_as(target)[mask].sum(),
+            right.sum(),
+            mask.sum(),
+            exact_rows(hit, mask).sum(),
+            mask.any(-1).sum(),
+        )
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        loss_sum, _, n = self._loss(batch)
+        loss_sum, _, n, _, _ = self._loss(batch)
         loss = loss_sum / n
         check_finite(loss, self.global_step)
         self.log("train/loss", loss, prog_bar=True)
@@ -160,14 +183,15 @@ class AlgoTask(pl.LightningModule):
         return cast(SumMetric, self.sums[name])
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        for key, value in zip(("loss", "right", "tokens"), self._loss(batch), strict=True):
+        for key, value in zip(VAL_SUMS, self._loss(batch), strict=True):
             self._sum(key).update(value)
 
     def on_validation_epoch_end(self) -> None:
-        loss, right, n = (self._sum(k).compute() for k in ("loss", "right", "tokens"))
+        loss, right, n, exact, count = (self._sum(k).compute() for k in VAL_SUMS)
         n = n.clamp(min=1)
         self.log("val/loss", loss / n, prog_bar=True)
         self.log("val/acc", 100 * right / n, prog_bar=True)
+        self.log("val/seq_acc", 100 * exact / count.clamp(min=1), prog_bar=True)
         for name in self.sums:
             self._sum(name).reset()
 

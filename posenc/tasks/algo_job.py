@@ -30,6 +30,7 @@ from posenc.runner import (
     write_json_atomic,
 )
 from posenc.summary import summary
+from posenc.tasks import gate
 from posenc.tasks.algo import AlgoTask
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
 
@@ -176,6 +177,7 @@ def finish(
         "metric_doc": METRIC_DOC,
         "metrics": metrics,
         "by_size": by_size(task.results, dm.test_sizes()),
+        **gate.result(cfg, trainer, val),  # gate, learned, learned_step
         "n_params": task.n_params,
         "train_steps": trainer.global_step,
         "train_time_s": round(train_time, 2),

@@ -39,7 +39,7 @@ from posenc.runner import (
     write_json_atomic,
 )
 from posenc.summary import summary
-from posenc.tasks import lm_passkey
+from posenc.tasks import gate, lm_passkey
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
 from posenc.tasks.lm import Extension, LMTask
 
@@ -94,8 +94,11 @@ def lm_task(cfg: DictConfig, vocab_size: int, tokenizer: tuple[str, ...] | None 
         if cfg.task.eval.get("context_extension") and trained != cfg.task.seq_len:
             log.warning(
                 "context extension takes task.seq_len=%d as the original length, but the "
-                "checkpoint was trained at %d; set task.seq_len=%d", cfg.task.seq_len,
-                trained, trained)
+                "checkpoint was trained at %d; set task.seq_len=%d",
+                cfg.task.seq_len,
+                trained,
+                trained,
+            )
         return task
     task = LMTask(
         vocab_size=vocab_size,
@@ -116,12 +119,22 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     dm.setup("fit")
     check_lm_batch(cfg, dm.lm_split_tokens("train").numel(), dm.vocab_size)
     if passkey_lengths(cfg) or cfg.task.get("passkey_mix", 0):
-        check_passkey(cfg, lm_passkey.passkey_format(cfg, dm).min_length(),
-                      {s: dm.lm_split_tokens(s).numel() for s in ("train", "val", "test")})
+        check_passkey(
+            cfg,
+            lm_passkey.passkey_format(cfg, dm).min_length(),
+            {s: dm.lm_split_tokens(s).numel() for s in ("train", "val", "test")},
+        )
     tokenizer = fingerprints(dm.tokenizer)
     task = lm_task(cfg, dm.vocab_size, tokenizer)
     throughput = Throughput()
-    trainer = build_trainer(cfg, run_dir, throughput, tokenizer, to_payload(dm.tokenizer))
+    trainer = build_trainer(
+        cfg,
+        run_dir,
+        throughput,
+        tokenizer,
+        to_payload(dm.tokenizer),
+        lm_passkey.validation_callbacks(cfg, dm),
+    )
     t0 = time.perf_counter()
     if not cfg.eval_only:
         trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
@@ -140,8 +153,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     elif best:  # the passkey evaluation scores the best weights too
         task.load_state_dict(checkpoints.load(best)["state_dict"])
     passkey = lm_passkey.evaluate(cfg, dm, task.model, trainer.strategy.root_device)
-    return finish_lm(cfg, run_dir, task, trainer, throughput, skipped, train_time, val,
-                     passkey)
+    return finish_lm(cfg, run_dir, task, trainer, throughput, skipped, train_time, val, passkey)
 
 
 def extension_setting(cfg: DictConfig, method: str, length: int) -> Extension:
@@ -155,9 +167,11 @@ def extension_setting(cfg: DictConfig, method: str, length: int) -> Extension:
     return Extension(method, float(factor), int(seq_len))
 
 
-def eval_loaders(cfg: DictConfig, dm: LMDataModule, task: LMTask) -> tuple[
-        list[str], list[int], list[Extension | None], list[torch.utils.data.DataLoader],
-        dict[str, str]]:
+def eval_loaders(
+    cfg: DictConfig, dm: LMDataModule, task: LMTask
+) -> tuple[
+    list[str], list[int], list[Extension | None], list[torch.utils.data.DataLoader], dict[str, str]
+]:
     """Names, lengths, extensions and loaders of the evaluation, and the skipped metrics
     with their reasons (lengths past a ``learned`` table, methods an encoder lacks)."""
     stride = cfg.task.eval.sliding_stride
@@ -172,12 +186,15 @@ def eval_loaders(cfg: DictConfig, dm: LMDataModule, task: LMTask) -> tuple[
                 for method in methods:
                     name = metric_name(split, protocol, length, method)
                     if limit is not None and length > limit:
-                        skipped[name] = (f"encoder {enc_name} encodes at most {limit} "
-                                         f"positions; length {length} not evaluated")
+                        skipped[name] = (
+                            f"encoder {enc_name} encodes at most {limit} "
+                            f"positions; length {length} not evaluated"
+                        )
                     elif method is not None and method not in supported:
                         skipped[name] = (
                             f"encoder {enc_name} has no context-extension method {method!r} "
-                            f"(it supports: {', '.join(supported) or 'none'}); not evaluated")
+                            f"(it supports: {', '.join(supported) or 'none'}); not evaluated"
+                        )
                     if name in skipped:
                         log.warning("%s: %s", name, skipped[name])
                         continue
@@ -185,15 +202,18 @@ def eval_loaders(cfg: DictConfig, dm: LMDataModule, task: LMTask) -> tuple[
                     names.append(name)
                     lengths.append(length)
                     extensions.append(
-                        None if method is None else extension_setting(cfg, method, length))
+                        None if method is None else extension_setting(cfg, method, length)
+                    )
                     windows = dm.eval_windows(split, length, step)
-                    loaders.append(torch.utils.data.DataLoader(
-                        windows,
-                        batch_size=cfg.task.eval_batch_size,
-                        # Under DDP each window is scored on exactly one rank (no padding).
-                        sampler=ShardSampler(windows),
-                        num_workers=0,
-                    ))
+                    loaders.append(
+                        torch.utils.data.DataLoader(
+                            windows,
+                            batch_size=cfg.task.eval_batch_size,
+                            # Under DDP each window is scored on exactly one rank (no padding).
+                            sampler=ShardSampler(windows),
+                            num_workers=0,
+                        )
+                    )
     return names, lengths, extensions, loaders, skipped
 
 
@@ -248,6 +268,7 @@ def finish_lm(
         "skipped": skipped,
         "loss_by_position": by_position,
         "passkey": passkey_block,
+        **gate.result(cfg, trainer, val),  # gate, learned, learned_step
         "n_params": task.n_params,
         "train_steps": trainer.global_step,
         "train_time_s": round(train_time, 2),
@@ -308,8 +329,14 @@ def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -
                 trainer.global_step,
             )
     if result["passkey"]:
-        lm_passkey.tensorboard(writer, result["passkey"], result["metrics"], result["encoder"],
-                               seq_len, trainer.global_step)
+        lm_passkey.tensorboard(
+            writer,
+            result["passkey"],
+            result["metrics"],
+            result["encoder"],
+            seq_len,
+            trainer.global_step,
+        )
     m = cfg.model
     hparams = {
         "encoder": result["encoder"],

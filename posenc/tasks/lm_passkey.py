@@ -1,6 +1,9 @@
 """The LM job's passkey-retrieval evaluation (:mod:`posenc.eval.passkey`): one grid of
 accuracy by length and depth per evaluated split, ``<split>/passkey@L`` scalars (mean
-over depths), and their TensorBoard scalars and heatmap."""
+over depths), and their TensorBoard scalars and heatmap; and, for a run trained on the
+passkey mix, ``val/passkey`` (at the training length) at every validation
+(:class:`PasskeyValidation`), the metric of the passkey learnability gate
+(:mod:`posenc.tasks.gate`)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import math
 from functools import partial
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig
 
@@ -16,6 +20,7 @@ from posenc.config import passkey_lengths
 from posenc.data.lm import LMDataModule
 from posenc.eval.passkey import DOC, PasskeyFormat, evaluate_length, greedy, heatmap_figure
 from posenc.model import DecoderLM
+from posenc.tasks.gate import PASSKEY
 
 log = logging.getLogger(__name__)
 
@@ -121,3 +126,48 @@ def tensorboard(
             grid, block["lengths"], block["depths"], seq_len, f"{encoder}: {split} passkey accuracy"
         )
         writer.add_figure(f"{split}/passkey", fig, step)
+
+
+class PasskeyValidation(pl.Callback):
+    """Passkey retrieval at the training length on the validation split, logged as
+    ``val/passkey`` (mean over depths, in [0, 1]) at every validation: the
+    instances of the test grid's settings (``task.eval.passkey``: depths, samples, seed,
+    key length), with filler from the validation text, decoded greedily with the cache.
+
+    Args:
+        cfg: The run config (``task.seq_len``, ``task.eval.passkey``).
+        dm: The set-up data module.
+    """
+
+    def __init__(self, cfg: DictConfig, dm: LMDataModule) -> None:
+        p = cfg.task.eval.passkey
+        self.fmt = passkey_format(cfg, dm)
+        self.stream = dm.lm_split_tokens("val")
+        self.length = int(cfg.task.seq_len)
+        self.depths = [float(d) for d in p.depths]
+        self.samples, self.seed = int(p.samples), int(p.get("seed", 0))
+        self.batch_size = int(cfg.task.eval_batch_size)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        acc = evaluate_length(
+            greedy(pl_module.model),  # type: ignore[arg-type]  # LMTask.model: a DecoderLM
+            self.fmt,
+            self.stream,
+            self.length,
+            self.depths,
+            samples=self.samples,
+            seed=self.seed,
+            batch_size=self.batch_size,
+            device=pl_module.device,
+        )
+        # The same instances and weights on every rank: the same value, no sync needed.
+        pl_module.log(PASSKEY, sum(acc) / len(acc))
+
+
+def validation_callbacks(cfg: DictConfig, dm: LMDataModule) -> list[pl.Callback]:
+    """:class:`PasskeyValidation` for a run trained on the passkey mix (none otherwise)."""
+    if not cfg.task.get("passkey_mix") or cfg.eval_only:
+        return []
+    return [PasskeyValidation(cfg, dm)]

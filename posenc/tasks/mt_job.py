@@ -34,6 +34,7 @@ from posenc.runner import (
     write_json_atomic,
 )
 from posenc.summary import summary
+from posenc.tasks import gate
 from posenc.tasks.callbacks import Throughput, peak_memory_mb
 from posenc.tasks.mt import MTTask
 
@@ -174,6 +175,7 @@ def finish_mt(
         "n_sentences": len(hyps),
         "metrics": metrics,
         "buckets": {name: int(s["n"]) for name, s in by_bucket.items()},
+        **gate.result(cfg, trainer, extra),  # gate, learned, learned_step
         "bucket_doc": "source length in tokens of the joint tokenizer; lenA-B is A <= n < B",
         "bleu_signature": signature(),
         "decode": {

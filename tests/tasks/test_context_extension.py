@@ -173,7 +173,8 @@ def test_report_shows_methods_as_rows_and_curves(extended: dict, tmp_path: Path)
     (run / "metrics.json").write_text(json.dumps(data))
     rep = build_report(tmp_path / "sweep", tensorboard=False)
     md = (tmp_path / "sweep" / "report" / "report.md").read_text()
-    header = next(line for line in md.splitlines() if line.startswith("| encoder | test/"))
+    header = next(line for line in md.splitlines()
+                  if line.startswith("| encoder |") and "| test/" in line)
     assert "+" not in header  # methods are rows, not columns
     for method in METHODS:
         row = next(line for line in md.splitlines() if line.startswith(f"| rope+{method} |"))

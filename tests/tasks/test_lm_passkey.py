@@ -32,8 +32,39 @@ PASSKEY = [
 @pytest.fixture(scope="module")
 def rope(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("rope")
-    train(compose_run(tmp, "encoder=rope", *PASSKEY))
+    # The passkey gate of sweep=lm_passkey, at a threshold any model meets.
+    gate = "task.learned={metric:val/passkey,threshold:0.0,stop:false}"
+    train(compose_run(tmp, "encoder=rope", *PASSKEY, gate))
     return tmp / "run"
+
+
+def test_validation_scores_retrieval_at_1x_on_the_validation_split(rope: Path) -> None:
+    """``val/passkey`` (the gate's metric) is the test grid's evaluation at the training
+    length, on validation text, of the weights of the last validation (step 3 = last.ckpt)."""
+    m = json.loads((rope / "metrics.json").read_text())
+    assert (m["learned"], m["learned_step"]) == (True, 3)
+    assert m["gate"] == {"metric": "val/passkey", "threshold": 0.0, "stop": False}
+    cfg = compose_run(
+        rope.parent / "val",
+        "encoder=rope",
+        *PASSKEY,
+        "eval_only=true",
+        f"ckpt_path={rope / 'checkpoints' / 'last.ckpt'}",
+    )
+    dm = lm_datamodule(cfg)
+    dm.setup()
+    model = load_for_eval(LMTask, cfg, dm.vocab_size).model.eval()
+    acc = evaluate_length(
+        greedy(model),
+        passkey_format(cfg, dm),
+        dm.lm_split_tokens("val"),
+        64,
+        [0.0, 0.5, 1.0],
+        samples=4,
+        seed=0,
+        batch_size=3,
+    )
+    assert m["metrics"]["val/passkey"] == pytest.approx(sum(acc) / 3)
 
 
 def test_metrics_json_has_the_grid_and_scalars(rope: Path) -> None:

@@ -1,0 +1,203 @@
+"""Learning rates in the sweep report: which runs share a rate ("same lr"), which took a
+tuned one ("tuned lr"), and, for a sweep with a grid of rates, which rate each scheme does
+best with on validation at the training length (written to ``tuned_lr.yaml``,
+:mod:`posenc.tuned`).
+
+Only validation metrics at the training length choose: ``val/loss`` (the language model's
+and the algorithmic tasks' teacher-forced loss on the validation split at the training
+length or sizes); ``val/bleu`` for translation. No test metric and no length beyond the
+training one ever enters the choice.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from posenc.report_rows import Run, encoder_key, finite_values
+from posenc.report_stats import ci95
+
+#: Per task (its name in metrics.json): the validation metric that chooses a rate, and
+#: whether lower is better. MT's BLEU of the validation sentences when logged, else loss.
+CRITERIA: dict[str, list[tuple[str, bool]]] = {
+    "lm": [("val/loss", True)],
+    "algo": [("val/loss", True)],
+    "mt": [("val/bleu", False), ("val/loss", True)],
+}
+
+
+def lr_text(lr: float | None) -> str:
+    """``0.001``, ``0.0003``: a rate as the config shows it."""
+    return "?" if lr is None else f"{lr:g}"
+
+
+def assign_arms(runs: Sequence[Run]) -> None:
+    """Set each run's :attr:`Run.arm` so that no report table mixes learning rates.
+
+    Per task: runs with ``+tuned`` form ``tuned_lr``; the others one arm per rate
+    (``lr0.001``), or ``same_lr`` when they all share one. A task with one arm only keeps
+    its plain name (no suffix), as before tuning existed.
+    """
+    by_task: dict[str, list[Run]] = {}
+    for r in runs:
+        by_task.setdefault(r.base_task, []).append(r)
+    for rs in by_task.values():
+        rates = {r.lr for r in rs if r.tuned is None}
+        tuned = any(r.tuned is not None for r in rs)
+        if len(rates) + tuned <= 1:
+            for r in rs:
+                r.arm = ""
+            continue
+        for r in rs:
+            if r.tuned is not None:
+                r.arm = "tuned_lr"
+            elif len(rates) == 1:
+                r.arm = "same_lr"
+            else:
+                r.arm = f"lr{lr_text(r.lr)}"
+
+
+def arm_note(runs: Sequence[Run]) -> str:
+    """One line saying which learning rates a table's runs used."""
+    tuned = [r for r in runs if r.tuned is not None]
+    if tuned:
+        chosen = {r.encoder: lr_text(r.lr) for r in tuned}
+        files = sorted({str(r.tuned.get("file")) for r in tuned if r.tuned})
+        order = sorted(chosen.items(), key=lambda kv: encoder_key(kv[0]))
+        shown = ", ".join(f"{e} {lr}" for e, lr in order)
+        return f"Tuned lr: each scheme's own rate ({shown}), from {', '.join(files)}."
+    same = sorted({lr_text(r.lr) for r in runs})
+    return f"Same lr: task.optim.lr = {', '.join(same)} for every scheme."
+
+
+@dataclass
+class GridCell:
+    """One encoder at one rate of the grid: the criterion's values over seeds."""
+
+    values: list[float]
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.values) if self.values else None
+
+
+@dataclass
+class Grid:
+    """The learning-rate grid of one task: criterion, rates, cells and choices."""
+
+    task: str
+    metric: str
+    lower: bool
+    rates: list[float]
+    cells: dict[str, dict[float, GridCell]]
+    chosen: dict[str, float]
+
+    def at_edge(self) -> list[str]:
+        """Encoders whose chosen rate is the grid's smallest or largest: a wider grid
+        might do better for them."""
+        ends = (min(self.rates), max(self.rates))
+        return [e for e, lr in self.chosen.items() if lr in ends and len(self.rates) > 1]
+
+
+def grids(runs: Sequence[Run]) -> list[Grid]:
+    """The learning-rate grid of each task whose untuned runs of some encoder used more
+    than one rate (e.g. ``sweep=lr_tune``), with each encoder's choice: the rate with the
+    best mean criterion over its runs (ties: the smaller rate)."""
+    by_task: dict[str, list[Run]] = {}
+    for r in runs:
+        if r.tuned is None and r.lr is not None:
+            by_task.setdefault(r.base_task, []).append(r)
+    out = []
+    for task, rs in sorted(by_task.items()):
+        per_encoder: dict[str, set[float]] = {}
+        for r in rs:
+            per_encoder.setdefault(r.encoder, set()).add(r.lr)  # type: ignore[arg-type]
+        if all(len(v) < 2 for v in per_encoder.values()):
+            continue
+        metric, lower = _criterion(rs)
+        cells: dict[str, dict[float, GridCell]] = {}
+        for r in rs:
+            values, _ = finite_values([r.data.get("metrics", {}).get(metric)])
+            cell = cells.setdefault(r.encoder, {}).setdefault(r.lr, GridCell([]))  # type: ignore[arg-type]
+            cell.values += values
+        chosen = {}
+        for encoder, by_rate in cells.items():
+            scored = [(c.mean, lr) for lr, c in by_rate.items() if c.mean is not None]
+            if scored:
+                sign = 1 if lower else -1
+                chosen[encoder] = min(scored, key=lambda m: (sign * m[0], m[1]))[1]
+        cells = dict(sorted(cells.items(), key=lambda kv: encoder_key(kv[0])))
+        rates = sorted({lr for by_rate in cells.values() for lr in by_rate})
+        out.append(Grid(task, metric, lower, rates, cells, chosen))
+    return out
+
+
+def _criterion(runs: Sequence[Run]) -> tuple[str, bool]:
+    """The first criterion of the task's list that every run logged."""
+    task = str(runs[0].data.get("task"))
+    options = CRITERIA.get(task, [("val/loss", True)])
+    for metric, lower in options:
+        if all(metric in r.data.get("metrics", {}) for r in runs):
+            return metric, lower
+    return options[-1]
+
+
+def grid_table(grid: Grid) -> list[str]:
+    """Markdown: encoders by rates, the criterion's mean ± 95% CI (n), the choice in bold."""
+    direction = "lowest" if grid.lower else "highest"
+    lines = [
+        f"Learning-rate grid: {grid.metric} (validation at the training length; {direction} "
+        f"mean over seeds chooses; mean ± 95% CI, n):",
+        "",
+        "| encoder | " + " | ".join(f"lr {lr_text(lr)}" for lr in grid.rates) + " | chosen |",
+        "|" + "---|" * (len(grid.rates) + 2),
+    ]
+    for encoder, by_rate in grid.cells.items():
+        row = [encoder]
+        for lr in grid.rates:
+            cell = by_rate.get(lr)
+            if cell is None or cell.mean is None:
+                row.append("")
+                continue
+            half = ci95(cell.values)
+            text = f"{cell.mean:.4g}" + ("" if half is None else f" ± {half:.2g}")
+            text += f" (n={len(cell.values)})"
+            row.append(f"**{text}**" if grid.chosen.get(encoder) == lr else text)
+        row.append(lr_text(grid.chosen.get(encoder)))
+        lines.append("| " + " | ".join(row) + " |")
+    edge = grid.at_edge()
+    if edge:
+        lines += [
+            "",
+            f"> Chosen at the edge of the grid: {', '.join(edge)}; a wider grid may suit "
+            f"{'it' if len(edge) == 1 else 'them'} better.",
+        ]
+    return lines
+
+
+def tuned_file(grids_: Sequence[Grid]) -> dict[str, dict[str, object]]:
+    """The ``tasks`` block of ``tuned_lr.yaml`` (:func:`posenc.tuned.write`)."""
+    return {
+        g.task: {
+            "criterion": f"{g.metric} ({'lowest' if g.lower else 'highest'} mean over seeds, "
+            f"validation at the training length)",
+            "grid": g.rates,
+            "lr": dict(g.chosen),
+            "at_edge": g.at_edge(),
+        }
+        for g in grids_
+        if g.chosen
+    }
+
+
+def write_tuned(grids_: Sequence[Grid], out: Path, sweep: Sequence[Path]) -> Path | None:
+    """Write ``<out>/tuned_lr.yaml`` when there is a grid (returns its path, else None)."""
+    from posenc.tuned import FILE, write
+
+    tasks = tuned_file(grids_)
+    if not tasks:
+        return None
+    write(out / FILE, tasks, sweep)
+    return out / FILE

@@ -1,0 +1,210 @@
+"""The learnability gate: what "learned" means at the training length (``task.learned``),
+a callback that records when a run got there and may stop it then, and the fields it
+leaves in ``metrics.json``.
+
+A run that never learned its task at the training length says nothing about extrapolation:
+the report (:mod:`posenc.report`) leaves such runs out of every cell beyond the training
+length. ``task.learned`` is ``{metric, threshold, stop}`` or null (no gate):
+
+- ``metric``: a validation metric the task logs at the training length (:func:`metrics`);
+  its direction is fixed by its name (accuracies: at least the threshold; losses and
+  perplexities: at most);
+- ``threshold``: in the metric's own unit (percent for ``val/seq_acc``, a fraction in
+  [0, 1] for ``val/passkey``);
+- ``stop``: end training at the first validation that meets it (``trainer.max_steps``
+  stays the cap).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+#: Keys of ``task.learned``.
+GATE_KEYS = ("metric", "threshold", "stop")
+#: Metrics whose value must fall to the threshold; every other one must rise to it.
+LOWER_IS_BETTER = ("val/loss", "val/nll", "val/ppl")
+#: Metrics in percent (0..100) and in [0, 1], for the threshold's range check.
+PERCENT = ("val/seq_acc", "val/acc")
+
+
+#: Passkey retrieval at the training length on the validation split, at every validation
+#: (:class:`posenc.tasks.lm_passkey.PasskeyValidation`). Like ``val/loss`` it has no
+#: ``@L``: validation metrics are at the training length (``val/passkey@L`` is the
+#: evaluation grid's, with ``task.eval.splits=[val]``).
+PASSKEY = "val/passkey"
+
+
+def metrics(cfg: DictConfig) -> dict[str, str]:
+    """The validation metrics a gate can watch in this run, each with what it needs.
+
+    Returns:
+        ``{metric: ""}`` for a metric the run logs, ``{metric: why not}`` for one it would
+        log with another setting.
+    """
+    t = cfg.task
+    if t.name == "algo":
+        return {"val/seq_acc": "", "val/acc": "", "val/loss": ""}
+    if t.name == "lm":
+        need = "" if t.get("passkey_mix") else "needs task.passkey_mix > 0 (training passkeys)"
+        return {"val/loss": "", "val/ppl": "", PASSKEY: need}
+    need = "" if t.get("val_bleu_sentences") else "needs task.val_bleu_sentences > 0"
+    return {"val/loss": "", "val/nll": "", "val/ppl": "", "val/bleu": need}
+
+
+def validate(cfg: DictConfig, problems: list[str]) -> None:
+    """Problems with ``task.learned``, one line each."""
+    from posenc.checks import number
+
+    gate = cfg.task.get("learned")
+    if gate is None:
+        return
+    if not OmegaConf.is_dict(gate):
+        problems.append(
+            f"task.learned={gate!r}: must be null (no gate) or {{metric, threshold, stop}}, "
+            f"e.g. task.learned.metric=val/seq_acc task.learned.threshold=95"
+        )
+        return
+    for key in gate:
+        if key not in GATE_KEYS:
+            problems.append(f"task.learned.{key}: unknown key; allowed {', '.join(GATE_KEYS)}")
+    allowed = metrics(cfg)
+    metric, threshold = gate.get("metric"), gate.get("threshold")
+    if metric not in allowed:
+        problems.append(
+            f"task.learned.metric={metric!r}: allowed for task {cfg.task.name}: "
+            f"{', '.join(allowed)} (validation at the training length)"
+        )
+    elif allowed[metric]:
+        problems.append(f"task.learned.metric={metric}: {allowed[metric]}")
+    if not number(threshold) or not math.isfinite(threshold):
+        problems.append(f"task.learned.threshold={threshold!r}: must be a finite number")
+    elif metric in PERCENT and not 0 <= threshold <= 100:
+        problems.append(f"task.learned.threshold={threshold}: {metric} is in percent (0..100)")
+    elif metric == PASSKEY and not 0 <= threshold <= 1:
+        problems.append(
+            f"task.learned.threshold={threshold}: {metric} is a fraction in [0, 1]; "
+            f"e.g. 0.9 for 90% retrieval"
+        )
+    if not isinstance(gate.get("stop", False), bool):
+        problems.append(f"task.learned.stop={gate.stop!r}: must be true or false")
+
+
+def met(metric: str, value: float, threshold: float) -> bool:
+    """Whether ``value`` of ``metric`` meets the threshold (NaN never does)."""
+    if metric in LOWER_IS_BETTER:
+        return value <= threshold
+    return value >= threshold
+
+
+class LearnedGate(pl.Callback):
+    """Records the first validation at which ``metric`` meets ``threshold`` and, with
+    ``stop``, ends training there (``trainer.should_stop``; Lightning finishes the step
+    and the fit returns as at ``max_steps``).
+
+    A small callback rather than Lightning's ``EarlyStopping(stopping_threshold=...)``:
+    that one counts epochs and never says when it fired, and with ``stop=false`` the
+    step still has to be recorded.
+
+    Args:
+        metric: A validation metric the task logs (see :func:`metrics`).
+        threshold: The value that counts as learned.
+        stop: End training once it is met.
+    """
+
+    def __init__(self, metric: str, threshold: float, stop: bool) -> None:
+        self.metric = metric
+        self.threshold = float(threshold)
+        self.stop = stop
+        self.learned_step: int | None = None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self.metric not in trainer.callback_metrics:
+            return
+        value = float(trainer.callback_metrics[self.metric])
+        # Every rank logs the same synced value; agree anyway, as EarlyStopping does.
+        reached = trainer.strategy.reduce_boolean_decision(
+            met(self.metric, value, self.threshold), all=False
+        )
+        if reached and self.learned_step is None:
+            self.learned_step = trainer.global_step
+            log.info(
+                "learned at step %d: %s %.4g meets %g%s",
+                trainer.global_step,
+                self.metric,
+                value,
+                self.threshold,
+                "; stopping (task.learned.stop=true)" if self.stop else "",
+            )
+        if reached and self.stop:
+            trainer.should_stop = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"learned_step": self.learned_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.learned_step = state_dict.get("learned_step")
+
+
+def callback(cfg: DictConfig) -> LearnedGate | None:
+    """The run's gate callback (None without ``task.learned``)."""
+    gate = cfg.task.get("learned")
+    if gate is None:
+        return None
+    return LearnedGate(str(gate.metric), float(gate.threshold), bool(gate.get("stop", False)))
+
+
+def result(cfg: DictConfig, trainer: pl.Trainer, val: dict[str, float]) -> dict[str, Any]:
+    """The gate's fields of ``metrics.json``.
+
+    - ``gate``: ``{metric, threshold, stop}``, or null for a task without one;
+    - ``learned``: whether the metric met the threshold at the run's last validation (the
+      model it ends with; under ``stop``, the validation that stopped it); null without a
+      gate or without a validation (``eval_only``);
+    - ``learned_step``: the first step at which it met it (null: never). A run can have met
+      it once and lost it by the end: ``learned`` false with a ``learned_step``.
+
+    Args:
+        cfg: The run config.
+        trainer: The trainer, with the gate among its callbacks.
+        val: The last validation's metrics (:class:`posenc.runner.RunState`).
+    """
+    gate = cfg.task.get("learned")
+    if gate is None:
+        return {"gate": None, "learned": None, "learned_step": None}
+    found = [c for c in trainer.callbacks if isinstance(c, LearnedGate)]  # type: ignore[attr-defined]
+    value = val.get(str(gate.metric))
+    learned = None if value is None else met(str(gate.metric), value, float(gate.threshold))
+    return {
+        "gate": OmegaConf.to_container(gate, resolve=True),
+        "learned": learned,
+        "learned_step": found[0].learned_step if found else None,
+    }
+
+
+def describe(result: dict[str, Any]) -> str | None:
+    """One line for a run's summary: learned or not, where, and what that means."""
+    gate = result.get("gate")
+    if not gate:
+        return None
+    metric, threshold = gate["metric"], gate["threshold"]
+    value = result.get("metrics", {}).get(metric)
+    shown = "?" if value is None else f"{value:.4g}"
+    sign = "<=" if metric in LOWER_IS_BETTER else ">="
+    if result.get("learned") is None:
+        return f"learned: unknown (no validation of {metric} in this run)"
+    if result["learned"]:
+        return (
+            f"learned: yes ({metric} {shown} at the last validation; first met {sign} "
+            f"{threshold:g} at step {result.get('learned_step')})"
+        )
+    return (
+        f"learned: NO ({metric} {shown} at the last validation, not {sign} {threshold:g}); "
+        f"its results beyond the training length are left out of sweep reports"
+    )

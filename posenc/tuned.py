@@ -1,0 +1,174 @@
+"""Learning rates tuned alike for every scheme: the file the report writes from a sweep with
+a learning-rate grid (``tuned_lr.yaml``), and ``+tuned=<report dir>``, which gives each
+run its scheme's rate from it.
+
+The report (:mod:`posenc.report_tune`) picks, per task and encoder, the grid rate with the
+best mean validation metric at the training length (never a length beyond it) and writes
+it here. A run given ``+tuned=<dir or file>`` sets ``task.optim.lr`` to its encoder's rate
+before its config is checked and records where it came from in ``tuned`` (the report
+then shows it under "tuned lr")::
+
+    python run.py -m sweep=lr_tune                         # the grid
+    python -m posenc.report outputs/multirun/<lr_tune dir> # -> <dir>/report/tuned_lr.yaml
+    python run.py -m sweep=lm_extrapolation +tuned=outputs/multirun/<lr_tune dir>/report
+
+``+tuned`` (a key the composed config lacks, added by the command) rather than a config
+group: the rates live in a file a sweep produced, not in ``conf/``, and one key names it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from posenc.config import ConfigError
+
+#: The file name in a report directory, and its format tag.
+FILE = "tuned_lr.yaml"
+FORMAT = "posenc-tuned-lr/1"
+REMAKE = "make one with python -m posenc.report <dir of a sweep with an lr grid, sweep=lr_tune>"
+
+
+def locate(source: str) -> Path:
+    """The tuned-lr file that ``+tuned=<source>`` names: a report directory holding
+    :data:`FILE`, or the file itself.
+
+    Raises:
+        ConfigError: Nothing there, or a directory without the file.
+    """
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / FILE).is_file():
+            raise ConfigError(f"tuned={source}: no {FILE} in that directory; {REMAKE}")
+        return (path / FILE).resolve()
+    if not path.is_file():
+        raise ConfigError(
+            f"tuned={source}: no such file or directory; give the report directory that "
+            f"holds {FILE}, or the file itself ({REMAKE})"
+        )
+    return path.resolve()
+
+
+def load(path: Path) -> dict[str, dict[str, float]]:
+    """The rates of a tuned-lr file: ``{task: {encoder: lr}}``.
+
+    Raises:
+        ConfigError: Unreadable, or not a file :func:`write` made.
+    """
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"tuned={path}: not a posenc tuned-lr file ({why}); {REMAKE}")
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as err:  # any read or YAML error: the file is not what we wrote
+        raise bad(f"unreadable: {' '.join(str(err).split())[:200]}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise bad(f"expected format: {FORMAT}")
+    tasks = data.get("tasks")
+    if not isinstance(tasks, dict) or not tasks:
+        raise bad("no tasks")
+    out: dict[str, dict[str, float]] = {}
+    for task, entry in tasks.items():
+        rates = entry.get("lr") if isinstance(entry, dict) else None
+        if not isinstance(rates, dict) or not rates:
+            raise bad(f"tasks.{task}.lr is not a mapping of encoder to learning rate")
+        for encoder, lr in rates.items():
+            if (
+                isinstance(lr, bool)
+                or not isinstance(lr, int | float)
+                or not (math.isfinite(lr) and lr > 0)
+            ):
+                raise bad(f"tasks.{task}.lr.{encoder}={lr!r} is not a positive number")
+        out[str(task)] = {str(e): float(lr) for e, lr in rates.items()}
+    return out
+
+
+def write(path: Path, tasks: dict[str, dict[str, Any]], sweep: Path | Sequence[Path]) -> None:
+    """Write a tuned-lr file.
+
+    Args:
+        path: Where (``<report dir>/tuned_lr.yaml``).
+        tasks: Per task: ``criterion`` (text), ``grid`` (the rates tried), ``lr``
+            (encoder -> chosen rate), ``at_edge`` (encoders whose rate is the grid's
+            smallest or largest).
+        sweep: The directory (or directories) the runs came from.
+    """
+    head = (
+        "# Learning rates tuned alike for every scheme: per task and encoder, the rate of\n"
+        "# the grid with the best mean validation metric at the training length.\n"
+        "# Written by python -m posenc.report; used by python run.py ... +tuned=<its dir>\n"
+    )
+    where = [str(sweep)] if isinstance(sweep, Path) else [str(s) for s in sweep]
+    body = OmegaConf.create({"format": FORMAT, "sweeps": where, "tasks": tasks})
+    path.write_text(head + OmegaConf.to_yaml(body), encoding="utf-8")
+
+
+def run_key(cfg: DictConfig) -> tuple[str, str]:
+    """The task and encoder names a run has in reports (and in the tuned-lr file)."""
+    from posenc.report_rows import task_key
+    from posenc.runner import group_choice
+
+    t = cfg.task
+    encoder = group_choice(cfg, "encoder")
+    if t.name == "algo" and cfg.model.get("random_positions"):
+        encoder += "_rand"  # as posenc.tasks.algo_job.label names it
+    return task_key(str(t.name), t.get("problem"), t.get("shape")), encoder
+
+
+def apply(cfg: DictConfig) -> None:
+    """With ``tuned`` set to a directory or file: set ``task.optim.lr`` to this run's
+    tuned rate and replace ``tuned`` by the record ``{file, task, encoder, lr}``. A
+    ``tuned`` that is already such a record (a resumed run's) is checked against the lr.
+
+    Raises:
+        ConfigError: One line: no file, a malformed one, or no rate for this task or encoder.
+    """
+    source = cfg.get("tuned")
+    if source is None:
+        return
+    if OmegaConf.is_dict(source):
+        if source.get("lr") != cfg.task.optim.lr:
+            raise ConfigError(
+                f"tuned.lr={source.get('lr')!r} but task.optim.lr={cfg.task.optim.lr!r}; "
+                f"give +tuned=<report dir> (not a record) to take the tuned rate"
+            )
+        return
+    path = locate(str(source))
+    rates = load(path)
+    task, encoder = run_key(cfg)
+    if task not in rates:
+        raise ConfigError(
+            f"tuned={source}: no tuned learning rates for task {task} (the file has "
+            f"{', '.join(rates)}); tune it first, or drop +tuned"
+        )
+    if encoder not in rates[task]:
+        raise ConfigError(
+            f"tuned={source}: no tuned learning rate for encoder {encoder!r} on task {task} "
+            f"(tuned: {', '.join(rates[task])}); add it to the tuning sweep and rerun its "
+            f"report, or drop +tuned"
+        )
+    lr = rates[task][encoder]
+    cfg.task.optim.lr = lr
+    cfg.tuned = {"file": str(path), "task": task, "encoder": encoder, "lr": lr}
+
+
+def check_argument(args: list[str]) -> str | None:
+    """``run.py``'s check of a ``+tuned=...`` argument before a sweep starts: the file
+    exists and is well formed (whether it has each job's encoder, the jobs check).
+
+    Returns:
+        The problem, or None.
+    """
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if eq and key.lstrip("+~") == "tuned" and value not in ("", "null"):
+            try:
+                load(locate(value))
+            except ConfigError as err:
+                return str(err)
+    return None

@@ -1,0 +1,153 @@
+"""+tuned=<report dir>: each run takes its encoder's tuned learning rate from the file the
+report writes, records where it came from, and bad input fails in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from posenc import tuned
+from posenc.config import ConfigError
+from posenc.train import train
+from tests.conftest import ROOT, compose_run
+
+
+def _tuned_dir(tmp_path: Path, tasks: dict | None = None) -> Path:
+    """A report directory with a tuned_lr.yaml as the report writes it."""
+    d = tmp_path / "report"
+    d.mkdir(parents=True, exist_ok=True)
+    tasks = tasks or {
+        "lm": {
+            "criterion": "val/loss",
+            "grid": [1e-3, 3e-3],
+            "lr": {"rope": 3e-3, "alibi": 1e-3},
+            "at_edge": ["rope"],
+        }
+    }
+    tuned.write(d / tuned.FILE, tasks, tmp_path / "sweep")
+    return d
+
+
+def test_a_run_takes_its_encoders_rate_and_records_where_from(tmp_path: Path) -> None:
+    d = _tuned_dir(tmp_path)
+    result = train(
+        compose_run(tmp_path, "encoder=rope", f"+tuned={d}", "task.eval.multipliers=[1]")
+    )
+    config = result["config"]
+    assert config["task"]["optim"]["lr"] == 3e-3
+    assert config["tuned"] == {
+        "file": str((d / tuned.FILE).resolve()),
+        "task": "lm",
+        "encoder": "rope",
+        "lr": 3e-3,
+    }
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert saved["config"]["tuned"]["lr"] == 3e-3
+    # The file itself works as well as its directory.
+    cfg = compose_run(tmp_path, "encoder=alibi", f"+tuned={d / tuned.FILE}")
+    tuned.apply(cfg)
+    assert cfg.task.optim.lr == 1e-3 and cfg.tuned.encoder == "alibi"
+
+
+def test_algo_runs_on_random_positions_are_keyed_as_the_report_names_them(
+    tmp_path: Path,
+) -> None:
+    from tests.tasks.test_algo_job import _compose
+
+    d = _tuned_dir(tmp_path, {"algo_copy": {"lr": {"rope": 1e-3, "rope_rand": 3e-4}}})
+    cfg = _compose(tmp_path, "encoder=rope", "model.random_positions=64", f"+tuned={d}")
+    tuned.apply(cfg)
+    assert (cfg.task.optim.lr, cfg.tuned.encoder, cfg.tuned.task) == (
+        3e-4,
+        "rope_rand",
+        "algo_copy",
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p / "nope", "no such file or directory"),
+        (lambda p: p, "no tuned_lr.yaml in that directory; make one with python -m posenc.report"),
+        (lambda p: _write(p, "a: [1, 2\n"), "not a posenc tuned-lr file (unreadable"),
+        (lambda p: _write(p, "format: other\n"), "(expected format: posenc-tuned-lr/1)"),
+        (
+            lambda p: _write(p, f"format: {tuned.FORMAT}\ntasks: {{lm: {{lr: {{rope: -1}}}}}}\n"),
+            "tasks.lm.lr.rope=-1 is not a positive number",
+        ),
+    ],
+)
+def test_missing_or_malformed_files_are_one_line_errors(tmp_path: Path, make, message) -> None:
+    source = make(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        tuned.apply(compose_run(tmp_path, "encoder=rope", f"+tuned={source}"))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _write(d: Path, text: str) -> Path:
+    (d / tuned.FILE).write_text(text)
+    return d
+
+
+def test_an_encoder_or_task_not_in_the_file_is_refused(tmp_path: Path) -> None:
+    d = _tuned_dir(tmp_path)
+    with pytest.raises(
+        ConfigError,
+        match=r"no tuned learning rate for encoder 'xl' on task "
+        r"lm \(tuned: rope, alibi\)",
+    ):
+        tuned.apply(compose_run(tmp_path, "encoder=xl", f"+tuned={d}"))
+    with pytest.raises(
+        ConfigError,
+        match=r"no tuned learning rates for task algo_copy \(the "
+        r"file has lm\)",
+    ):
+        from tests.tasks.test_algo_job import _compose
+
+        tuned.apply(_compose(tmp_path, "encoder=rope", f"+tuned={d}"))
+
+
+def test_a_resumed_runs_record_must_match_its_lr(tmp_path: Path) -> None:
+    cfg = compose_run(
+        tmp_path,
+        "encoder=rope",
+        "task.optim.lr=0.003",
+        "+tuned={file:/x,task:lm,encoder:rope,lr:0.003}",
+    )
+    tuned.apply(cfg)  # a record (from a resumed run's config) is left as it is
+    assert OmegaConf.to_container(cfg.tuned)["lr"] == 0.003
+    cfg.task.optim.lr = 0.001
+    with pytest.raises(ConfigError, match="tuned.lr=0.003 but task.optim.lr=0.001"):
+        tuned.apply(cfg)
+
+
+def test_run_py_refuses_a_bad_file_before_the_sweep_starts(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "-m",
+            "encoder=rope,alibi",
+            f"+tuned={tmp_path / 'missing'}",
+        ],
+        cwd=tmp_path,
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"error: tuned={tmp_path / 'missing'}: no such file or "
+        f"directory; give the report directory that holds "
+        f"tuned_lr.yaml, or the file itself (make one with python "
+        f"-m posenc.report <dir of a sweep with an lr grid, "
+        f"sweep=lr_tune>)"
+    )
+    assert not (tmp_path / "outputs").exists()  # no job started
