@@ -42,32 +42,75 @@ MANIFEST = "checksums.json"
 #: and where to evaluate, hardware and speed settings. Anything else would be silently
 #: overridden by the checkpoint's optimiser, schedule or weights, so it is refused.
 RESUME_MAY_CHANGE = (
-    "trainer.max_steps", "trainer.val_check_interval", "trainer.limit_val_batches",
-    "trainer.log_every_n_steps", "trainer.enable_progress_bar", "trainer.devices",
-    "trainer.accelerator", "trainer.strategy", "trainer.num_nodes", "trainer.deterministic",
-    "trainer.enable_model_summary", "task.eval", "task.eval_batch_size", "task.decode",
-    "task.eval_split", "task.eval_max_sentences", "task.samples", "task.val_bleu_sentences",
-    "checkpoint_every_n_steps", "paths", "resume", "ckpt_path", "eval_only", "init_from",
-    "model.compile", "model.score_budget_mib", "threads",
+    "trainer.max_steps",
+    "trainer.val_check_interval",
+    "trainer.limit_val_batches",
+    "trainer.log_every_n_steps",
+    "trainer.enable_progress_bar",
+    "trainer.devices",
+    "trainer.accelerator",
+    "trainer.strategy",
+    "trainer.num_nodes",
+    "trainer.deterministic",
+    "trainer.enable_model_summary",
+    "task.eval",
+    "task.eval_batch_size",
+    "task.decode",
+    "task.eval_split",
+    "task.eval_max_sentences",
+    "task.samples",
+    "task.val_bleu_sentences",
+    "checkpoint_every_n_steps",
+    "paths",
+    "resume",
+    "ckpt_path",
+    "eval_only",
+    "init_from",
+    "model.compile",
+    "model.score_budget_mib",
+    "threads",
 )
 
 #: Training settings that do nothing in an ``eval_only`` run: given there with another
 #: value than the checkpoint's, they are reported and ``metrics.json`` keeps the
 #: checkpoint's (every other setting, e.g. precision or data, applies as given).
 NO_EFFECT_IN_EVAL = (
-    "task.optim", "task.batch_size", "trainer.max_steps", "trainer.gradient_clip_val",
-    "trainer.val_check_interval", "trainer.check_val_every_n_epoch",
-    "trainer.accumulate_grad_batches", "model.dropout", "model.random_positions", "seed",
-    "checkpoint_every_n_steps", "task.passkey_mix", "task.passkey_answer_weight",
+    "task.optim",
+    "task.batch_size",
+    "trainer.max_steps",
+    "trainer.gradient_clip_val",
+    "trainer.val_check_interval",
+    "trainer.check_val_every_n_epoch",
+    "trainer.accumulate_grad_batches",
+    "model.dropout",
+    "model.random_positions",
+    "seed",
+    "checkpoint_every_n_steps",
+    "task.passkey_mix",
+    "task.passkey_answer_weight",
 )
 
 #: Keys added after checkpoints were first written, with the value that behaves as an
 #: older checkpoint did: unset in the checkpoint and this value in the config is no change.
-ADDED_LATER = {"task.passkey_mix": 0.0, "task.passkey_answer_weight": 1.0}
+#: (The sinusoidal table's amplitude and DeBERTa's far-key rows came with #33, whose
+#: defaults differ from what older runs did.)
+ADDED_LATER = {
+    "task.passkey_mix": 0.0,
+    "task.passkey_answer_weight": 1.0,
+    "encoder.amplitude": 1.0,
+    "encoder.far_keys": "last_bucket",
+}
 
 #: What defines the network a checkpoint holds: ``eval_only`` refuses differences here.
-MODEL_DEFINING = ("task.name", "encoder", "model", "tokenizer", "task.problem", "task.shape",
-                  "task.symbols")
+MODEL_DEFINING = (
+    "task.name",
+    "encoder",
+    "model",
+    "tokenizer",
+    "task.problem",
+    "task.shape",
+    "task.symbols",
+)
 #: Model keys that change speed, never the function computed.
 RUNTIME_ONLY = ("model.compile", "model.score_budget_mib")
 
@@ -163,8 +206,14 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = verify(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (EOFError, RuntimeError, OSError, ValueError, zipfile.BadZipFile,
-            pickle.UnpicklingError) as err:
+    except (
+        EOFError,
+        RuntimeError,
+        OSError,
+        ValueError,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+    ) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(
             f"{path} is not a readable posenc checkpoint ({type(err).__name__}: {first[:200]}"
@@ -179,17 +228,20 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
 class VerifiedCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO with :func:`save_atomic` and :func:`verify`."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
-                        storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         save_atomic(checkpoint, Path(path))
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         verify(path)
         try:
             # posenc's checkpoints hold tensors and plain values only: never unpickle code.
-            return super().load_checkpoint(path, map_location=map_location,
-                                           weights_only=weights_only is not False)
+            return super().load_checkpoint(
+                path, map_location=map_location, weights_only=weights_only is not False
+            )
         except (EOFError, RuntimeError, zipfile.BadZipFile) as err:
             raise CheckpointError(f"{path} is not a readable checkpoint: {err}") from None
 
@@ -202,6 +254,7 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
 
 
 # -- the config a checkpoint was trained with ------------------------------------------
+
 
 def record(cfg: DictConfig, tokenizer_fingerprint: str | None) -> dict[str, Any]:
     """What a checkpoint stores of its run: the resolved config (without ``hydra``) and
@@ -241,17 +294,27 @@ def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, 
     now.pop("hydra", None)
     a, b = _flat(saved), _flat(now)
     missing = object()
-    return {k: (a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(a.keys() | b.keys())
-            if a.get(k, missing) != b.get(k, missing)
-            and not (k not in a and k in ADDED_LATER and b.get(k) == ADDED_LATER[k])}
+    return {
+        k: (a.get(k, "<unset>"), b.get(k, "<unset>"))
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k, missing) != b.get(k, missing)
+        and not (k not in a and k in ADDED_LATER and b.get(k) == ADDED_LATER[k])
+    }
 
 
 def _lines(diff: dict[str, tuple[Any, Any]]) -> str:
-    return "\n  ".join(f"{k}: checkpoint {v[0]!r}, config {v[1]!r}" for k, v in diff.items())
+    def line(k: str, v: tuple[Any, Any]) -> str:
+        text = f"{k}: checkpoint {v[0]!r}, config {v[1]!r}"
+        if v[0] == "<unset>" and k in ADDED_LATER:  # tell the value the old run had
+            text += f" (the checkpoint predates the key; it ran as {k}={ADDED_LATER[k]})"
+        return text
+
+    return "\n  ".join(line(k, v) for k, v in diff.items())
 
 
-def check_config(path: str, ckpt: dict[str, Any], cfg: DictConfig,
-                 resume: bool) -> dict[str, tuple[Any, Any]]:
+def check_config(
+    path: str, ckpt: dict[str, Any], cfg: DictConfig, resume: bool
+) -> dict[str, tuple[Any, Any]]:
     """Refuse a checkpoint that does not fit ``cfg``.
 
     Args:
@@ -270,14 +333,17 @@ def check_config(path: str, ckpt: dict[str, Any], cfg: DictConfig,
     """
     saved = ckpt.get("posenc")
     if not saved:
-        log.warning("%s predates posenc's config records: it is not checked against the "
-                    "config", path)
+        log.warning(
+            "%s predates posenc's config records: it is not checked against the config", path
+        )
         return {}
-    diff = {k: v for k, v in differences(saved["config"], cfg).items()
-            if not _under(k, RUNTIME_ONLY) and not _inert(k, cfg)}
+    diff = {
+        k: v
+        for k, v in differences(saved["config"], cfg).items()
+        if not _under(k, RUNTIME_ONLY) and not _inert(k, cfg)
+    }
     if resume:
-        bad = {k: v for k, v in diff.items()
-               if not _under(k, RESUME_MAY_CHANGE) or _trains(k, cfg)}
+        bad = {k: v for k, v in diff.items() if not _under(k, RESUME_MAY_CHANGE) or _trains(k, cfg)}
         if bad:
             raise CheckpointError(
                 f"resume from {path}: the config differs from the run's in keys the "
