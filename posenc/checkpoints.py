@@ -95,7 +95,14 @@ NO_EFFECT_IN_EVAL = (
 
 #: Keys added after checkpoints were first written, with the value that behaves as an
 #: older checkpoint did: unset in the checkpoint and this value in the config is no change.
-ADDED_LATER = {"task.passkey_mix": 0.0, "task.passkey_answer_weight": 1.0}
+#: (The sinusoidal table's amplitude and DeBERTa's far-key rows came with #33, whose
+#: defaults differ from what older runs did.)
+ADDED_LATER = {
+    "task.passkey_mix": 0.0,
+    "task.passkey_answer_weight": 1.0,
+    "encoder.amplitude": 1.0,
+    "encoder.far_keys": "last_bucket",
+}
 
 #: What defines the network a checkpoint holds: ``eval_only`` refuses differences here.
 MODEL_DEFINING = (
@@ -320,7 +327,13 @@ def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, 
 
 
 def _lines(diff: dict[str, tuple[Any, Any]]) -> str:
-    return "\n  ".join(f"{k}: checkpoint {v[0]!r}, config {v[1]!r}" for k, v in diff.items())
+    def line(k: str, v: tuple[Any, Any]) -> str:
+        text = f"{k}: checkpoint {v[0]!r}, config {v[1]!r}"
+        if v[0] == "<unset>" and k in ADDED_LATER:  # tell the value the old run had
+            text += f" (the checkpoint predates the key; it ran as {k}={ADDED_LATER[k]})"
+        return text
+
+    return "\n  ".join(line(k, v) for k, v in diff.items())
 
 
 def check_config(

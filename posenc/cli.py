@@ -90,8 +90,11 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
             # task=mt): its first value of each group the command line leaves open.
             given = {c.partition("=")[0] for c in choices}
             params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
-            more = [f"{k}={str(v).split(',')[0].strip()}" for k, v in params.items()
-                    if k in groups and k not in given]
+            more = [
+                f"{k}={str(v).split(',')[0].strip()}"
+                for k, v in params.items()
+                if k in groups and k not in given
+            ]
             if more:
                 cfg = compose("config", overrides=[*choices, *more])
     except Exception:

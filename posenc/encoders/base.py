@@ -321,6 +321,12 @@ class PositionalEncoder(nn.Module):
                 f"{self.max_length}; evaluate at lengths <= {self.max_length}"
             )
 
+    def match_token_embeddings(self, *, scaled: bool) -> None:
+        """Told once by the model, before training, whether the token embeddings that
+        :meth:`embed` receives are multiplied by ``sqrt(C)`` (``model.embed_scale``,
+        Vaswani et al. 2017, section 3.4), so that a table added to them can take the
+        size its convention gives it next to them. Default: nothing."""
+
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         """Hook (a): act on token embeddings ``x (B, T, C)`` at ``positions (B|1, T)``."""
         return x

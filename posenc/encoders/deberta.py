@@ -19,7 +19,13 @@ chooses; the default follows the code.
 (shared by all layers of the stack) with per-layer matrices. ``delta`` maps the
 distance ``i - j`` to a row of P: clipped to ``[-span, span)``, and, with
 ``bucket_size > 0``, log-bucketed beyond ``bucket_size / 2`` up to ``max_distance``
-(DeBERTa-v2). With consecutive positions both terms are computed per key-minus-query offset,
+(DeBERTa-v2). Past ``max_distance`` the authors' log buckets keep growing and their row
+clip ``clamp(bucket + span, 0, 2 span - 1)`` ends them: far keys on the positive side
+take the last row, those on the negative side row 0, a row no distance inside
+``max_distance`` reads (``far_keys=code``, default). ``far_keys=last_bucket``, posenc's
+variant, keeps both sides in their last log bucket (row 1 on the negative side).
+
+With consecutive positions both terms are computed per key-minus-query offset,
 ``(B, H, T, T+S-1)`` at most, and read as strided (Toeplitz) views; otherwise per
 distinct row, ``(B, H, T, P)``, gathered with explicit query and key positions. Either
 way T != S is handled (the original gather assumes equal query and key lengths).
@@ -65,6 +71,9 @@ from posenc.encoders.registry import register
 
 #: p2c's table row: the authors' code (row of i - j) or the paper's eq. 4 (row of j - i).
 P2C_ROWS = ("code", "paper")
+#: Rows of the distances past the last log bucket: the authors' code (the negative side
+#: on row 0) or posenc's variant (both sides on their last bucket's row).
+FAR_KEYS = ("code", "last_bucket")
 
 
 @functools.lru_cache(maxsize=32)
@@ -84,6 +93,27 @@ def _bucket_magnitudes(bucket_size: int, max_distance: int) -> tuple[int, ...]:
     return (*range(mid + 1), *(min(b, top) for b in far))
 
 
+def _far_distance(bucket_size: int, max_distance: int) -> int:
+    """Smallest ``|r|`` whose unclamped log bucket (:func:`log_bucket`'s formula, in the
+    same float64 order of operations) reaches ``bucket_size``: from there on the
+    reference's row clip sends negative distances to row 0. It is ``max_distance`` for
+    an even ``bucket_size``; an odd one stops at ``bucket_size - 1`` for a while first.
+    The buckets never decrease with ``|r|``, so a short walk up from just below the
+    real-valued root finds it."""
+    mid = bucket_size // 2
+    denom = math.log((max_distance - 1) / mid)
+
+    def magnitude(r: int) -> int:
+        return mid + math.ceil(math.log(r / mid) / denom * (mid - 1))
+
+    # magnitude(r) >= bucket_size  <=>  log(r / mid) / denom * (mid - 1) > bucket_size - mid - 1
+    root = mid * math.exp(denom * (bucket_size - mid - 1) / (mid - 1))
+    r = max(mid + 1, math.floor(root) - 2)
+    while magnitude(r) < bucket_size:
+        r += 1
+    return r
+
+
 def log_bucket(rel: Tensor, bucket_size: int, max_distance: int) -> Tensor:
     """Log-bucket signed distances: exact up to ``bucket_size/2``, log-spaced beyond.
 
@@ -91,9 +121,9 @@ def log_bucket(rel: Tensor, bucket_size: int, max_distance: int) -> Tensor:
     ``sign(r) * min(bucket_size - 1, m + ceil(log(|r| / m) / log((max_distance - 1) / m)
     * (m - 1)))``: DeBERTa-v2's ``make_log_bucket_position`` (numpy, float64), whose
     buckets reach ``bucket_size - 1`` at ``|r| = max_distance - 1`` and would grow past
-    it farther out, clamped to ``|bucket| <= bucket_size - 1`` (the reference's row clip
-    sends its far negative buckets to row 0 of the table instead; posenc keeps them in
-    the last bucket, the same row as ``-(max_distance - 1)``).
+    it farther out, clamped to ``|bucket| <= bucket_size - 1``. Which table row such a
+    far distance reads is the encoder's ``far_keys`` (:meth:`DebertaRelative.row`):
+    the reference's row clip sends the far negative ones to row 0.
 
     The buckets of ``0 .. max_distance`` are computed once in Python floats and looked up,
     the same on every device: a tensor ``log`` may round differently from ``math.log`` by
@@ -382,6 +412,11 @@ class DebertaRelative(PositionalEncoder):
         p2c: Use the position-to-content term.
         p2c_row: Table row of p2c: ``code`` (default, the authors' code and released
             checkpoints: the row of ``i - j``, as c2p) or ``paper`` (eq. 4: ``j - i``).
+        far_keys: Rows of the distances whose log bucket would pass ``bucket_size - 1``
+            (``|d| >= max_distance`` for an even ``bucket_size``): ``code`` (default, the
+            authors' code: the last row on the positive side, row 0 on the negative) or
+            ``last_bucket`` (posenc's variant: each side's last log bucket). Both are
+            the same map without log buckets (``bucket_size=0``: the row clip alone).
     """
 
     relative = True
@@ -397,6 +432,7 @@ class DebertaRelative(PositionalEncoder):
         c2p: bool = True,
         p2c: bool = True,
         p2c_row: str = "code",
+        far_keys: str = "code",
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if max_distance < 2:
@@ -410,13 +446,22 @@ class DebertaRelative(PositionalEncoder):
             raise ValueError(
                 f"deberta: unknown p2c_row {p2c_row!r}; allowed: {', '.join(P2C_ROWS)}"
             )
+        if far_keys not in FAR_KEYS:
+            raise ValueError(
+                f"deberta: unknown far_keys {far_keys!r}; allowed: {', '.join(FAR_KEYS)}"
+            )
         self.p2c_row = p2c_row
+        self.far_keys = far_keys
         self.max_distance = max_distance
         self.bucket_size = bucket_size
         self.c2p, self.p2c = c2p, p2c
         self.span = bucket_size if bucket_size else max_distance
         # log_bucket's table, made here: the forward pass only looks it up
         self._magnitudes = _bucket_magnitudes(bucket_size, max_distance) if bucket_size else ()
+        # from this |distance| on, far_keys=code reads row 0 on the negative side (None: never)
+        self._far = (
+            _far_distance(bucket_size, max_distance) if bucket_size and far_keys == "code" else None
+        )
         self.table = nn.Parameter(torch.randn(2 * self.span, d_model) * 0.02)
         self.saturation = self._saturation()
 
@@ -424,8 +469,9 @@ class DebertaRelative(PositionalEncoder):
         """Smallest D with one table row for all distances ``d >= D`` and one for all
         ``d <= -D`` (found once, here, so forward passes need no host read). Log buckets
         are constant from ``max_distance`` on (:func:`log_bucket`), clipped distances
-        from ``span``, so a search up to there finds it."""
-        d = torch.arange(max(self.max_distance, self.span) + 2)
+        from ``span``, the code's far negative rows from ``_far``, so a search up to
+        there finds it."""
+        d = torch.arange(max(self.max_distance, self.span, self._far or 0) + 2)
         rows, rows_neg = self.row(d), self.row(-d)
         moved = (rows != rows[-1]) | (rows_neg != rows_neg[-1])
         return int(moved.nonzero().max()) + 1
@@ -433,7 +479,12 @@ class DebertaRelative(PositionalEncoder):
     def row(self, rel: Tensor) -> Tensor:
         """Row of the table for signed distances ``rel`` (delta in the paper)."""
         if self.bucket_size:
-            rel = lookup_buckets(rel, self._magnitudes)
+            bucket = lookup_buckets(rel, self._magnitudes)
+            if self._far is not None:
+                # The reference's bucket is >= span here: the clip below then gives the
+                # last row on the positive side and row 0 on the negative.
+                bucket = torch.where(rel.abs() >= self._far, rel.sign() * self.span, bucket)
+            rel = bucket
         return (rel + self.span).clamp(0, 2 * self.span - 1)
 
     def prepare(self, ctx: AttentionContext) -> None:

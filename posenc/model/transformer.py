@@ -160,7 +160,6 @@ class Stack(nn.Module):
             )
         return self.ln_f(x)
 
-
     def _cross_context(
         self, positions: Tensor, memory: Tensor | None, starts: tuple[int, int] | None, bound: int
     ) -> AttentionContext | None:
@@ -168,8 +167,13 @@ class Stack(nn.Module):
         if memory is None:
             return None
         k0 = None if starts is None else (starts[0], 0)
-        return self.encoder.context(positions, positions_like(memory), AttnKind.CROSS,
-                                    starts=k0, bound=max(bound, memory.shape[1]))
+        return self.encoder.context(
+            positions,
+            positions_like(memory),
+            AttnKind.CROSS,
+            starts=k0,
+            bound=max(bound, memory.shape[1]),
+        )
 
     def _cached(
         self, x: Tensor, cache: KVCache, *, memory: Tensor | None, memory_valid: Tensor | None
@@ -193,8 +197,15 @@ class Stack(nn.Module):
         ctx = self.encoder.context(positions, k_pos, self.kind, starts=starts, bound=o + t)
         cross_ctx = self._cross_context(positions, memory, starts, o + t)
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            x = layer(x, ctx, valid=valid, memory=memory, cross_ctx=cross_ctx,
-                      memory_valid=memory_valid, cache=layer_cache)
+            x = layer(
+                x,
+                ctx,
+                valid=valid,
+                memory=memory,
+                cross_ctx=cross_ctx,
+                memory_valid=memory_valid,
+                cache=layer_cache,
+            )
         cache.length = o + t
         return self.ln_f(x)
 
@@ -285,6 +296,7 @@ class DecoderLM(nn.Module):
             vocab_size=vocab_size,
         )
         pos = encoder_factory(encoder)(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
+        pos.match_token_embeddings(scaled=embed_scale)
         self.embed = TokenEmbedding(vocab_size, d_model, scale=embed_scale)
         self.stack = Stack(
             encoder=pos,
@@ -387,8 +399,14 @@ class EncoderDecoder(nn.Module):
             if share_embeddings
             else TokenEmbedding(src_vocab_size, d_model, scale=embed_scale)
         )
+
+        def positional(n: int) -> PositionalEncoder:
+            pos = make(d_model=d_model, n_heads=n_heads, n_layers=n)
+            pos.match_token_embeddings(scaled=embed_scale)
+            return pos
+
         self.encoder_stack = Stack(
-            encoder=make(d_model=d_model, n_heads=n_heads, n_layers=n_enc),
+            encoder=positional(n_enc),
             n_layers=n_enc,
             d_model=d_model,
             n_heads=n_heads,
@@ -399,7 +417,7 @@ class EncoderDecoder(nn.Module):
             score_budget=_budget(score_budget_mib),
         )
         self.decoder_stack = Stack(
-            encoder=make(d_model=d_model, n_heads=n_heads, n_layers=n_dec),
+            encoder=positional(n_dec),
             n_layers=n_dec,
             d_model=d_model,
             n_heads=n_heads,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from posenc.encoders.learned import LearnedAbsolute
 from posenc.encoders.sinusoidal import Sinusoidal, sinusoid
-from posenc.model import DecoderLM
+from posenc.model import DecoderLM, EncoderDecoder
 
 
 def test_sinusoid_values_from_vaswani() -> None:
@@ -89,12 +90,40 @@ def test_concat_layouts_differ_at_d32_and_marian_is_interleaved_permuted() -> No
 
 
 def test_sinusoidal_embed_adds_the_table_at_the_given_positions() -> None:
-    enc = Sinusoidal(d_model=8, n_heads=2, n_layers=1)
+    enc = Sinusoidal(d_model=8, n_heads=2, n_layers=1, amplitude=1.0)
     x = torch.randn(2, 3, 8)
     pos = torch.tensor([[10, 11, 12]])
     torch.testing.assert_close(enc.embed(x, pos), x + sinusoid(pos, 8))
     with pytest.raises(ValueError, match="allowed: interleaved, concat, concat_marian"):
         Sinusoidal(d_model=8, n_heads=2, n_layers=1, layout="sin-cos")
+
+
+@pytest.mark.parametrize("embed_scale", [False, True])
+@pytest.mark.parametrize("d", [16, 64])
+def test_sinusoidal_amplitude_follows_the_token_embeddings(embed_scale: bool, d: int) -> None:
+    """``auto``: the raw table beside tokens scaled by sqrt(C) (the paper), the table
+    times 128^-0.5 beside unscaled N(0, 0.02) tokens at any width (each position's
+    vector of norm sqrt(C / 256), not sqrt(C / 2)); a number is used as given, whatever
+    the tokens. In the decoder-only model and both stacks of the translator."""
+    x, pos = torch.zeros(1, 3, d), torch.tensor([[0, 5, 9]])
+    sizes = dict(d_model=d, n_heads=2, n_layers=1, embed_scale=embed_scale)
+    model = DecoderLM(vocab_size=5, encoder="sinusoidal", **sizes)
+    want = 1.0 if embed_scale else 1 / math.sqrt(128)
+    torch.testing.assert_close(model.encoder.embed(x, pos), want * sinusoid(pos, d))
+    norms = model.encoder.embed(x, pos).norm(dim=-1)
+    torch.testing.assert_close(norms, torch.full((1, 3), math.sqrt(d / 2) * want))
+    fixed = functools.partial(Sinusoidal, amplitude=0.5)
+    model = DecoderLM(vocab_size=5, encoder=fixed, **sizes)
+    torch.testing.assert_close(model.encoder.embed(x, pos), 0.5 * sinusoid(pos, d))
+    mt = EncoderDecoder(src_vocab_size=5, tgt_vocab_size=5, encoder="sinusoidal", **sizes)
+    for stack in (mt.encoder_stack, mt.decoder_stack):
+        torch.testing.assert_close(stack.encoder.embed(x, pos), want * sinusoid(pos, d))
+
+
+@pytest.mark.parametrize("amplitude", ["big", 0.0, -1.0])
+def test_sinusoidal_refuses_a_bad_amplitude(amplitude: object) -> None:
+    with pytest.raises(ValueError, match="amplitude"):
+        Sinusoidal(d_model=8, n_heads=2, n_layers=1, amplitude=amplitude)
 
 
 def test_learned_looks_up_its_table_and_refuses_longer_sequences() -> None:

@@ -64,7 +64,63 @@ def test_log_bucket_odd_bucket_size_reaches_the_last_bucket_past_max_distance() 
     assert got == [7, 8, 8, 8, -8]
 
 
-def test_rows_are_constant_from_saturation_on_and_not_before() -> None:
+def reference_row(r: int, bucket_size: int, max_distance: int) -> int:
+    """The authors' table row of distance ``r``: the unclamped bucket, then their row
+    clip ``clamp(bucket + span, 0, 2 span - 1)`` (DeBERTa-v2's
+    ``disentangled_attention_bias``, span = bucket_size)."""
+    bucket = reference_bucket(r, bucket_size, max_distance)
+    return min(max(bucket + bucket_size, 0), 2 * bucket_size - 1)
+
+
+def test_default_rows_equal_the_reference_row_clip_with_far_keys() -> None:
+    """The default (``far_keys=code``) reads the authors' row at every distance, far keys
+    on both sides included: past max_distance the negative side is on row 0, a row no
+    distance inside it reads. ``last_bucket`` keeps that side on row 1 instead."""
+    settings = far_rows = 0
+    for bucket_size in range(4, 13):
+        for max_distance in range(bucket_size // 2 + 2, 25):
+            settings += 1
+            enc = DebertaRelative(
+                d_model=C, n_heads=H, n_layers=1, bucket_size=bucket_size, max_distance=max_distance
+            )
+            # odd bucket sizes reach row 0 only at about max_distance^2 / bucket_size
+            top = max_distance**2 + 4
+            dist = torch.arange(-top, top + 1)
+            want = [reference_row(r, bucket_size, max_distance) for r in dist.tolist()]
+            assert enc.row(dist).tolist() == want, (bucket_size, max_distance)
+            inside = enc.row(torch.arange(-(max_distance - 1), max_distance))
+            assert inside.min() >= 1  # row 0 is the far keys' alone
+            assert want[0] == 0
+            far_rows += want.count(0)
+            posenc = DebertaRelative(
+                d_model=C,
+                n_heads=H,
+                n_layers=1,
+                bucket_size=bucket_size,
+                max_distance=max_distance,
+                far_keys="last_bucket",
+            )
+            alt = posenc.row(dist)
+            assert alt.min() == 1 and alt[0] == 1
+            assert alt.tolist() == [max(w, 1) for w in want]
+    assert settings == 173 and far_rows > 0
+
+
+def test_far_keys_odd_bucket_size_by_hand() -> None:
+    # bucket_size 9 (mid 4), max_distance 20: the formula's bucket is
+    # 4 + ceil(3 ln(r/4) / ln(19/4)): at 31, 4 + ceil(3.943) = 8 (row 1 on the negative
+    # side), at 32, 4 + ceil(4.004) = 9 = span (row 0); positive side: row 17 throughout.
+    rows = {"code": [1, 1, 0, 0, 17, 17], "last_bucket": [1, 1, 1, 1, 17, 17]}
+    for far_keys, want in rows.items():
+        enc = DebertaRelative(
+            d_model=C, n_heads=H, n_layers=1, bucket_size=9, max_distance=20, far_keys=far_keys
+        )
+        assert enc.row(torch.tensor([-20, -31, -32, -500, 32, 500])).tolist() == want
+        assert enc.saturation == (32 if far_keys == "code" else 20)
+
+
+@pytest.mark.parametrize("far_keys", ["code", "last_bucket"])
+def test_rows_are_constant_from_saturation_on_and_not_before(far_keys: str) -> None:
     """``saturation`` (what flat_ends relies on) is the smallest D with one row for all
     d >= D and one for all d <= -D, for log buckets and for plain clipping."""
     for bucket_size, max_distance in [
@@ -79,16 +135,22 @@ def test_rows_are_constant_from_saturation_on_and_not_before() -> None:
         (256, 512),
     ]:
         enc = DebertaRelative(
-            d_model=C, n_heads=H, n_layers=1, bucket_size=bucket_size, max_distance=max_distance
+            d_model=C,
+            n_heads=H,
+            n_layers=1,
+            bucket_size=bucket_size,
+            max_distance=max_distance,
+            far_keys=far_keys,
         )
         sat = enc.saturation
-        far = torch.arange(sat, 4 * max_distance)
+        far = torch.arange(sat, 4 * max(max_distance, sat))
         for sign in (1, -1):
             rows = enc.row(sign * far)
             assert (rows == rows[0]).all(), (bucket_size, max_distance, sign)
         before = enc.row(torch.tensor([sat - 1, -(sat - 1)]))
         assert (before != enc.row(torch.tensor([sat, -sat]))).any()
-        assert sat <= max_distance
+        # odd bucket sizes: the code's negative side moves to row 0 past max_distance
+        assert sat <= max_distance or (far_keys == "code" and bucket_size % 2)
         rows = enc.row(torch.arange(-4 * max_distance, 4 * max_distance))
         assert rows.min() >= 0 and rows.max() <= 2 * enc.span - 1
 

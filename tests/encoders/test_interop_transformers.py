@@ -84,12 +84,21 @@ def test_yarn_defaults_match_transformers(
     torch.testing.assert_close(pk, hk, atol=5e-4, rtol=0)
 
 
-@pytest.mark.parametrize(("bucket_size", "max_distance"), [(0, 6), (8, 16), (32, 128)])
-def test_deberta_defaults_match_transformers(bucket_size: int, max_distance: int) -> None:
+@pytest.mark.parametrize(
+    ("bucket_size", "max_distance", "t"),
+    # t <= max_distance: no far keys; then far keys on both sides (t - 1 >= max_distance),
+    # an odd bucket size whose far negative rows start at 32, not at max_distance
+    [(0, 6, 12), (8, 16, 12), (32, 128, 12), (8, 16, 40), (9, 20, 48), (32, 24, 40)],
+)
+@pytest.mark.parametrize("kind", [AttnKind.BIDIRECTIONAL, AttnKind.CAUSAL])
+def test_deberta_defaults_match_transformers(
+    bucket_size: int, max_distance: int, t: int, kind: AttnKind
+) -> None:
     """DeBERTa-v2's DisentangledSelfAttention (c2p + p2c, no shared keys) against posenc's
-    attention with the same table and projections, in bidirectional attention over
-    distances below max_distance (where the reference's buckets are in range)."""
-    c, h, t = 16, 2, 12
+    attention with the same table and projections, in bidirectional attention and under
+    a causal mask, with keys past max_distance on both sides where t allows (the
+    reference's far negative distances read table row 0)."""
+    c, h = 16, 2
     config = modeling_deberta_v2.DebertaV2Config(
         hidden_size=c,
         num_attention_heads=h,
@@ -105,7 +114,7 @@ def test_deberta_defaults_match_transformers(bucket_size: int, max_distance: int
     enc = DebertaRelative(
         d_model=c, n_heads=h, n_layers=1, max_distance=max_distance, bucket_size=bucket_size
     )
-    attn = identity_attention(enc, AttnKind.BIDIRECTIONAL)
+    attn = identity_attention(enc, kind)
     with torch.no_grad():
         enc.table.normal_()
         for proj in (hf.query_proj, hf.key_proj, hf.value_proj):
@@ -117,19 +126,32 @@ def test_deberta_defaults_match_transformers(bucket_size: int, max_distance: int
         hf.pos_query_proj.bias.zero_()
     x = torch.randn(2, t, c)
     pos = torch.arange(t)[None]
+    mask = torch.ones(2, 1, t, t, dtype=torch.bool)
+    if kind is AttnKind.CAUSAL:
+        mask = mask.tril()
+    far = t - 1 >= max_distance and bucket_size > 0
     with torch.no_grad():
-        want = hf(x, torch.ones(2, 1, t, t, dtype=torch.bool), rel_embeddings=enc.table)[0]
-        got = attn(x, enc.context(pos, pos, AttnKind.BIDIRECTIONAL))
+        want = hf(x, mask, rel_embeddings=enc.table)[0]
+        got = attn(x, enc.context(pos, pos, kind))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        # and the paper's row is a different function here
-        paper = DebertaRelative(
-            d_model=c,
-            n_heads=h,
-            n_layers=1,
-            max_distance=max_distance,
-            bucket_size=bucket_size,
-            p2c_row="paper",
-        )
-        paper.load_state_dict(enc.state_dict())
-        other = attn(x, paper.context(pos, pos, AttnKind.BIDIRECTIONAL))
-        assert (other - want).abs().max() > 1e-3
+        # The paper's p2c row is another function here; posenc's far-key variant is
+        # too, wherever a far key sits on the negative side of a row the model reads:
+        # c2p's future keys (bidirectional) or p2c's past ones (paper's row).
+        variants = [
+            ("paper", "code", True),
+            ("code", "last_bucket", far and kind is AttnKind.BIDIRECTIONAL),
+        ]
+        for p2c_row, far_keys, differs in variants:
+            other_enc = DebertaRelative(
+                d_model=c,
+                n_heads=h,
+                n_layers=1,
+                max_distance=max_distance,
+                bucket_size=bucket_size,
+                p2c_row=p2c_row,
+                far_keys=far_keys,
+            )
+            other_enc.load_state_dict(enc.state_dict())
+            other = attn(x, other_enc.context(pos, pos, kind))
+            gap = (other - want).abs().max()
+            assert gap > 1e-3 if differs else gap < 1e-5, (p2c_row, far_keys, float(gap))

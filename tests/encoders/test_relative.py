@@ -136,16 +136,17 @@ def test_xl_bias_is_exact_in_the_upper_triangle() -> None:
 # --------------------------------------------------------------------------- DeBERTa
 
 
-def delta_by_hand(r: int, span: int, bucket: int, max_distance: int) -> int:
-    """DeBERTa's delta: log bucket (v2, clamped to +-(bucket - 1)) then shift and clip
-    into [0, 2 span)."""
+def delta_by_hand(r: int, span: int, bucket: int, max_distance: int, far_keys: str = "code") -> int:
+    """DeBERTa's delta: log bucket (v2; unclamped as in the authors' code, or clamped to
+    +-(bucket - 1) for ``far_keys="last_bucket"``) then shift and clip into [0, 2 span)."""
     if bucket:
         mid = bucket // 2
         if abs(r) > mid:
             mag = mid + math.ceil(
                 math.log(abs(r) / mid) / math.log((max_distance - 1) / mid) * (mid - 1)
             )
-            mag = min(mag, bucket - 1)
+            if far_keys == "last_bucket":
+                mag = min(mag, bucket - 1)
             r = mag if r > 0 else -mag
     return min(max(r + span, 0), 2 * span - 1)
 
@@ -159,8 +160,13 @@ def test_log_bucket_values() -> None:
     assert got[:8] == [0, 1, -4, 4, 5, -5, 5, 7]
     # 100 -> 4 + ceil(3 ln 25 / ln 15.75) = 8 by the formula, clamped to the last bucket 7
     assert got[8:] == [7, -7]
-    enc = DebertaRelative(d_model=C, n_heads=H, n_layers=1, bucket_size=8, max_distance=64)
-    assert enc.row(torch.tensor([100, -1000])).tolist() == [15, 1]  # buckets +-7 of 16 rows
+    # Rows (16 of them, span 8): the authors' code clips buckets +-8 (and beyond) to rows
+    # 15 and 0; posenc's variant keeps +-7, rows 15 and 1. Inside max_distance both agree.
+    for far_keys, rows in (("code", [15, 0, 15, 0, 1]), ("last_bucket", [15, 1, 15, 1, 1])):
+        enc = DebertaRelative(
+            d_model=C, n_heads=H, n_layers=1, bucket_size=8, max_distance=64, far_keys=far_keys
+        )
+        assert enc.row(torch.tensor([100, -1000, 64, -64, -63])).tolist() == rows
 
 
 def deberta_scores(enc: DebertaRelative, layer, q, k, qp, kp) -> torch.Tensor:
@@ -173,9 +179,9 @@ def deberta_scores(enc: DebertaRelative, layer, q, k, qp, kp) -> torch.Tensor:
     for i in range(t):
         for j in range(s):
             rel = int(qp[0, i] - kp[0, j])
-            c2p = delta_by_hand(rel, enc.span, enc.bucket_size, enc.max_distance)
+            c2p = delta_by_hand(rel, enc.span, enc.bucket_size, enc.max_distance, enc.far_keys)
             p2c_rel = rel if enc.p2c_row == "code" else -rel
-            p2c = delta_by_hand(p2c_rel, enc.span, enc.bucket_size, enc.max_distance)
+            p2c = delta_by_hand(p2c_rel, enc.span, enc.bucket_size, enc.max_distance, enc.far_keys)
             for h in range(H):
                 scores[h, i, j] = (
                     q[h, i] @ k[h, j] + q[h, i] @ kr[c2p, h] + k[h, j] @ qr[p2c, h]
@@ -187,12 +193,21 @@ def deberta_scores(enc: DebertaRelative, layer, q, k, qp, kp) -> torch.Tensor:
 @pytest.mark.parametrize("bucket", [0, 4])
 @pytest.mark.parametrize("view", [False, True])
 @pytest.mark.parametrize("p2c_row", ["code", "paper"])
-def test_deberta_matches_the_paper(kind: AttnKind, bucket: int, view: bool, p2c_row: str) -> None:
-    """Attention outputs against eq. (4) (p2c at either row); ``view``: the strided-view
-    path, with the far keys' values moved out of the score terms, in causal blocks of 4
-    queries."""
+@pytest.mark.parametrize("far_keys", ["code", "last_bucket"])
+def test_deberta_matches_the_paper(
+    kind: AttnKind, bucket: int, view: bool, p2c_row: str, far_keys: str
+) -> None:
+    """Attention outputs against eq. (4) (p2c at either row, either far-key row);
+    ``view``: the strided-view path, with the far keys' values moved out of the score
+    terms, in causal blocks of 4 queries."""
     enc = DebertaRelative(
-        d_model=C, n_heads=H, n_layers=1, max_distance=6, bucket_size=bucket, p2c_row=p2c_row
+        d_model=C,
+        n_heads=H,
+        n_layers=1,
+        max_distance=6,
+        bucket_size=bucket,
+        p2c_row=p2c_row,
+        far_keys=far_keys,
     )
     attn = identity_attention(enc, kind)
     if view:
@@ -287,6 +302,11 @@ def test_deberta_scale_is_one_over_sqrt_3d() -> None:
         (DebertaRelative, dict(max_distance=1), "max_distance must be >= 2"),
         (DebertaRelative, dict(bucket_size=2), "bucket_size=2 must be 0"),
         (DebertaRelative, dict(p2c_row="foo"), "unknown p2c_row 'foo'; allowed: code, paper"),
+        (
+            DebertaRelative,
+            dict(far_keys="row0"),
+            "unknown far_keys 'row0'; allowed: code, last_bucket",
+        ),
         (TransformerXL, dict(d_model=18, n_heads=2), None),  # even: fine
     ],
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,11 +40,13 @@ MISMATCHED_EVAL = [
 
 @pytest.mark.parametrize(("override", "message"), MISMATCHED_EVAL)
 def test_eval_only_refuses_a_checkpoint_of_another_model(
-        trained: Path, tmp_path: Path, override: str, message: str) -> None:
+    trained: Path, tmp_path: Path, override: str, message: str
+) -> None:
     ckpt = trained / "checkpoints" / "best.ckpt"
     with pytest.raises(CheckpointError, match=message.replace(".", r"\.")):
-        train(compose_run(tmp_path, "encoder=rope", override, "eval_only=true",
-                          f"ckpt_path={ckpt}"))
+        train(
+            compose_run(tmp_path, "encoder=rope", override, "eval_only=true", f"ckpt_path={ckpt}")
+        )
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
@@ -55,30 +58,79 @@ def test_eval_only_of_an_mt_checkpoint_under_task_lm_is_refused(tmp_path: Path) 
         train(compose_run(tmp_path, "eval_only=true", f"ckpt_path={ckpt}"))
 
 
-def test_eval_only_records_the_checkpoints_training_settings(trained: Path,
-                                                             tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("encoder", "key", "old"),
+    [("sinusoidal", "amplitude", 1.0), ("deberta", "far_keys", "last_bucket")],
+)
+def test_checkpoints_from_before_a_changed_default_name_the_old_value(
+    tmp_path: Path, encoder: str, key: str, old: object
+) -> None:
+    """#33 added keys whose defaults differ from what older runs did: a checkpoint
+    without the key is refused under the new default, with the value it ran with, and
+    taken with that value."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_run(tmp_path, f"encoder={encoder}")
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    saved.pop("hydra", None)
+    new = saved["encoder"].pop(key)
+    assert new != old
+    ckpt = {"posenc": {"config": saved}}
+    message = (
+        f"encoder.{key}: checkpoint '<unset>', config {new!r} (the checkpoint "
+        f"predates the key; it ran as encoder.{key}={old})"
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        checkpoints.check_config("x.ckpt", ckpt, cfg, resume=False)
+    cfg.encoder[key] = old
+    assert checkpoints.check_config("x.ckpt", ckpt, cfg, resume=False) == {}
+
+
+def test_eval_only_records_the_checkpoints_training_settings(trained: Path, tmp_path: Path) -> None:
     """A training setting given with eval_only has no effect: metrics.json keeps the
     checkpoint's value (and the run says so)."""
     ckpt = trained / "checkpoints" / "best.ckpt"
-    out = train(compose_run(tmp_path, "encoder=rope", "eval_only=true", f"ckpt_path={ckpt}",
-                            "task.optim.lr=0.5", "task.eval.multipliers=[1]"))
+    out = train(
+        compose_run(
+            tmp_path,
+            "encoder=rope",
+            "eval_only=true",
+            f"ckpt_path={ckpt}",
+            "task.optim.lr=0.5",
+            "task.eval.multipliers=[1]",
+        )
+    )
     assert out["config"]["task"]["optim"]["lr"] == pytest.approx(1e-3)
 
 
-@pytest.mark.parametrize("override", ["task.optim.lr=1e30", "seed=5", "model.dropout=0.3",
-                                      "task.batch_size=8"])
+@pytest.mark.parametrize(
+    "override", ["task.optim.lr=1e30", "seed=5", "model.dropout=0.3", "task.batch_size=8"]
+)
 def test_resume_refuses_settings_the_checkpoint_would_override(
-        trained: Path, tmp_path: Path, override: str) -> None:
+    trained: Path, tmp_path: Path, override: str
+) -> None:
     key = override.split("=")[0]
     with pytest.raises(CheckpointError, match=f"resume from .*\n  {key}: checkpoint"):
-        train(compose_run(tmp_path, "encoder=rope", override,
-                          f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}"))
+        train(
+            compose_run(
+                tmp_path,
+                "encoder=rope",
+                override,
+                f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}",
+            )
+        )
 
 
 def test_resume_may_train_longer_and_evaluate_otherwise(trained: Path, tmp_path: Path) -> None:
-    out = train(compose_run(tmp_path, "encoder=rope", "trainer.max_steps=5",
-                            "task.eval.multipliers=[1,2]",
-                            f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}"))
+    out = train(
+        compose_run(
+            tmp_path,
+            "encoder=rope",
+            "trainer.max_steps=5",
+            "task.eval.multipliers=[1,2]",
+            f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}",
+        )
+    )
     assert out["train_steps"] == 5
     assert "test/ppl@32" in out["metrics"]
 
@@ -100,13 +152,17 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(trained: Path, tmp_path
         train(compose_run(tmp_path, "encoder=rope", f"ckpt_path={ckpt}"))
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (b"", "is empty \\(0 bytes\\)"),
-    (b"not a checkpoint at all\n", "is not a readable posenc checkpoint"),
-    (b"PK\x03\x04" + b"\0" * 100, "is not a readable posenc checkpoint"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "is empty \\(0 bytes\\)"),
+        (b"not a checkpoint at all\n", "is not a readable posenc checkpoint"),
+        (b"PK\x03\x04" + b"\0" * 100, "is not a readable posenc checkpoint"),
+    ],
+)
 def test_unreadable_checkpoint_files_get_one_line_errors(
-        tmp_path: Path, content: bytes, message: str) -> None:
+    tmp_path: Path, content: bytes, message: str
+) -> None:
     ckpt = tmp_path / "given.ckpt"
     ckpt.write_bytes(content)
     with pytest.raises(CheckpointError, match=message) as err:
@@ -121,8 +177,14 @@ def test_an_edited_tokenizer_cache_is_refused(tmp_path: Path) -> None:
     payload["chars"][1], payload["chars"][2] = payload["chars"][2], payload["chars"][1]
     cache.write_text(json.dumps(payload))  # same vocabulary size, other ids
     with pytest.raises(CacheError, match=f"cached tokenizer {cache} changed.*Delete"):
-        train(compose_run(tmp_path / "b", "encoder=none", "task.eval.multipliers=[1]",
-                          f"paths.cache_dir={tmp_path / 'a' / 'cache'}"))
+        train(
+            compose_run(
+                tmp_path / "b",
+                "encoder=none",
+                "task.eval.multipliers=[1]",
+                f"paths.cache_dir={tmp_path / 'a' / 'cache'}",
+            )
+        )
 
 
 def test_a_checkpoint_of_another_tokenizer_is_refused(trained: Path, tmp_path: Path) -> None:
@@ -134,16 +196,23 @@ def test_a_checkpoint_of_another_tokenizer_is_refused(trained: Path, tmp_path: P
         train(compose_run(tmp_path, "encoder=rope", "eval_only=true", f"ckpt_path={other}"))
 
 
-def test_a_failed_save_stops_the_run_naming_the_file(tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_save_stops_the_run_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def full_disk(obj: object, f: object, *args: object, **kwargs: object) -> None:
         raise OSError(errno.EFBIG, "File too large")
 
     monkeypatch.setattr(checkpoints.torch, "save", full_disk)
-    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*checkpoints/"
-                                              r"(best|last)\.ckpt: File too large"):
-        train(compose_run(tmp_path, "encoder=rope", "trainer.max_steps=6",
-                          "checkpoint_every_n_steps=2"))
+    with pytest.raises(
+        CheckpointError,
+        match=r"could not write checkpoint .*checkpoints/"
+        r"(best|last)\.ckpt: File too large",
+    ):
+        train(
+            compose_run(
+                tmp_path, "encoder=rope", "trainer.max_steps=6", "checkpoint_every_n_steps=2"
+            )
+        )
     run = tmp_path / "run"
     assert not (run / "metrics.json").exists()
     assert not list((run / "checkpoints").glob(".*tmp*")), "a temporary file was left"
@@ -166,32 +235,50 @@ def test_manifest_accepts_the_old_file_while_it_is_replaced(tmp_path: Path) -> N
     # A kill between the two manifest writes leaves the old file with both digests listed.
     new_digest = manifest["last.ckpt"][0]
     path.write_bytes(old)
-    (tmp_path / checkpoints.MANIFEST).write_text(json.dumps(
-        {"last.ckpt": [new_digest, checkpoints.sha256_file(path)]}))
+    (tmp_path / checkpoints.MANIFEST).write_text(
+        json.dumps({"last.ckpt": [new_digest, checkpoints.sha256_file(path)]})
+    )
     checkpoints.verify(path)
 
 
 def _command(run_dir: Path, cache: Path, *extra: str) -> list[str]:
     tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check"))]
-    return [sys.executable, "run.py", *tiny, "encoder=rope", "model.dropout=0.1",
-            "trainer.max_steps=300", "trainer.val_check_interval=100",
-            "checkpoint_every_n_steps=1000", "resume=true", f"hydra.run.dir={run_dir}",
-            f"paths.cache_dir={cache}", *extra]
+    return [
+        sys.executable,
+        "run.py",
+        *tiny,
+        "encoder=rope",
+        "model.dropout=0.1",
+        "trainer.max_steps=300",
+        "trainer.val_check_interval=100",
+        "checkpoint_every_n_steps=1000",
+        "resume=true",
+        f"hydra.run.dir={run_dir}",
+        f"paths.cache_dir={cache}",
+        *extra,
+    ]
 
 
 def test_sigterm_saves_last_ckpt_exits_143_and_resumes_exactly(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    subprocess.run(_command(whole, cache), cwd=ROOT, check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run(_command(whole, cache), cwd=ROOT, check=True, capture_output=True, timeout=300)
     expected = json.loads((whole / "metrics.json").read_text())
 
-    proc = subprocess.Popen(_command(stopped, cache), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _command(stopped, cache),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     # Training has started once its first validation is in TensorBoard (step 100).
     deadline = time.monotonic() + 240
-    while (not (stopped / "checkpoints" / "best.ckpt").exists() and proc.poll() is None
-           and time.monotonic() < deadline):
+    while (
+        not (stopped / "checkpoints" / "best.ckpt").exists()
+        and proc.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -202,8 +289,7 @@ def test_sigterm_saves_last_ckpt_exits_143_and_resumes_exactly(tmp_path: Path) -
     assert "resume=true" in err and f"hydra.run.dir={stopped}" in err
     assert not (stopped / "metrics.json").exists()
 
-    subprocess.run(_command(stopped, cache), cwd=ROOT, check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run(_command(stopped, cache), cwd=ROOT, check=True, capture_output=True, timeout=300)
     resumed = json.loads((stopped / "metrics.json").read_text())
     assert resumed["train_steps"] == 300
     assert resumed["metrics"] == pytest.approx(expected["metrics"], rel=1e-6)
@@ -216,12 +302,14 @@ def test_a_finished_run_resumed_keeps_its_validation_metrics(tmp_path: Path) -> 
     evaluation runs again, and metrics.json still has val/loss and val/ppl."""
     first = train(compose_run(tmp_path, "encoder=rope", "task.eval.multipliers=[1]"))
     (tmp_path / "run" / "metrics.json").unlink()  # as if killed before writing it
-    again = train(compose_run(tmp_path, "encoder=rope", "task.eval.multipliers=[1]",
-                              "resume=true"))
+    again = train(compose_run(tmp_path, "encoder=rope", "task.eval.multipliers=[1]", "resume=true"))
     for key in ("val/loss", "val/ppl", "test/ppl@16"):
         assert again["metrics"][key] == pytest.approx(first["metrics"][key], rel=1e-9), key
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [
-        "best.ckpt", "checksums.json", "last.ckpt"]
+        "best.ckpt",
+        "checksums.json",
+        "last.ckpt",
+    ]
 
 
 def test_resume_takes_the_newer_of_last_and_a_slurm_requeue_checkpoint(tmp_path: Path) -> None:
@@ -243,15 +331,20 @@ def test_resume_takes_the_newer_of_last_and_a_slurm_requeue_checkpoint(tmp_path:
     assert resume_checkpoint(OmegaConf.merge(cfg, {"resume": False}), tmp_path) is None
 
 
-@pytest.mark.parametrize("message", [
-    "[enforce fail at inline_container.cc:672] . unexpected pos 397184 vs 397072",
-    "[enforce fail at inline_container.cc:747] . open file failed with strerror: "
-    "Operation not permitted",
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[enforce fail at inline_container.cc:672] . unexpected pos 397184 vs 397072",
+        "[enforce fail at inline_container.cc:747] . open file failed with strerror: "
+        "Operation not permitted",
+    ],
+)
 def test_a_write_torch_reports_as_runtime_error_names_the_file(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, message: str) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, message: str
+) -> None:
     """torch.save reports a full disk, a file-size limit or a refused file as RuntimeError,
     not OSError (#38): the same one-line CheckpointError, and no temporary file left."""
+
     def failing(obj: object, f: str, *args: object, **kwargs: object) -> None:
         Path(f).write_bytes(b"x" * 1000)  # what a cut-short write leaves
         raise RuntimeError(message)
@@ -276,9 +369,19 @@ def test_a_checkpoint_past_a_file_size_limit_stops_the_run_with_one_line(tmp_pat
 
     run = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *TINY, f"hydra.run.dir={run}",
-         f"paths.cache_dir={tmp_path / 'cache'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            *TINY,
+            f"hydra.run.dir={run}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: could not write checkpoint {run / 'checkpoints'}/"), last
