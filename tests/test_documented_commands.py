@@ -145,6 +145,8 @@ def extract(doc: str) -> list[Command]:
             continue
         text, pending = pending + line, ""
         try:
+            # a placeholder is one word: <lr_tune dir> -> <lr_tune_dir>
+            text = re.sub(r"<([^<>]*)>", lambda p: "<" + "_".join(p.group(1).split()) + ">", text)
             words = shlex.split(text, comments=True)
         except ValueError:  # not shell (a Python or YAML block)
             continue
@@ -156,7 +158,12 @@ def extract(doc: str) -> list[Command]:
         offsets.append(offsets[-1] + len(line) + 1)
     for m in re.finditer(r"`(python (?:run\.py|-m posenc\.)[^`]*)`", text):
         number = prose[max(i for i, o in enumerate(offsets[:-1]) if o <= m.start())][0]
-        words = shlex.split(" ".join(m.group(1).replace("<sweep dir>", "<dir>").split()))
+        span = re.sub(
+            r"<([^<>]*)>",
+            lambda p: "<" + "_".join(p.group(1).split()) + ">",
+            " ".join(m.group(1).replace("<sweep dir>", "<dir>").split()),
+        )
+        words = shlex.split(span)
         found += [Command(doc, number, tuple(c)) for c in _commands_in(words)]
     found.sort(key=lambda c: c.line)
     unique: dict[tuple[str, ...], Command] = {}
@@ -238,6 +245,20 @@ def _data_of(run: Path) -> set[str]:
     return _data([line.removeprefix("- ").strip().strip("'\"") for line in lines])
 
 
+def _named_sweep(folder: Path, name: str, c: Command) -> Path:
+    """``<tuned dir>``: the newest sweep run with ``+tuned``; ``<lr_tune dir>``: the
+    newest sweep of that preset run without it."""
+    sweeps = [d for d in (folder / "outputs" / "multirun").glob("*") if d.is_dir()]
+    tuned = {d for d in sweeps if "+tuned=" in (d / "multirun.yaml").read_text()}
+    if name == "tuned":
+        return _newest(sorted(tuned), "a sweep with +tuned", c)
+    return _newest(
+        [d for d in sweeps if d.name.startswith(f"{name}_") and d not in tuned],
+        f"a {name} sweep",
+        c,
+    )
+
+
 def resolve(c: Command, folder: Path) -> list[str]:
     """The command's words with its placeholders filled from ``folder``'s outputs."""
     words = list(c.words)
@@ -250,6 +271,10 @@ def resolve(c: Command, folder: Path) -> list[str]:
                 list((folder / "outputs" / "multirun").glob("*")), "a sweep directory", c
             )
             w = re.sub(r"(outputs/multirun/)?<(date|dir)>", str(sweep), w)
+        named = re.search(r"<(\w+)_dir>", w)  # <lr_tune dir>: the newest of that preset
+        if named:
+            sweep = _named_sweep(folder, named.group(1), c)
+            w = re.sub(r"(outputs/multirun/)?<\w+_dir>", str(sweep), w)
         if "<run>" in w or "<best.ckpt>" in w:
             _, eq, path = w.rpartition("=")
             if "<run>" in path and "/" in path.split("<run>")[0]:
@@ -263,6 +288,12 @@ def resolve(c: Command, folder: Path) -> list[str]:
                 key=lambda p: p.stat().st_mtime,
             )
             w = w[: len(w) - len(path)] + str(ckpt) if eq else str(ckpt)
+        left = re.search(r"<[^<>=]+>", w)
+        if left:
+            pytest.fail(
+                f"{c}: {left.group()} is a placeholder no rule fills; print a "
+                f"command that runs as it stands"
+            )
         out.append(w)
     return out
 
