@@ -265,7 +265,17 @@ MT_MODEL_KEYS = ("n_enc_layers", "n_dec_layers")
 
 ALGO_TASK_KEYS = ["name", "problem", "shape", "train_lengths", "test_multiple", "bucket_width",
                   "symbols", "reverse_digits", "batch_size", "eval_batch_size",
-                  "val_per_size", "test_per_size", "optim", "learned"]
+                  "val_per_size", "test_per_size", "optim", "data_tokens", "test_sizes",
+                  "lm_loss", "learned"]
+
+
+def algo_options(cfg: DictConfig) -> Any:
+    """The instance options (:class:`posenc.data.algo.Options`) of ``cfg.task``."""
+    from posenc.data.algo import Options
+
+    k = cfg.task.get("data_tokens", 16)
+    return Options(symbols=cfg.task.symbols, reverse_digits=bool(cfg.task.reverse_digits),
+                   data_tokens=k if isinstance(k, int) and not isinstance(k, bool) else 16)
 
 
 def algo_longest(cfg: DictConfig, size: int) -> int | None:
@@ -273,11 +283,14 @@ def algo_longest(cfg: DictConfig, size: int) -> int | None:
     from posenc.data.algo import PROBLEMS, longest_sequence
 
     problem = PROBLEMS.get(cfg.task.problem)
-    return None if problem is None else longest_sequence(problem, size, cfg.task.shape)
+    if problem is None:
+        return None
+    return longest_sequence(problem, size, cfg.task.shape, algo_options(cfg))
 
 
 def _validate_algo(cfg: DictConfig, problems: list[str]) -> None:
-    from posenc.data.algo import PROBLEMS
+    from posenc.data.algo import GRIDS, PROBLEMS
+    from posenc.data.algo_problems import check
     from posenc.tasks.algo import SHAPES
 
     t = cfg.task
@@ -288,8 +301,11 @@ def _validate_algo(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"task.shape={t.shape!r}: allowed decoder (decoder-only: prompt, "
                         f"separator, answer) or encdec (encoder-decoder: prompt -> answer)")
     for key in ("batch_size", "eval_batch_size", "bucket_width", "val_per_size",
-                "test_per_size"):
-        _positive_int(problems, f"task.{key}", t[key])
+                "test_per_size", "data_tokens"):
+        _positive_int(problems, f"task.{key}", t.get(key, 1))
+    if t.get("test_sizes", "auto") not in ("auto", *GRIDS):
+        problems.append(f"task.test_sizes={t.test_sizes!r}: allowed auto (the problem's own), "
+                        f"{', '.join(GRIDS)}")
     lengths = checks.as_list(problems, "task.train_lengths", t.train_lengths, "[1,16]")
     if lengths is not None and (
             len(lengths) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
@@ -312,6 +328,11 @@ def _validate_algo(cfg: DictConfig, problems: list[str]) -> None:
                         f"reverse (task.problem={t.problem}); drop it")
     if problems or lengths is None:
         return
+    if not isinstance(t.get("lm_loss", False), bool):
+        problems.append(f"task.lm_loss={t.lm_loss!r}: must be true or false")
+        return
+    problems += check(PROBLEMS[t.problem], t.shape, lengths[0], lengths[1], algo_options(cfg),
+                      t.get("lm_loss", False))
     max_len = cfg.encoder.get("max_len")
     longest = algo_longest(cfg, int(math.floor(m * lengths[1])))
     if max_len is not None and longest is not None and longest > max_len:

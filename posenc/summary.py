@@ -68,15 +68,14 @@ def summary(result: dict[str, Any], run_dir: Path) -> str:
         lines += _table(rows, lengths, "length")
     elif result["task"] == "algo":
         lo, hi = result["train_lengths"]
+        kinds = result.get("table_metrics", ["seq_acc", "acc"])  # older results: these two
+        what = "accuracy" if set(kinds) <= {"seq_acc", "acc"} else "metrics"
         lines.append(
             f"posenc: {result['encoder']} on {result['problem']} ({result['shape']}), "
-            f"seed {result['seed']}: test accuracy (%) by instance size "
+            f"seed {result['seed']}: test {what} (%) by instance size "
             f"({result['size_means']}; trained on {lo}..{hi})"
         )
-        rows = {
-            k: {b: m.get(f"test/{k}@{b}", math.nan) for b in result["buckets"]}
-            for k in ("seq_acc", "acc")
-        }
+        rows = {k: {b: m.get(f"test/{k}@{b}", math.nan) for b in result["buckets"]} for k in kinds}
         lines += _table(rows, result["buckets"], "size")
     else:
         lines.append(f"{head}: {result.get('eval_split', 'test')} scores")

@@ -2,236 +2,106 @@
 
 Every instance is drawn from a seeded generator: no data files, and the answer of each
 problem is plain Python that the tests recompute. An instance has a *size* ``n`` (what
-"length" means for that problem, see :data:`PROBLEMS`), a prompt and an answer, both lists
-of symbols. Models are trained on sizes in ``[lo, hi]`` and tested on sizes up to a
-multiple of ``hi``.
+"length" means for that problem, see :data:`PROBLEMS`). Models are trained on sizes in
+``[lo, hi]`` and tested on sizes up to a multiple of ``hi``. A problem has one of two
+layouts (:attr:`Problem.tagged`):
 
-Sequences the models see (ids from :class:`AlgoVocab`):
-
-- decoder-only: ``BOS prompt SEP answer EOS``; the loss covers the answer and its EOS;
-- encoder-decoder: source ``prompt``, target ``answer`` (as translation: the decoder reads
-  ``BOS answer`` and predicts ``answer EOS``).
+- *prompt and answer* (the classic problems, selective copy, counting): decoder-only
+  ``BOS prompt SEP answer EOS`` with the loss on the answer and its EOS; encoder-decoder,
+  source ``prompt`` and target ``answer`` (the decoder reads ``BOS answer`` and predicts
+  ``answer EOS``). Tested by greedy decoding.
+- *tagged* (flip-flop, state tracking): decoder-only ``BOS tokens``; some positions carry a
+  label, the symbol the model must predict once it has read the tokens up to there (for
+  flip-flop, the bit after each read). The loss covers the labels (flip-flop: every next
+  token, the paper's language-modeling loss); scores count the labels only, predicted from
+  the true prefix (teacher-forced), as Liu et al. and Merrill et al. score them.
 
 Instances are a pure function of ``(stream, index)``: the training stream is keyed by the
 run's seed, the validation and test streams by the problem alone, so every seed and every
-encoder is tested on the same instances.
+encoder is tested on the same instances. A problem may have test *variants* (flip-flop's
+sparse and dense splits): instances of another distribution, keyed by the variant too.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from itertools import pairwise
+from functools import partial
 from typing import Any, TypedDict
 
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import Dataset
 
+from posenc.data.algo_problems import (
+    BOS,
+    EOS,
+    GRIDS,
+    PAD,
+    PROBLEMS,
+    SEP,
+    SPECIALS,
+    AlgoVocab,
+    Options,
+    Problem,
+    bucket_name,
+    buckets,
+    grid_sizes,
+    instance,
+    longest_sequence,
+    size_buckets,
+    training_size,
+)
+
 __all__ = [
+    "BOS",
+    "EOS",
+    "GRIDS",
+    "PAD",
     "PROBLEMS",
+    "SEP",
+    "SPECIALS",
+    "AlgoDataModule",
     "AlgoVocab",
+    "Options",
     "Problem",
+    "bucket_name",
     "buckets",
     "collate_decoder",
+    "collate_encdec",
+    "collate_eval",
+    "collate_tagged",
     "instance",
+    "longest_sequence",
     "prompt_ids",
+    "size_batches",
 ]
-
-Instance = tuple[list[str], list[str]]  # (prompt symbols, answer symbols)
-
-SPECIALS = ("<pad>", "<bos>", "<sep>", "<eos>")
-PAD, BOS, SEP, EOS = range(len(SPECIALS))
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-DIGITS = "0123456789"
-
-
-def _letters(rng: random.Random, n: int, k: int) -> list[str]:
-    return [LETTERS[rng.randrange(k)] for _ in range(n)]
-
-
-def _copy(rng: random.Random, n: int, k: int, rev: bool) -> Instance:
-    x = _letters(rng, n, k)
-    return x, list(x)
-
-
-def _reverse(rng: random.Random, n: int, k: int, rev: bool) -> Instance:
-    x = _letters(rng, n, k)
-    return x, x[::-1]
-
-
-def _duplicate(rng: random.Random, n: int, k: int, rev: bool) -> Instance:
-    x = _letters(rng, n, k)
-    return x, x + x
-
-
-def _sort(rng: random.Random, n: int, k: int, rev: bool) -> Instance:
-    x = _letters(rng, n, k)
-    return x, sorted(x)
-
-
-def _number(rng: random.Random, n: int) -> int:
-    """A uniform n-digit number (no leading zero; 0..9 for n = 1)."""
-    return rng.randrange(10 ** (n - 1) if n > 1 else 0, 10**n)
-
-
-def _addition(rng: random.Random, n: int, k: int, rev: bool) -> Instance:
-    a, b = _number(rng, n), _number(rng, n)
-    order = (lambda s: s[::-1]) if rev else (lambda s: s)
-    return [*order(str(a)), "+", *order(str(b))], list(order(str(a + b)))
-
-
-def _parity(rng: random.Random, n: int, k: int, rev: bool) -> Instance:
-    bits = [rng.choice("01") for _ in range(n)]
-    return bits, [str(bits.count("1") % 2)]
-
-
-def _modarith(rng: random.Random, n: int, k: int, rev: bool) -> Instance:
-    expr = [str(rng.randrange(5))]
-    for _ in range(n - 1):
-        expr += [rng.choice("+-*"), str(rng.randrange(5))]
-    # Usual precedence (* before + and -); Python's % is non-negative for a positive modulus.
-    return expr, [str(eval("".join(expr)) % 5)]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One algorithmic problem.
-
-    Attributes:
-        name: The ``task.problem`` value.
-        size: What the size ``n`` counts.
-        alphabet: The symbols of prompts and answers, given ``task.symbols``.
-        make: ``(rng, n, symbols, reverse_digits) -> (prompt, answer)``.
-        lengths: ``n -> (prompt length, longest answer)`` in symbols.
-        min_size: The smallest valid size.
-        letters: The problem draws from ``task.symbols`` letters.
-    """
-
-    name: str
-    size: str
-    alphabet: Callable[[int], list[str]]
-    make: Callable[[random.Random, int, int, bool], Instance]
-    lengths: Callable[[int], tuple[int, int]]
-    min_size: int = 1
-    letters: bool = False
-
-
-def _letter_alphabet(k: int) -> list[str]:
-    return list(LETTERS[:k])
-
-
-def longest_sequence(problem: Problem, n: int, shape: str) -> int:
-    """The most positions an instance of size ``n`` takes in one stack: decoder-only
-    ``BOS prompt SEP answer EOS``; encoder-decoder, the longer of the source and the
-    decoder's ``BOS answer`` / ``answer EOS``."""
-    prompt, answer = problem.lengths(n)
-    return prompt + answer + 3 if shape == "decoder" else max(prompt, answer + 1)
-
-
-#: ``task.problem`` -> :class:`Problem`.
-PROBLEMS: dict[str, Problem] = {
-    p.name: p
-    for p in (
-        Problem("copy", "symbols to copy", _letter_alphabet, _copy, lambda n: (n, n), letters=True),
-        Problem(
-            "reverse",
-            "symbols to reverse",
-            _letter_alphabet,
-            _reverse,
-            lambda n: (n, n),
-            letters=True,
-        ),
-        Problem(
-            "duplicate",
-            "symbols to write twice",
-            _letter_alphabet,
-            _duplicate,
-            lambda n: (n, 2 * n),
-            letters=True,
-        ),
-        Problem("sort", "symbols to sort", _letter_alphabet, _sort, lambda n: (n, n), letters=True),
-        Problem(
-            "addition",
-            "digits per operand",
-            lambda k: [*DIGITS, "+"],
-            _addition,
-            lambda n: (2 * n + 1, n + 1),
-        ),
-        Problem("parity", "bits", lambda k: ["0", "1"], _parity, lambda n: (n, 1)),
-        Problem(
-            "modarith",
-            "operands in 0..4 of + - * (mod 5)",
-            lambda k: ["0", "1", "2", "3", "4", "+", "-", "*"],
-            _modarith,
-            lambda n: (2 * n - 1, 1),
-        ),
-    )
-}
-
-
-class AlgoVocab:
-    """Ids: the four specials (:data:`SPECIALS`), then the problem's alphabet."""
-
-    def __init__(self, problem: Problem, symbols: int) -> None:
-        self.tokens = [*SPECIALS, *problem.alphabet(symbols)]
-        self.ids = {s: i for i, s in enumerate(self.tokens)}
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def encode(self, symbols: Sequence[str]) -> list[int]:
-        return [self.ids[s] for s in symbols]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return " ".join(self.tokens[i] for i in ids)
-
-
-def instance(
-    problem: Problem, n: int, key: str, *, symbols: int = 16, reverse_digits: bool = False
-) -> Instance:
-    """The instance of size ``n`` of stream position ``key`` (a pure function of both)."""
-    if n < problem.min_size:
-        raise ValueError(f"problem {problem.name}: size {n} is below {problem.min_size}")
-    rng = random.Random(f"{problem.name}:{n}:{key}")
-    return problem.make(rng, n, symbols, reverse_digits)
-
-
-def training_size(seed: int, index: int, lo: int, hi: int) -> int:
-    """The size of training instance ``index``: uniform in ``[lo, hi]``, from the seed."""
-    return random.Random(f"size:{seed}:{index}").randint(lo, hi)
-
-
-def buckets(lo: int, hi: int, top: int, width: int) -> list[tuple[int, int]]:
-    """Size buckets: the training range ``[lo, hi]``, then ranges of ``width`` sizes up to
-    ``top`` (the last one may be shorter): ``buckets(1, 16, 48, 8)`` gives
-    ``[(1, 16), (17, 24), (25, 32), (33, 40), (41, 48)]``."""
-    edges = list(range(hi, top, width)) + [top]
-    return [(lo, hi)] + [(a + 1, b) for a, b in pairwise(edges)]
-
-
-def bucket_name(bucket: tuple[int, int]) -> str:
-    return f"len{bucket[0]}-{bucket[1]}"
 
 
 class _InstanceOptions(TypedDict):
-    """The keyword options of :func:`instance`."""
+    """The keyword options of :func:`instance` that a task sets."""
 
     symbols: int
     reverse_digits: bool
+    data_tokens: int
+
+
+Example = tuple[list[int], list[int], int]  # (prompt or token ids, answer or label ids, size)
+Collate = Callable[[Sequence[Example]], dict[str, Any]]
 
 
 class AlgoSet(Dataset):
-    """Encoded instances ``(prompt ids, answer ids, size)``.
+    """Encoded instances ``(prompt ids, answer ids, size)``; for a tagged problem
+    ``(token ids, label ids, size)``, PAD where a token has no label.
 
     Args:
         problem: The problem.
         vocab: Its vocabulary.
         sizes: The size of each item.
         keys: The stream key of each item.
+        variants: The variant of each item (default: the training distribution's).
         symbols: ``task.symbols``.
         reverse_digits: ``task.reverse_digits``.
+        data_tokens: ``task.data_tokens``.
     """
 
     def __init__(
@@ -240,46 +110,56 @@ class AlgoSet(Dataset):
         vocab: AlgoVocab,
         sizes: Sequence[int],
         keys: Sequence[str],
+        variants: Sequence[str] | None = None,
         *,
         symbols: int,
         reverse_digits: bool,
+        data_tokens: int = 16,
     ) -> None:
-        if len(sizes) != len(keys):
-            raise ValueError(f"{len(sizes)} sizes but {len(keys)} keys")
+        variants = [""] * len(sizes) if variants is None else list(variants)
+        if not len(sizes) == len(keys) == len(variants):
+            raise ValueError(f"{len(sizes)} sizes, {len(keys)} keys, {len(variants)} variants")
         self.problem, self.vocab = problem, vocab
-        self.sizes, self.keys = list(sizes), list(keys)
-        self.options: _InstanceOptions = {"symbols": symbols, "reverse_digits": reverse_digits}
+        self.sizes, self.keys, self.variants = list(sizes), list(keys), variants
+        self.options: _InstanceOptions = {
+            "symbols": symbols,
+            "reverse_digits": reverse_digits,
+            "data_tokens": data_tokens,
+        }
 
     def __len__(self) -> int:
         return len(self.sizes)
 
-    def __getitem__(self, i: int) -> tuple[list[int], list[int], int]:
-        prompt, answer = instance(self.problem, self.sizes[i], self.keys[i], **self.options)
+    def __getitem__(self, i: int) -> Example:
+        prompt, answer = instance(
+            self.problem, self.sizes[i], self.keys[i], variant=self.variants[i], **self.options
+        )
         return self.vocab.encode(prompt), self.vocab.encode(answer), self.sizes[i]
 
 
 class TrainingStream(AlgoSet):
-    """``count`` training instances of sizes uniform in ``[lo, hi]``, drawn lazily from
-    the run's seed (item ``i`` is the same instance in every process)."""
+    """``count`` training instances of sizes uniform over ``sizes``, drawn lazily from the
+    run's seed (item ``i`` is the same instance in every process)."""
 
     def __init__(
         self,
         problem: Problem,
         vocab: AlgoVocab,
-        lo: int,
-        hi: int,
+        sizes: Sequence[int],
         count: int,
         seed: int,
         **options: Any,
     ) -> None:
         super().__init__(problem, vocab, [], [], **options)
-        self.lo, self.hi, self.count, self.seed = lo, hi, count, seed
+        if not sizes:
+            raise ValueError(f"problem {problem.name}: no valid training size")
+        self.train_sizes, self.count, self.seed = list(sizes), count, seed
 
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, i: int) -> tuple[list[int], list[int], int]:
-        n = training_size(self.seed, i, self.lo, self.hi)
+    def __getitem__(self, i: int) -> Example:
+        n = training_size(self.seed, i, self.train_sizes)
         prompt, answer = instance(self.problem, n, f"train:{self.seed}:{i}", **self.options)
         return self.vocab.encode(prompt), self.vocab.encode(answer), n
 
@@ -290,13 +170,19 @@ def evaluation_set(
     split: str,
     sizes: Sequence[int],
     per_size: int,
+    variants: Sequence[str] = ("",),
     **options: Any,
 ) -> AlgoSet:
-    """``per_size`` instances of every size, keyed by ``split`` only (the same for every
-    seed and encoder)."""
-    grid = [(n, i) for n in sizes for i in range(per_size)]
+    """``per_size`` instances of every size and variant, keyed by ``split`` only (the same
+    for every seed and encoder)."""
+    grid = [(v, n, i) for v in variants for n in sizes for i in range(per_size)]
     return AlgoSet(
-        problem, vocab, [n for n, _ in grid], [f"{split}:{i}" for _, i in grid], **options
+        problem,
+        vocab,
+        [n for _, n, _ in grid],
+        [f"{split}:{i}" for _, _, i in grid],
+        [v for v, _, _ in grid],
+        **options,
     )
 
 
@@ -305,13 +191,14 @@ def prompt_ids(prompt: Sequence[int]) -> list[int]:
     return [BOS, *prompt, SEP]
 
 
-def collate_decoder(examples: Sequence[tuple[list[int], list[int], int]]) -> dict[str, Any]:
+def collate_decoder(examples: Sequence[Example]) -> dict[str, Any]:
     """Pad decoder-only sequences ``BOS prompt SEP answer EOS`` on the right.
 
     Returns:
         ``input`` (B, T) and ``target`` (B, T) long, the sequences without their last and
         first token; ``loss_mask`` (B, T) bool, True exactly where ``target`` is an answer
-        token or the EOS after it; ``size`` (B,) long.
+        token or the EOS after it, and ``score_mask``, the same positions (scored);
+        ``size`` (B,) long.
     """
     seqs = [[*prompt_ids(p), *a, EOS] for p, a, _ in examples]
     t = max(map(len, seqs)) - 1
@@ -327,46 +214,100 @@ def collate_decoder(examples: Sequence[tuple[list[int], list[int], int]]) -> dic
         "input": inp,
         "target": tgt,
         "loss_mask": mask,
+        "score_mask": mask,
         "size": torch.tensor([n for _, _, n in examples]),
     }
 
 
-def size_batches(sizes: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Indices grouped into batches of one size each (evaluation batches need no padding
-    of the prompt, so the cache decodes every row at the same positions)."""
-    by_size: dict[int, list[int]] = {}
-    for i, n in enumerate(sizes):
-        by_size.setdefault(n, []).append(i)
+def collate_tagged(examples: Sequence[Example], lm_loss: bool = False) -> dict[str, Any]:
+    """Pad tagged sequences ``BOS tokens`` on the right; the target at each position is
+    its label (what the model must predict after reading the tokens so far).
+
+    Args:
+        examples: ``(token ids, label ids, size)``, PAD where a token has no label.
+        lm_loss: Also train every other position on the next token (a language model:
+            flip-flop with ``task.lm_loss``), not only the labelled ones.
+
+    Returns:
+        ``input`` (B, T) long ``BOS tokens`` (T = longest + 1); ``target`` (B, T) long: at
+        input position j the label of token j-1 (the BOS has none), or with ``lm_loss``
+        where there is none the next token; ``loss_mask`` (B, T) bool, True where a target
+        is trained; ``score_mask`` (B, T) bool, True exactly at the labels; ``size`` (B,).
+    """
+    t = max(len(x) for x, _, _ in examples) + 1
+    inp = torch.full((len(examples), t), PAD, dtype=torch.long)
+    tgt = torch.full((len(examples), t), PAD, dtype=torch.long)
+    score = torch.zeros((len(examples), t), dtype=torch.bool)
+    for row, (x, labels, _) in enumerate(examples):
+        if len(labels) != len(x):
+            raise ValueError(f"{len(x)} tokens but {len(labels)} labels")
+        inp[row, : len(x) + 1] = torch.tensor([BOS, *x])
+        label = torch.tensor([PAD, *labels])
+        if lm_loss:  # next tokens, then the labels over them (flip-flop's are equal)
+            tgt[row, : len(x)] = torch.tensor(x)
+        tgt[row, : len(x) + 1] = torch.where(label != PAD, label, tgt[row, : len(x) + 1])
+        score[row, : len(x) + 1] = label != PAD
+    return {
+        "input": inp,
+        "target": tgt,
+        "loss_mask": tgt != PAD,
+        "score_mask": score,
+        "size": torch.tensor([n for _, _, n in examples]),
+    }
+
+
+def size_batches(
+    sizes: Sequence[int], batch_size: int, variants: Sequence[str] | None = None
+) -> list[list[int]]:
+    """Indices grouped into batches of one size (and variant) each (evaluation batches
+    need no padding of the prompt, so the cache decodes every row at the same positions),
+    by variant in order of first appearance, then by size."""
+    variants = [""] * len(sizes) if variants is None else variants
+    order = {v: j for j, v in enumerate(dict.fromkeys(variants))}
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (n, v) in enumerate(zip(sizes, variants, strict=True)):
+        groups.setdefault((order[v], n), []).append(i)
     return [
         idx[j : j + batch_size]
-        for _, idx in sorted(by_size.items())
+        for _, idx in sorted(groups.items())
         for j in range(0, len(idx), batch_size)
     ]
 
 
-def collate_encdec(examples: Sequence[tuple[list[int], list[int], int]]) -> dict[str, Any]:
+def collate_encdec(examples: Sequence[Example]) -> dict[str, Any]:
     """Encoder-decoder batches: the prompt as source, the answer as target (the keys of
-    :class:`posenc.data.mt.MTCollator`, with ``size`` in place of ``index``)."""
+    :class:`posenc.data.mt.MTCollator`, with ``size`` in place of ``index``, and
+    ``score_mask``, the target's mask)."""
     from posenc.data.mt import MTCollator
 
     batch = MTCollator(PAD, BOS, EOS)(examples)
     batch["size"] = batch.pop("index")
+    batch["score_mask"] = batch["tgt_mask"]
     return batch
 
 
-def collate_eval(examples: Sequence[tuple[list[int], list[int], int]]) -> dict[str, Any]:
+def collate_eval(examples: Sequence[Example]) -> dict[str, Any]:
     """Evaluation batches of one size: ``prompt`` (B, P) for the decoder-only model
-    (``BOS prompt SEP``), ``src`` (B, S) for the encoder-decoder (the bare prompt),
-    ``answer`` (B, A) padded references, ``answer_len`` (B,) and ``size`` (B,)."""
-    if len({len(p) for p, _, _ in examples}) != 1:
-        raise ValueError("an evaluation batch must hold prompts of one length")
+    (``BOS prompt SEP``, left-padded to the longest, ``prompt_pad`` (B,) pads each),
+    ``src`` (B, S) for the encoder-decoder (the bare prompt, right-padded; ``src_mask``
+    (B, S) True at real tokens), ``answer`` (B, A) padded references, ``answer_len`` (B,)
+    and ``size`` (B,). Prompts of one size have one length except counting's, whose
+    statements vary in length."""
+    p = max(len(x) for x, _, _ in examples)
     a = max(len(ans) for _, ans, _ in examples)
+    prompt = torch.full((len(examples), p + 2), PAD, dtype=torch.long)
+    src = torch.full((len(examples), p), PAD, dtype=torch.long)
     answer = torch.full((len(examples), a), PAD, dtype=torch.long)
-    for row, (_, ans, _) in enumerate(examples):
+    for row, (x, ans, _) in enumerate(examples):
+        prompt[row, p - len(x) :] = torch.tensor(prompt_ids(x), dtype=torch.long)
+        src[row, : len(x)] = torch.tensor(x, dtype=torch.long)
         answer[row, : len(ans)] = torch.tensor(ans, dtype=torch.long)
+    lengths = torch.tensor([len(x) for x, _, _ in examples])
     return {
-        "prompt": torch.tensor([prompt_ids(p) for p, _, _ in examples]),
-        "src": torch.tensor([p for p, _, _ in examples]),
+        "prompt": prompt,
+        "prompt_pad": p - lengths,
+        "src": src,
+        "src_mask": torch.arange(p)[None, :] < lengths[:, None],
         "answer": answer,
         "answer_len": torch.tensor([len(ans) for _, ans, _ in examples]),
         "size": torch.tensor([n for _, _, n in examples]),
@@ -374,23 +315,30 @@ def collate_eval(examples: Sequence[tuple[list[int], list[int], int]]) -> dict[s
 
 
 class Batches(Dataset):
-    """Whole batches as items (each of one size), so a loader with ``batch_size=None`` and
-    :class:`posenc.data.samplers.ShardSampler` splits them across ranks, each once."""
+    """Whole batches as items (each of one size and variant), so a loader with
+    ``batch_size=None`` and :class:`posenc.data.samplers.ShardSampler` splits them across
+    ranks, each once. Each batch has ``variant`` (B,) long: the index of its instances'
+    variant in ``variants``."""
 
     def __init__(
         self,
         data: AlgoSet,
         batch_size: int,
-        collate: Callable[[Sequence[tuple[list[int], list[int], int]]], dict],
+        collate: Collate,
+        variants: Sequence[str] = ("",),
     ) -> None:
         self.data, self.collate = data, collate
-        self.batches = size_batches(data.sizes, batch_size)
+        self.batches = size_batches(data.sizes, batch_size, data.variants)
+        self.variant_index = {v: j for j, v in enumerate(variants)}
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.collate([self.data[j] for j in self.batches[i]])
+        rows = self.batches[i]
+        batch = self.collate([self.data[j] for j in rows])
+        batch["variant"] = torch.full((len(rows),), self.variant_index[self.data.variants[rows[0]]])
+        return batch
 
 
 class TrainingBatches(Dataset):
@@ -404,7 +352,7 @@ class TrainingBatches(Dataset):
         batch_size: int,
         steps: int,
         start: int,
-        collate: Callable[[Sequence[tuple[list[int], list[int], int]]], dict],
+        collate: Collate,
     ) -> None:
         self.stream, self.batch_size, self.collate = stream, batch_size, collate
         self.start, self.steps = start, max(steps - start, 1)
@@ -425,14 +373,18 @@ class AlgoDataModule(pl.LightningDataModule):
         shape: ``decoder`` or ``encdec`` (how batches are laid out).
         train_lengths: ``[lo, hi]`` training sizes.
         top: The largest test size.
-        symbols: Letters of the sequence problems.
+        symbols: Letters of the sequence problems, variables of ``count``.
         reverse_digits: Addition with digits least-significant first.
         batch_size: Training instances per step.
         eval_batch_size: Evaluation instances per batch.
         steps: Training steps (the stream's length).
         val_per_size: Validation instances per training size.
-        test_per_size: Test instances per size ``1 .. top`` (from the problem's smallest).
+        test_per_size: Test instances per size and variant.
         seed: The training stream's seed.
+        data_tokens: Data tokens of ``selective_copy``.
+        test_grid: Test sizes (:data:`GRIDS`), or ``auto`` for the problem's own.
+        lm_loss: Train a tagged problem that is a language (flip-flop) on every next token,
+            not only on its labels.
     """
 
     def __init__(
@@ -450,6 +402,9 @@ class AlgoDataModule(pl.LightningDataModule):
         val_per_size: int,
         test_per_size: int,
         seed: int,
+        data_tokens: int = 16,
+        test_grid: str = "auto",
+        lm_loss: bool = False,
     ) -> None:
         super().__init__()
         self.problem = PROBLEMS[problem]
@@ -457,17 +412,40 @@ class AlgoDataModule(pl.LightningDataModule):
         self.shape = shape
         self.lo, self.hi = (int(x) for x in train_lengths)
         self.top = int(top)
-        self.options = {"symbols": int(symbols), "reverse_digits": bool(reverse_digits)}
+        self.options: _InstanceOptions = {
+            "symbols": int(symbols),
+            "reverse_digits": bool(reverse_digits),
+            "data_tokens": int(data_tokens),
+        }
+        self.grid = self.problem.grid if test_grid == "auto" else test_grid
+        self.lm_loss = bool(lm_loss) and self.problem.lm
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.steps, self.seed = steps, seed
         self.val_per_size, self.test_per_size = val_per_size, test_per_size
 
     @property
-    def collate(self) -> Callable[[Sequence[tuple[list[int], list[int], int]]], dict]:
+    def instance_options(self) -> Options:
+        return Options(**self.options)
+
+    @property
+    def collate(self) -> Collate:
+        if self.problem.tagged:
+            return partial(collate_tagged, lm_loss=self.lm_loss)
         return collate_decoder if self.shape == "decoder" else collate_encdec
 
+    def train_sizes(self) -> list[int]:
+        return self.problem.sizes(self.lo, self.hi, self.instance_options)
+
     def test_sizes(self) -> list[int]:
-        return list(range(max(1, self.problem.min_size), self.top + 1))
+        return grid_sizes(
+            self.problem, self.lo, self.hi, self.top, self.grid, self.instance_options
+        )
+
+    def buckets(self, width: int) -> list[tuple[int, int]]:
+        """The report's size buckets (:func:`size_buckets`)."""
+        return size_buckets(
+            self.problem, self.lo, self.hi, self.top, self.grid, width, self.instance_options
+        )
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         trainer = getattr(self, "trainer", None)
@@ -475,8 +453,7 @@ class AlgoDataModule(pl.LightningDataModule):
         stream = TrainingStream(
             self.problem,
             self.vocab,
-            self.lo,
-            self.hi,
+            self.train_sizes(),
             self.steps * self.batch_size,
             self.seed,
             **self.options,
@@ -485,19 +462,30 @@ class AlgoDataModule(pl.LightningDataModule):
         return torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
 
     def _eval(
-        self, split: str, sizes: list[int], per_size: int, collate: Callable
+        self,
+        split: str,
+        sizes: list[int],
+        per_size: int,
+        collate: Collate,
+        variants: Sequence[str] = ("",),
     ) -> torch.utils.data.DataLoader:
         from posenc.data.samplers import ShardSampler
 
         data = Batches(
-            evaluation_set(self.problem, self.vocab, split, sizes, per_size, **self.options),
+            evaluation_set(
+                self.problem, self.vocab, split, sizes, per_size, variants, **self.options
+            ),
             self.eval_batch_size,
             collate,
+            variants,
         )
         return torch.utils.data.DataLoader(data, batch_size=None, sampler=ShardSampler(data))
 
     def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._eval("val", list(range(self.lo, self.hi + 1)), self.val_per_size, self.collate)
+        return self._eval("val", self.train_sizes(), self.val_per_size, self.collate)
 
     def test_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._eval("test", self.test_sizes(), self.test_per_size, collate_eval)
+        collate = self.collate if self.problem.tagged else collate_eval
+        return self._eval(
+            "test", self.test_sizes(), self.test_per_size, collate, self.problem.variants
+        )

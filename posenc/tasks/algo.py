@@ -3,13 +3,16 @@
 Notation: B instances, P prompt length, A answer length (EOS not counted), V vocabulary.
 
 Training and validation are teacher-forced cross-entropy over the answer tokens and their
-EOS (``val/acc``: the share of those tokens whose argmax is right; ``val/seq_acc``: the
-share of instances whose every answer token and EOS is the argmax, which is greedy
-decoding's exact match, since greedy then sees the right prefix at every step). Testing
-greedy-decodes every instance with the key/value cache and scores it by size ``n``:
+EOS, or a tagged problem's labels (:mod:`posenc.data.algo`). Validation scores the same
+positions: ``val/acc``, the share whose argmax is right, and ``val/seq_acc``, the share of
+instances with all of them right (greedy decoding's exact match, since greedy then sees
+the right prefix at every step). Testing greedy-decodes every instance with the key/value
+cache (a tagged problem: one teacher-forced pass, as its papers score it) and scores it by
+size ``n`` and test variant:
 
-- ``seq_acc``: the output equals the answer exactly (and ends there, with EOS);
-- ``acc``: the share of answer positions whose output token is right.
+- ``seq_acc``: the output equals the answer exactly (and ends there, with EOS); tagged:
+  every label is right;
+- ``acc``: the share of answer positions (labels) whose output token is right.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.aggregation import SumMetric
 
-from posenc.data.algo import BOS, EOS, PAD
+from posenc.data.algo import BOS, EOS, PAD, PROBLEMS
 from posenc.model import DecoderLM, EncoderDecoder, count_parameters
 from posenc.tasks.decode import greedy
 from posenc.tasks.generate import generate
@@ -33,17 +36,18 @@ from posenc.tasks.optim import check_finite, configure_adamw
 
 SHAPES = ("decoder", "encdec")
 Batch = dict[str, Tensor]
-#: Validation sums (over ranks): loss, right tokens, tokens, exact instances, instances.
-VAL_SUMS = ("loss", "right", "tokens", "exact", "count")
+#: Validation sums (over ranks): loss, trained tokens, right scored tokens, scored tokens,
+#: exact instances, instances.
+VAL_SUMS = ("loss", "trained", "right", "tokens", "exact", "count")
 
 
 def exact_rows(hit: Tensor, mask: Tensor) -> Tensor:
-    """``(B,)`` bool: every answer position of the row (``mask``) has its argmax right
-    (``hit``); rows without answer positions (padding) are not exact.
+    """``(B,)`` bool: every scored position of the row (``mask``) has its argmax right
+    (``hit``); rows without scored positions (padding) are not exact.
 
     Args:
         hit: ``(B, T)`` bool, argmax equals the target.
-        mask: ``(B, T)`` bool, the answer tokens and EOS.
+        mask: ``(B, T)`` bool, the scored positions.
     """
     return (hit | ~mask).all(-1) & mask.any(-1)
 
@@ -65,11 +69,12 @@ def until_eos(ids: Sequence[int]) -> list[int]:
 
 
 class LengthAccuracy(Metric):
-    """Sums by instance size ``0 .. top``: instances, exact matches, answer tokens and
-    right tokens (reduced by ``sum`` across ranks).
+    """Sums by test variant and instance size ``0 .. top``: instances, exact matches,
+    answer tokens and right tokens (reduced by ``sum`` across ranks).
 
     Args:
         top: The largest size scored.
+        variants: How many test variants (distributions) are scored.
     """
 
     full_state_update = False
@@ -78,27 +83,41 @@ class LengthAccuracy(Metric):
     tokens: Tensor
     right: Tensor
 
-    def __init__(self, top: int) -> None:
+    def __init__(self, top: int, variants: int = 1) -> None:
         super().__init__()
+        self.shape = (variants, top + 1)
         for name in ("count", "exact", "tokens", "right"):
-            self.add_state(name, torch.zeros(top + 1, dtype=torch.float64), dist_reduce_fx="sum")
+            zeros = torch.zeros(variants * (top + 1), dtype=torch.float64)
+            self.add_state(name, zeros, dist_reduce_fx="sum")
 
-    def update(self, size: Tensor, exact: Tensor, tokens: Tensor, right: Tensor) -> None:
-        """Add ``(B,)`` sizes, exact matches (0/1), answer lengths and right tokens."""
+    def update(
+        self,
+        size: Tensor,
+        exact: Tensor,
+        tokens: Tensor,
+        right: Tensor,
+        variant: Tensor | None = None,
+    ) -> None:
+        """Add ``(B,)`` sizes, exact matches (0/1), answer lengths and right tokens, of
+        the variants ``variant`` (B,) (default: the first)."""
+        index = size.long()
+        if variant is not None:
+            index = index + variant.long() * self.shape[1]
         for state, value in (
             (self.count, torch.ones_like(exact)),
             (self.exact, exact),
             (self.tokens, tokens),
             (self.right, right),
         ):
-            state.index_add_(0, size.long(), value.double())
+            state.index_add_(0, index, value.double())
 
     def compute(self) -> dict[str, Tensor]:
+        """Each sum as ``(variants, top + 1)``."""
         return {
-            "count": self.count,
-            "exact": self.exact,
-            "tokens": self.tokens,
-            "right": self.right,
+            "count": self.count.view(self.shape),
+            "exact": self.exact.view(self.shape),
+            "tokens": self.tokens.view(self.shape),
+            "right": self.right.view(self.shape),
         }
 
 
@@ -114,6 +133,7 @@ class AlgoTask(pl.LightningModule):
         shape: ``decoder`` (decoder-only: prompt, SEP, answer) or ``encdec``
             (encoder-decoder: prompt -> answer).
         top_size: The largest instance size tested.
+        problem: ``task.problem``: its layout (tagged or not) and test variants.
     """
 
     def __init__(
@@ -126,10 +146,14 @@ class AlgoTask(pl.LightningModule):
         max_steps: int,
         shape: str,
         top_size: int,
+        problem: str = "copy",
     ) -> None:
         super().__init__()
         if shape not in SHAPES:
             raise ValueError(f"task.shape={shape!r}: allowed {', '.join(SHAPES)}")
+        self.problem = PROBLEMS[problem]
+        if shape not in self.problem.shapes:
+            raise ValueError(f"task.shape={shape!r}: {problem} runs in {self.problem.shapes}")
         self.save_hyperparameters()
         sizes = {k: v for k, v in model.items() if k != "compile"}
         self.model: DecoderLM | EncoderDecoder
@@ -147,34 +171,37 @@ class AlgoTask(pl.LightningModule):
             self.model.compile()
         self.n_params = count_parameters(self.model)
         self.sums = torch.nn.ModuleDict({k: SumMetric() for k in VAL_SUMS})
-        self.by_size = LengthAccuracy(top_size)
-        self.results: dict[str, Tensor] = {}
+        self.by_size = LengthAccuracy(top_size, len(self.problem.variants))
+        #: After testing: the sums of :class:`LengthAccuracy` by variant name.
+        self.results: dict[str, dict[str, Tensor]] = {}
 
     def _logits(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """Teacher-forced logits ``(B, T, V)``, targets ``(B, T)`` and the answer mask."""
+        """Teacher-forced logits ``(B, T, V)``, targets ``(B, T)`` and the loss mask."""
         if self.hparams["shape"] == "decoder":
             return self.model(batch["input"]), batch["target"], batch["loss_mask"]
         logits = self.model(batch["src"], batch["tgt_in"], batch["src_mask"])
         return logits, batch["tgt_out"], batch["tgt_mask"]
 
-    def _loss(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Summed loss, right argmax tokens, token count, exact instances and instance
-        count over the answer tokens (EOS included)."""
+    def _loss(self, batch: Batch) -> dict[str, Tensor]:
+        """Sums over a batch (:data:`VAL_SUMS`): the loss over the trained positions
+        (``trained`` of them), then over the scored ones (the answer and its EOS, or the
+        labels): right argmax tokens, their count, exact instances and instances."""
         logits, target, mask = self._logits(batch)
+        scored = batch["score_mask"]
         nll = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="none")
         hit = logits.argmax(-1) == target  # (B, T)
-        right = hit & mask
-        return (
-            nll.view_as(target)[mask].sum(),
-            right.sum(),
-            mask.sum(),
-            exact_rows(hit, mask).sum(),
-            mask.any(-1).sum(),
-        )
+        return {
+            "loss": nll.view_as(target)[mask].sum(),
+            "trained": mask.sum(),
+            "right": (hit & scored).sum(),
+            "tokens": scored.sum(),
+            "exact": exact_rows(hit, scored).sum(),
+            "count": scored.any(-1).sum(),
+        }
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        loss_sum, _, n, _, _ = self._loss(batch)
-        loss = loss_sum / n
+        sums = self._loss(batch)
+        loss = sums["loss"] / sums["trained"]
         check_finite(loss, self.global_step)
         self.log("train/loss", loss, prog_bar=True)
         return loss
@@ -183,15 +210,14 @@ class AlgoTask(pl.LightningModule):
         return cast(SumMetric, self.sums[name])
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        for key, value in zip(VAL_SUMS, self._loss(batch), strict=True):
+        for key, value in self._loss(batch).items():
             self._sum(key).update(value)
 
     def on_validation_epoch_end(self) -> None:
-        loss, right, n, exact, count = (self._sum(k).compute() for k in VAL_SUMS)
-        n = n.clamp(min=1)
-        self.log("val/loss", loss / n, prog_bar=True)
-        self.log("val/acc", 100 * right / n, prog_bar=True)
-        self.log("val/seq_acc", 100 * exact / count.clamp(min=1), prog_bar=True)
+        sums = {k: self._sum(k).compute() for k in self.sums}
+        self.log("val/loss", sums["loss"] / sums["trained"].clamp(min=1), prog_bar=True)
+        self.log("val/acc", 100 * sums["right"] / sums["tokens"].clamp(min=1), prog_bar=True)
+        self.log("val/seq_acc", 100 * sums["exact"] / sums["count"].clamp(min=1), prog_bar=True)
         for name in self.sums:
             self._sum(name).reset()
 
@@ -200,21 +226,37 @@ class AlgoTask(pl.LightningModule):
     @torch.no_grad()
     def answer(self, batch: Batch) -> list[list[int]]:
         """Greedy outputs (ids before EOS) of an evaluation batch, whose instances all have
-        one size; each gets one token more than its reference answer, room for the EOS."""
+        one size; each gets one token more than its reference answer, room for the EOS.
+        Prompts of different lengths (counting's) are left-padded for the decoder-only
+        model, each row at its own positions, and masked for the encoder-decoder."""
         budget = batch["answer_len"] + 1
+        ragged = bool(batch["prompt_pad"].any())  # one host read per test batch
         if self.hparams["shape"] == "encdec":
             assert isinstance(self.model, EncoderDecoder)  # built for shape=encdec
-            out = greedy(self.model, batch["src"], None, bos=BOS, eos=EOS, pad=PAD, max_len=budget)
+            valid = batch["src_mask"] if ragged else None
+            out = greedy(self.model, batch["src"], valid, bos=BOS, eos=EOS, pad=PAD, max_len=budget)
             return out.tokens
         assert isinstance(self.model, DecoderLM)  # built for shape=decoder
         prompt = batch["prompt"]
-        full = generate(self.model, prompt, int(budget.max()), temperature=0.0)
+        pad = batch["prompt_pad"] if ragged else None
+        full = generate(self.model, prompt, int(budget.max()), temperature=0.0, pad=pad)
         return [
             until_eos(row[: int(b)])
             for row, b in zip(full[:, prompt.shape[1] :].tolist(), budget.tolist(), strict=True)
         ]
 
-    def test_step(self, batch: Batch, batch_idx: int) -> None:
+    @torch.no_grad()
+    def forced(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        """A tagged batch scored in one teacher-forced pass: ``(B,)`` exact (0/1), right
+        labels and labels."""
+        logits, target, _ = self._logits(batch)
+        scored = batch["score_mask"]
+        hit = logits.argmax(-1) == target
+        return exact_rows(hit, scored).double(), (hit & scored).sum(-1), scored.sum(-1)
+
+    def decoded(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        """An evaluation batch greedy-decoded: ``(B,)`` exact (0/1), right answer tokens
+        and answer tokens."""
         outputs = self.answer(batch)
         answers = [
             row[:n]
@@ -223,10 +265,17 @@ class AlgoTask(pl.LightningModule):
         scored = [score(o, a) for o, a in zip(outputs, answers, strict=True)]
         exact = torch.tensor([float(e) for e, _ in scored], device=self.device)
         right = torch.tensor([float(r) for _, r in scored], device=self.device)
-        self.by_size.update(batch["size"], exact, batch["answer_len"], right)
+        return exact, right, batch["answer_len"]
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        exact, right, tokens = self.forced(batch) if self.problem.tagged else self.decoded(batch)
+        self.by_size.update(batch["size"], exact, tokens, right, batch.get("variant"))
 
     def on_test_epoch_end(self) -> None:
-        self.results = {k: v.detach().cpu() for k, v in self.by_size.compute().items()}
+        sums = {k: v.detach().cpu() for k, v in self.by_size.compute().items()}
+        self.results = {
+            name: {k: v[j] for k, v in sums.items()} for j, name in enumerate(self.problem.variants)
+        }
         self.by_size.reset()
 
     def configure_optimizers(self) -> Any:

@@ -1,6 +1,7 @@
 """The algorithmic-task job: fit on sizes ``[lo, hi]``, then greedy-decode test instances
-of every size up to ``test_multiple * hi``; accuracy by size bucket in ``metrics.json``,
-TensorBoard and the terminal."""
+of every size up to ``test_multiple * hi`` (or of ``hi`` and its doublings; a tagged
+problem is scored teacher-forced); the problem's metrics by size bucket and test variant in
+``metrics.json``, TensorBoard and the terminal."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import pytorch_lightning as pl
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import TensorBoardLogger
 
-from posenc.data.algo import PROBLEMS, AlgoDataModule, bucket_name, buckets
+from posenc.data.algo import AlgoDataModule, bucket_name
 from posenc.report_plots import accuracy_vs_size
 from posenc.runner import (
     best_checkpoint,
@@ -38,10 +40,35 @@ log = logging.getLogger(__name__)
 
 METRIC_DOC = {
     "seq_acc": "test/seq_acc@len<a>-<b>: % of test instances of size a..b whose greedy "
-    "output is exactly the answer (ending with EOS)",
+    "output is exactly the answer (ending with EOS); tagged problems: whose every label is "
+    "predicted right from the true prefix",
     "acc": "test/acc@len<a>-<b>: % of answer tokens of those instances that the greedy output "
-    "has right, position by position",
+    "has right, position by position (tagged: % of labels right)",
+    "read_err": "test/read_err@len<a>-<b>: % of read instructions whose bit the model "
+    "predicts wrong, given the true prefix (Liu et al. 2023's error rate), over the reads of "
+    "the instances of size a..b; read_err_sparse / read_err_dense: the same on the sparse "
+    "(ignore probability 0.98) and dense (0.1) test strings",
 }
+
+
+def _ratio(num: float, den: float) -> float:
+    return 100 * num / den if den else math.nan
+
+
+#: Test metrics in percent from the sums of a size or bucket (instances ``count``, exact
+#: ``exact``, scored tokens ``tokens``, right ones ``right``); a problem names the ones of
+#: its tables (``Problem.metrics``), ``by_size`` holds them all.
+METRICS: dict[str, Callable[[dict[str, float]], float]] = {
+    "seq_acc": lambda s: _ratio(s["exact"], s["count"]),
+    "acc": lambda s: _ratio(s["right"], s["tokens"]),
+    "read_err": lambda s: _ratio(s["tokens"] - s["right"], s["tokens"]),
+}
+
+
+def metric_name(kind: str, variant: str) -> str:
+    """``read_err`` of the sparse variant is ``read_err_sparse``; the training
+    distribution's keeps the plain name."""
+    return f"{kind}_{variant}" if variant else kind
 
 
 def top_size(cfg: DictConfig) -> int:
@@ -71,6 +98,9 @@ def datamodule(cfg: DictConfig) -> AlgoDataModule:
         val_per_size=t.val_per_size,
         test_per_size=t.test_per_size,
         seed=cfg.seed,
+        data_tokens=t.get("data_tokens", 16),
+        test_grid=t.get("test_sizes", "auto"),
+        lm_loss=t.get("lm_loss", False),
     )
 
 
@@ -90,6 +120,7 @@ def algo_task(cfg: DictConfig, dm: AlgoDataModule) -> AlgoTask:
         max_steps=cfg.trainer.max_steps,
         shape=cfg.task.shape,
         top_size=top_size(cfg),
+        problem=cfg.task.problem,
     )
     if cfg.get("init_from"):
         init_from_checkpoint(task, cfg.init_from)
@@ -109,42 +140,47 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     train_time = time.perf_counter() - t0
     val = dict(run_state(trainer).val)
     best = best_checkpoint(trainer) if not cfg.eval_only else ""
+    sizes = dm.test_sizes()
     log.info(
-        "testing sizes %d..%d (%d instances each), greedy decoding",
-        dm.test_sizes()[0],
-        dm.top,
+        "testing sizes %s (%d instances each%s), %s",
+        f"{sizes[0]}..{sizes[-1]}" if dm.grid == "every" else ", ".join(map(str, sizes)),
         cfg.task.test_per_size,
+        f" of {len(dm.problem.variants)} variants" if len(dm.problem.variants) > 1 else "",
+        "teacher-forced" if dm.problem.tagged else "greedy decoding",
     )
     trainer.test(task, datamodule=dm, ckpt_path=best or None, verbose=False)
     return finish(cfg, run_dir, dm, task, trainer, throughput, train_time, val)
 
 
-def by_size(results: dict[str, Any], sizes: list[int]) -> dict[str, dict[str, float]]:
-    """Per size: instances, ``seq_acc`` and ``acc`` (percent)."""
+def by_size(
+    results: dict[str, Any], sizes: list[int], kinds: tuple[str, ...] = ("seq_acc", "acc")
+) -> dict[str, dict[str, float]]:
+    """Per size: instances, ``seq_acc`` and ``acc`` and the other ``kinds`` (percent)."""
     out = {}
     for n in sizes:
-        count, tokens = float(results["count"][n]), float(results["tokens"][n])
-        out[str(n)] = {
-            "count": int(count),
-            "seq_acc": 100 * float(results["exact"][n]) / count if count else math.nan,
-            "acc": 100 * float(results["right"][n]) / tokens if tokens else math.nan,
-        }
+        part = {k: float(v[n]) for k, v in results.items()}
+        row: dict[str, float] = {"count": int(part["count"])}
+        for kind in dict.fromkeys(("seq_acc", "acc", *kinds)):
+            row[kind] = METRICS[kind](part)
+        out[str(n)] = row
     return out
 
 
-def bucket_metrics(results: dict[str, Any], ranges: list[tuple[int, int]]) -> dict[str, float]:
-    """``test/seq_acc@len<a>-<b>`` and ``test/acc@len<a>-<b>`` (percent) per bucket: sums
-    over the sizes of the bucket, so every instance weighs the same."""
+def bucket_metrics(
+    results: dict[str, Any],
+    ranges: list[tuple[int, int]],
+    kinds: tuple[str, ...] = ("seq_acc", "acc"),
+    variant: str = "",
+) -> dict[str, float]:
+    """``test/<kind>@len<a>-<b>`` (percent) per bucket and kind (``<kind>_<variant>`` for
+    a test variant): sums over the sizes of the bucket, so every instance weighs the same."""
     metrics: dict[str, float] = {}
     for a, b in ranges:
         part = {k: float(v[a : b + 1].sum()) for k, v in results.items()}
-        name = bucket_name((a, b))
-        metrics[f"test/seq_acc@{name}"] = (
-            100 * part["exact"] / part["count"] if part["count"] else math.nan
-        )
-        metrics[f"test/acc@{name}"] = (
-            100 * part["right"] / part["tokens"] if part["tokens"] else math.nan
-        )
+        for kind in kinds:
+            metrics[f"test/{metric_name(kind, variant)}@{bucket_name((a, b))}"] = METRICS[kind](
+                part
+            )
     return metrics
 
 
@@ -161,8 +197,14 @@ def finish(
     """Collect metrics; write metrics.json, the figure and HParams (rank zero only)."""
     t = cfg.task
     lo, hi = (int(x) for x in t.train_lengths)
-    ranges = buckets(max(lo, dm.problem.min_size), hi, dm.top, int(t.bucket_width))
-    metrics = bucket_metrics(task.results, ranges) | val
+    problem = dm.problem
+    ranges = dm.buckets(int(t.bucket_width))
+    metrics: dict[str, float] = {}
+    for variant in problem.variants:
+        metrics |= bucket_metrics(task.results[variant], ranges, problem.metrics, variant)
+    metrics |= val
+    sizes = dm.test_sizes()
+    kinds = tuple(dict.fromkeys(("seq_acc", "acc", *problem.metrics)))  # by_size's
     mem, mem_kind = peak_memory_mb(task.device)
     result = {
         "task": "algo",
@@ -172,11 +214,17 @@ def finish(
         "encoder_class": cfg.encoder._target_.rsplit(".", 1)[-1],
         "seed": cfg.seed,
         "train_lengths": [lo, hi],
-        "size_means": PROBLEMS[t.problem].size,
+        "size_means": problem.size,
+        "source": problem.paper,
+        "test_sizes": dm.grid,
         "buckets": [bucket_name(r) for r in ranges],
-        "metric_doc": METRIC_DOC,
+        "metric_doc": {k: METRIC_DOC[k] for k in kinds},
+        "table_metrics": [metric_name(k, v) for v in problem.variants for k in problem.metrics],
         "metrics": metrics,
-        "by_size": by_size(task.results, dm.test_sizes()),
+        "by_size": by_size(task.results[""], sizes, kinds),
+        "by_size_variants": {
+            v: by_size(task.results[v], sizes, kinds) for v in problem.variants if v
+        },
         **gate.result(cfg, trainer, val),  # gate, learned, learned_step
         "n_params": task.n_params,
         "train_steps": trainer.global_step,

@@ -1,5 +1,6 @@
 """Algorithmic problems: every answer recomputed in plain Python, sizes respected, the
-same instances for the same key, the loss mask on exactly the answer, size buckets."""
+same instances for the same key, the loss mask on exactly the answer, size buckets.
+The problems where content decides the position are in tests/data/test_algo_content.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from posenc.data.algo import (
     SEP,
     AlgoDataModule,
     AlgoVocab,
+    Options,
     buckets,
     collate_decoder,
     collate_encdec,
@@ -22,6 +24,9 @@ from posenc.data.algo import (
     longest_sequence,
     size_batches,
 )
+from posenc.data.algo_problems import CONTENT
+
+CLASSIC = sorted(set(PROBLEMS) - {p.name for p in CONTENT})
 
 
 def _reference(name: str, prompt: list[str], reverse_digits: bool) -> list[str]:
@@ -68,7 +73,7 @@ def _size_of(name: str, prompt: list[str]) -> int:
 
 
 @pytest.mark.parametrize(
-    ("name", "reverse_digits"), [(n, False) for n in sorted(PROBLEMS)] + [("addition", True)]
+    ("name", "reverse_digits"), [(n, False) for n in CLASSIC] + [("addition", True)]
 )
 def test_answers_sizes_and_alphabet(name: str, reverse_digits: bool) -> None:
     problem = PROBLEMS[name]
@@ -78,7 +83,7 @@ def test_answers_sizes_and_alphabet(name: str, reverse_digits: bool) -> None:
             prompt, answer = instance(problem, n, f"k{i}", symbols=7, reverse_digits=reverse_digits)
             assert answer == _reference(name, prompt, reverse_digits), (prompt, answer)
             assert _size_of(name, prompt) == n
-            p_len, a_max = problem.lengths(n)
+            p_len, a_max = problem.lengths(n, Options())
             assert len(prompt) == p_len and 1 <= len(answer) <= a_max
             vocab.encode(prompt + answer)  # every symbol is in the vocabulary
             if problem.letters:
@@ -107,7 +112,7 @@ def test_instances_are_a_function_of_the_key() -> None:
 
 
 def test_too_small_a_size_is_refused() -> None:
-    with pytest.raises(ValueError, match="below 1"):
+    with pytest.raises(ValueError, match="at least 1"):
         instance(PROBLEMS["copy"], 0, "k")
 
 
@@ -121,6 +126,7 @@ def test_decoder_loss_mask_covers_exactly_the_answer_and_eos() -> None:
     assert b["input"][1].tolist() == [BOS, 5, SEP, 5, 5, PAD, PAD, PAD]
     assert b["target"][1][b["loss_mask"][1]].tolist() == [5, 5, EOS]
     assert b["loss_mask"].sum().item() == 7  # padding and the prompt are never scored
+    assert torch.equal(b["score_mask"], b["loss_mask"])  # what is trained is what is scored
     assert b["size"].tolist() == [3, 1]
 
 
@@ -129,13 +135,24 @@ def test_encdec_and_eval_batches() -> None:
     assert b["src"].tolist() == [[7, 8], [6, PAD]]
     assert b["tgt_in"].tolist() == [[BOS, 8, 7], [BOS, 6, PAD]]
     assert b["tgt_out"][b["tgt_mask"]].tolist() == [8, 7, EOS, 6, EOS]
+    assert torch.equal(b["score_mask"], b["tgt_mask"])
     assert b["size"].tolist() == [2, 1]
     e = collate_eval([([7, 8], [1, 2, 3], 2), ([6, 6], [4], 2)])
     assert e["prompt"].tolist() == [[BOS, 7, 8, SEP], [BOS, 6, 6, SEP]]
+    assert e["prompt_pad"].tolist() == [0, 0] and e["src_mask"].all()
     assert e["answer"].tolist() == [[1, 2, 3], [4, PAD, PAD]]
     assert e["answer_len"].tolist() == [3, 1]
-    with pytest.raises(ValueError, match="one length"):
-        collate_eval([([7, 8], [1], 2), ([6], [4], 1)])
+
+
+def test_eval_batches_of_prompts_of_different_lengths() -> None:
+    """Counting's prompts vary in length within a size: decoder prompts are left-padded
+    (so every answer starts at the same column), sources right-padded and masked."""
+    e = collate_eval([([7, 8, 9], [1], 4), ([6], [4, 5], 4)])
+    assert e["prompt"].tolist() == [[BOS, 7, 8, 9, SEP], [PAD, PAD, BOS, 6, SEP]]
+    assert e["prompt_pad"].tolist() == [0, 2]
+    assert e["src"].tolist() == [[7, 8, 9], [6, PAD, PAD]]
+    assert e["src_mask"].tolist() == [[True] * 3, [True, False, False]]
+    assert e["answer"].tolist() == [[1, PAD], [4, 5]]
 
 
 def test_buckets() -> None:
@@ -152,20 +169,23 @@ def test_size_batches_hold_one_size_each() -> None:
 
 
 def test_longest_sequence_matches_real_instances() -> None:
+    options = Options(data_tokens=3)
     for name, p in PROBLEMS.items():
-        for shape in ("decoder", "encdec"):
+        for shape in p.shapes:
             worst = 0
             for i in range(200):
-                prompt, answer = instance(p, 5, f"w{i}")
+                prompt, answer = instance(p, 6, f"w{i}", data_tokens=3)
                 worst = max(
                     worst,
-                    len(prompt) + len(answer) + 3
+                    len(prompt) + 1  # tagged: BOS tokens
+                    if p.tagged
+                    else len(prompt) + len(answer) + 3
                     if shape == "decoder"
                     else max(len(prompt), len(answer) + 1),
                 )
-            assert longest_sequence(p, 5, shape) >= worst, (name, shape)
-            if name != "addition":  # only addition's answer length varies
-                assert longest_sequence(p, 5, shape) == worst
+            assert longest_sequence(p, 6, shape, options) >= worst, (name, shape)
+            if name not in ("addition", "count"):  # their answer or prompt lengths vary
+                assert longest_sequence(p, 6, shape, options) == worst
 
 
 def test_datamodule_streams() -> None:

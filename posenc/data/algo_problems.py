@@ -1,0 +1,396 @@
+"""The problems of ``task=algo``: each one's generator, sizes, vocabulary and test grid
+(:class:`Problem`, :data:`PROBLEMS`), and :func:`instance`, the instance of a size and a
+stream key. The datasets, batches and data module are in :mod:`posenc.data.algo`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+from posenc.data import algo_content as content
+
+__all__ = [
+    "GRIDS",
+    "PROBLEMS",
+    "AlgoVocab",
+    "Options",
+    "Problem",
+    "buckets",
+    "instance",
+    "longest_sequence",
+    "size_buckets",
+    "grid_sizes",
+]
+
+# (prompt symbols, answer symbols), or for a tagged problem (tokens, labels: a symbol or
+# None per token)
+Instance = tuple[list[str], list[Any]]
+
+SPECIALS = ("<pad>", "<bos>", "<sep>", "<eos>")
+PAD, BOS, SEP, EOS = range(len(SPECIALS))
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+DIGITS = "0123456789"
+
+
+@dataclass(frozen=True)
+class Options:
+    """What an instance depends on besides its size and key.
+
+    Attributes:
+        symbols: ``task.symbols``: letters of the letter problems, variables of ``count``.
+        reverse_digits: ``task.reverse_digits`` (addition).
+        data_tokens: ``task.data_tokens``: data tokens of ``selective_copy``.
+        variant: The test variant (:attr:`Problem.variants`); ``""`` is the training
+            distribution.
+    """
+
+    symbols: int = 16
+    reverse_digits: bool = False
+    data_tokens: int = 16
+    variant: str = ""
+
+
+def _letters(rng: random.Random, n: int, k: int) -> list[str]:
+    return [LETTERS[rng.randrange(k)] for _ in range(n)]
+
+
+def _copy(rng: random.Random, n: int, o: Options) -> Instance:
+    x = _letters(rng, n, o.symbols)
+    return x, list(x)
+
+
+def _reverse(rng: random.Random, n: int, o: Options) -> Instance:
+    x = _letters(rng, n, o.symbols)
+    return x, x[::-1]
+
+
+def _duplicate(rng: random.Random, n: int, o: Options) -> Instance:
+    x = _letters(rng, n, o.symbols)
+    return x, x + x
+
+
+def _sort(rng: random.Random, n: int, o: Options) -> Instance:
+    x = _letters(rng, n, o.symbols)
+    return x, sorted(x)
+
+
+def _number(rng: random.Random, n: int) -> int:
+    """A uniform n-digit number (no leading zero; 0..9 for n = 1)."""
+    return rng.randrange(10 ** (n - 1) if n > 1 else 0, 10**n)
+
+
+def _addition(rng: random.Random, n: int, o: Options) -> Instance:
+    a, b = _number(rng, n), _number(rng, n)
+    order = (lambda s: s[::-1]) if o.reverse_digits else (lambda s: s)
+    return [*order(str(a)), "+", *order(str(b))], list(order(str(a + b)))
+
+
+def _parity(rng: random.Random, n: int, o: Options) -> Instance:
+    bits = [rng.choice("01") for _ in range(n)]
+    return bits, [str(bits.count("1") % 2)]
+
+
+def _modarith(rng: random.Random, n: int, o: Options) -> Instance:
+    expr = [str(rng.randrange(5))]
+    for _ in range(n - 1):
+        expr += [rng.choice("+-*"), str(rng.randrange(5))]
+    # Usual precedence (* before + and -); Python's % is non-negative for a positive modulus.
+    return expr, [str(eval("".join(expr)) % 5)]
+
+
+#: Test grids (``task.test_sizes``): every valid size from the smallest up to the largest
+#: test size, or the largest training size and its doublings (``hi, 2 hi, 4 hi, ...``).
+GRIDS = ("every", "doubling")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One algorithmic problem.
+
+    Attributes:
+        name: The ``task.problem`` value.
+        size: What the size ``n`` counts.
+        alphabet: The symbols of prompts and answers, given ``task.symbols``.
+        make: ``(rng, n, options) -> (prompt, answer)``, or ``(tokens, labels)`` if tagged.
+        lengths: ``(n, options) -> (prompt or token length, longest answer)`` in symbols
+            (a tagged problem's answer length is 0: its labels lie on its tokens).
+        min_size: The smallest valid size, given the options.
+        step: Valid sizes are multiples of it (flip-flop: whole instruction/bit pairs).
+        letters: The problem draws from ``task.symbols`` letters.
+        tagged: Labels on the tokens (decoder-only) instead of a prompt and an answer.
+        lm: Tagged, and its tokens are a language: ``task.lm_loss`` may train every next
+            token, not only the labels (flip-flop: the paper's language-model loss).
+        variants: Test distributions: ``""`` (the training one) first, then others whose
+            metrics are named ``<metric>_<variant>``.
+        grid: The test grid (:data:`GRIDS`) when ``task.test_sizes=auto``.
+        metrics: The test metrics of its tables (:data:`posenc.tasks.algo_job.METRICS`).
+        paper: Where the problem comes from, for ``metrics.json`` and the docs.
+    """
+
+    name: str
+    size: str
+    alphabet: Callable[[int], list[str]]
+    make: Callable[[random.Random, int, Options], Instance]
+    lengths: Callable[[int, Options], tuple[int, int]]
+    min_size: Callable[[Options], int] = lambda o: 1
+    step: int = 1
+    letters: bool = False
+    tagged: bool = False
+    lm: bool = False
+    variants: tuple[str, ...] = ("",)
+    grid: str = "every"
+    metrics: tuple[str, ...] = ("seq_acc", "acc")
+    paper: str = ""
+
+    @property
+    def shapes(self) -> tuple[str, ...]:
+        """The model shapes it can run in: a tagged problem labels the positions of one
+        causal sequence, so it is decoder-only."""
+        return ("decoder",) if self.tagged else ("decoder", "encdec")
+
+    def valid(self, n: int, options: Options) -> bool:
+        return n >= self.min_size(options) and n % self.step == 0
+
+    def sizes(self, lo: int, hi: int, options: Options) -> list[int]:
+        """The valid sizes in ``[lo, hi]``."""
+        return [n for n in range(lo, hi + 1) if self.valid(n, options)]
+
+
+def _letter_alphabet(k: int) -> list[str]:
+    return list(LETTERS[:k])
+
+
+def longest_sequence(problem: Problem, n: int, shape: str, options: Options | None = None) -> int:
+    """The most positions an instance of size ``n`` takes in one stack: decoder-only
+    ``BOS prompt SEP answer EOS`` (tagged: ``BOS tokens``); encoder-decoder, the longer of
+    the source and the decoder's ``BOS answer`` / ``answer EOS``."""
+    prompt, answer = problem.lengths(n, options or Options())
+    if problem.tagged:
+        return prompt + 1
+    return prompt + answer + 3 if shape == "decoder" else max(prompt, answer + 1)
+
+
+def _flipflop(rng: random.Random, n: int, o: Options) -> Instance:
+    return content.flipflop(rng, n, content.FLIPFLOP_IGNORE[o.variant])
+
+
+def _state(group: str) -> Problem:
+    size = len(content.GROUPS[group])
+    return Problem(
+        f"state_{group}",
+        f"{group.upper()} elements (of {size}) to multiply",
+        lambda k: list(content.GROUPS[group]),
+        lambda rng, n, o: content.state(rng, n, group),
+        lambda n, o: (n, 0),
+        tagged=True,
+        paper="Merrill et al. 2024, The Illusion of State in State-Space Models",
+    )
+
+
+#: The problems where content decides which position matters (:mod:`.algo_content`).
+CONTENT = (
+    Problem(
+        "flipflop",
+        "tokens (instruction/bit pairs)",
+        lambda k: ["w", "r", "i", "0", "1"],
+        _flipflop,
+        lambda n, o: (n, 0),
+        min_size=lambda o: 4,
+        step=2,
+        tagged=True,
+        lm=True,
+        variants=tuple(content.FLIPFLOP_IGNORE),
+        grid="doubling",
+        metrics=("read_err",),
+        paper="Liu et al. 2023, Exposing Attention Glitches with Flip-Flop Language Modeling",
+    ),
+    Problem(
+        "selective_copy",
+        "tokens, data and noise (task.data_tokens of them data)",
+        lambda k: [content.NOISE, *LETTERS[:k]],
+        lambda rng, n, o: content.selective_copy(rng, n, o.data_tokens, LETTERS[: o.symbols]),
+        lambda n, o: (n, o.data_tokens),
+        min_size=lambda o: o.data_tokens,
+        letters=True,
+        paper="Gu and Dao 2023, Mamba, section 3.1",
+    ),
+    Problem(
+        "count",
+        "statements",
+        lambda k: [
+            *LETTERS[:k],
+            "=",
+            ";",
+            "pass;",
+            "++;",
+            "print",
+            *map(str, range(content.COUNT_MAX + 1)),
+        ],
+        lambda rng, n, o: content.count(rng, n, LETTERS[: o.symbols]),
+        lambda n, o: (4 * n + 2, 1),
+        letters=True,
+        paper="Golovneva et al. 2024, Contextual Position Encoding, section 4",
+    ),
+    _state("s3"),
+    _state("a5"),
+)
+
+#: ``task.problem`` -> :class:`Problem`.
+PROBLEMS: dict[str, Problem] = {
+    p.name: p
+    for p in (
+        Problem(
+            "copy", "symbols to copy", _letter_alphabet, _copy, lambda n, o: (n, n), letters=True
+        ),
+        Problem(
+            "reverse",
+            "symbols to reverse",
+            _letter_alphabet,
+            _reverse,
+            lambda n, o: (n, n),
+            letters=True,
+        ),
+        Problem(
+            "duplicate",
+            "symbols to write twice",
+            _letter_alphabet,
+            _duplicate,
+            lambda n, o: (n, 2 * n),
+            letters=True,
+        ),
+        Problem(
+            "sort", "symbols to sort", _letter_alphabet, _sort, lambda n, o: (n, n), letters=True
+        ),
+        Problem(
+            "addition",
+            "digits per operand",
+            lambda k: [*DIGITS, "+"],
+            _addition,
+            lambda n, o: (2 * n + 1, n + 1),
+        ),
+        Problem("parity", "bits", lambda k: ["0", "1"], _parity, lambda n, o: (n, 1)),
+        Problem(
+            "modarith",
+            "operands in 0..4 of + - * (mod 5)",
+            lambda k: ["0", "1", "2", "3", "4", "+", "-", "*"],
+            _modarith,
+            lambda n, o: (2 * n - 1, 1),
+        ),
+        *CONTENT,
+    )
+}
+
+
+class AlgoVocab:
+    """Ids: the four specials (:data:`SPECIALS`), then the problem's alphabet."""
+
+    def __init__(self, problem: Problem, symbols: int) -> None:
+        self.tokens = [*SPECIALS, *dict.fromkeys(problem.alphabet(symbols))]
+        self.ids = {s: i for i, s in enumerate(self.tokens)}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, symbols: Sequence[str | None]) -> list[int]:
+        """Ids of ``symbols``; None (a position without a label) is PAD."""
+        return [PAD if s is None else self.ids[s] for s in symbols]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(self.tokens[i] for i in ids)
+
+
+def instance(
+    problem: Problem,
+    n: int,
+    key: str,
+    *,
+    symbols: int = 16,
+    reverse_digits: bool = False,
+    data_tokens: int = 16,
+    variant: str = "",
+) -> Instance:
+    """The instance of size ``n`` of stream position ``key`` (a pure function of both, and
+    of the variant: the training distribution's keys carry none)."""
+    options = Options(symbols, reverse_digits, data_tokens, variant)
+    if not problem.valid(n, options):
+        step = f" and a multiple of {problem.step}" if problem.step > 1 else ""
+        raise ValueError(
+            f"problem {problem.name}: size {n} must be at least {problem.min_size(options)}{step}"
+        )
+    if variant not in problem.variants:
+        raise ValueError(f"problem {problem.name}: no variant {variant!r}")
+    stream = f"{problem.name}:{variant}" if variant else problem.name
+    rng = random.Random(f"{stream}:{n}:{key}")
+    return problem.make(rng, n, options)
+
+
+def training_size(seed: int, index: int, sizes: Sequence[int]) -> int:
+    """The size of training instance ``index``: uniform over ``sizes`` (the valid sizes of
+    the training range), from the seed."""
+    return random.Random(f"size:{seed}:{index}").choice(sizes)
+
+
+def buckets(lo: int, hi: int, top: int, width: int) -> list[tuple[int, int]]:
+    """Size buckets: the training range ``[lo, hi]``, then ranges of ``width`` sizes up to
+    ``top`` (the last one may be shorter): ``buckets(1, 16, 48, 8)`` gives
+    ``[(1, 16), (17, 24), (25, 32), (33, 40), (41, 48)]``."""
+    edges = list(range(hi, top, width)) + [top]
+    return [(lo, hi)] + [(a + 1, b) for a, b in pairwise(edges)]
+
+
+def grid_sizes(problem: Problem, lo: int, hi: int, top: int, grid: str, o: Options) -> list[int]:
+    """The sizes tested: on the ``every`` grid each valid size from the smallest to
+    ``top``; on ``doubling``, ``hi, 2 hi, 4 hi, ...`` up to ``top``."""
+    if grid == "doubling":
+        return [hi * 2**k for k in range(top.bit_length()) if hi * 2**k <= top]
+    return [n for n in range(1, top + 1) if problem.valid(n, o)]
+
+
+def size_buckets(
+    problem: Problem, lo: int, hi: int, top: int, grid: str, width: int, o: Options
+) -> list[tuple[int, int]]:
+    """The report's buckets: the training range, then :func:`buckets` of ``width`` sizes
+    (``every``) or each doubling of its own (``doubling``)."""
+    lo = max(lo, problem.min_size(o))
+    if grid == "doubling":
+        return [(lo, hi)] + [(n, n) for n in grid_sizes(problem, lo, hi, top, grid, o) if n > hi]
+    return buckets(lo, hi, top, width)
+
+
+def bucket_name(bucket: tuple[int, int]) -> str:
+    return f"len{bucket[0]}-{bucket[1]}"
+
+
+def check(
+    problem: Problem, shape: str, lo: int, hi: int, options: Options, lm_loss: bool = False
+) -> list[str]:
+    """What is wrong with running ``problem`` in ``shape`` on training sizes ``[lo, hi]``
+    (with ``task.lm_loss``), one line each (config errors, naming the key and the fix).
+    Training draws the valid sizes of the range, so it must hold one."""
+    found = []
+    if shape not in problem.shapes:
+        found.append(
+            f"task.shape={shape}: {problem.name} labels positions of one causal sequence, "
+            f"so it runs decoder-only; drop task.shape or set task.shape=decoder"
+        )
+    if lm_loss and not problem.lm:
+        lm = [p.name for p in PROBLEMS.values() if p.lm]
+        found.append(
+            f"task.lm_loss=true: {problem.name} has no language-model loss (only "
+            f"{', '.join(lm)} has); drop it"
+        )
+    if not problem.sizes(lo, hi, options):
+        rule = f"at least {problem.min_size(options)}"
+        if problem.step > 1:
+            rule += f" and a multiple of {problem.step}"
+        fit = max(problem.min_size(options), hi)
+        fit += -fit % problem.step
+        found.append(
+            f"task.train_lengths=[{lo}, {hi}]: holds no valid size of {problem.name} (a size "
+            f"counts {problem.size} and must be {rule}); e.g. task.train_lengths=[{fit},{fit}]"
+        )
+    return found
