@@ -93,9 +93,15 @@ def test_validation_counts_instances_whose_every_answer_token_is_right() -> None
     argmax[1, 2] = 4  # row 1: an answer token wrong
     argmax[0, 0] = 4  # row 0: a prompt token wrong, outside the answer: still exact
     task.model = _Fixed(argmax, 8)  # type: ignore[assignment]
-    batch = {"input": torch.zeros_like(target), "target": target, "loss_mask": mask}
-    _, right, tokens, exact, count = task._loss(batch)
-    assert (int(right), int(tokens), int(exact), int(count)) == (6, 7, 2, 3)
+    batch = {
+        "input": torch.zeros_like(target),
+        "target": target,
+        "loss_mask": mask,
+        "score_mask": mask,
+    }
+    sums = task._loss(batch)
+    counts = tuple(int(sums[k]) for k in ("right", "tokens", "exact", "count"))
+    assert counts == (6, 7, 2, 3)
 
 
 ALGO_GATE = ["encoder=rope", "trainer.max_steps=6", "trainer.val_check_interval=2"]
