@@ -18,11 +18,19 @@ range, and the median absolute value. Sections:
 * ``decode``: LM generation and MT beam search with the key/value cache relative to
   without it.
 
+Two more sections run when named (``--sections steps,flex``), for a GPU
+(``experiments/gpu_check.sh`` runs them with ``--sizes gpu``):
+
+* ``steps``: every encoder's training step in bf16, eager (the default) and with
+  ``model.compile=true``, tokens/s and peak memory relative to ``none``.
+* ``flex``: FlexAttention against the explicit path for the schemes it serves.
+
 ``--pool a.json b.json ...`` measures nothing: it puts the rows of several ``--json``
 reports side by side and judges the goals on the median of all their rounds pooled.
-``--quick`` shrinks everything to run in about a minute (the smoke test uses it);
-the full run takes a few minutes on 2 cores. Results on a shared machine are
-noisy; ``--threads 1`` trades speed for much steadier ratios there.
+``--quick`` (``--sizes quick``) shrinks everything to run in about a minute (the smoke
+test uses it); the full run takes a few minutes on 2 cores; ``--sizes gpu`` is a GPU's
+(T = 1024 and 4096, bf16), with ``--lengths`` keeping some of its lengths. Results on a
+shared machine are noisy; ``--threads 1`` trades speed for much steadier ratios there.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ import torch
 from bench_common import Row, fmt_seconds, markdown_table, pool_runs, pooled_table
 
 SECTIONS = ("train", "memory", "overhead", "compile", "decode")
+#: Sections run only when named in ``--sections``.
+EXTRA_SECTIONS = ("steps", "flex")
 
 # Sizes per mode. The full sizes are the issue's; quick ones only exercise the code.
 FULL: dict[str, Any] = {
@@ -49,9 +59,23 @@ FULL: dict[str, Any] = {
     "train": {"shapes": [(8, 256), (2, 1024)], "rounds": 5, "steps": 2},
     "memory": {"train_length": 128, "multiplier": 16, "batch": 4, "rounds": 1},
     "overhead": {"encoder": "rope", "batch": 8, "length": 256, "steps": 10, "rounds": 5},
-    "compile": {"shape": (8, 256), "rounds": 5, "steps": 2, "backend": "inductor",
-                "encoders": None},
+    "compile": {
+        "shape": (8, 256),
+        "rounds": 5,
+        "steps": 2,
+        "backend": "inductor",
+        "encoders": None,
+    },
     "decode": {"prompt": 128, "new": 512, "rounds": 2, "mt_sentences": 32, "encoders": None},
+    "steps": {
+        "shapes": [(8, 256), (2, 1024)],
+        "rounds": 3,
+        "steps": 2,
+        "dtype": "fp32",
+        "modes": ["eager", "compiled"],
+        "encoders": None,
+    },
+    "flex": {"shape": (2, 1024), "rounds": 3, "steps": 2, "dtype": "fp32"},
 }
 QUICK: dict[str, Any] = {
     "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "d_ff": 128, "dropout": 0.0},
@@ -59,16 +83,66 @@ QUICK: dict[str, Any] = {
     "train": {"shapes": [(4, 64), (1, 256)], "rounds": 2, "steps": 1},
     "memory": {"train_length": 32, "multiplier": 16, "batch": 2, "rounds": 1},
     "overhead": {"encoder": "rope", "batch": 4, "length": 64, "steps": 3, "rounds": 2},
-    "compile": {"shape": (4, 64), "rounds": 2, "steps": 1, "backend": "eager",
-                "encoders": ["none", "rope", "deberta"]},
-    "decode": {"prompt": 16, "new": 16, "rounds": 2, "mt_sentences": 4,
-               "encoders": ["none", "rope", "deberta"]},
+    "compile": {
+        "shape": (4, 64),
+        "rounds": 2,
+        "steps": 1,
+        "backend": "eager",
+        "encoders": ["none", "rope", "deberta"],
+    },
+    "decode": {
+        "prompt": 16,
+        "new": 16,
+        "rounds": 2,
+        "mt_sentences": 4,
+        "encoders": ["none", "rope", "deberta"],
+    },
+    "steps": {
+        "shapes": [(4, 32), (1, 128)],
+        "rounds": 2,
+        "steps": 1,
+        "dtype": "fp32",
+        "modes": ["eager"],
+        "encoders": ["none", "rope", "alibi"],
+    },
+    "flex": {"shape": (1, 128), "rounds": 2, "steps": 1, "dtype": "fp32"},
 }
+#: A GPU's sizes (#34): the lengths where FlexAttention and compilation matter, 16k tokens
+#: per step, bf16; one or two rounds, as a GPU's timings are steady.
+GPU: dict[str, Any] = {
+    "model": {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "dropout": 0.0},
+    "vocab": 256,
+    "train": {"shapes": [(16, 1024), (4, 4096)], "rounds": 3, "steps": 3},
+    "memory": {"train_length": 256, "multiplier": 16, "batch": 4, "rounds": 1},
+    "overhead": {"encoder": "rope", "batch": 16, "length": 1024, "steps": 10, "rounds": 3},
+    "compile": {
+        "shape": (4, 4096),
+        "rounds": 3,
+        "steps": 3,
+        "backend": "inductor",
+        "encoders": None,
+    },
+    "decode": {"prompt": 128, "new": 512, "rounds": 1, "mt_sentences": 32, "encoders": None},
+    "steps": {
+        "shapes": [(16, 1024), (4, 4096)],
+        "rounds": 3,
+        "steps": 3,
+        "dtype": "bf16",
+        "modes": ["eager", "compiled"],
+        "encoders": None,
+    },
+    "flex": {"shape": (4, 4096), "rounds": 3, "steps": 3, "dtype": "bf16"},
+}
+SIZES = {"full": FULL, "quick": QUICK, "gpu": GPU}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, about a minute")
+    p.add_argument("--sizes", choices=list(SIZES), help="full (default), quick or gpu")
+    p.add_argument("--lengths", help="comma-separated lengths T: keep only these shapes")
+    p.add_argument("--modes", help="section steps: eager, compiled or eager,compiled")
+    p.add_argument("--encoders", help="sections steps and decode: comma-separated encoders")
     p.add_argument("--json", type=Path, help="write all results, with per-round numbers")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
@@ -91,10 +165,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--_child-config", dest="child_config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = sorted(set(args.sections) - set(SECTIONS))
+    unknown = sorted(set(args.sections) - set(SECTIONS) - set(EXTRA_SECTIONS))
     if unknown:
-        p.error(f"unknown sections {unknown}; allowed: {', '.join(SECTIONS)}")
+        p.error(f"unknown sections {unknown}; allowed: {', '.join(SECTIONS + EXTRA_SECTIONS)}")
+    if args.quick and args.sizes not in (None, "quick"):
+        p.error(f"--quick is --sizes quick; it cannot go with --sizes {args.sizes}")
+    args.sizes = "quick" if args.quick else args.sizes or "full"
+    if args.modes:
+        args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        if not args.modes or set(args.modes) - {"eager", "compiled"}:
+            p.error(f"--modes {','.join(args.modes)}: allowed eager, compiled or both")
+    if args.encoders:
+        args.encoders = [e.strip() for e in args.encoders.split(",") if e.strip()]
+    if args.lengths:
+        try:
+            args.lengths = [int(x) for x in args.lengths.split(",")]
+        except ValueError:
+            p.error(f"--lengths {args.lengths!r}: give comma-separated integers, e.g. 1024,4096")
     return args
+
+
+def pick(sizes: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``sizes`` with the training shapes cut to ``--lengths`` and the steps section's
+    modes and encoders (and the decode section's encoders) set by ``--modes`` and
+    ``--encoders``, where given."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in sizes.items()}
+    if args.lengths:
+        for name in ("train", "steps"):
+            out[name]["shapes"] = [bt for bt in sizes[name]["shapes"] if bt[1] in args.lengths]
+    if args.modes:
+        out["steps"]["modes"] = args.modes
+    if args.encoders:
+        out["steps"]["encoders"] = out["decode"]["encoders"] = args.encoders
+    return out
 
 
 def resolve_device(name: str) -> torch.device:
@@ -117,6 +220,10 @@ def header(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "device": str(device),
         "load_average_at_start": load,
         "quick": args.quick,
+        "sizes": args.sizes,
+        "lengths": args.lengths,
+        "modes": args.modes,
+        "encoders": args.encoders,
         "sections": args.sections,
         "plain_softmax": args.plain_softmax,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -128,6 +235,14 @@ def run_section(
 ) -> dict[str, Any]:
     """Run one section; its modules are imported lazily (Lightning only for ``overhead``)."""
     model, vocab = sizes["model"], sizes["vocab"]
+    if name in ("steps", "flex"):
+        import bench_steps
+
+        if name == "steps":
+            return bench_steps.run_steps(
+                model_cfg=model, vocab=vocab, device=device, **sizes["steps"]
+            )
+        return bench_steps.run_flex(model_cfg=model, vocab=vocab, device=device, **sizes["flex"])
     if name == "decode":
         import bench_decode
 
@@ -166,6 +281,10 @@ TITLES = {
     "overhead": "Lightning Trainer.fit vs a bare PyTorch loop, tokens/s",
     "compile": "Training step under torch.compile, speed relative to eager",
     "decode": "Decoding with the key/value cache, speed relative to without",
+    "steps": "Training step (bf16 on a GPU), eager and model.compile=true, tokens/s relative "
+    "to `none` in the same mode",
+    "flex": "FlexAttention (the default on a GPU) and the explicit path, tokens/s relative "
+    "to `none`",
 }
 
 
@@ -252,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{meta['cpu_count']} CPUs, device {meta['device']}, "
         f"load average {meta['load_average_at_start']}"
     )
-    sizes = QUICK if args.quick else FULL
+    sizes = pick(SIZES[args.sizes], args)
     report: dict[str, Any] = {"meta": meta, "sections": {}}
     unmet: list[str] = []
     t_all = time.perf_counter()

@@ -57,27 +57,40 @@ def make_model(
     vocab: int,
     device: torch.device,
     train_length: int | None = None,
+    **settings: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A DecoderLM with ``encoder``'s registered defaults and posenc's AdamW groups.
+    """A DecoderLM with ``encoder``'s registered defaults (and ``settings``) and posenc's
+    AdamW groups.
 
     ``train_length``: FIRE's threshold L starts at the training length in a real run
     (``conf/encoder/fire.yaml``), so the benchmark sets it to the longest length it
-    trains at instead of the class default.
+    trains at instead of the class default; learned positions get a table that long
+    when their default (1024) is shorter.
     """
     torch.manual_seed(0)
-    factory: Any = encoder
     if encoder == "fire" and train_length is not None:
-        factory = functools.partial(get("fire"), threshold=float(train_length))
+        settings = {"threshold": float(train_length), **settings}
+    if encoder == "learned" and train_length is not None and train_length > 1024:
+        settings = {"max_len": train_length, **settings}
+    factory: Any = functools.partial(get(encoder), **settings) if settings else encoder
     model = DecoderLM(vocab_size=vocab, encoder=factory, **model_cfg).to(device).train()
     opt = torch.optim.AdamW(adamw_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.99))
     return model, opt
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: Tensor, tgt: Tensor) -> None:
-    """Forward, loss, backward, clip to norm 1.0, AdamW step."""
+def train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    ids: Tensor,
+    tgt: Tensor,
+    autocast: torch.dtype | None = None,
+) -> None:
+    """Forward, loss, backward, clip to norm 1.0, AdamW step; the forward and loss under
+    ``autocast`` to that dtype when given (bf16 on a GPU, as a GPU run trains)."""
     opt.zero_grad(set_to_none=True)
-    logits = model(ids)  # (B, T, V)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten())
+    with torch.autocast(ids.device.type, dtype=autocast, enabled=autocast is not None):
+        logits = model(ids)  # (B, T, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten())
     loss.backward()
     nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -90,9 +103,12 @@ def _stepper(
     tgt: Tensor,
     steps: int,
     device: torch.device,
+    autocast: torch.dtype | None = None,
 ) -> Callable[[], float]:
     """A closure timing ``steps`` training steps; returns seconds per step."""
-    return lambda: per_call_seconds(lambda: train_step(model, opt, ids, tgt), steps, device)
+    return lambda: per_call_seconds(
+        lambda: train_step(model, opt, ids, tgt, autocast), steps, device
+    )
 
 
 def supported(encoder: str, model: nn.Module, length: int) -> str:

@@ -176,6 +176,67 @@ def test_pooling_refuses_bad_input(tmp_path: Path, case: str) -> None:
     assert want[case] in proc.stderr
 
 
+def _steps_row(what: str, ratio: float, **raw: float) -> dict[str, Any]:
+    return {
+        "what": what,
+        "median": 0.01,
+        "ratio": ratio,
+        "goal": None,
+        "met": None,
+        "note": "",
+        "raw": {"ratios": [ratio], **raw},
+    }
+
+
+def test_gpu_check_report_judges_the_goals_of_34(tmp_path: Path) -> None:
+    """The GPU check's table from its sections' reports (numbers made up): one row per
+    encoder, each figure in its column; a failed section is named; #34's goals are
+    judged (alibi fast enough but its memory not linear; t5 compiled slower than eager)."""
+    steps = {
+        4096: [
+            _steps_row("eager: none @ 4x4096", 1.0, peak_ratio=1.0),
+            _steps_row("eager: alibi @ 4x4096", 0.9, peak_ratio=4.0),
+            _steps_row("eager: t5 @ 4x4096", 0.7, peak_ratio=1.1),
+            _steps_row("compiled: t5 @ 4x4096", 0.8, vs_eager=0.95),
+        ],
+        1024: [
+            _steps_row("eager: none @ 16x1024", 1.0, peak_ratio=1.0),
+            _steps_row("eager: alibi @ 16x1024", 0.95, peak_ratio=1.0),
+            _steps_row("eager: t5 @ 16x1024", 0.9, peak_ratio=1.0),
+        ],
+    }
+    for t, rows in steps.items():
+        report = {
+            "meta": {"torch": "2.11", "device": "cuda"},
+            "sections": {"steps": {"rows": rows}},
+        }
+        (tmp_path / f"steps_{t}.json").write_text(json.dumps(report))
+    decode = [
+        _steps_row("cached: LM none, 512 new after 128", 6.0),
+        _steps_row("cached: LM alibi, 512 new after 128", 4.0),
+    ]
+    decode[1]["median"] = 0.02
+    (tmp_path / "decode.json").write_text(json.dumps({"sections": {"decode": {"rows": decode}}}))
+    (tmp_path / "steps_4096.status").write_text("0 100 230\n")
+    (tmp_path / "flex.status").write_text("124 40 40\n")
+    script = ROOT / "experiments" / "gpu_check_report.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "flex timed out (40/40 s), steps_4096 ok (100/230 s)" in proc.stdout
+    assert "| alibi | 0.95 | 0.90 | 1.00 | 4.00 | - | - | 0.50 | 4.00 |" in proc.stdout
+    out = json.loads((tmp_path / "gpu_check.json").read_text())
+    met = {g["goal"]: g["met"] for g in out["goals"]}
+    assert met["alibi: eager tokens/s >= 0.8x none at T=4096"] is True
+    assert met["t5: eager tokens/s >= 0.8x none at T=4096"] is False
+    assert [v for k, v in met.items() if k.startswith("alibi: peak memory")] == [False]
+    assert [v for k, v in met.items() if k.startswith("t5: peak memory")] == [True]
+    assert met["t5: model.compile=true >= eager (T=4096)"] is False
+    assert met["alibi: cached decoding >= 5x uncached"] is False
+    assert out["sections"]["flex"]["status"] == "timed out"
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_runs_on_cuda(tmp_path: Path) -> None:

@@ -85,6 +85,11 @@ class AttentionContext:
             position only, so a key/value cache may keep transformed keys; a scheme whose
             key transform depends on the whole pass (dynamic NTK's base, xPos's centre)
             sets it False in ``prepare``, and a cache then transforms every key again.
+        lengths: ``(B|1,)`` int64 when the key axis is a static cache's slots
+            (:mod:`posenc.model.cache`): how many keys of each row are written, the rest
+            being empty slots that no query sees; a scheme whose transform depends on the
+            length of the pass (dynamic NTK) reads it instead of the key count. None: every
+            key is real.
         extra: Scheme-specific shared tensors (tables, gather indices), put there by
             :meth:`PositionalEncoder.prepare`.
         query_dims: For each entry of ``extra`` indexed by query, the dim that is, so
@@ -102,6 +107,7 @@ class AttentionContext:
     starts: tuple[int, int] | None = None
     bound: int | None = None
     stable_keys: bool = True
+    lengths: Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     query_dims: dict[str, int] = field(default_factory=dict)
     key_dims: dict[str, int] = field(default_factory=dict)
@@ -146,11 +152,26 @@ class AttentionContext:
         starts = None if self.starts is None else (self.starts[0], self.starts[1] + s - n)
         return replace(self, k_pos=self.k_pos[:, s - n :], extra=extra, starts=starts)
 
+    def keys_at(self, index: Tensor) -> AttentionContext:
+        """The context of the keys at ``index`` only, ``(n,)`` int64 (queries unchanged):
+        the keys a step of a static cache writes, at slots given as a tensor (no host
+        read). Per-pair from then on (``starts`` None)."""
+        extra = dict(self.extra)
+        for key, dim in self.key_dims.items():
+            extra[key] = extra[key].index_select(dim, index)
+        k_pos = self.k_pos.index_select(1, index)
+        return replace(self, k_pos=k_pos, extra=extra, starts=None)
+
     def once(self, owner: nn.Module, name: str, make: Any) -> Any:
         """``make()`` computed once per forward pass for ``owner``, e.g. a layer's
         projection of a shared table that every block of queries reads. The context
         lives one forward pass, so the result never outlives the weights it used."""
-        key = (id(owner), name)
+        return self.shared((id(owner), name), make)
+
+    def shared(self, key: Any, make: Any) -> Any:
+        """``make()`` computed once per forward pass under ``key`` for every layer and
+        block of queries: what depends on the pass alone, such as the attention mask
+        (:func:`posenc.model.backends.block_mask`)."""
         if key not in self.memo:
             self.memo[key] = make()
         return self.memo[key]
@@ -286,6 +307,15 @@ class PositionalEncoder(nn.Module):
     causal_only: bool = False
     #: Longest sequence the scheme can encode, or None for no limit.
     max_length: int | None = None
+
+    @property
+    def pass_dependent(self) -> bool:
+        """True when a token's representation depends on the length of the whole pass,
+        not on positions alone (dynamic NTK: the base follows the length). The hidden
+        states a key/value cache keeps would then be stale once the length changes, so
+        a cached step runs the stack over every slot again (:mod:`posenc.model.cache`)."""
+        return False
+
     #: Context-extension methods the scheme can apply to a trained model at evaluation
     #: time (RoPE: linear, ntk, dynamic_ntk, yarn). A scheme that lists any must provide
     #: ``scaled(method, factor, original_length)``, a context manager that applies the
@@ -339,6 +369,7 @@ class PositionalEncoder(nn.Module):
         *,
         starts: tuple[int, int] | None = None,
         bound: int | None = None,
+        lengths: Tensor | None = None,
     ) -> AttentionContext:
         """Build the shared per-forward state for one attention kind of the stack.
 
@@ -351,10 +382,14 @@ class PositionalEncoder(nn.Module):
             bound: Exclusive upper bound of all positions. When neither is given (a
                 direct call with explicit positions) it is read off the tensors: one
                 host read, for eager use; the stack always passes one or the other.
+            lengths: ``(B|1,)`` written keys of a static cache's slots (see
+                :class:`AttentionContext`); None when every key is real.
         """
         if starts is None and bound is None:
             bound = position_bound(q_pos, k_pos)
-        ctx = AttentionContext(q_pos=q_pos, k_pos=k_pos, kind=kind, starts=starts, bound=bound)
+        ctx = AttentionContext(
+            q_pos=q_pos, k_pos=k_pos, kind=kind, starts=starts, bound=bound, lengths=lengths
+        )
         self.prepare(ctx)
         return ctx
 

@@ -172,7 +172,10 @@ class FireFunction(nn.Module):
             def run(q_pos: Tensor, k_pos: Tensor) -> Tensor:
                 sub = replace(ctx, q_pos=q_pos, k_pos=k_pos)
                 bias = self._by_distance(sub) if by_distance else self.mlp(self.inputs(sub))
-                return bias.contiguous()  # both branches must give one memory layout
+                # Both branches must give one memory layout, to the stride of a dim of size
+                # 1, which contiguous() leaves as it is (a per-pair gather's (1, H, T, S)
+                # has T*S there): re-viewing the flat data gives the standard strides.
+                return bias.contiguous().view(-1).view(bias.shape)
 
             return run
 

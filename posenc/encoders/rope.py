@@ -140,8 +140,9 @@ def apply_rope(
 ) -> Tensor:
     """Rotate the first ``R = 2 * cos.shape[-1]`` dims of ``x``; pass the rest through.
 
-    The rotation runs in float32 and casts the result back to ``x.dtype``, so
-    bf16/fp16 inputs keep the precision of the angle at large positions. The
+    The rotation runs in float32 (float64 for a float64 ``x``, with the same float32
+    angles) and casts the result back to ``x.dtype``, so bf16/fp16 inputs keep the
+    precision of the angle at large positions and float64 ones are not rounded. The
     interleaved layout runs as one complex product (pairs are adjacent, so ``x`` is
     viewed as complex without a copy), where the textbook ``x1*cos - x2*sin,
     x1*sin + x2*cos`` form makes several passes over ``x``. The ``half`` layout has no
@@ -162,7 +163,7 @@ def apply_rope(
     if layout not in LAYOUTS:
         raise ValueError(f"rope: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
     half = cos.shape[-1]
-    rot = x[..., : 2 * half].float()
+    rot = x[..., : 2 * half].to(torch.promote_types(x.dtype, torch.float32))
     if factors is None:
         factors = rope_factors(cos, sin, layout)
     if layout == "interleaved":
@@ -230,8 +231,10 @@ class Scaling:
             raise ValueError(
                 f"rope: need 0 < yarn_alpha < yarn_beta, got {self.yarn_alpha}, {self.yarn_beta}"
             )
-        for key, value, allowed in (("yarn_ramp", self.yarn_ramp, YARN_RAMPS),
-                                    ("yarn_temper", self.yarn_temper, YARN_TEMPERS)):
+        for key, value, allowed in (
+            ("yarn_ramp", self.yarn_ramp, YARN_RAMPS),
+            ("yarn_temper", self.yarn_temper, YARN_TEMPERS),
+        ):
             if value not in allowed:
                 raise ValueError(f"rope: unknown {key} {value!r}; allowed: {', '.join(allowed)}")
 
@@ -293,8 +296,8 @@ def yarn_pair_ramp(
     bounds clamped to ``[0, R - 1]`` as there (module docstring)."""
 
     def pair(wavelengths: float) -> float:  # solves L * base^(-2i/R) / (2 pi) = wavelengths
-        return rot_dim * math.log(original_length / (wavelengths * 2 * math.pi)) / (
-            2 * math.log(base)
+        return (
+            rot_dim * math.log(original_length / (wavelengths * 2 * math.pi)) / (2 * math.log(base))
         )
 
     low = max(math.floor(pair(beta)), 0)
@@ -423,12 +426,25 @@ class RoPE(PositionalEncoder):
         self.base = float(base)
         self.layout = layout
         self.scaling = Scaling(
-            scaling, scaling_factor, original_length, yarn_alpha, yarn_beta,
-            yarn_ramp=yarn_ramp, yarn_temper=yarn_temper,
+            scaling,
+            scaling_factor,
+            original_length,
+            yarn_alpha,
+            yarn_beta,
+            yarn_ramp=yarn_ramp,
+            yarn_temper=yarn_temper,
         )
 
+    @property
+    def pass_dependent(self) -> bool:
+        """Dynamic NTK's base follows the length of the pass, so every hidden state past
+        the first layer does too: a cached step runs the whole prefix again (exact)."""
+        return self.scaling.method == "dynamic_ntk"
+
     def set_scaling(
-        self, method: str | Scaling = "none", factor: float = 1.0,
+        self,
+        method: str | Scaling = "none",
+        factor: float = 1.0,
         original_length: int | None = None,
     ) -> Scaling:
         """Switch the context-extension method of the built encoder (no retraining).
@@ -450,8 +466,9 @@ class RoPE(PositionalEncoder):
         if isinstance(method, Scaling):
             self.scaling = method
         else:
-            self.scaling = replace(previous, method=method, factor=factor,
-                                   original_length=original_length)
+            self.scaling = replace(
+                previous, method=method, factor=factor, original_length=original_length
+            )
         return previous
 
     @contextmanager
@@ -504,9 +521,12 @@ class RoPE(PositionalEncoder):
     def prepare(self, ctx: AttentionContext) -> None:
         if ctx.kind is AttnKind.CROSS:
             return
-        # dynamic_ntk's l, the keys' length: known from the run, else each row's own.
+        # dynamic_ntk's l, the keys' length: a static cache's written keys, known from the
+        # run, else each row's own.
         length: int | Tensor
-        if ctx.starts is not None:
+        if ctx.lengths is not None:
+            length = ctx.lengths
+        elif ctx.starts is not None:
             length = ctx.starts[1] + ctx.k_pos.shape[-1]
         else:
             length = ctx.k_pos.amax(-1) + 1 if ctx.k_pos.numel() else 0

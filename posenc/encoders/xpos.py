@@ -147,7 +147,11 @@ class XPos(PositionalEncoder):
             raise _bidirectional_refusal()
         q_pos, k_pos = ctx.q_pos, ctx.k_pos
         ctx.stable_keys = False  # the decay's centre follows the keys of the pass
-        if k_pos.shape[-1]:
+        if ctx.lengths is not None:
+            # a static cache's slots: the real keys are at 0 .. length - 1 (per row), the
+            # centre a full pass over them takes (the rest are empty slots)
+            centre = ((ctx.lengths - 1) // 2)[:, None]
+        elif k_pos.shape[-1]:
             centre = (k_pos.amin(-1, keepdim=True) + k_pos.amax(-1, keepdim=True)) // 2
         else:
             centre = k_pos.new_zeros(k_pos.shape[0], 1)

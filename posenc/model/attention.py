@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind
-from posenc.model.backends import attend
+from posenc.model.backends import attend, use_flex
 from posenc.model.cache import LayerCache
 
 
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         #: result), which keeps them in cache and skips causally masked keys. None: no
         #: blocking. GPUs never block: one kernel over all queries is what they want.
         self.max_score_bytes = score_budget
-        #: ``auto`` (by device and scheme), ``flex`` or ``explicit``: see
+        #: ``auto`` (by device and scheme), ``flex``, ``flex_eager`` or ``explicit``: see
         #: :mod:`posenc.model.backends`.
         self.backend = "auto"
         if d_model % n_heads:
@@ -97,7 +97,14 @@ class Attention(nn.Module):
         s = k.shape[-2]
         causal = ctx.kind is AttnKind.CAUSAL
         block = t
-        if self.pos.adds_scores and self.max_score_bytes and q.device.type == "cpu":
+        p_drop = self.dropout if self.training else 0.0
+        if (
+            self.pos.adds_scores
+            and self.max_score_bytes
+            and q.device.type == "cpu"
+            and not use_flex(self.backend, q, self.pos, p_drop)
+        ):
+            # (FlexAttention is one call over all queries, with one mask per pass.)
             block = self.query_block(b, h, t, s, q.element_size(), causal=causal)
         if block >= t:
             out = self._attend(q, k, v, ctx, key_valid, shift=s - t)
@@ -131,34 +138,45 @@ class Attention(nn.Module):
         key_valid: Tensor | None,
         cache: LayerCache,
     ) -> Tensor:
-        """:meth:`forward` for new tokens ``x`` with a cache; one call for all queries."""
+        """:meth:`forward` for new tokens ``x`` with a static cache (its slots ``cache.at``
+        for them); one call for all queries, over all the cache's slots."""
         q = self._heads(x, self.q_proj)  # (B, H, T, D), new queries
         t = q.shape[-2]
         if memory is not None:  # cross-attention: the encoder output's keys, once
-            if cache.cross is None:
-                cache.cross = (self._heads(memory, self.k_proj), self._heads(memory, self.v_proj))
-            k, v = cache.cross
+            k, v = cache.get("cross_keys"), cache.get("cross_values")
+            if k is None or v is None:
+                k, v = self._heads(memory, self.k_proj), self._heads(memory, self.v_proj)
+                cache.put("cross_keys", k)
+                cache.put("cross_values", v)
             return self._merge(self._attend(q, k, v, ctx, key_valid, shift=k.shape[-2] - t))
-        k_new = self._heads(x, self.k_proj)
-        v = self._heads(x, self.v_proj)
-        v = v if cache.values is None else torch.cat((cache.values, v), dim=2)  # (B,H,S,D)
-        if ctx.stable_keys and (cache.values is None or cache.keys is not None):
+        assert cache.at is not None  # the stack sets this step's slots
+        k_new = self._heads(x, self.k_proj)  # (B, H, T, D)
+        values = cache.extend("values", self._heads(x, self.v_proj))  # (B, H, S, D)
+        if ctx.stable_keys:
             # new keys transformed once, at their own positions
-            q_t, k_t = self.pos.transform_qk(q, k_new, ctx.tail_keys(t))
-            keys = k_t if cache.keys is None else torch.cat((cache.keys, k_t), dim=2)
-            raw = keys  # what score terms read: the same unless the transform moved keys
-            if k_t is not k_new and self.pos.adds_scores:
-                raw = k_new if cache.raw is None else torch.cat((cache.raw, k_new), dim=2)
-            cache.keys, cache.raw = keys, (None if raw is keys else raw)
+            # (the new keys' context is the same for every layer of the step: cut once)
+            new_keys = ctx.shared("step_keys", lambda: ctx.keys_at(cache.at))
+            q_t, k_t = self.pos.transform_qk(q, k_new, new_keys)
+            keys = raw = cache.extend("keys", k_t)
+            if k_t is not k_new and self.pos.adds_scores:  # score terms read projected keys
+                raw = cache.extend("raw", k_new)
         else:  # the key transform depends on the pass: all keys again, from projected ones
-            raw = k_new if cache.raw is None else torch.cat((cache.raw, k_new), dim=2)
+            raw = cache.extend("raw", k_new)
             q_t, keys = self.pos.transform_qk(q, raw, ctx)
-            cache.keys, cache.raw = None, raw
-        cache.values = v
-        s = raw.shape[-2]
         p_drop = self.dropout if self.training else 0.0
-        out = attend(self.pos, q, raw, v, ctx, key_valid=key_valid, shift=s - t, p_drop=p_drop,
-                     backend=self.backend, transformed=(q_t, keys))
+        # query i sits at slot at[0] + i and sees slots up to it: a causal shift of at[0]
+        out = attend(
+            self.pos,
+            q,
+            raw,
+            values,
+            ctx,
+            key_valid=key_valid,
+            shift=cache.at[0],
+            p_drop=p_drop,
+            backend=self.backend,
+            transformed=(q_t, keys),
+        )
         return self._merge(out)
 
     def _merge(self, out: Tensor) -> Tensor:
@@ -176,11 +194,27 @@ class Attention(nn.Module):
         block = max(1, min(t, self.max_score_bytes // max(1, b * h * s * itemsize)))
         return min(block, self.causal_block) if causal else block
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext,
-                key_valid: Tensor | None, shift: int) -> Tensor:
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        ctx: AttentionContext,
+        key_valid: Tensor | None,
+        shift: int,
+    ) -> Tensor:
         p_drop = self.dropout if self.training else 0.0
-        return attend(self.pos, q, k, v, ctx, key_valid=key_valid, shift=shift, p_drop=p_drop,
-                      backend=self.backend)
+        return attend(
+            self.pos,
+            q,
+            k,
+            v,
+            ctx,
+            key_valid=key_valid,
+            shift=shift,
+            p_drop=p_drop,
+            backend=self.backend,
+        )
 
 
 class _KeyPrefixes(torch.autograd.Function):

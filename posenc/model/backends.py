@@ -6,7 +6,11 @@ Notation: B batch, H heads, T queries, S keys, D head dim.
 * SDPA without a score term (fused flash / memory-efficient kernels).
 * FlexAttention for a score term on a GPU: the scheme's ``score_mod`` reads small
   per-offset tables by ``q_idx``/``kv_idx`` (no ``(B, H, T, S)`` bias is written);
-  causality and key padding are a block mask, whose empty blocks are skipped.
+  causality and key padding are a block mask, whose empty blocks are skipped, built
+  once per forward pass (or decoding step) and shared by every layer. It always runs
+  compiled (:func:`compiled_flex_attention`, compiled once at first use, as torchtune
+  and gpt-fast do): uncompiled FlexAttention is PyTorch's unfused reference, which
+  writes the scores. Inside a compiled model it is traced into the model's graph.
 * The explicit softmax where the probabilities are needed (a value term), with dropout
   (FlexAttention has none), and for training on a CPU (no FlexAttention backward there
   in torch 2.13): :func:`~posenc.model.scored.scored_attention`, whose backward is
@@ -15,15 +19,20 @@ Notation: B batch, H heads, T queries, S keys, D head dim.
   autograd. On a GPU without a ``score_mod`` the term is SDPA's additive mask.
 
 ``Attention.backend = "flex"`` or ``"explicit"`` forces one (the parity tests run the
-flex path's forward on a CPU).
+flex path's forward on a CPU, where it is eager); ``"flex_eager"`` forces the unfused
+FlexAttention on a GPU too, to debug a ``score_mod`` (prints and breakpoints work).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from posenc.encoders.base import (
     AttentionContext,
@@ -35,7 +44,9 @@ from posenc.encoders.base import (
 )
 from posenc.model.scored import scored_attention
 
-BACKENDS = ("auto", "flex", "explicit")
+#: ``auto`` (by device and scheme), ``flex`` (forced; compiled on a GPU), ``flex_eager``
+#: (forced, the unfused reference kernel: for debugging a ``score_mod``), ``explicit``.
+BACKENDS = ("auto", "flex", "flex_eager", "explicit")
 #: The explicit softmax with its written-out backward (True) or plain autograd (False).
 HAND_WRITTEN_BACKWARD = True
 
@@ -49,7 +60,7 @@ def attention_mask(
     s: int,
     dtype: torch.dtype,
     device: torch.device,
-    shift: int | None = None,
+    shift: int | Tensor | None = None,
 ) -> Tensor | None:
     """Combine score bias, causal mask and key padding into one additive mask.
 
@@ -94,11 +105,12 @@ def plain_attention(
     bias: Tensor | ScoreParts | None,
     *,
     scale: float,
-    causal_shift: int | None = None,
+    causal_shift: int | Tensor | None = None,
     key_valid: Tensor | None = None,
     dropout: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`~posenc.model.scored.scored_attention` through autograd: the reference."""
+    """:func:`~posenc.model.scored.scored_attention` through autograd: the reference (a
+    tensor ``causal_shift``, a static cache's slot, works here only)."""
     t, s = q.shape[-2], k.shape[-2]
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, T, S)
     if bias is not None:
@@ -124,9 +136,9 @@ def fused_bias_kernel(q: Tensor) -> bool:
 
 
 def use_flex(backend: str, q: Tensor, pos: AttentionPositional, p_drop: float) -> bool:
-    """FlexAttention for this call: forced, or on a GPU for a scheme with a score term,
-    no value term and no dropout."""
-    if backend == "flex":
+    """FlexAttention for this call: forced (``flex``, ``flex_eager``), or on a GPU for a
+    scheme with a score term, no value term and no dropout."""
+    if backend in ("flex", "flex_eager"):
         return True
     return (
         backend == "auto"
@@ -137,32 +149,79 @@ def use_flex(backend: str, q: Tensor, pos: AttentionPositional, p_drop: float) -
     )
 
 
-def flex_attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    score_mod: ScoreMod | None,
+#: Devices whose FlexAttention runs compiled (a fused kernel). On a CPU FlexAttention
+#: only runs when forced (it has no backward there in torch 2.13), eagerly.
+COMPILED_FLEX_DEVICES = {"cuda"}
+#: Compiled graphs the compiled FlexAttention may keep: one per score_mod, mask_mod and
+#: shape class of a process's calls (a translator's two kinds of self-attention and its
+#: cross-attention, training, evaluation and decoding shapes; a benchmark's encoders).
+#: Past dynamo's default of 8 for one function it would fall back to the unfused eager
+#: kernel with a warning, so its calls raise the limit.
+FLEX_RECOMPILE_LIMIT = 64
+_compiled_flex: Callable[..., Tensor] | None = None
+
+
+def compiled_flex_attention() -> Callable[..., Tensor]:
+    """``flex_attention`` through ``torch.compile``, built once at first use: the fused
+    kernel that never writes the ``(B, H, T, S)`` scores. Inside a model that is being
+    compiled (``model.compile=true``) it is ``flex_attention`` itself, which dynamo
+    traces into the model's own graph (a compiled function called from a compiled
+    region would be traced through anyway).
+
+    Shapes are static at first and become dynamic where they change (torch's
+    default): training's one shape and a cached decoding step each get one static
+    kernel, while evaluation at several lengths or uncached generation (a new length
+    each step) compile a couple of kernels, not one per length (``dynamic=False``, as
+    torchtune sets for its packed batches of one length, would)."""
+    global _compiled_flex
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def _recompile_limit() -> AbstractContextManager[Any]:
+    """Dynamo's per-function recompile limit raised to :data:`FLEX_RECOMPILE_LIMIT` for
+    one eager call of the compiled kernel (the option is ``cache_size_limit`` before
+    torch 2.7); nothing inside a compiled model, whose own limit counts."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if torch.compiler.is_compiling() or getattr(config, name) >= FLEX_RECOMPILE_LIMIT:
+        return nullcontext()
+    return config.patch({name: FLEX_RECOMPILE_LIMIT})
+
+
+def block_mask(
+    ctx: AttentionContext,
     *,
-    scale: float,
-    causal_shift: int | None,
+    t: int,
+    s: int,
+    causal_shift: int | Tensor | None,
     key_valid: Tensor | None,
-) -> Tensor:
-    """FlexAttention with the causal mask and key padding as a block mask.
+    device: torch.device,
+) -> BlockMask | None:
+    """The block mask of causality and key padding, built once per context (a stack's
+    forward pass, or a decoding step) and shared by every layer: it depends only on
+    T, S, the causal shift and the key padding, which all layers of a pass share.
 
     Args:
-        q: ``(B, H, T, D)``. k: ``(B, H, S, D)``. v: ``(B, H, S, D)``.
-        score_mod: The scheme's term, or None.
-        scale: Multiplier of ``q k^T``.
-        causal_shift: None, or query i sees keys ``j <= i + shift``.
+        ctx: The stack's context (its memo keeps the mask for the other layers).
+        t: Queries T. s: Keys S.
+        causal_shift: None, or query i sees keys ``j <= i + shift``; a tensor for a
+            static cache's slot (one per decoding step).
         key_valid: ``(B, S)`` True for real keys, or None.
+        device: Where the mask lives.
 
     Returns:
-        ``(B, H, T, D)``; a query that sees no key gets zeros.
+        The BlockMask, or None when nothing is masked.
     """
-    (b, _, t, _), s = q.shape, k.shape[-2]
-    block_mask = None
-    if causal_shift is not None or key_valid is not None:
+    if causal_shift is None and key_valid is None:
+        return None
+    shift_key = causal_shift if isinstance(causal_shift, int | None) else "slot"
+    key = ("block_mask", t, s, shift_key, key_valid is not None)
 
+    def make() -> BlockMask:
         def mask_mod(b_i: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             ok = kv_idx >= 0  # all True, of the index's shape
             if causal_shift is not None:
@@ -171,10 +230,41 @@ def flex_attend(
                 ok = ok & key_valid[b_i, kv_idx]
             return ok
 
-        block_mask = create_block_mask(
-            mask_mod, b if key_valid is not None else None, None, t, s, device=q.device
-        )
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+        b = key_valid.shape[0] if key_valid is not None else None
+        return create_block_mask(mask_mod, b, None, t, s, device=device)
+
+    return cast(BlockMask, ctx.shared(key, make))
+
+
+def flex_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    score_mod: ScoreMod | None,
+    *,
+    scale: float,
+    mask: BlockMask | None,
+    eager: bool = False,
+) -> Tensor:
+    """FlexAttention with the causal mask and key padding as a block mask.
+
+    Args:
+        q: ``(B, H, T, D)``. k: ``(B, H, S, D)``. v: ``(B, H, S, D)``.
+        score_mod: The scheme's term, or None.
+        scale: Multiplier of ``q k^T``.
+        mask: :func:`block_mask`'s mask, or None.
+        eager: The unfused reference kernel (debugging; it writes the scores).
+
+    Returns:
+        ``(B, H, T, D)``; a query that sees no key gets zeros.
+    """
+    kernel: Callable[..., Any] = flex_attention
+    limit: AbstractContextManager[Any] = nullcontext()
+    if not eager:
+        kernel, limit = compiled_flex_attention(), _recompile_limit()
+    with limit:
+        out = kernel(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale)
+    return cast(Tensor, out)
 
 
 def attend(
@@ -185,7 +275,7 @@ def attend(
     ctx: AttentionContext,
     *,
     key_valid: Tensor | None,
-    shift: int,
+    shift: int | Tensor,
     p_drop: float,
     backend: str = "auto",
     transformed: tuple[Tensor, Tensor] | None = None,
@@ -197,9 +287,10 @@ def attend(
         q: ``(B, H, T, D)`` projected queries. k: ``(B, H, S, D)``. v: ``(B, H, S, D)``.
         ctx: The stack's context for these queries and keys.
         key_valid: ``(B, S)`` True for real keys, or None.
-        shift: Causal offset (:func:`attention_mask`).
+        shift: Causal offset (:func:`attention_mask`): an int, or a 0-d tensor for the
+            slot of a static cache's first new query.
         p_drop: Dropout on the probabilities (0 in evaluation).
-        backend: ``auto``, ``flex`` or ``explicit``.
+        backend: ``auto``, ``flex``, ``flex_eager`` or ``explicit`` (:data:`BACKENDS`).
         transformed: The content score's q and k when the caller transformed them
             already (a cache keeps transformed keys); else ``transform_qk(q, k, ctx)``.
 
@@ -213,24 +304,64 @@ def attend(
         score_mod = pos.score_mod(q, k, ctx) if pos.adds_scores else None
         if score_mod is not None or not pos.adds_scores:
             q, k = pos.transform_qk(q, k, ctx) if transformed is None else transformed
-            return flex_attend(q, k, v, score_mod, scale=scale,
-                               causal_shift=shift if causal else None, key_valid=key_valid)
+            mask = block_mask(
+                ctx,
+                t=t,
+                s=s,
+                causal_shift=shift if causal else None,
+                key_valid=key_valid,
+                device=q.device,
+            )
+            eager = backend == "flex_eager" or q.device.type not in COMPILED_FLEX_DEVICES
+            return flex_attend(q, k, v, score_mod, scale=scale, mask=mask, eager=eager)
     parts = pos.score_parts(q, k, ctx)
     q, k = pos.transform_qk(q, k, ctx) if transformed is None else transformed
-    if parts is None and not pos.needs_probs and key_valid is None and causal and t == s \
-            and shift == 0:
+    static_shift = isinstance(shift, int)
+    if (
+        parts is None
+        and not pos.needs_probs
+        and key_valid is None
+        and causal
+        and t == s
+        and static_shift
+        and shift == 0
+    ):
         # Nothing to add: let SDPA pick its fused causal kernel.
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop, is_causal=True,
-                                              scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=p_drop, is_causal=True, scale=scale
+        )
     if pos.needs_probs or (parts is not None and not fused_bias_kernel(q)):
-        explicit = scored_attention if HAND_WRITTEN_BACKWARD else plain_attention
-        out, probs = explicit(q, k, v, parts, scale=scale, causal_shift=shift if causal else None,
-                              key_valid=key_valid, dropout=p_drop)
+        causal_shift = shift if causal else None
+        if HAND_WRITTEN_BACKWARD and not isinstance(causal_shift, Tensor):
+            out, probs = scored_attention(
+                q, k, v, parts, scale=scale, causal_shift=causal_shift,
+                key_valid=key_valid, dropout=p_drop,
+            )  # fmt: skip
+        else:  # or a static cache's step (a tensor shift), which never trains
+            out, probs = plain_attention(
+                q, k, v, parts, scale=scale, causal_shift=causal_shift,
+                key_valid=key_valid, dropout=p_drop,
+            )  # fmt: skip
         extra = pos.value_term(probs, ctx) if pos.needs_probs else None
         return out if extra is None else out + extra
+
     # SDPA with the term as its additive mask: on CUDA its memory-efficient kernel.
-    mask = attention_mask(bias=None if parts is None else dense_parts(parts, s), causal=causal,
-                          key_valid=key_valid, t=t, s=s, dtype=q.dtype, device=q.device,
-                          shift=shift)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p_drop,
-                                          scale=scale)
+    def make_dense() -> Tensor | None:
+        return attention_mask(
+            bias=None if parts is None else dense_parts(parts, s),
+            causal=causal,
+            key_valid=key_valid,
+            t=t,
+            s=s,
+            dtype=q.dtype,
+            device=q.device,
+            shift=shift,
+        )
+
+    if parts is None:  # the mask alone, the same for every layer (a cache's step): once
+        shift_key = shift if isinstance(shift, int) else "slot"
+        key = ("dense_mask", t, s, causal, shift_key, key_valid is not None, q.dtype)
+        dense = ctx.shared(key, make_dense)
+    else:
+        dense = make_dense()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, dropout_p=p_drop, scale=scale)

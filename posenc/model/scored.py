@@ -22,6 +22,8 @@ It also returns the probabilities, so a scheme with a value term (Shaw) adds
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -90,23 +92,14 @@ class _ScoredAttention(torch.autograd.Function):
         v: Tensor,
         key_valid: Tensor | None,
         keep: Tensor | None,
-        settings: tuple[float, int | None, float, tuple[int, ...]],
-        *terms: Tensor,
+        *rest: Any,
     ) -> tuple[Tensor, Tensor]:
+        # The settings come last: dynamo (torch 2.13) binds a non-tensor argument before
+        # exactly two variadic tensors to the wrong parameter.
+        *terms, settings = rest
         scale, causal_shift, p_drop, cols = settings
         parts = list(zip(terms, cols, strict=True))
-        b, h, t, d = q.shape
-        s = k.shape[-2]
-        q3, k3 = q.reshape(b * h, t, d), k.reshape(b * h, s, d)  # copies when strided, once
-        scores = _scores(q3, k3, (b, h), parts, scale, causal_shift, key_valid)
-        # Half-precision scores are softmaxed in float32; float32/float64 in their own.
-        acc = torch.promote_types(q.dtype, torch.float32)
-        probs = torch.softmax(scores, -1, dtype=acc).to(q.dtype)
-        del scores
-        if _may_have_empty_rows(causal_shift, key_valid):
-            probs.nan_to_num_(0.0)  # a query with no key gets no attention, not NaN
-        used = probs if keep is None else probs * keep / (1.0 - p_drop)
-        out = used @ v
+        out, used, probs, q3, k3 = _forward(q, k, v, key_valid, keep, parts, settings)
         ctx.save_for_backward(q3, k3, v, probs, keep)
         ctx.scale, ctx.p_drop = scale, p_drop
         ctx.parts = [(term.shape, c0) for term, c0 in parts]
@@ -116,7 +109,7 @@ class _ScoredAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: Tensor | None, d_used: Tensor | None):
         q3, k3, v, probs, keep = ctx.saved_tensors
-        n_in = 6 + len(ctx.parts)
+        n_in = 6 + len(ctx.parts)  # q, k, v, key_valid, keep, the terms, the settings
         if d_out is None and d_used is None:
             return (None,) * n_in
         b, h, t, s = probs.shape
@@ -144,10 +137,36 @@ class _ScoredAttention(torch.autograd.Function):
             d_k = torch.bmm(d3.transpose(1, 2), q3)
             d_k = d_k.mul_(ctx.scale).view(b, h, s, d)
         d_terms = [
-            _sum_to(d_s[..., c0 : c0 + shape[-1]], shape) if ctx.needs_input_grad[6 + i] else None
+            _sum_to(d_s[..., c0 : c0 + shape[-1]], shape) if ctx.needs_input_grad[5 + i] else None
             for i, (shape, c0) in enumerate(ctx.parts)
         ]
-        return d_q, d_k, d_v, None, None, None, *d_terms
+        return d_q, d_k, d_v, None, None, *d_terms, None
+
+
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_valid: Tensor | None,
+    keep: Tensor | None,
+    parts: ScoreParts,
+    settings: tuple[float, int | None, float, tuple[int, ...]],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The forward pass: ``(out, used, probs, q3, k3)``, the last three what the
+    backward needs (``used``: the probabilities after dropout)."""
+    scale, causal_shift, p_drop, _ = settings
+    b, h, t, d = q.shape
+    s = k.shape[-2]
+    q3, k3 = q.reshape(b * h, t, d), k.reshape(b * h, s, d)  # copies when strided, once
+    scores = _scores(q3, k3, (b, h), parts, scale, causal_shift, key_valid)
+    # Half-precision scores are softmaxed in float32; float32/float64 in their own.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    probs = torch.softmax(scores, -1, dtype=acc).to(q.dtype)
+    del scores
+    if _may_have_empty_rows(causal_shift, key_valid):
+        probs.nan_to_num_(0.0)  # a query with no key gets no attention, not NaN
+    used = probs if keep is None else probs * keep / (1.0 - p_drop)
+    return used @ v, used, probs, q3, k3
 
 
 def _may_have_empty_rows(causal_shift: int | None, key_valid: Tensor | None) -> bool:
@@ -205,4 +224,9 @@ def scored_attention(
             keep = dropout_keep(q.new_empty(*q.shape[:-1], s), dropout)
     settings = (scale, causal_shift, dropout, tuple(c0 for _, c0 in parts))
     terms = [term for term, _ in parts]
-    return _ScoredAttention.apply(q, k, v, key_valid, keep, settings, *terms)
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *terms))):
+        # No backward to write: the forward alone (dynamo in torch 2.13 also miscounts
+        # the variadic terms of an autograd.Function it inlines without grad).
+        out, used, *_ = _forward(q, k, v, key_valid, keep, parts, settings)
+        return out, used
+    return _ScoredAttention.apply(q, k, v, key_valid, keep, *terms, settings)

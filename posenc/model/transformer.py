@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -178,36 +179,75 @@ class Stack(nn.Module):
     def _cached(
         self, x: Tensor, cache: KVCache, *, memory: Tensor | None, memory_valid: Tensor | None
     ) -> Tensor:
-        """:meth:`forward` with a cache: the new tokens are slots ``o .. o+T-1`` (``o =
-        cache.length``) of a sequence of slots ``0 .. o+T-1``. Without ``cache.pad`` the
+        """:meth:`forward` with a static cache: the new tokens are slots ``o .. o+T-1``
+        (``o = cache.next``, a tensor) of the cache's S slots. Without ``cache.pad`` the
         slots are the positions; with it (left-padded prompts), row b's positions are the
-        slots minus ``pad[b]``, and its first ``pad[b]`` slots are padding no query sees."""
-        t, o = x.shape[1], cache.length
-        self.encoder.check_length(o + t)
-        slots = torch.arange(o + t, device=x.device)[None]  # (1, S)
+        slots minus ``pad[b]``, and its first ``pad[b]`` slots are padding no query sees.
+
+        Every shape is fixed by S and T and every position is a tensor, so a compiled
+        step is the same graph at every step (positions reach the schemes per pair,
+        ``starts`` None, with ``bound = S``)."""
+        t, size = x.shape[1], cache.size
+        slots = cache.next + torch.arange(t, device=x.device)  # (T,)
+        k_pos = torch.arange(size, device=x.device)[None]  # (1, S)
         valid: Tensor | None = None
-        starts: tuple[int, int] | None = (o, 0)
-        k_pos = slots
+        lengths = slots[-1:] + 1  # (1,): keys written once this step is in
         if cache.pad is not None:
-            shifted = slots - cache.pad[:, None]  # (B, S)
-            valid, starts = shifted >= 0, None
+            shifted = k_pos - cache.pad[:, None]  # (B, S)
+            valid = shifted >= 0
             k_pos = shifted.clamp(min=0)  # padding slots, never attended, at position 0
-        positions = k_pos[:, o:]
-        x = self.drop(self.encoder.embed(x, positions))
-        ctx = self.encoder.context(positions, k_pos, self.kind, starts=starts, bound=o + t)
-        cross_ctx = self._cross_context(positions, memory, starts, o + t)
-        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            x = layer(
-                x,
-                ctx,
-                valid=valid,
-                memory=memory,
-                cross_ctx=cross_ctx,
-                memory_valid=memory_valid,
-                cache=layer_cache,
+            lengths = lengths - cache.pad  # (B,): each row's own length
+        positions = k_pos.index_select(1, slots)  # (B|1, T)
+        if self.encoder.pass_dependent:
+            out = self._replay(x, cache, k_pos, valid, lengths, slots, memory, memory_valid)
+        else:
+            x = self.drop(self.encoder.embed(x, positions))
+            ctx = self.encoder.context(positions, k_pos, self.kind, bound=size, lengths=lengths)
+            cross_ctx = self._cross_context(positions, memory, None, size)
+            for layer_cache in cache.layers:  # all before any layer runs (see cache.py)
+                layer_cache.at = slots
+            for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+                x = layer(
+                    x,
+                    ctx,
+                    valid=valid,
+                    memory=memory,
+                    cross_ctx=cross_ctx,
+                    memory_valid=memory_valid,
+                    cache=layer_cache,
+                )
+            out = x
+        cache.next.add_(t)
+        return self.ln_f(out)
+
+    def _replay(
+        self,
+        x: Tensor,
+        cache: KVCache,
+        k_pos: Tensor,
+        valid: Tensor | None,
+        lengths: Tensor,
+        slots: Tensor,
+        memory: Tensor | None,
+        memory_valid: Tensor | None,
+    ) -> Tensor:
+        """A step of a pass-dependent scheme: the new inputs join the cached ones, and
+        the stack runs over all S slots with the scheme told the real ``lengths``; the
+        causal mask keeps the empty slots from every real query, so the new tokens'
+        outputs ``(B, T, C)`` are those of a full pass over the prefix."""
+        cache.inputs.at = slots
+        inputs = cache.inputs.extend("inputs", x, dim=1)  # (B, S, C)
+        starts = (0, 0) if valid is None else None
+        h = self.drop(self.encoder.embed(inputs, k_pos))
+        ctx = self.encoder.context(
+            k_pos, k_pos, self.kind, starts=starts, bound=cache.size, lengths=lengths
+        )
+        cross_ctx = self._cross_context(k_pos, memory, starts, cache.size)
+        for layer in self.layers:
+            h = layer(
+                h, ctx, valid=valid, memory=memory, cross_ctx=cross_ctx, memory_valid=memory_valid
             )
-        cache.length = o + t
-        return self.ln_f(x)
+        return h.index_select(1, slots)
 
 
 class TokenEmbedding(nn.Embedding):
@@ -315,10 +355,18 @@ class DecoderLM(nn.Module):
     def encoder(self) -> PositionalEncoder:
         return self.stack.encoder
 
-    def new_cache(self, pad: Tensor | None = None) -> KVCache:
-        """An empty key/value cache for incremental decoding; ``pad (B,)``: the left
-        padding of prompts of different lengths (see :class:`~posenc.model.cache.KVCache`)."""
-        return KVCache(len(self.stack.layers), pad)
+    def new_cache(self, size: int, pad: Tensor | None = None) -> KVCache:
+        """An empty static key/value cache for incremental decoding of at most ``size``
+        tokens in all (prompt and new ones); ``pad (B,)``: the left padding of prompts of
+        different lengths (see :class:`~posenc.model.cache.KVCache`).
+
+        Raises:
+            ValueError: ``size`` is not a positive integer, or more positions than the
+                encoder can encode.
+        """
+        cache = KVCache(len(self.stack.layers), size, pad, device=self.embed.weight.device)
+        self.encoder.check_length(size)
+        return cache
 
     def forward(
         self,
@@ -356,6 +404,9 @@ class EncoderDecoder(nn.Module):
             ``0 .. N-1`` (Ruoss et al. 2023); decoding uses ``0 .. T-1``. None: off.
         score_budget_mib: CPU query blocking, as in :class:`DecoderLM`.
     """
+
+    #: :meth:`decode` under ``torch.compile``, after :meth:`compile` (else None).
+    _compiled_decode: Callable[..., Tensor] | None = None
 
     def __init__(
         self,
@@ -431,15 +482,35 @@ class EncoderDecoder(nn.Module):
         _init_weights(self.encoder_stack, n_enc)
         _init_weights(self.decoder_stack, n_dec)
 
-    def new_cache(self) -> KVCache:
-        """An empty key/value cache of the decoder stack."""
-        return KVCache(len(self.decoder_stack.layers))
+    def new_cache(self, size: int) -> KVCache:
+        """An empty static key/value cache of the decoder stack for at most ``size``
+        decoder inputs (BOS included).
+
+        Raises:
+            ValueError: As :meth:`DecoderLM.new_cache`.
+        """
+        stack = self.decoder_stack
+        cache = KVCache(len(stack.layers), size, device=self.tgt_embed.weight.device)
+        stack.encoder.check_length(size)
+        return cache
 
     def encode(
         self, src: Tensor, src_valid: Tensor | None = None, src_positions: Tensor | None = None
     ) -> Tensor:
         """Encoder output ``(B, S, C)`` for source ids ``(B, S)``."""
         return self.encoder_stack(self.src_embed(src), src_positions, valid=src_valid)
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``torch.compile`` the forward (in place, as ``nn.Module.compile``) and
+        :meth:`decode`, which greedy and beam-search decoding call step by step, with
+        the same arguments."""
+        super().compile(*args, **kwargs)
+        self._compiled_decode = torch.compile(self._decode, *args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # as nn.Module drops its compiled call
+        state.pop("_compiled_decode", None)
+        return state
 
     def decode(
         self,
@@ -451,7 +522,22 @@ class EncoderDecoder(nn.Module):
         cache: KVCache | None = None,
     ) -> Tensor:
         """Next-token logits ``(B, T, V)`` for decoder input ids ``(B, T)``; with a
-        ``cache`` (:meth:`new_cache`), ``tgt_in`` holds the next tokens only."""
+        ``cache`` (:meth:`new_cache`), ``tgt_in`` holds the next tokens only. Compiled
+        after :meth:`compile` (traced into the forward's graph there)."""
+        run = self._decode
+        if self._compiled_decode is not None and not torch.compiler.is_compiling():
+            run = self._compiled_decode
+        return run(tgt_in, memory, src_valid=src_valid, tgt_positions=tgt_positions, cache=cache)
+
+    def _decode(
+        self,
+        tgt_in: Tensor,
+        memory: Tensor,
+        *,
+        src_valid: Tensor | None = None,
+        tgt_positions: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
         h = self.decoder_stack(
             self.tgt_embed(tgt_in),
             tgt_positions,

@@ -91,6 +91,12 @@ def _limits(max_len: int | Tensor, b: int, device: torch.device) -> Tensor:
     return limit
 
 
+def cache_size(limit: Tensor) -> int:
+    """Decoder inputs a static cache must hold for budgets ``limit (B,)``: BOS and up to
+    ``max(limit)`` generated tokens fed back (EOS, forced at the budget, never is)."""
+    return 1 + int(limit.max()) if limit.numel() else 1
+
+
 def _next_log_probs(
     model: EncoderDecoder,
     prefix: Tensor,
@@ -164,8 +170,8 @@ def greedy(
     """
     _check_ids(bos, eos, pad)
     b, device = src.shape[0], src.device
-    cache = model.new_cache() if use_cache else None
     limit = _limits(max_len, b, device)
+    cache = model.new_cache(cache_size(limit)) if use_cache else None
     memory = model.encode(src, src_valid)  # (B, S, C)
     alive = torch.arange(b, device=device)  # input row of each remaining row
     prefix = torch.full((b, 1), bos, dtype=torch.long, device=device)  # (b, T)
@@ -246,7 +252,7 @@ def beam_search(
     _check_ids(bos, eos, pad)
     b, k, device = src.shape[0], beam_size, src.device
     limit = _limits(max_len, b, device)
-    cache = model.new_cache() if use_cache else None
+    cache = model.new_cache(cache_size(limit)) if use_cache else None
     memory = model.encode(src, src_valid).repeat_interleave(k, dim=0)  # (B*K, S, C)
     valid = None if src_valid is None else src_valid.repeat_interleave(k, dim=0)
     alive = torch.arange(b, device=device)

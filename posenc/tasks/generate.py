@@ -80,7 +80,8 @@ def generate(
     if pad is not None and not use_cache:
         raise ValueError("left-padded prompts (pad=...) are decoded with the cache only")
     out = prompt
-    cache = model.new_cache(pad) if use_cache else None
+    # The static cache holds the prompt and every token fed back (the last one is not).
+    cache = model.new_cache(prompt.shape[1] + max(new_tokens - 1, 0), pad) if use_cache else None
     step_in = prompt
     for _ in range(new_tokens):
         check_stop("generation")

@@ -137,7 +137,7 @@ class Oracle(nn.Module):
         self.encoder = type("Enc", (), {"check_length": staticmethod(lambda n: None)})()
         self.calls = 0
 
-    def new_cache(self, pad: Tensor | None = None) -> None:
+    def new_cache(self, size: int, pad: Tensor | None = None) -> None:
         return None  # generate() then re-runs the whole sequence: no cache to fake
 
     @staticmethod

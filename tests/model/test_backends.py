@@ -10,10 +10,11 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.attention.flex_attention as flex_module
 
 from posenc.encoders import build
 from posenc.encoders.base import AttnKind
-from posenc.model import DecoderLM, EncoderDecoder
+from posenc.model import DecoderLM, EncoderDecoder, backends
 from posenc.model.attention import Attention
 from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS
 
@@ -49,8 +50,9 @@ def _positions(t: int, s: int, q0: int | None, k0: int | None):
 def dense_score_mod(score_mod, shape: tuple[int, int, int, int]) -> torch.Tensor:
     """A ``score_mod``'s term for every ``(b, h, q_idx, kv_idx)`` of ``shape``, by
     broadcasting index tensors through it."""
-    idx = [torch.arange(n).view([-1 if i == d else 1 for i in range(4)])
-           for d, n in enumerate(shape)]
+    idx = [
+        torch.arange(n).view([-1 if i == d else 1 for i in range(4)]) for d, n in enumerate(shape)
+    ]
     return score_mod(torch.zeros(()), *idx).expand(shape)
 
 
@@ -89,8 +91,9 @@ def test_flex_equals_explicit(name: str, kind: AttnKind, case: tuple) -> None:
     padding) against the explicit softmax, to float32 rounding."""
     t, s, q0, k0 = case
     enc = _enc(name)
-    attn = Attention(d_model=H * D, n_heads=H, dropout=0.0,
-                     pos=enc.for_attention(layer=0, kind=kind)).eval()
+    attn = Attention(
+        d_model=H * D, n_heads=H, dropout=0.0, pos=enc.for_attention(layer=0, kind=kind)
+    ).eval()
     q_pos, k_pos, starts = _positions(t, s, q0, k0)
     x = torch.randn(2, t, H * D)
     memory = torch.randn(2, k_pos.shape[-1], H * D)
@@ -127,8 +130,9 @@ def test_flex_model_equals_explicit_model(name: str) -> None:
 
 @pytest.mark.parametrize("name", BIDIRECTIONAL_YAMLS)
 def test_flex_translation_model_equals_explicit(name: str) -> None:
-    mt = EncoderDecoder(src_vocab_size=13, tgt_vocab_size=13, encoder=name, d_model=H * D,
-                        n_heads=H, n_layers=1).eval()
+    mt = EncoderDecoder(
+        src_vocab_size=13, tgt_vocab_size=13, encoder=name, d_model=H * D, n_heads=H, n_layers=1
+    ).eval()
     src, tgt = torch.randint(0, 13, (2, 17)), torch.randint(0, 13, (2, 9))
     src_valid = torch.ones(2, 17, dtype=torch.bool)
     src_valid[0, 12:] = False
@@ -140,6 +144,109 @@ def test_flex_translation_model_equals_explicit(name: str) -> None:
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
 
 
+def _count_block_masks(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    calls: list[tuple] = []
+    real = backends.create_block_mask
+
+    def counted(*args, **kwargs):
+        calls.append(args[1:5])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "create_block_mask", counted)
+    return calls
+
+
+def test_one_block_mask_per_forward_and_per_decoding_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block mask depends on T, S, the causal shift and the key padding only: every
+    layer of a pass shares one (4 layers, past the CPU's query blocks of score-term
+    schemes, which flex does not use), and a cached step builds one for all layers."""
+    calls = _count_block_masks(monkeypatch)
+    lm = DecoderLM(vocab_size=11, encoder="alibi", d_model=H * D, n_heads=H, n_layers=4).eval()
+    _flex_everywhere(lm, "flex")
+    ids = torch.randint(0, 11, (2, 150))
+    with torch.no_grad():
+        lm(ids)
+        assert len(calls) == 1
+        cache = lm.new_cache(154)
+        lm(ids, cache=cache)
+        for i in range(4):
+            lm(ids[:, i : i + 1], cache=cache)
+    assert len(calls) == 1 + 5  # the prefill and each step: one mask each
+    mt = EncoderDecoder(
+        src_vocab_size=13, tgt_vocab_size=13, encoder="t5", d_model=H * D, n_heads=H, n_layers=3
+    ).eval()
+    _flex_everywhere(mt, "flex")
+    calls.clear()
+    src_valid = torch.ones(2, 17, dtype=torch.bool)
+    src_valid[0, 12:] = False
+    with torch.no_grad():
+        mt(torch.randint(0, 13, (2, 17)), torch.randint(0, 13, (2, 9)), src_valid)
+    # 3 layers each: encoder self-attention (padding), decoder self-attention (causal),
+    # cross-attention (source padding), one mask each
+    assert sorted(calls, key=str) == sorted(
+        [(2, None, 17, 17), (None, None, 9, 9), (2, None, 9, 17)], key=str
+    )
+
+
+def test_flex_runs_compiled_on_the_devices_that_compile_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where FlexAttention runs for real (``COMPILED_FLEX_DEVICES``, CUDA), it runs through
+    ``torch.compile``, compiled once at first use: here the CPU is made such a device,
+    and the compiled kernel (no "unfused" warning) gives the explicit path's values.
+    ``flex_eager`` keeps the unfused reference kernel for debugging."""
+    monkeypatch.setattr(backends, "COMPILED_FLEX_DEVICES", {"cpu"})
+    monkeypatch.setattr(backends, "_compiled_flex", None)
+    compiles, calls = [], []
+    real_compile = torch.compile
+
+    def spy_compile(fn, *args, **kwargs):
+        compiled = real_compile(fn, *args, **kwargs)
+        if fn is not flex_module.flex_attention:  # (eager flex compiles a wrapper of its own)
+            return compiled
+        compiles.append(fn)
+        return lambda *a, **k: calls.append(1) or compiled(*a, **k)
+
+    monkeypatch.setattr(torch, "compile", spy_compile)
+    enc = _enc("alibi")
+    attn = Attention(
+        d_model=H * D, n_heads=H, dropout=0.0, pos=enc.for_attention(layer=0, kind=AttnKind.CAUSAL)
+    ).eval()
+    pos = torch.arange(32)[None]
+    x = torch.randn(2, 32, H * D)
+    outs, used = {}, {}
+    for backend in ("explicit", "flex", "flex", "flex_eager"):
+        attn.backend = backend
+        # torch warns once per process: show it again
+        monkeypatch.setattr(flex_module, "_WARNINGS_SHOWN", set(), raising=False)
+        before = len(calls)
+        with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+            warnings.simplefilter("always")
+            outs[backend] = attn(x, enc.context(pos, pos, AttnKind.CAUSAL, starts=(0, 0)))
+        used[backend] = len(calls) - before
+        unfused = any("without torch.compile" in str(w.message) for w in seen)
+        assert unfused == (backend == "flex_eager"), backend
+    assert used == {"explicit": 0, "flex": 1, "flex_eager": 0}
+    assert len(compiles) == 1  # built once
+    for backend in ("flex", "flex_eager"):
+        torch.testing.assert_close(outs[backend], outs["explicit"], atol=2e-5, rtol=2e-5)
+
+
+def test_flex_inside_a_compiled_model_is_one_graph() -> None:
+    """Inside ``torch.compile(model)`` FlexAttention is traced into the model's graph
+    (no nested compile, no graph break), for a forward pass and a cached step."""
+    lm = DecoderLM(vocab_size=11, encoder="t5", d_model=H * D, n_heads=H, n_layers=2).eval()
+    _flex_everywhere(lm, "flex")
+    torch._dynamo.reset()
+    compiled = torch.compile(lm, fullgraph=True, backend="eager", dynamic=False)
+    ids = torch.randint(0, 11, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), lm(ids), atol=2e-5, rtol=2e-5)
+        cache = lm.new_cache(21)
+        compiled(ids, cache=cache)
+        step = compiled(ids[:, :1], cache=cache)
+        full = lm(torch.cat((ids, ids[:, :1]), 1))
+    torch.testing.assert_close(step[:, 0], full[:, -1], atol=2e-5, rtol=2e-5)
+
+
 # ------------------------------------------------------------------ on a GPU (skipped here)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -149,8 +256,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.mark.parametrize("name", list(SCORED))
 def test_flex_gradients_equal_explicit_on_cuda(name: str) -> None:
     enc = _enc(name).cuda()
-    attn = Attention(d_model=H * D, n_heads=H, dropout=0.0,
-                     pos=enc.for_attention(layer=0, kind=AttnKind.CAUSAL)).cuda()
+    attn = Attention(
+        d_model=H * D, n_heads=H, dropout=0.0, pos=enc.for_attention(layer=0, kind=AttnKind.CAUSAL)
+    ).cuda()
     pos = torch.arange(64, device="cuda")[None]
     x = torch.randn(2, 64, H * D, device="cuda", requires_grad=True)
     results = []
@@ -172,8 +280,47 @@ def test_bf16_training_step_on_cuda(name: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 50, (4, 256), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(),
-                                                 ids[:, 1:].flatten())
+        loss = torch.nn.functional.cross_entropy(
+            model(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten()
+        )
     loss.backward()
     opt.step()
     assert torch.isfinite(loss)
+
+
+@pytest.mark.cuda
+@cuda
+def test_default_flex_on_cuda_is_compiled_and_writes_no_scores() -> None:
+    """On a GPU the default path of a score-term scheme is the compiled FlexAttention:
+    no "unfused" warning, and a forward at T = 4096 allocates far less than one
+    ``(B, H, T, S)`` float32 score matrix would take (the eager kernel writes it)."""
+    lm = DecoderLM(vocab_size=50, encoder="alibi", d_model=64, n_heads=4, n_layers=2).cuda()
+    ids = torch.randint(0, 50, (1, 4096), device="cuda")
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        lm.eval()(ids)  # compiles
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        lm(ids)
+        torch.cuda.synchronize()
+    assert not any("without torch.compile" in str(w.message) for w in seen)
+    scores = 4 * 4096 * 4096 * 4  # H T S float32 bytes
+    assert torch.cuda.max_memory_allocated() - before < scores / 4
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("name", ["alibi", "t5", "fire", "xl", "deberta", "rope"])
+def test_cached_decoding_on_cuda_equals_full_forward(name: str) -> None:
+    """The static cache with the compiled FlexAttention (or SDPA) on a GPU: a prefill
+    and single-token steps give a full pass's logits."""
+    lm = DecoderLM(vocab_size=50, encoder=name, d_model=64, n_heads=4, n_layers=2).cuda().eval()
+    ids = torch.randint(0, 50, (2, 48), device="cuda")
+    with torch.no_grad():
+        cache = lm.new_cache(48)
+        got = [lm(ids[:, :16], cache=cache)] + [
+            lm(ids[:, i : i + 1], cache=cache) for i in range(16, 48)
+        ]
+        full = lm(ids)
+    torch.testing.assert_close(torch.cat(got, 1), full, atol=1e-4, rtol=1e-4)

@@ -7,6 +7,7 @@ backward then runs through the traced graph, so gradients reach every parameter.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -60,11 +61,21 @@ def test_encoder_decoder_traces_as_one_graph(name: str, t: int) -> None:
 #: Non-default conventions (#24), traced as the YAML defaults are above.
 CONVENTIONS = {
     "deberta_p2c_paper": ("deberta", {"p2c_row": "paper"}),
-    "rope_yarn_code": ("rope", {"scaling": "yarn", "scaling_factor": 4.0,
-                                "original_length": 64, "fraction": 0.5}),
-    "rope_yarn_paper_score": ("rope", {"scaling": "yarn", "scaling_factor": 4.0,
-                                       "original_length": 64, "fraction": 0.5,
-                                       "yarn_ramp": "paper", "yarn_temper": "score"}),
+    "rope_yarn_code": (
+        "rope",
+        {"scaling": "yarn", "scaling_factor": 4.0, "original_length": 64, "fraction": 0.5},
+    ),
+    "rope_yarn_paper_score": (
+        "rope",
+        {
+            "scaling": "yarn",
+            "scaling_factor": 4.0,
+            "original_length": 64,
+            "fraction": 0.5,
+            "yarn_ramp": "paper",
+            "yarn_temper": "score",
+        },
+    ),
 }
 
 
@@ -138,8 +149,14 @@ def test_model_compile_option_compiles_in_place() -> None:
 
     sizes = dict(n_layers=1, d_model=16, n_heads=2, d_ff=32, dropout=0.0)
     tasks = [
-        LMTask(vocab_size=11, encoder={"_target_": "posenc.encoders.rope.RoPE", "_partial_": True},
-               model={**sizes, "compile": flag}, optim={}, max_steps=1, seq_len=8)
+        LMTask(
+            vocab_size=11,
+            encoder={"_target_": "posenc.encoders.rope.RoPE", "_partial_": True},
+            model={**sizes, "compile": flag},
+            optim={},
+            max_steps=1,
+            seq_len=8,
+        )
         for flag in (False, True)
     ]
     assert tasks[0].model._compiled_call_impl is None
@@ -155,8 +172,9 @@ def test_inductor_training_matches_eager() -> None:
     losses = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        model = DecoderLM(vocab_size=11, encoder="fire", n_layers=1, d_model=16, n_heads=2,
-                          d_ff=32, dropout=0.0)
+        model = DecoderLM(
+            vocab_size=11, encoder="fire", n_layers=1, d_model=16, n_heads=2, d_ff=32, dropout=0.0
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         run = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model
         ids = torch.randint(0, 11, (2, 24))
@@ -169,3 +187,129 @@ def test_inductor_training_matches_eager() -> None:
             steps.append(loss.item())
         losses.append(steps)
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+# ------------------------------------------------------------------ cached decoding steps
+#: Every encoder's YAML defaults, plus the variants whose cached step once failed to
+#: compile or recompiled at every step (#34).
+STEP_CASES = {name: (name, {}) for name in ENCODER_YAMLS}
+STEP_CASES["shaw_no_value"] = ("shaw", {"value": False})
+STEP_CASES["rope_dynamic_ntk"] = (
+    "rope",
+    {"scaling": "dynamic_ntk", "scaling_factor": 2.0, "original_length": 16},
+)
+
+
+def _counting_backend() -> tuple[object, list]:
+    """A ``torch.compile`` backend that records each graph it gets (one per
+    compilation) and runs it as traced."""
+    graphs: list = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    return backend, graphs
+
+
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_cached_decode_step_compiles_once(case: str) -> None:
+    """The static cache's step traces as one graph (``fullgraph=True``) and is reused:
+    a prefill and 64 single-token steps cost at most 2 compilations (the prefill's
+    shape and the step's), with ``dynamic=False`` so that any Python value that changed
+    from step to step would show as a recompilation. Logits equal eager decoding's."""
+    name, settings = STEP_CASES[case]
+    model = DecoderLM(
+        vocab_size=11, encoder=functools.partial(get(name), **settings), **{**SIZES, "n_layers": 1}
+    ).eval()
+    torch._dynamo.reset()
+    backend, graphs = _counting_backend()
+    step = torch.compile(model, fullgraph=True, backend=backend, dynamic=False)
+    ids = torch.randint(0, 11, (2, 16 + 64))
+    with torch.no_grad():
+        outs = []
+        for run in (step, model):
+            cache = model.new_cache(ids.shape[1])
+            logits = [run(ids[:, :16], cache=cache)]
+            logits += [run(ids[:, i : i + 1], cache=cache) for i in range(16, ids.shape[1])]
+            outs.append(torch.cat(logits, dim=1))
+    assert len(graphs) <= 2
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", BIDIRECTIONAL_YAMLS)
+def test_translation_decode_step_compiles_once(name: str) -> None:
+    """The decoder's cached step with cross-attention and source padding: the first
+    step computes the encoder output's keys, the later ones reuse them; 2 graphs."""
+    model = EncoderDecoder(
+        src_vocab_size=13, tgt_vocab_size=13, encoder=name, **{**SIZES, "n_layers": 1}
+    ).eval()
+    torch._dynamo.reset()
+    backend, graphs = _counting_backend()
+    step = torch.compile(model.decode, fullgraph=True, backend=backend, dynamic=False)
+    src, tgt = torch.randint(0, 13, (2, 9)), torch.randint(0, 13, (2, 12))
+    src_valid = torch.ones(2, 9, dtype=torch.bool)
+    src_valid[1, 6:] = False
+    with torch.no_grad():
+        memory = model.encode(src, src_valid)
+        outs = []
+        for run in (step, model.decode):
+            cache = model.new_cache(tgt.shape[1])
+            logits = [
+                run(tgt[:, i : i + 1], memory, src_valid=src_valid, cache=cache)
+                for i in range(tgt.shape[1])
+            ]
+            outs.append(torch.cat(logits, dim=1))
+            assert "cross_keys" in cache.layers[0].buffers  # computed once, kept
+    assert len(graphs) <= 2
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["fire", "shaw_no_value", "rope_dynamic_ntk", "t5"])
+def test_compiled_model_generates_what_eager_generates(case: str) -> None:
+    """``model.compile=true`` (``nn.Module.compile``, dynamic shapes as torch decides)
+    with generation and passkey decoding: greedy tokens equal the eager model's, for
+    left-padded prompts too. FIRE's and Shaw's (no value term) cached steps did not
+    compile before the static cache (#34); dynamic NTK replays the prefix."""
+    from posenc.eval.passkey import greedy as passkey_greedy
+    from posenc.tasks.generate import generate
+
+    name, settings = STEP_CASES[case]
+    eager = DecoderLM(
+        vocab_size=11, encoder=functools.partial(get(name), **settings), **{**SIZES, "n_layers": 1}
+    ).eval()
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled.compile(backend="eager")
+    prompt = torch.randint(0, 11, (3, 10))
+    pad = torch.tensor([0, 4, 2])
+    for model_out in (
+        [generate(m, prompt, 12, temperature=0) for m in (compiled, eager)],
+        [generate(m, prompt, 9, temperature=0, pad=pad) for m in (compiled, eager)],
+        [passkey_greedy(m)(prompt, 6) for m in (compiled, eager)],
+    ):
+        assert torch.equal(*model_out)
+
+
+@pytest.mark.parametrize("name", ["fire", "rope", "t5"])
+def test_compiled_translator_decodes_what_eager_decodes(name: str) -> None:
+    """``compile()`` of a translator compiles its decoding step too; beam search (rows
+    reordered and dropped as sentences finish) and greedy decoding give eager's output."""
+    from posenc.tasks.decode import beam_search, greedy
+
+    eager = EncoderDecoder(
+        src_vocab_size=13, tgt_vocab_size=13, encoder=name, **{**SIZES, "n_layers": 1}
+    ).eval()
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled.compile(backend="eager")
+    assert compiled._compiled_decode is not None
+    src = torch.randint(3, 13, (4, 9))
+    valid = torch.ones(4, 9, dtype=torch.bool)
+    valid[1, 5:] = valid[3, 7:] = False
+    limit = torch.tensor([3, 8, 5, 6])
+    ids = {"bos": 1, "eos": 2, "pad": 0}
+    for search in (functools.partial(beam_search, beam_size=3, length_penalty=0.6), greedy):
+        got, want = (search(m, src, valid, max_len=limit, **ids) for m in (compiled, eager))
+        assert got.tokens == want.tokens
+        torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=1e-5)

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from posenc.model import EncoderDecoder
-from posenc.model.cache import KVCache
 from posenc.tasks.decode import beam_search, gnmt_penalty, greedy, output_limits
 from tests.conftest import BIDIRECTIONAL_YAMLS
 
@@ -112,6 +111,16 @@ def test_huge_beam_finds_the_exact_best_hypothesis() -> None:
     assert out.tokens == [hyps[best_lp]]
 
 
+class _Count:
+    """Stand-in cache of :class:`_Scripted`: the decoded length and row selection."""
+
+    def __init__(self) -> None:
+        self.length = 0
+
+    def select(self, rows: Tensor) -> None:
+        pass
+
+
 class _Scripted(torch.nn.Module):
     """Stand-in translator: the next token is ``script[step]`` (EOS after the script)."""
 
@@ -122,8 +131,8 @@ class _Scripted(torch.nn.Module):
     def encode(self, src: Tensor, src_valid: Tensor | None = None) -> Tensor:
         return torch.zeros(src.shape[0], src.shape[1], 4)
 
-    def new_cache(self) -> KVCache:
-        return KVCache(0)  # counts the decoded positions only
+    def new_cache(self, size: int) -> _Count:
+        return _Count()  # counts the decoded positions only
 
     def decode(
         self,
@@ -131,7 +140,7 @@ class _Scripted(torch.nn.Module):
         memory: Tensor,
         *,
         src_valid: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: _Count | None = None,
     ) -> Tensor:
         n, t = tgt_in.shape
         if cache is not None:

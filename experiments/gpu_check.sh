@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The GPU check (#34): what a researcher gets on one GPU, in at most 8 minutes on an
+# H100-class card. Prints one table and writes gpu_check.json (plus each section's log
+# and JSON) to OUT_DIR (default outputs/gpu_check/<date-time>).
+#
+#   experiments/gpu_check.sh [OUT_DIR]
+#
+# Sections, each under its own time limit; one that fails or runs out of time is
+# reported in the table's header and the others still run:
+#   tests       python -m pytest -m cuda (the cuda-marked tests)
+#   steps_4096  every encoder's bf16 training step at 4x4096, eager (the default) and
+#               model.compile=true: tokens/s and peak memory relative to `none`
+#   flex        FlexAttention vs the explicit path at 4x4096, relative to `none`
+#   decode      greedy generation of 512 tokens after 128, cached and uncached (none,
+#               rope, and two FlexAttention schemes: alibi, t5)
+#   steps_1024  the eager training steps at 16x1024 (equal tokens per step: memory
+#               linear in T keeps the ratio to `none` flat between the two lengths);
+#               GPU_CHECK_COMPILED_1024=1 adds the compiled steps there too (11 more
+#               compilations: past the 8 minutes)
+# The limits below are estimates (compiling 11 models is most of it); a first run on a
+# card says which to move.
+# Every figure is a ratio against `none` measured in the same run (bench.py's sections
+# steps, flex and decode with --sizes gpu: experiments/bench_steps.py, bench_decode.py).
+#
+# Without a CUDA GPU it says so in one line, runs the CPU-runnable parts (the same
+# sections at bench.py's quick sizes, about a minute) and exits 0.
+#
+# Python packages: the sections need torch only (python3, or $PYTHON); the tests also
+# need hydra-core and omegaconf (tests/conftest.py), which the lent GPU machines lack.
+# Carry them as wheels in .whl/ (see /work/.library/device/README.md; antlr4-python3-
+# runtime 4.9.3, omegaconf's dependency, is a source archive: build its wheel here with
+# `pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3`): this script installs
+# .whl/*.whl into /tmp/posenc-site when hydra is missing. Without them the tests section
+# fails with the import error and the others run.
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+OUT=${1:-outputs/gpu_check/$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# run_section NAME SECONDS CMD...: the command's output goes to OUT/NAME.log, its exit
+# status and duration to OUT/NAME.status; a failure or timeout never stops the script.
+run_section() {
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS rc
+    echo "[gpu_check] $name (limit ${limit}s) ..." >&2
+    timeout --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    echo "$rc $((SECONDS - start)) $limit" >"$OUT/$name.status"
+    if [ "$rc" -ne 0 ]; then
+        echo "[gpu_check] $name: exit $rc after $((SECONDS - start))s (124: time limit); see $OUT/$name.log" >&2
+    fi
+    return 0
+}
+
+BENCH=("$PY" experiments/bench.py)  # timeout runs programs, not shell functions
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_check: no CUDA GPU here ($("$PY" -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1)); ran the CPU-runnable parts only, at the quick sizes, into $OUT"
+    run_section steps_quick 120 "${BENCH[@]}" --quick --threads 1 --sections steps,flex --json "$OUT/steps_quick.json"
+    run_section decode_quick 90 "${BENCH[@]}" --quick --threads 1 --sections decode --json "$OUT/decode_quick.json"
+    "$PY" experiments/gpu_check_report.py "$OUT" --cpu || echo "gpu_check: the report failed (see above)"
+    exit 0
+fi
+
+if ! "$PY" -c "import hydra, omegaconf" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/posenc-site .whl/*.whl >"$OUT/wheels.log" 2>&1 \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/posenc-site"
+fi
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+run_section tests 90 "$PY" -m pytest -m cuda -q -p no:cacheprovider \
+    --junitxml="$OUT/tests.xml" tests/model
+run_section steps_4096 230 "${BENCH[@]}" --sizes gpu --sections steps --lengths 4096 --json "$OUT/steps_4096.json"
+run_section flex 40 "${BENCH[@]}" --sizes gpu --sections flex --json "$OUT/flex.json"
+run_section decode 60 "${BENCH[@]}" --sizes gpu --sections decode --encoders none,rope,alibi,t5 \
+    --json "$OUT/decode.json"
+if [ "${GPU_CHECK_COMPILED_1024:-0}" = 1 ]; then
+    run_section steps_1024 300 "${BENCH[@]}" --sizes gpu --sections steps --lengths 1024 --json "$OUT/steps_1024.json"
+else
+    run_section steps_1024 50 "${BENCH[@]}" --sizes gpu --sections steps --lengths 1024 --modes eager \
+        --json "$OUT/steps_1024.json"
+fi
+"$PY" experiments/gpu_check_report.py "$OUT" || echo "gpu_check: the report failed (see above)"
+exit 0

@@ -1,0 +1,276 @@
+"""The table and JSON of ``experiments/gpu_check.sh``: one row per encoder, every figure
+a ratio against ``none`` measured in the same run.
+
+    python experiments/gpu_check_report.py OUT_DIR [--cpu]
+
+Reads what the sections left in OUT_DIR (``bench.py --json`` reports, the tests'
+JUnit XML, each section's ``.status``: exit code, seconds, limit), prints the table
+with the sections' status and the goals of #34 above it, and writes
+``OUT_DIR/gpu_check.json``. A section that failed or ran out of time leaves its
+columns empty ("-").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+#: Score-term schemes served by FlexAttention on a GPU (bench_steps.FLEX).
+FLEX = ["alibi", "t5", "fire", "xl", "deberta", "shaw_no_value"]
+WHAT = re.compile(r"^(?P<mode>[a-z]+): (?P<enc>[a-z0-9_]+) @ (?P<b>\d+)x(?P<t>\d+)")
+DECODE = re.compile(r"^(?P<mode>cached|uncached): LM (?P<enc>[a-z0-9_]+),")
+
+
+def sections(out: Path) -> dict[str, dict[str, Any]]:
+    """Each section's status from its ``.status`` file: ok, failed or timed out."""
+    found = {}
+    for path in sorted(out.glob("*.status")):
+        rc, seconds, limit = (int(x) for x in path.read_text().split())
+        state = "ok" if rc == 0 else "timed out" if rc in (124, 137) else f"failed (exit {rc})"
+        found[path.stem] = {
+            "status": state,
+            "rc": rc,
+            "seconds": seconds,
+            "limit_s": limit,
+            "log": str(out / f"{path.stem}.log"),
+        }
+    return found
+
+
+def tests(out: Path) -> dict[str, Any] | None:
+    """Counts of the cuda-marked tests from their JUnit XML (None when absent)."""
+    path = out / "tests.xml"
+    if not path.is_file():
+        return None
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        return None
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return None
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in suite.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    return {
+        **counts,
+        "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+        "failed": failed,
+    }
+
+
+def _rows(report: dict[str, Any], section: str) -> list[dict[str, Any]]:
+    return report.get("sections", {}).get(section, {}).get("rows", [])
+
+
+def collect(out: Path) -> tuple[dict[str, dict[str, float | None]], dict[str, Any]]:
+    """Per encoder, the figures of every report in ``out``; and the reports' metadata."""
+    table: dict[str, dict[str, float | None]] = {}
+    meta: dict[str, Any] = {}
+
+    def put(enc: str, column: str, value: float | None) -> None:
+        table.setdefault(enc, {})[column] = value
+
+    for path in sorted(out.glob("*.json")):
+        if path.name == "gpu_check.json":
+            continue
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if "sections" not in report:
+            continue
+        meta[path.stem] = report.get("meta", {})
+        for row in _rows(report, "steps"):
+            m = WHAT.match(row["what"])
+            if not m or row["ratio"] is None:
+                continue
+            mode, enc, t = m["mode"], m["enc"], m["t"]
+            put(enc, f"{mode} T={t}", row["ratio"])
+            if mode == "eager":
+                put(enc, f"memory T={t}", row["raw"].get("peak_ratio"))
+            if "vs_eager" in row["raw"]:
+                put(enc, f"compiled/eager T={t}", row["raw"]["vs_eager"])
+        for row in _rows(report, "flex"):
+            m = WHAT.match(row["what"])
+            if not m or row["ratio"] is None:
+                continue
+            put(m["enc"], f"{m['mode']} path T={m['t']}", row["ratio"])
+            if "vs_explicit" in row["raw"]:
+                put(m["enc"], f"flex/explicit T={m['t']}", row["raw"]["vs_explicit"])
+        cached: dict[str, float] = {}
+        for row in _rows(report, "decode"):
+            m = DECODE.match(row["what"])
+            if not m or row["median"] is None:
+                continue
+            if m["mode"] == "cached":
+                cached[m["enc"]] = row["median"]
+                put(m["enc"], "cached/uncached", row["ratio"])
+        if "none" in cached:
+            for enc, seconds in cached.items():
+                put(enc, "cached decode", cached["none"] / seconds)
+    return table, meta
+
+
+def _length(column: str) -> int:
+    m = re.search(r"T=(\d+)", column)
+    return int(m[1]) if m else 0
+
+
+ORDER = [
+    "eager",
+    "memory",
+    "compiled",
+    "compiled/eager",
+    "default path",
+    "explicit path",
+    "flex/explicit",
+    "cached decode",
+    "cached/uncached",
+]
+
+
+def columns(table: dict[str, dict[str, float | None]]) -> list[str]:
+    """Every column present, by kind (ORDER) then length."""
+    present = {c for row in table.values() for c in row}
+
+    def key(c: str) -> tuple[int, int]:
+        kind = c.split(" T=")[0]
+        return (ORDER.index(kind) if kind in ORDER else len(ORDER), _length(c))
+
+    return sorted(present, key=key)
+
+
+def goals(table: dict[str, dict[str, float | None]]) -> list[dict[str, Any]]:
+    """#34's goals on a GPU, judged where the figures are there."""
+    out = []
+    t_max = max((_length(c) for row in table.values() for c in row), default=0)
+    for enc in FLEX:
+        row = table.get(enc, {})
+        speed = row.get(f"eager T={t_max}")
+        if speed is not None:
+            out.append(
+                {
+                    "goal": f"{enc}: eager tokens/s >= 0.8x none at T={t_max}",
+                    "value": speed,
+                    "met": speed >= 0.8,
+                }
+            )
+        mems = sorted(
+            (_length(c), v) for c, v in row.items() if c.startswith("memory") and v is not None
+        )
+        if len(mems) >= 2:  # equal tokens per step: linear memory keeps the ratio flat
+            (t0, m0), (t1, m1) = mems[0], mems[-1]
+            out.append(
+                {
+                    "goal": f"{enc}: peak memory linear in T (ratio to none at T={t1} "
+                    f"<= 1.25x the one at T={t0})",
+                    "value": m1 / m0,
+                    "met": m1 / m0 <= 1.25,
+                }
+            )
+    for enc, row in table.items():
+        for c, v in row.items():
+            if c.startswith("compiled/eager") and v is not None:
+                out.append(
+                    {
+                        "goal": f"{enc}: model.compile=true >= eager ({c.split()[-1]})",
+                        "value": v,
+                        "met": v >= 1.0,
+                    }
+                )
+            if c == "cached/uncached" and v is not None:
+                out.append(
+                    {"goal": f"{enc}: cached decoding >= 5x uncached", "value": v, "met": v >= 5.0}
+                )
+    return out
+
+
+def render(table: dict[str, dict[str, float | None]], cols: list[str]) -> str:
+    lines = ["| encoder | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    first = ["none"] + sorted(e for e in table if e != "none")
+    for enc in first:
+        if enc not in table:
+            continue
+        cells = [table[enc].get(c) for c in cols]
+        lines.append(
+            f"| {enc} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path, help="the folder gpu_check.sh wrote")
+    p.add_argument("--cpu", action="store_true", help="the no-GPU run (quick sizes)")
+    args = p.parse_args(argv)
+    if not args.out.is_dir():
+        print(f"gpu_check_report: {args.out} is not a folder", file=sys.stderr)
+        return 2
+    status = sections(args.out)
+    test_counts = tests(args.out)
+    table, meta = collect(args.out)
+    cols = columns(table)
+    judged = goals(table) if not args.cpu else []
+    gpu = (args.out / "gpu.txt").read_text().strip() if (args.out / "gpu.txt").is_file() else ""
+    torch_version = next((m.get("torch") for m in meta.values() if m.get("torch")), "?")
+    device = next((m.get("device") for m in meta.values() if m.get("device")), "?")
+    print(
+        f"# posenc GPU check: {gpu or device}, torch {torch_version}"
+        + (" (no GPU: CPU parts at the quick sizes)" if args.cpu else "")
+    )
+    print(
+        "sections: "
+        + ", ".join(
+            f"{n} {s['status']} ({s['seconds']}/{s['limit_s']} s)" for n, s in status.items()
+        )
+    )
+    if test_counts is not None:
+        failed = "; failed: " + ", ".join(test_counts["failed"]) if test_counts["failed"] else ""
+        print(
+            f"cuda tests: {test_counts['passed']} passed, {test_counts['skipped']} skipped, "
+            f"{test_counts['failures'] + test_counts['errors']} failed{failed}"
+        )
+    unmet = [g for g in judged if not g["met"]]
+    if judged:
+        print(
+            f"goals (#34): {len(judged) - len(unmet)} of {len(judged)} met"
+            + (
+                "; not met: " + "; ".join(f"{g['goal']} ({g['value']:.2f})" for g in unmet)
+                if unmet
+                else ""
+            )
+        )
+    print(
+        "\nEvery figure is a ratio against `none` in the same run (speed: > 1 faster; "
+        "memory: peak step memory, > 1 more), except compiled/eager, flex/explicit and "
+        "cached/uncached (the same encoder's two ways).\n"
+    )
+    print(render(table, cols) if table else "(no figures: every section failed)")
+    result = {
+        "device": gpu or device,
+        "torch": torch_version,
+        "cpu_only": args.cpu,
+        "sections": status,
+        "tests": test_counts,
+        "columns": cols,
+        "table": table,
+        "goals": judged,
+        "reports": meta,
+    }
+    path = args.out / "gpu_check.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
