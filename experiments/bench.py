@@ -283,8 +283,7 @@ TITLES = {
     "decode": "Decoding with the key/value cache, speed relative to without",
     "steps": "Training step (bf16 on a GPU), eager and model.compile=true, tokens/s relative "
     "to `none` in the same mode",
-    "flex": "FlexAttention (the default on a GPU) and the explicit path, tokens/s relative "
-    "to `none`",
+    "flex": "FlexAttention (forced; a GPU only) and the explicit path, tokens/s relative to `none`",
 }
 
 

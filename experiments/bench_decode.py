@@ -13,11 +13,13 @@ instead of stopping the benchmark).
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import torch
 from bench_common import Goal, Row, interleaved
+from bench_steps import failure_text
 
 from posenc.encoders import available
 from posenc.model import DecoderLM, EncoderDecoder
@@ -62,7 +64,16 @@ def run(
             c: (lambda c=c, m=model: generate(m, ids, new, temperature=0, use_cache=c))
             for c in (True, False)
         }
-        differ = _first_difference(runs[True](), runs[False](), prompt)
+        try:  # the first runs compile; one scheme's failure leaves the others measured
+            differ = _first_difference(runs[True](), runs[False](), prompt)
+        except Exception as e:  # reported in the row
+            if device.type != "cuda":
+                raise
+            text = failure_text(e)
+            print(f"decode {enc}: failed: {text}", file=sys.stderr, flush=True)
+            what = f"cached: LM {enc}, {new} new after {prompt}"
+            rows.append(Row(what, None, None, None, note=f"failed: {text}", raw={"failed": text}))
+            continue
         if differ is not None and device.type != "cuda":
             raise AssertionError(f"{enc}: cached generation differs from uncached")
         measure = {

@@ -23,6 +23,8 @@ which is not timed.
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -94,18 +96,45 @@ def _measure(
     baseline: str,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, float | None]]:
     """Interleaved step times of ``models`` (the warm-up round compiles) and each one's
-    peak step memory, measured after the timing."""
+    peak step memory, measured after the timing. A model whose warm-up raises (a
+    kernel that does not compile on this card, say) is left out of the rounds: its
+    stats are ``{"failed": "<error>"}`` and the others are still measured; the
+    baseline's failure is raised."""
     measure = {
         key: _stepper(model, opt, ids, tgt, steps, device, autocast)
         for key, (model, opt) in models.items()
     }
-    stats = interleaved(measure, baseline=baseline, rounds=rounds)
+    failed: dict[str, dict[str, Any]] = {}
+    for key in list(measure):  # the warm-up round, one model at a time
+        try:
+            measure[key]()
+        except Exception as e:  # reported in the row; the others go on
+            if key == baseline:
+                raise
+            failed[key] = {"failed": failure_text(e)}
+            print(f"{key}: failed: {failed[key]['failed']}", file=sys.stderr, flush=True)
+            del measure[key]
+    stats: dict[str, dict[str, Any]] = interleaved(
+        measure, baseline=baseline, rounds=rounds, warmup=0
+    )
     peaks = {key: peak_mib(lambda f=f: f(), device) for key, f in measure.items()}
+    stats.update(failed)
+    peaks.update(dict.fromkeys(failed))
     return stats, peaks
+
+
+def failure_text(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message that says
+    something (Inductor wraps the cause in several lines of context)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    informative = [ln for ln in lines if "Error" in ln or "error" in ln] or lines or [""]
+    return f"{type(e).__name__}: {informative[-1][:300]}"
 
 
 def _ratio_to(stats: dict[str, dict[str, Any]], key: str, ref: str) -> float:
     """Median over rounds of ``ref``'s time over ``key``'s: ``key``'s speed vs ``ref``."""
+    if "failed" in stats[ref] or "failed" in stats[key]:
+        return math.nan
     pairs = zip(stats[ref]["times_s"], stats[key]["times_s"], strict=True)
     ratios = sorted(r / k for r, k in pairs)
     mid = len(ratios) // 2
@@ -122,7 +151,18 @@ def _row(
     goal: Goal | None,
     extra: dict[str, Any] | None = None,
 ) -> Row:
-    """One row: ``key``'s speed relative to ``ref`` (same rounds) and peak memory."""
+    """One row: ``key``'s speed relative to ``ref`` (same rounds) and peak memory; a
+    row without figures when either failed."""
+    for name in (key, ref):
+        if "failed" in stats[name]:
+            return Row(
+                what,
+                None,
+                None,
+                None,
+                note=f"{name} failed: {stats[name]['failed']}",
+                raw={"failed": stats[name]["failed"]},
+            )
     s = dict(stats[key])
     ratio = _ratio_to(stats, key, ref)
     s["ratio"], s["tokens_per_s"] = ratio, tokens / s["median_s"]
@@ -194,8 +234,11 @@ def run_steps(
                 key = f"{mode}: {enc}"
                 flex_goal = mode == "eager" and longest and device.type == "cuda" and enc in FLEX
                 extra = {}
+                vs_eager = math.nan
                 if mode == "compiled" and "eager" in modes:
-                    extra["vs_eager"] = _ratio_to(stats, key, f"eager: {enc}")
+                    vs_eager = _ratio_to(stats, key, f"eager: {enc}")
+                if not math.isnan(vs_eager):
+                    extra["vs_eager"] = vs_eager
                 rows.append(
                     _row(
                         f"{key} @ {batch}x{length}",
@@ -236,7 +279,9 @@ def run_flex(
     dtype: str,
     device: torch.device,
 ) -> dict[str, Any]:
-    """FlexAttention (the default) vs the explicit path, per scheme with a score_mod, eager.
+    """FlexAttention (forced) vs the explicit path, per scheme with a score_mod, eager:
+    what decides :attr:`~posenc.encoders.base.AttentionPositional.flex_trains` (the
+    default training path is the eager rows of the ``steps`` section).
 
     Returns:
         ``{"config", "baseline", "unit", "rows"}``; ratios are vs ``none``, and the flex
@@ -246,11 +291,12 @@ def run_flex(
     batch, length = shape
     ids, tgt = random_batch(batch, length, vocab, device, seed=length)
     models = {f"default: {BASELINE}": _build(BASELINE, model_cfg, vocab, device, length)}
+    # FlexAttention has no backward on a CPU (torch 2.13): only the explicit arms there.
+    arms = ("flex", "explicit") if device.type == "cuda" else ("explicit",)
     for enc in FLEX:
-        for backend in ("default", "explicit"):
+        for backend in arms:
             model, opt = _build(enc, model_cfg, vocab, device, length)
-            if backend == "explicit":
-                _set_backend(model, "explicit")
+            _set_backend(model, backend)
             models[f"{backend}: {enc}"] = (model, opt)
     base = f"default: {BASELINE}"
     stats, peaks = _measure(
@@ -265,11 +311,12 @@ def run_flex(
     )
     rows = [_row(f"{base} @ {batch}x{length}", stats, peaks, base, base, batch * length, None)]
     for enc in FLEX:
-        for backend in ("default", "explicit"):
+        for backend in arms:
             key = f"{backend}: {enc}"
             extra = {}
-            if backend == "default":
-                extra["vs_explicit"] = _ratio_to(stats, key, f"explicit: {enc}")
+            vs_explicit = _ratio_to(stats, key, f"explicit: {enc}")
+            if backend == "flex" and not math.isnan(vs_explicit):
+                extra["vs_explicit"] = vs_explicit
             rows.append(
                 _row(
                     f"{key} @ {batch}x{length}",

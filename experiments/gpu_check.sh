@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (#34): what a researcher gets on one GPU, in at most 8 minutes on an
+# The GPU check (#34): what a researcher gets on one GPU, in about 10 minutes on an
 # H100-class card. Prints one table and writes gpu_check.json (plus each section's log
 # and JSON) to OUT_DIR (default outputs/gpu_check/<date-time>).
 #
@@ -10,15 +10,17 @@
 #   tests       python -m pytest -m cuda (the cuda-marked tests)
 #   steps_4096  every encoder's bf16 training step at 4x4096, eager (the default) and
 #               model.compile=true: tokens/s and peak memory relative to `none`
-#   flex        FlexAttention vs the explicit path at 4x4096, relative to `none`
+#   flex        FlexAttention (forced) vs the explicit path at 4x4096, relative to `none`
 #   decode      greedy generation of 512 tokens after 128, cached and uncached (none,
 #               rope, and two FlexAttention schemes: alibi, t5)
 #   steps_1024  the eager training steps at 16x1024 (equal tokens per step: memory
 #               linear in T keeps the ratio to `none` flat between the two lengths);
 #               GPU_CHECK_COMPILED_1024=1 adds the compiled steps there too (11 more
-#               compilations: past the 8 minutes)
-# The limits below are estimates (compiling 11 models is most of it); a first run on a
-# card says which to move.
+#               compilations: past the 10 minutes)
+# GPU_CHECK_SECTIONS=tests,flex (say) runs only those; GPU_CHECK_MODES=eager leaves the
+# compiled steps out of steps_4096. The limits below come from a first run on an H200
+# (compiling the kernels is most of the time); a section past its limit leaves its
+# columns empty and the table says so.
 # Every figure is a ratio against `none` measured in the same run (bench.py's sections
 # steps, flex and decode with --sizes gpu: experiments/bench_steps.py, bench_decode.py).
 #
@@ -72,18 +74,26 @@ if ! "$PY" -c "import hydra, omegaconf" 2>/dev/null && ls .whl/*.whl >/dev/null 
         && export PYTHONPATH="$PYTHONPATH:/tmp/posenc-site"
 fi
 
+# want SECTION: whether GPU_CHECK_SECTIONS (comma-separated; default all) names it.
+want() { [[ ",${GPU_CHECK_SECTIONS:-tests,steps_4096,flex,decode,steps_1024}," == *",$1,"* ]]; }
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
-run_section tests 90 "$PY" -m pytest -m cuda -q -p no:cacheprovider \
-    --junitxml="$OUT/tests.xml" tests/model
-run_section steps_4096 230 "${BENCH[@]}" --sizes gpu --sections steps --lengths 4096 --json "$OUT/steps_4096.json"
-run_section flex 40 "${BENCH[@]}" --sizes gpu --sections flex --json "$OUT/flex.json"
-run_section decode 60 "${BENCH[@]}" --sizes gpu --sections decode --encoders none,rope,alibi,t5 \
+# The tests compile a kernel or two each: four workers (pytest-xdist, when installed).
+XDIST=()
+"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
+want tests && run_section tests 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider "${XDIST[@]}" \
+    --tb=line -rfE --junitxml="$OUT/tests.xml" tests/model
+want steps_4096 && run_section steps_4096 230 "${BENCH[@]}" --sizes gpu --sections steps --lengths 4096 \
+    --modes "${GPU_CHECK_MODES:-eager,compiled}" --json "$OUT/steps_4096.json"
+want flex && run_section flex 120 "${BENCH[@]}" --sizes gpu --sections flex --json "$OUT/flex.json"
+want decode && run_section decode 90 "${BENCH[@]}" --sizes gpu --sections decode --encoders none,rope,alibi,t5 \
     --json "$OUT/decode.json"
 if [ "${GPU_CHECK_COMPILED_1024:-0}" = 1 ]; then
-    run_section steps_1024 300 "${BENCH[@]}" --sizes gpu --sections steps --lengths 1024 --json "$OUT/steps_1024.json"
-else
-    run_section steps_1024 50 "${BENCH[@]}" --sizes gpu --sections steps --lengths 1024 --modes eager \
+    want steps_1024 && run_section steps_1024 300 "${BENCH[@]}" --sizes gpu --sections steps --lengths 1024 \
         --json "$OUT/steps_1024.json"
+else
+    want steps_1024 && run_section steps_1024 60 "${BENCH[@]}" --sizes gpu --sections steps --lengths 1024 \
+        --modes eager --json "$OUT/steps_1024.json"
 fi
 "$PY" experiments/gpu_check_report.py "$OUT" || echo "gpu_check: the report failed (see above)"
 exit 0

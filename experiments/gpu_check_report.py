@@ -71,6 +71,23 @@ def _rows(report: dict[str, Any], section: str) -> list[dict[str, Any]]:
     return report.get("sections", {}).get(section, {}).get("rows", [])
 
 
+def failures(out: Path) -> list[str]:
+    """The measurements a section left without figures because they raised:
+    ``"<row>: <error>"`` (the benchmarks go on past them)."""
+    found = []
+    for path in sorted(out.glob("*.json")):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        for section in report.get("sections", {}).values():
+            for row in section.get("rows", []) if isinstance(section, dict) else []:
+                raw = row.get("raw") or {}
+                if "failed" in raw:
+                    found.append(f"{row['what']}: {raw['failed']}")
+    return found
+
+
 def collect(out: Path) -> tuple[dict[str, dict[str, float | None]], dict[str, Any]]:
     """Per encoder, the figures of every report in ``out``; and the reports' metadata."""
     table: dict[str, dict[str, float | None]] = {}
@@ -101,7 +118,7 @@ def collect(out: Path) -> tuple[dict[str, dict[str, float | None]], dict[str, An
                 put(enc, f"compiled/eager T={t}", row["raw"]["vs_eager"])
         for row in _rows(report, "flex"):
             m = WHAT.match(row["what"])
-            if not m or row["ratio"] is None:
+            if not m or row["ratio"] is None or m["mode"] == "default":  # none's row
                 continue
             put(m["enc"], f"{m['mode']} path T={m['t']}", row["ratio"])
             if "vs_explicit" in row["raw"]:
@@ -130,7 +147,7 @@ ORDER = [
     "memory",
     "compiled",
     "compiled/eager",
-    "default path",
+    "flex path",
     "explicit path",
     "flex/explicit",
     "cached decode",
@@ -239,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             f"cuda tests: {test_counts['passed']} passed, {test_counts['skipped']} skipped, "
             f"{test_counts['failures'] + test_counts['errors']} failed{failed}"
         )
+    failed_rows = failures(args.out)
+    for line in failed_rows:
+        print(f"failed: {line}")
     unmet = [g for g in judged if not g["met"]]
     if judged:
         print(
@@ -264,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "columns": cols,
         "table": table,
         "goals": judged,
+        "failed": failed_rows,
         "reports": meta,
     }
     path = args.out / "gpu_check.json"

@@ -234,6 +234,14 @@ class AttentionPositional(nn.Module):
     #: True when the scheme needs the attention probabilities (a value term);
     #: attention then takes its explicit-softmax path instead of the fused kernel.
     needs_probs: bool = False
+    #: False when the score term's gradient lands in a small table (a learned value
+    #: per bucket or offset, or a few scalars): FlexAttention's backward adds every
+    #: (query, key) pair's gradient into it with atomic adds, which serialise. Measured
+    #: on an H200 (torch 2.11, bf16, 4x4096, docs/performance.md): T5's training step
+    #: at 0.03x ``none``'s, DeBERTa's at 0.29x; FIRE's scalars did not compile. On a
+    #: GPU such a scheme trains through the explicit path (SDPA with the term as an
+    #: additive mask) and evaluates and decodes through FlexAttention.
+    flex_trains: bool = True
 
     @property
     def adds_scores(self) -> bool:

@@ -135,9 +135,16 @@ def fused_bias_kernel(q: Tensor) -> bool:
     return q.device.type == "cuda"
 
 
+#: FlexAttention's GPU kernel needs head dims of at least 16 (torch 2.11: "NYI:
+#: embedding dimension of the query, key, and value must be at least 16").
+FLEX_MIN_HEAD_DIM = 16
+
+
 def use_flex(backend: str, q: Tensor, pos: AttentionPositional, p_drop: float) -> bool:
     """FlexAttention for this call: forced (``flex``, ``flex_eager``), or on a GPU for a
-    scheme with a score term, no value term and no dropout."""
+    scheme with a score term, no value term and no dropout, heads of at least
+    :data:`FLEX_MIN_HEAD_DIM`, and, when gradients are recorded, a score term whose
+    FlexAttention backward is fast (:attr:`AttentionPositional.flex_trains`)."""
     if backend in ("flex", "flex_eager"):
         return True
     return (
@@ -146,6 +153,8 @@ def use_flex(backend: str, q: Tensor, pos: AttentionPositional, p_drop: float) -
         and pos.adds_scores
         and not pos.needs_probs
         and p_drop == 0.0
+        and q.shape[-1] >= FLEX_MIN_HEAD_DIM
+        and (pos.flex_trains or not torch.is_grad_enabled())
     )
 
 
@@ -181,15 +190,26 @@ def compiled_flex_attention() -> Callable[..., Tensor]:
     return _compiled_flex
 
 
-def _recompile_limit() -> AbstractContextManager[Any]:
-    """Dynamo's per-function recompile limit raised to :data:`FLEX_RECOMPILE_LIMIT` for
-    one eager call of the compiled kernel (the option is ``cache_size_limit`` before
-    torch 2.7); nothing inside a compiled model, whose own limit counts."""
+def _compiled_call_config() -> AbstractContextManager[Any]:
+    """Dynamo's settings for one eager call of the compiled kernel; nothing inside a
+    compiled model, whose own settings count.
+
+    * The per-function recompile limit raised to :data:`FLEX_RECOMPILE_LIMIT` (the
+      option is ``cache_size_limit`` before torch 2.7).
+    * Python ints specialized (``specialize_int``): every scheme's ``score_mod`` passes
+      through the one compiled function, so by default the second scheme's different
+      int in the same closure slot (T5's M after Shaw's K) turns the int into a symbol,
+      and Inductor's FlexAttention lowering cannot take a symbol among a score_mod's
+      captured values (torch 2.11 to 2.13: "'ShapeAsConstantBuffer' object has no
+      attribute 'dtype'"). Shapes stay dynamic: tensor sizes are not ints here."""
+    if torch.compiler.is_compiling():
+        return nullcontext()
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    if torch.compiler.is_compiling() or getattr(config, name) >= FLEX_RECOMPILE_LIMIT:
-        return nullcontext()
-    return config.patch({name: FLEX_RECOMPILE_LIMIT})
+    changes: dict[str, Any] = {"specialize_int": True}
+    if getattr(config, name) < FLEX_RECOMPILE_LIMIT:
+        changes[name] = FLEX_RECOMPILE_LIMIT
+    return config.patch(changes)
 
 
 def block_mask(
@@ -231,7 +251,11 @@ def block_mask(
             return ok
 
         b = key_valid.shape[0] if key_valid is not None else None
-        return create_block_mask(mask_mod, b, None, t, s, device=device)
+        # Built eagerly, the mask evaluates mask_mod on the whole (T, S) grid with int64
+        # indices (about 170 MB above the model at T = 4096 on an H200, torch 2.11):
+        # compiled, block by block. Inside a compiled model it is traced anyway.
+        compiled = device.type in COMPILED_FLEX_DEVICES and not torch.compiler.is_compiling()
+        return create_block_mask(mask_mod, b, None, t, s, device=device, _compile=compiled)
 
     return cast(BlockMask, ctx.shared(key, make))
 
@@ -261,7 +285,7 @@ def flex_attend(
     kernel: Callable[..., Any] = flex_attention
     limit: AbstractContextManager[Any] = nullcontext()
     if not eager:
-        kernel, limit = compiled_flex_attention(), _recompile_limit()
+        kernel, limit = compiled_flex_attention(), _compiled_call_config()
     with limit:
         out = kernel(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale)
     return cast(Tensor, out)

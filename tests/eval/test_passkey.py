@@ -397,8 +397,8 @@ def test_report_means_grids_over_seeds() -> None:
     ]  # another grid: left out
     none = [Run(Path("n"), {"task": "lm", "encoder": "none", "passkey": {}})]
     means = passkey_means({("lm", "rope"): rope, ("lm", "none"): none}, "test")
-    lengths, depths, grid, n = means["rope"]
-    assert (lengths, depths, n) == ([64, 128], [0.0, 1.0], 2)
+    lengths, depths, grid, n, blank = means["rope"]
+    assert (lengths, depths, n, blank) == ([64, 128], [0.0, 1.0], 2, ["skipped"] * 2)
     assert grid[0] == [0.75, 0.5] and grid[1][0] == 0.25 and math.isnan(grid[1][1])
     assert "none" not in means
 
@@ -437,7 +437,7 @@ def test_report_draws_the_heatmaps_and_columns(tmp_path: Path) -> None:
     assert rows["test/passkey@64"].mean == pytest.approx(0.625)
     assert rows["test/passkey@128"].mean == pytest.approx(0.375)
     table = (tmp_path / "report" / "report.md").read_text()
-    assert "| encoder | test/ppl@64 | test/passkey@64 | test/passkey@128 |" in table
+    assert "| encoder | learned | n | test/ppl@64 | test/passkey@64 | test/passkey@128 |" in table
 
 
 def test_checkpoints_from_before_the_mix_resume(tmp_path: Path) -> None:

@@ -36,8 +36,8 @@ SCORED = {
 CASES = [(11, 11, 0, 0), (7, 7, 5, 5), (5, 13, 8, 0), (9, 9, None, None)]
 
 
-def _enc(name: str):
-    return build(name.split("_")[0], d_model=H * D, n_heads=H, n_layers=1, **SCORED[name])
+def _enc(name: str, head_dim: int = D):
+    return build(name.split("_")[0], d_model=H * head_dim, n_heads=H, n_layers=1, **SCORED[name])
 
 
 def _positions(t: int, s: int, q0: int | None, k0: int | None):
@@ -247,20 +247,68 @@ def test_flex_inside_a_compiled_model_is_one_graph() -> None:
     torch.testing.assert_close(step[:, 0], full[:, -1], atol=2e-5, rtol=2e-5)
 
 
+# ------------------------------------------------ which path: decided without a GPU
+class _OnCuda:
+    """Stands in for a CUDA query tensor: use_flex reads only its device and shape."""
+
+    def __init__(self, head_dim: int) -> None:
+        self.device = torch.device("cuda")
+        self.shape = (1, H, 8, head_dim)
+
+
+@pytest.mark.parametrize("name", sorted({n.split("_")[0] for n in SCORED}))
+def test_auto_path_on_a_gpu(name: str) -> None:
+    """On a GPU, auto takes FlexAttention for a score term without a value term, except
+    for training a scheme whose gradient lands in a small table (flex_trains False:
+    its backward serialises on atomic adds) and below the kernel's smallest head dim."""
+    pos = build(name, d_model=H * 16, n_heads=H, n_layers=1, **SCORED[name]).for_attention(
+        layer=0, kind=AttnKind.CAUSAL
+    )
+    q = _OnCuda(16)
+    with torch.no_grad():  # evaluation and decoding
+        assert backends.use_flex("auto", q, pos, 0.0)
+        assert not backends.use_flex("auto", _OnCuda(8), pos, 0.0)  # head dim 8 < 16
+        assert not backends.use_flex("auto", q, pos, 0.1)  # dropout: explicit
+        assert not backends.use_flex("explicit", q, pos, 0.0)
+    with torch.enable_grad():
+        assert backends.use_flex("auto", q, pos, 0.0) is pos.flex_trains
+        assert backends.use_flex("flex", q, pos, 0.0)  # forced
+    assert pos.flex_trains is (name in ("alibi", "xl"))
+
+
 # ------------------------------------------------------------------ on a GPU (skipped here)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+#: The GPU kernel's smallest head dim (backends.FLEX_MIN_HEAD_DIM).
+D_CUDA = 16
+#: FIRE's learned scalars as FlexAttention captures: torch 2.11's backward lowering
+#: fails on them (an AssertionError in process_joint_outputs, seen on an H200); FIRE
+#: trains through the explicit path (flex_trains), so only a forced flex fails.
+NO_FLEX_BACKWARD = {"fire"}
+
+
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("name", list(SCORED))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(reason="no flex backward", strict=False))
+        if n in NO_FLEX_BACKWARD
+        else n
+        for n in SCORED
+    ],
+)
 def test_flex_gradients_equal_explicit_on_cuda(name: str) -> None:
-    enc = _enc(name).cuda()
+    enc = _enc(name, D_CUDA).cuda()
     attn = Attention(
-        d_model=H * D, n_heads=H, dropout=0.0, pos=enc.for_attention(layer=0, kind=AttnKind.CAUSAL)
+        d_model=H * D_CUDA,
+        n_heads=H,
+        dropout=0.0,
+        pos=enc.for_attention(layer=0, kind=AttnKind.CAUSAL),
     ).cuda()
     pos = torch.arange(64, device="cuda")[None]
-    x = torch.randn(2, 64, H * D, device="cuda", requires_grad=True)
+    x = torch.randn(2, 64, H * D_CUDA, device="cuda", requires_grad=True)
     results = []
     for backend in ("explicit", "flex"):
         attn.backend = backend
