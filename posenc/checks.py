@@ -188,9 +188,10 @@ def lm_batch(cfg: DictConfig, train_tokens: int, vocab_size: int) -> str | None:
 
 def algo_memory(cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
     """The problem with an algorithmic task's sizes that would exhaust the memory, or None:
-    its test set (``task.test_per_size`` instances of every size ``lo..test_hi``, held
-    in memory) or, on a CPU, the attention scores of one training batch at the largest
-    training size (``batch x heads x T^2`` per layer, kept for the backward pass).
+    its test set (``task.test_per_size`` instances of every size of the test grid up to
+    ``test_hi``, for each test distribution, held in memory) or, on a CPU, the attention
+    scores of one training batch at the largest training size (``batch x heads x T^2``
+    per layer, kept for the backward pass).
 
     Args:
         cfg: The run config (task=algo, known problem and shape).
@@ -198,19 +199,25 @@ def algo_memory(cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
         hi: The largest training size.
         test_hi: The largest test size.
     """
-    from posenc.config import algo_longest
+    from posenc.config import algo_longest, algo_options
+    from posenc.data.algo import PROBLEMS
+    from posenc.data.algo_problems import grid_sizes
 
     ram = _physical_memory()
     if not ram:
         return None
     t = cfg.task
-    # sum over sizes of longest(n), from its values at the ends (linear in n for every
-    # problem): int64 token ids, input and target
-    ends = (algo_longest(cfg, lo) or 0) + (algo_longest(cfg, test_hi) or 0)
-    test_bytes = t.test_per_size * (test_hi - lo + 1) * ends / 2 * 8 * 2
+    problem = PROBLEMS[t.problem]
+    grid = t.get("test_sizes", "auto")
+    grid = problem.grid if grid == "auto" else grid
+    sizes = grid_sizes(problem, lo, hi, test_hi, grid, algo_options(cfg))
+    # int64 token ids, input and target, of every instance of every distribution
+    positions = sum(algo_longest(cfg, n) or 0 for n in sizes)
+    test_bytes = t.test_per_size * len(problem.variants) * positions * 8 * 2
     if test_bytes > ram / 4:
+        where = f"every size {sizes[0]}..{sizes[-1]}" if grid == "every" else f"sizes {sizes}"
         return (f"task.train_lengths=[{lo},{hi}]: its test set ({t.test_per_size} instances "
-                f"of every size {lo}..{test_hi}, task.test_multiple={t.test_multiple}) needs "
+                f"of {where}, task.test_multiple={t.test_multiple}) needs "
                 f"{test_bytes / 2**30:.1f} GiB, over a quarter of this machine's "
                 f"{ram / 2**30:.1f} GiB; lower the largest size, task.test_multiple or "
                 f"task.test_per_size")
