@@ -186,8 +186,18 @@ def skip_reason(c: Command) -> str | None:
             "needs the README's example encoder saved as a file "
             "(tests/encoders/test_readme_example.py runs that example)"
         )
-    if c.words[:3] == ("python", "-m", "posenc.report") and len(c.words) == 3:
-        return "a reference in prose ('... on its directory'), not a whole command"
+    if any("..." in w for w in c.words):
+        return "elided ('...'): a reference or a usage line, not a whole command"
+    if c.words[:3] in (("python", "-m", "posenc.report"), ("python", "-m", "posenc.generate")):
+        # an option's value is not the directory or checkpoint these need
+        args, i = list(c.words[3:]), 0
+        while i < len(args):
+            if args[i].startswith("-"):
+                del args[i : i + 2]
+            else:
+                i += 1
+        if not args:
+            return "a reference in prose (no directory or checkpoint), not a whole command"
     return None
 
 
@@ -234,8 +244,10 @@ def _setting(words: list[str], key: str, default: str) -> str:
 
 
 def _data(words: list[str]) -> set[str]:
-    """The data and tokenizer overrides of a command (empty: the task's defaults)."""
-    return {w for w in words if w.startswith(("data=", "data.", "tokenizer"))}
+    """The data and tokenizer overrides of a command (empty: the task's defaults), less
+    the size overrides this test appends (a run records them among its own)."""
+    appended = {s for sizes in SIZES.values() for s in sizes}
+    return {w for w in words if w.startswith(("data=", "data.", "tokenizer")) and w not in appended}
 
 
 def _data_of(run: Path) -> set[str]:
@@ -321,6 +333,7 @@ def check_result(
     if words[:3] == ["python", "-m", "posenc.report"]:
         target = Path(words[3])
         out = Path(words[words.index("--out") + 1]) if "--out" in words else target / "report"
+        out = out if out.is_absolute() else folder / out
         assert (out / "report.md").is_file(), said
     elif words[:3] == ["python", "-m", "posenc.generate"]:
         prompt = words[words.index("--prompt") + 1] if "--prompt" in words else ""

@@ -334,3 +334,18 @@ def test_sigterm_to_a_parallel_sweep_stops_its_jobs_and_says_how_to_resume(
     said = skipped.stdout + skipped.stderr
     assert said.count("finished already (metrics.json): skipped") == 2, said[-3000:]
     assert {p: p.read_bytes() for p in out.glob("*/metrics.json")} == before
+
+
+@pytest.mark.parametrize("preset", ["mt_length", "algo_content"])
+def test_a_presets_task_takes_the_task_keys_of_the_command_line(preset: str) -> None:
+    """A preset of one task selects it for the whole sweep, so the command line may set
+    that task's keys (``sweep=mt_length tokenizer.vocab_size=400`` was refused as a key
+    not in the LM task's config)."""
+    overrides = {
+        "mt_length": ["tokenizer.vocab_size=400", "task.max_len=64"],
+        "algo_content": ["task.test_per_size=8"],
+    }[preset]
+    cfg = compose_hydra(f"sweep={preset}", *overrides)
+    for o in overrides:
+        key, _, value = o.partition("=")
+        assert str(OmegaConf.select(cfg, key)) == value
