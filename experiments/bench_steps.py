@@ -314,9 +314,10 @@ def run_flex(
         for backend in arms:
             key = f"{backend}: {enc}"
             extra = {}
-            vs_explicit = _ratio_to(stats, key, f"explicit: {enc}")
-            if backend == "flex" and not math.isnan(vs_explicit):
-                extra["vs_explicit"] = vs_explicit
+            if backend == "flex":
+                vs_explicit = _ratio_to(stats, key, f"explicit: {enc}")
+                if not math.isnan(vs_explicit):
+                    extra["vs_explicit"] = vs_explicit
             rows.append(
                 _row(
                     f"{key} @ {batch}x{length}",
