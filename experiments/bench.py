@@ -42,11 +42,12 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import Row, fmt_seconds, markdown_table, pool_runs, pooled_table
+from bench_common import Row, fmt_seconds, markdown_table, pool_runs, pooled_table, row_line
 
 SECTIONS = ("train", "memory", "overhead", "compile", "decode")
 #: Sections run only when named in ``--sections``.
@@ -231,22 +232,31 @@ def header(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 
 def run_section(
-    name: str, sizes: dict[str, Any], device: torch.device, script: str
+    name: str,
+    sizes: dict[str, Any],
+    device: torch.device,
+    script: str,
+    on_row: Callable[[Row], None] | None = None,
 ) -> dict[str, Any]:
-    """Run one section; its modules are imported lazily (Lightning only for ``overhead``)."""
+    """Run one section; its modules are imported lazily (Lightning only for ``overhead``).
+    The GPU sections (steps, flex, decode) hand each row to ``on_row`` once measured."""
     model, vocab = sizes["model"], sizes["vocab"]
     if name in ("steps", "flex"):
         import bench_steps
 
         if name == "steps":
             return bench_steps.run_steps(
-                model_cfg=model, vocab=vocab, device=device, **sizes["steps"]
+                model_cfg=model, vocab=vocab, device=device, on_row=on_row, **sizes["steps"]
             )
-        return bench_steps.run_flex(model_cfg=model, vocab=vocab, device=device, **sizes["flex"])
+        return bench_steps.run_flex(
+            model_cfg=model, vocab=vocab, device=device, on_row=on_row, **sizes["flex"]
+        )
     if name == "decode":
         import bench_decode
 
-        return bench_decode.run(model_cfg=model, vocab=vocab, device=device, **sizes["decode"])
+        return bench_decode.run(
+            model_cfg=model, vocab=vocab, device=device, on_row=on_row, **sizes["decode"]
+        )
     if name == "compile":
         import bench_compile
 
@@ -374,9 +384,23 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"meta": meta, "sections": {}}
     unmet: list[str] = []
     t_all = time.perf_counter()
+
+    def write_json() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+
     for name in args.sections:
         t0 = time.perf_counter()
-        result = run_section(name, sizes, device, str(Path(__file__).resolve()))
+        partial: list[Row] = []
+
+        def on_row(row: Row, name: str = name, partial: list[Row] = partial) -> None:
+            """Print the row now and keep it in the JSON: a time limit loses nothing done."""
+            partial.append(row)
+            print(f"{name}: " + row_line(row), flush=True)
+            report["sections"][name] = {"partial": True, "rows": [r.to_json() for r in partial]}
+            write_json()
+
+        result = run_section(name, sizes, device, str(Path(__file__).resolve()), on_row)
         result["seconds"] = time.perf_counter() - t0
         print("\n" + render(name, result) + f"\n\n({result['seconds']:.0f} s)", flush=True)
         rows: list[Row] = result["rows"]
@@ -386,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     report["unmet_goals"] = unmet
     print(f"\n{len(unmet)} goal(s) not met" + (": " + "; ".join(unmet) if unmet else ""))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json()
         print(f"wrote {args.json}")
     return 0
 

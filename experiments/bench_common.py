@@ -82,6 +82,20 @@ class Row:
         }
 
 
+class RowList(list):
+    """A section's rows, each handed to ``on_row`` as it is appended (``bench.py`` prints
+    it and rewrites its ``--json``), so a section stopped by a time limit keeps them."""
+
+    def __init__(self, on_row: Callable[[Row], None] | None) -> None:
+        super().__init__()
+        self.on_row = on_row
+
+    def append(self, row: Row) -> None:
+        super().append(row)
+        if self.on_row is not None:
+            self.on_row(row)
+
+
 def interleaved(
     measure: dict[str, Callable[[], float]],
     *,
@@ -156,20 +170,24 @@ def markdown_table(rows: list[Row], *, value_name: str, fmt: Callable[[float | N
         f"| what | median {value_name} | ratio vs baseline [min, max] | goal | met? |",
         "|---|---|---|---|---|",
     ]
-    for row in rows:
-        what = f"{row.what} ({row.note})" if row.note else row.what
-        if row.ratio is None:
-            ratio = "-"
-        else:
-            spread = row.raw.get("ratio_min"), row.raw.get("ratio_max")
-            ratio = f"{row.ratio:.3f}"
-            if None not in spread and len(row.raw.get("ratios", [])) > 1:
-                ratio += f" [{spread[0]:.2f}, {spread[1]:.2f}]"
-        met = row.goal.met(row.ratio) if row.goal else None
-        mark = {True: "yes", False: "**no**", None: "-"}[met]
-        goal = str(row.goal) if row.goal else "-"
-        lines.append(f"| {what} | {fmt(row.median)} | {ratio} | {goal} | {mark} |")
+    lines += [row_line(row, fmt) for row in rows]
     return "\n".join(lines)
+
+
+def row_line(row: Row, fmt: Callable[[float | None], str] = fmt_seconds) -> str:
+    """One row of :func:`markdown_table`."""
+    what = f"{row.what} ({row.note})" if row.note else row.what
+    if row.ratio is None:
+        ratio = "-"
+    else:
+        spread = row.raw.get("ratio_min"), row.raw.get("ratio_max")
+        ratio = f"{row.ratio:.3f}"
+        if None not in spread and len(row.raw.get("ratios", [])) > 1:
+            ratio += f" [{spread[0]:.2f}, {spread[1]:.2f}]"
+    met = row.goal.met(row.ratio) if row.goal else None
+    mark = {True: "yes", False: "**no**", None: "-"}[met]
+    goal = str(row.goal) if row.goal else "-"
+    return f"| {what} | {fmt(row.median)} | {ratio} | {goal} | {mark} |"
 
 
 def parse_goal(text: str | None) -> Goal | None:

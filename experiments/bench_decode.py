@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_common import Goal, Row, interleaved
+from bench_common import Goal, Row, RowList, interleaved
 from bench_steps import failure_text
 
 from posenc.encoders import available
@@ -52,9 +53,11 @@ def run(
     mt_sentences: int,
     encoders: list[str] | None,
     device: torch.device,
+    on_row: Callable[[Row], None] | None = None,
 ) -> dict[str, Any]:
-    """Time cached and uncached decoding; ratios are cached speed over uncached."""
-    rows: list[Row] = []
+    """Time cached and uncached decoding; ratios are cached speed over uncached. Each
+    row goes to ``on_row`` as soon as it is measured."""
+    rows = RowList(on_row)
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
     for enc in encoders or available():
@@ -140,5 +143,5 @@ def run(
         },
         "baseline": "uncached",
         "unit": "seconds per token (LM), per batch (MT)",
-        "rows": rows,
+        "rows": list(rows),
     }

@@ -12,13 +12,14 @@ Notation: B batch, T length, H heads, S keys.
   equal tokens per step, memory linear in T keeps the ratio to ``none`` flat from one
   length to the next; a ``(B, H, T, S)`` buffer would grow it with T.
 * ``flex``: the schemes FlexAttention serves on a GPU (a score term, no value term:
-  ALiBi, T5, FIRE, Transformer-XL, DeBERTa, Shaw without its value term), by default
-  (compiled FlexAttention on a GPU) and forced onto the explicit path
-  (``Attention.backend = "explicit"``: SDPA with the dense term as its mask on a GPU),
-  eager, relative to ``none``.
+  ALiBi, T5, FIRE, Transformer-XL, DeBERTa, Shaw without its value term), forced onto
+  compiled FlexAttention (``Attention.backend = "flex"``) and onto the explicit path
+  (``"explicit"``: SDPA with the dense term as its mask on a GPU), eager, relative to
+  ``none``.
 
-The compilation (and FlexAttention's, on first use) happens in the warm-up round,
-which is not timed.
+Both sections measure one encoder at a time, interleaved with ``none``, and hand each
+row to ``on_row`` as soon as it is measured. The compilation (and FlexAttention's, on
+first use) happens in the warm-up round, which is not timed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_common import Goal, Row, interleaved, sync
+from bench_common import Goal, Row, RowList, interleaved, sync
 from bench_train import BASELINE, _stepper, make_model, random_batch
 from torch import nn
 
@@ -187,8 +188,14 @@ def run_steps(
     modes: list[str],
     encoders: list[str] | None,
     device: torch.device,
+    on_row: Callable[[Row], None] | None = None,
 ) -> dict[str, Any]:
     """Time every encoder's training step per shape, eager and compiled, interleaved.
+
+    One encoder at a time, in rounds interleaved with ``none`` (whose models are built,
+    and compiled, once per shape): each encoder's rows are final, and handed to
+    ``on_row``, before the next one compiles, so a run stopped by a time limit keeps
+    what it measured.
 
     Args:
         model_cfg: DecoderLM sizes.
@@ -200,6 +207,7 @@ def run_steps(
         modes: ``eager`` and/or ``compiled`` (``model.compile()``).
         encoders: Which (None: all registered); ``none`` is always added.
         device: Where to run.
+        on_row: Called with each row as soon as it is measured.
 
     Returns:
         ``{"config", "baseline", "unit", "rows"}``; ratios are vs ``none`` in the same mode.
@@ -208,31 +216,37 @@ def run_steps(
     names = [BASELINE] + [e for e in encoders or available() if e != BASELINE]
     if "compiled" in modes:
         _raise_recompile_limits()
-    rows: list[Row] = []
+    rows = RowList(on_row)
+
+    def build(enc: str, mode: str, length: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model, opt = _build(enc, model_cfg, vocab, device, length)
+        if mode == "compiled":
+            model.compile()  # as model.compile=true does: in place, inductor
+        return model, opt
+
+    longest = max(t for _, t in shapes)
     for batch, length in shapes:
         ids, tgt = random_batch(batch, length, vocab, device, seed=length)
-        models = {}
-        for mode in modes:
-            for enc in names:
-                model, opt = _build(enc, model_cfg, vocab, device, length)
-                if mode == "compiled":
-                    model.compile()  # as model.compile=true does: in place, inductor
-                models[f"{mode}: {enc}"] = (model, opt)
-        stats, peaks = _measure(
-            models,
-            ids,
-            tgt,
-            steps=steps,
-            rounds=rounds,
-            device=device,
-            autocast=autocast,
-            baseline=f"{modes[0]}: {BASELINE}",
-        )
-        longest = length == max(t for _, t in shapes)
-        for mode in modes:
-            for enc in names:
+        base = {f"{mode}: {BASELINE}": build(BASELINE, mode, length) for mode in modes}
+        for enc in names:
+            models = dict(base)
+            if enc != BASELINE:
+                models.update({f"{mode}: {enc}": build(enc, mode, length) for mode in modes})
+            stats, peaks = _measure(
+                models,
+                ids,
+                tgt,
+                steps=steps,
+                rounds=rounds,
+                device=device,
+                autocast=autocast,
+                baseline=f"{modes[0]}: {BASELINE}",
+            )
+            for mode in modes:
                 key = f"{mode}: {enc}"
-                flex_goal = mode == "eager" and longest and device.type == "cuda" and enc in FLEX
+                flex_goal = (
+                    mode == "eager" and length == longest and device.type == "cuda" and enc in FLEX
+                )
                 extra = {}
                 vs_eager = math.nan
                 if mode == "compiled" and "eager" in modes:
@@ -251,9 +265,10 @@ def run_steps(
                         extra,
                     )
                 )
-        del models
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            del models
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        del base
     return {
         "config": {
             "model": model_cfg,
@@ -265,7 +280,7 @@ def run_steps(
         },
         "baseline": BASELINE,
         "unit": "seconds per step",
-        "rows": rows,
+        "rows": list(rows),
     }
 
 
@@ -278,10 +293,12 @@ def run_flex(
     steps: int,
     dtype: str,
     device: torch.device,
+    on_row: Callable[[Row], None] | None = None,
 ) -> dict[str, Any]:
     """FlexAttention (forced) vs the explicit path, per scheme with a score_mod, eager:
     what decides :attr:`~posenc.encoders.base.AttentionPositional.flex_trains` (the
-    default training path is the eager rows of the ``steps`` section).
+    default training path is the eager rows of the ``steps`` section). One scheme at a
+    time, interleaved with ``none``; each row goes to ``on_row`` once measured.
 
     Returns:
         ``{"config", "baseline", "unit", "rows"}``; ratios are vs ``none``, and the flex
@@ -290,27 +307,32 @@ def run_flex(
     autocast = DTYPES[dtype] if device.type == "cuda" else None
     batch, length = shape
     ids, tgt = random_batch(batch, length, vocab, device, seed=length)
-    models = {f"default: {BASELINE}": _build(BASELINE, model_cfg, vocab, device, length)}
+    base = f"default: {BASELINE}"
+    baseline_model = _build(BASELINE, model_cfg, vocab, device, length)
     # FlexAttention has no backward on a CPU (torch 2.13): only the explicit arms there.
     arms = ("flex", "explicit") if device.type == "cuda" else ("explicit",)
-    for enc in FLEX:
+    rows = RowList(on_row)
+
+    for i, enc in enumerate(FLEX):
+        models = {base: baseline_model}
         for backend in arms:
             model, opt = _build(enc, model_cfg, vocab, device, length)
             _set_backend(model, backend)
             models[f"{backend}: {enc}"] = (model, opt)
-    base = f"default: {BASELINE}"
-    stats, peaks = _measure(
-        models,
-        ids,
-        tgt,
-        steps=steps,
-        rounds=rounds,
-        device=device,
-        autocast=autocast,
-        baseline=base,
-    )
-    rows = [_row(f"{base} @ {batch}x{length}", stats, peaks, base, base, batch * length, None)]
-    for enc in FLEX:
+        stats, peaks = _measure(
+            models,
+            ids,
+            tgt,
+            steps=steps,
+            rounds=rounds,
+            device=device,
+            autocast=autocast,
+            baseline=base,
+        )
+        if i == 0:
+            rows.append(
+                _row(f"{base} @ {batch}x{length}", stats, peaks, base, base, batch * length, None)
+            )
         for backend in arms:
             key = f"{backend}: {enc}"
             extra = {}
@@ -330,6 +352,9 @@ def run_flex(
                     extra,
                 )
             )
+        del models
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return {
         "config": {
             "model": model_cfg,
@@ -340,5 +365,5 @@ def run_flex(
         },
         "baseline": base,
         "unit": "seconds per step",
-        "rows": rows,
+        "rows": list(rows),
     }

@@ -81,7 +81,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"
 # The tests compile a kernel or two each: four workers (pytest-xdist, when installed).
 XDIST=()
 "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
-want tests && run_section tests 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider "${XDIST[@]}" \
+# One compile thread: the tests' compile workers once kept pytest from exiting.
+want tests && TORCHINDUCTOR_COMPILE_THREADS=1 run_section tests 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider "${XDIST[@]}" \
     --tb=line -rfE --junitxml="$OUT/tests.xml" tests/model
 want steps_4096 && run_section steps_4096 230 "${BENCH[@]}" --sizes gpu --sections steps --lengths 4096 \
     --modes "${GPU_CHECK_MODES:-eager,compiled}" --json "$OUT/steps_4096.json"

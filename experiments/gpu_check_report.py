@@ -32,6 +32,14 @@ def sections(out: Path) -> dict[str, dict[str, Any]]:
     for path in sorted(out.glob("*.status")):
         rc, seconds, limit = (int(x) for x in path.read_text().split())
         state = "ok" if rc == 0 else "timed out" if rc in (124, 137) else f"failed (exit {rc})"
+        if path.stem == "tests" and rc in (124, 137) and tests(out) is not None:
+            # pytest writes its JUnit XML as the session finishes: the results are all
+            # there, and the process stopped on its way out (a compile worker, say).
+            state = "finished, then timed out on exit"
+        elif state == "timed out" and (out / f"{path.stem}.json").is_file():
+            report = json.loads((out / f"{path.stem}.json").read_text())
+            kept = sum(len(v.get("rows", [])) for v in report.get("sections", {}).values())
+            state = f"timed out ({kept} rows kept)"
         found[path.stem] = {
             "status": state,
             "rc": rc,

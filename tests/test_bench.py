@@ -219,12 +219,16 @@ def test_gpu_check_report_judges_the_goals_of_34(tmp_path: Path) -> None:
     (tmp_path / "decode.json").write_text(json.dumps({"sections": {"decode": {"rows": decode}}}))
     (tmp_path / "steps_4096.status").write_text("0 100 230\n")
     (tmp_path / "flex.status").write_text("124 40 40\n")
+    (tmp_path / "decode.status").write_text("124 90 90\n")  # with its rows so far
     script = ROOT / "experiments" / "gpu_check_report.py"
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
-    assert "flex timed out (40/40 s), steps_4096 ok (100/230 s)" in proc.stdout
+    assert (
+        "decode timed out (2 rows kept) (90/90 s), flex timed out (40/40 s), "
+        "steps_4096 ok (100/230 s)" in proc.stdout
+    )
     assert "| alibi | 0.95 | 0.90 | 1.00 | 4.00 | - | - | 0.50 | 4.00 |" in proc.stdout
     out = json.loads((tmp_path / "gpu_check.json").read_text())
     met = {g["goal"]: g["met"] for g in out["goals"]}
@@ -235,6 +239,46 @@ def test_gpu_check_report_judges_the_goals_of_34(tmp_path: Path) -> None:
     assert met["t5: model.compile=true >= eager (T=4096)"] is False
     assert met["alibi: cached decoding >= 5x uncached"] is False
     assert out["sections"]["flex"]["status"] == "timed out"
+
+
+def test_steps_hands_over_each_encoders_rows_before_the_next_compiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU section stopped by its time limit keeps what it measured: the steps
+    section hands each row to ``on_row`` before it builds the next encoder's model."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_steps
+
+    events: list[str] = []
+    build = bench_steps._build
+
+    def recording_build(enc: str, *args: Any) -> Any:
+        events.append(f"build {enc}")
+        return build(enc, *args)
+
+    monkeypatch.setattr(bench_steps, "_build", recording_build)
+    model = {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_ff": 32, "dropout": 0.0}
+    result = bench_steps.run_steps(
+        model_cfg=model,
+        vocab=11,
+        shapes=[(1, 16)],
+        rounds=1,
+        steps=1,
+        dtype="fp32",
+        modes=["eager"],
+        encoders=["alibi", "t5"],
+        device=torch.device("cpu"),
+        on_row=lambda row: events.append(f"row {row.what}"),
+    )
+    assert events == [
+        "build none",
+        "row eager: none @ 1x16",
+        "build alibi",
+        "row eager: alibi @ 1x16",
+        "build t5",
+        "row eager: t5 @ 1x16",
+    ]
+    assert [r.what for r in result["rows"]] == [e[4:] for e in events if e.startswith("row")]
 
 
 @pytest.mark.cuda

@@ -234,14 +234,17 @@ class AttentionPositional(nn.Module):
     #: True when the scheme needs the attention probabilities (a value term);
     #: attention then takes its explicit-softmax path instead of the fused kernel.
     needs_probs: bool = False
-    #: False when the score term's gradient lands in a small table (a learned value
-    #: per bucket or offset, or a few scalars): FlexAttention's backward adds every
-    #: (query, key) pair's gradient into it with atomic adds, which serialise. Measured
-    #: on an H200 (torch 2.11, bf16, 4x4096, docs/performance.md): T5's training step
-    #: at 0.03x ``none``'s, DeBERTa's at 0.29x; FIRE's scalars did not compile. On a
-    #: GPU such a scheme trains through the explicit path (SDPA with the term as an
-    #: additive mask) and evaluates and decodes through FlexAttention.
-    flex_trains: bool = True
+    #: True when FlexAttention also trains the scheme on a GPU (its backward beats the
+    #: explicit path). No scheme does yet: on an H200 (torch 2.11, bf16, 4x4096,
+    #: docs/performance.md) ALiBi's training step ran at 0.66x ``none``'s through
+    #: FlexAttention and 0.88x through the explicit path, T5's at 0.04x and 0.68x;
+    #: DeBERTa's at 0.29x through FlexAttention, and FIRE's did not compile. A term
+    #: whose gradient lands in a small table (a value per bucket or offset, a few
+    #: scalars) gets it from every (query, key) pair by atomic adds, which serialise.
+    #: So on a GPU every scheme trains through the explicit path (SDPA with the term as
+    #: an additive mask) and evaluates and decodes through FlexAttention, which never
+    #: writes the ``(B, H, T, S)`` scores; ``bench.py --sections flex`` measures both.
+    flex_trains: bool = False
 
     @property
     def adds_scores(self) -> bool:

@@ -211,8 +211,6 @@ def by_rows(
 
 
 class _DebertaAttention(AttentionPositional):
-    flex_trains = False  # its gradient lands in small tables (base class)
-
     def __init__(self, *, d_model: int, n_heads: int, c2p: bool, p2c: bool) -> None:
         super().__init__()
         self.n_heads = n_heads

@@ -246,8 +246,6 @@ class FireFunction(nn.Module):
 class _FireAttention(AttentionPositional):
     """Per-layer hook: the layer's own FIRE function, or the stack's shared one."""
 
-    flex_trains = False  # its gradient lands in a few scalars (base class)
-
     def __init__(self, fire: FireFunction | None) -> None:
         super().__init__()
         self.fire = fire
