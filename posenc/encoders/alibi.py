@@ -67,6 +67,8 @@ def alibi_slopes(n_heads: int) -> Tensor:
 class _AlibiAttention(AttentionPositional):
     """Per-layer hook: the fixed linear penalty, slopes from the stack's context."""
 
+    score_term = True
+
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
         slopes = ctx.extra["slopes"]  # (H,) float32
         # Integer distances become float32 (exact up to 2^24) and the product is

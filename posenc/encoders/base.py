@@ -16,6 +16,10 @@ A positional scheme is split in two objects:
   :meth:`PositionalEncoder.for_attention`. It owns per-layer parameters and
   implements the hooks that attention calls, always in this order:
 
+  0. ``with_input(x, ctx, key_valid=..., cache=...)`` -> the context this layer's
+     other hooks read, grown with what the scheme computes from the block's input ``x``
+     (FoX's forget gates): entries put with a query or key dim follow every slice of
+     the context (blocks of queries, a cache's new keys);
   1. ``score_bias(q, k, ctx)`` -> additive logits ``(B|1, H|1, T, S)`` or None,
      computed from the *projected* q and k (attention calls ``score_parts``, which
      wraps it unless a scheme hands over its term in column pieces), or, on the
@@ -29,7 +33,12 @@ A positional scheme is split in two objects:
 :mod:`posenc.model.backends` runs step 3: ``scaled_dot_product_attention`` without a
 score term or a value term, FlexAttention for a score term on a GPU, otherwise one
 explicit softmax. A scheme adds a score term when it overrides ``score_bias`` or
-``score_parts`` (:attr:`AttentionPositional.adds_scores`).
+``score_parts``, which it declares (``score_term = True``: a class that overrides either
+without it is refused when it is defined).
+A scheme that replaces steps 1-4 (stick-breaking's weights instead of a softmax, a
+penalty carried from one query to the next) declares ``owns_attention`` and implements
+``attend(q, k, v, ctx, p_drop=..., cache=...)``; inside every hook, ``ctx.key_valid``
+and ``ctx.shift`` say which keys each query may see (:meth:`AttentionContext.visible`).
 What counts is the softmax of step 3: a scheme may shift a query row of its bias by
 one constant, or move a part of its term that is a product with k into q in step 2
 (DeBERTa does both, so its bias alone is not the paper's term).
@@ -99,6 +108,12 @@ class AttentionContext:
         key_dims: The same for entries indexed by key (see :meth:`slice_keys`).
         memo: Per-forward results a layer computes once and reuses for every block of
             queries (see :meth:`once`). Slices of a context share it.
+        key_valid: ``(B, S)`` True for real keys (not padding), or None: set for each
+            attention call (:func:`posenc.model.backends.attend`), so a hook can leave
+            padding out of what it accumulates (a left-padded prompt's gates).
+        shift: The causal offset of the call, query i seeing keys ``j <= i + shift`` by
+            index (an int, or a 0-d tensor for a static cache's slot), or None when
+            attention is not causal; set with ``key_valid``.
     """
 
     q_pos: Tensor
@@ -112,6 +127,8 @@ class AttentionContext:
     query_dims: dict[str, int] = field(default_factory=dict)
     key_dims: dict[str, int] = field(default_factory=dict)
     memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    key_valid: Tensor | None = None
+    shift: int | Tensor | None = None
 
     def put(
         self, name: str, value: Any, *, query_dim: int | None = None, key_dim: int | None = None
@@ -140,7 +157,10 @@ class AttentionContext:
         extra = dict(self.extra)
         for key, dim in self.key_dims.items():
             extra[key] = extra[key].narrow(dim, 0, stop)
-        return replace(self, k_pos=self.k_pos[:, :stop], extra=extra, starts=self.starts)
+        valid = None if self.key_valid is None else self.key_valid[:, :stop]
+        return replace(
+            self, k_pos=self.k_pos[:, :stop], extra=extra, starts=self.starts, key_valid=valid
+        )
 
     def tail_keys(self, n: int) -> AttentionContext:
         """The context of the last ``n`` keys only (queries unchanged): the keys a cached
@@ -150,7 +170,10 @@ class AttentionContext:
         for key, dim in self.key_dims.items():
             extra[key] = extra[key].narrow(dim, s - n, n)
         starts = None if self.starts is None else (self.starts[0], self.starts[1] + s - n)
-        return replace(self, k_pos=self.k_pos[:, s - n :], extra=extra, starts=starts)
+        valid = None if self.key_valid is None else self.key_valid[:, s - n :]
+        return replace(
+            self, k_pos=self.k_pos[:, s - n :], extra=extra, starts=starts, key_valid=valid
+        )
 
     def keys_at(self, index: Tensor) -> AttentionContext:
         """The context of the keys at ``index`` only, ``(n,)`` int64 (queries unchanged):
@@ -160,7 +183,8 @@ class AttentionContext:
         for key, dim in self.key_dims.items():
             extra[key] = extra[key].index_select(dim, index)
         k_pos = self.k_pos.index_select(1, index)
-        return replace(self, k_pos=k_pos, extra=extra, starts=None)
+        valid = None if self.key_valid is None else self.key_valid.index_select(1, index)
+        return replace(self, k_pos=k_pos, extra=extra, starts=None, key_valid=valid)
 
     def once(self, owner: nn.Module, name: str, make: Any) -> Any:
         """``make()`` computed once per forward pass for ``owner``, e.g. a layer's
@@ -201,6 +225,20 @@ class AttentionContext:
         if self.bound is None:
             raise ValueError("distance_range needs ctx.starts or ctx.bound")
         return -(self.bound - 1), self.bound - 1
+
+    def visible(self) -> Tensor:
+        """``(B|1, 1, T, S)`` bool: the keys each query may see in this call, by index
+        (causality from :attr:`shift`) and :attr:`key_valid`."""
+        t, s = self.q_pos.shape[-1], self.k_pos.shape[-1]
+        device = self.q_pos.device
+        ok = torch.ones(1, 1, t, s, dtype=torch.bool, device=device)
+        if self.shift is not None:
+            i = torch.arange(t, device=device)[:, None]
+            j = torch.arange(s, device=device)[None, :]
+            ok = ok & (j <= i + self.shift)
+        if self.key_valid is not None:
+            ok = ok & self.key_valid[:, None, None, :]
+        return ok
 
     def rel(self) -> Tensor:
         """Relative distance ``i - j`` (query minus key position), ``(B|1, T, S)``."""
@@ -246,17 +284,34 @@ class AttentionPositional(nn.Module):
     #: writes the ``(B, H, T, S)`` scores; ``bench.py --sections flex`` measures both.
     flex_trains: bool = False
 
+    #: Declared by a scheme that adds a score term (overrides ``score_bias`` or
+    #: ``score_parts``; checked when the class is defined).
+    score_term: ClassVar[bool] = False
+    #: Declared by a scheme that replaces the attention computation itself
+    #: (:meth:`attend`): stick-breaking's weights, selective attention's carried penalty.
+    owns_attention: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        overrides = [
+            name
+            for name in ("score_bias", "score_parts")
+            if getattr(cls, name) is not getattr(AttentionPositional, name)
+        ]
+        if overrides and not cls.score_term:
+            raise TypeError(
+                f"{cls.__name__} overrides {' and '.join(overrides)} but does not declare "
+                f"score_term = True; declare it, so attention and the tests know"
+            )
+        if cls.owns_attention and cls.attend is AttentionPositional.attend:
+            raise TypeError(f"{cls.__name__} declares owns_attention but has no attend()")
+
     @property
     def adds_scores(self) -> bool:
-        """Whether the scheme materialises ``(B, H, T, S)`` terms (a score bias or the
-        probabilities); attention then works through the queries in blocks when that
-        matrix would be large."""
-        cls = type(self)
-        return (
-            self.needs_probs
-            or cls.score_bias is not AttentionPositional.score_bias
-            or cls.score_parts is not AttentionPositional.score_parts
-        )
+        """Whether the scheme materialises ``(B, H, T, S)`` terms (a score term, the
+        probabilities, or its own attention); attention then works through the queries
+        in blocks when that matrix would be large."""
+        return self.needs_probs or self.score_term
 
     def scale(self, head_dim: int) -> float:
         """Multiplier of the content score ``q @ k^T`` (and of nothing else)."""
@@ -297,6 +352,51 @@ class AttentionPositional(nn.Module):
         """Extra output ``(B, H, T, D)`` from the probabilities ``(B, H, T, S)``."""
         return None
 
+    def with_input(
+        self,
+        x: Tensor,
+        ctx: AttentionContext,
+        *,
+        key_valid: Tensor | None,
+        cache: Any | None,
+    ) -> AttentionContext:
+        """The context this layer's other hooks read, from the block's input.
+
+        Called once per forward pass (or decoding step) by each attention module, before
+        anything else, with its input ``x (B, T, C)`` (the new tokens only, with a
+        cache). A scheme that reads the content of the tokens (FoX's forget gate)
+        returns ``ctx`` with its per-layer entries added (:meth:`AttentionContext.put`
+        on a copy, with the query and key dims, so blocks of queries and a cache's new
+        keys get their slices); its running state across decoding steps goes in the
+        layer's cache (:class:`posenc.model.cache.LayerCache`, under the scheme's own
+        names; ``cache.at`` holds the new tokens' slots).
+
+        Args:
+            x: The block's normalised input ``(B, T, C)``.
+            ctx: The stack's shared context (the same object for every layer).
+            key_valid: ``(B, S)`` True for real keys, or None (in a cached step, over all
+                S slots).
+            cache: This layer's :class:`~posenc.model.cache.LayerCache`, or None.
+        """
+        return ctx
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        ctx: AttentionContext,
+        *,
+        p_drop: float,
+        cache: Any | None,
+    ) -> Tensor:
+        """The whole attention of a scheme that declares :attr:`owns_attention`:
+        ``(B, H, T, D)`` from projected ``q (B, H, T, D)``, ``k`` and ``v (B, H, S, D)``
+        (keys as :meth:`transform_qk` leaves them); ``ctx.visible()`` says which keys
+        each query may see, and ``cache`` is the layer's cache in a decoding step (or
+        None), for state carried from one step to the next."""
+        raise NotImplementedError(f"{type(self).__name__}.attend")
+
 
 class PositionalEncoder(nn.Module):
     """One per stack. Subclasses take keyword arguments ``d_model``, ``n_heads``,
@@ -318,6 +418,10 @@ class PositionalEncoder(nn.Module):
     causal_only: bool = False
     #: Longest sequence the scheme can encode, or None for no limit.
     max_length: int | None = None
+    #: True for schemes whose positions depend on the content (FoX's forget gates,
+    #: CoPE's counted gates, stick-breaking, selective attention): their score terms are
+    #: computed from the tokens, not read off a table of positions.
+    data_dependent: bool = False
 
     @property
     def pass_dependent(self) -> bool:

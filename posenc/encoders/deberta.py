@@ -211,6 +211,10 @@ def by_rows(
 
 
 class _DebertaAttention(AttentionPositional):
+    """Per-layer hooks: the disentangled position terms of one attention module."""
+
+    score_term = True
+
     def __init__(self, *, d_model: int, n_heads: int, c2p: bool, p2c: bool) -> None:
         super().__init__()
         self.n_heads = n_heads

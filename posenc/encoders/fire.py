@@ -246,6 +246,8 @@ class FireFunction(nn.Module):
 class _FireAttention(AttentionPositional):
     """Per-layer hook: the layer's own FIRE function, or the stack's shared one."""
 
+    score_term = True
+
     def __init__(self, fire: FireFunction | None) -> None:
         super().__init__()
         self.fire = fire

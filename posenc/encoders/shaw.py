@@ -92,6 +92,7 @@ def offsets_to_slots(per_offset: Tensor, n_lo: int, k: int) -> Tensor:
 class _ShawAttention(AttentionPositional):
     """Per-layer hooks; tables are the layer's own or the stack's shared ones."""
 
+    score_term = True
 
     def __init__(self, *, k: int, head_dim: int, value: bool, own_tables: bool) -> None:
         super().__init__()

@@ -133,6 +133,8 @@ def _bias_table(num_buckets: int, n_heads: int) -> nn.Embedding:
 class _T5Attention(AttentionPositional):
     """Per-layer hook; the table is the layer's own or the stack's shared one."""
 
+    score_term = True
+
     def __init__(self, *, num_buckets: int, n_heads: int, own_table: bool) -> None:
         super().__init__()
         self.bias_table = _bias_table(num_buckets, n_heads) if own_table else None

@@ -36,6 +36,10 @@ from posenc.encoders.sinusoidal import sinusoid
 
 
 class _XLAttention(AttentionPositional):
+    """Per-layer hooks: the layer's own projection W_{k,R} of the shared sinusoids."""
+
+    score_term = True
+
     def __init__(self, *, d_model: int, n_heads: int) -> None:
         super().__init__()
         self.n_heads = n_heads

@@ -87,6 +87,8 @@ class Attention(nn.Module):
         Returns:
             ``(B, T, C)``.
         """
+        # the scheme's per-layer view of the pass (FoX's gates from x); default: ctx
+        ctx = self.pos.with_input(x, ctx, key_valid=key_valid, cache=cache)
         if cache is not None:
             return self._cached(x, ctx, memory, key_valid, cache)
         src = x if memory is None else memory
@@ -100,6 +102,7 @@ class Attention(nn.Module):
         p_drop = self.dropout if self.training else 0.0
         if (
             self.pos.adds_scores
+            and not self.pos.owns_attention  # its own computation, over all queries
             and self.max_score_bytes
             and q.device.type == "cpu"
             and not use_flex(self.backend, q, self.pos, p_drop)
@@ -176,6 +179,7 @@ class Attention(nn.Module):
             p_drop=p_drop,
             backend=self.backend,
             transformed=(q_t, keys),
+            cache=cache,
         )
         return self._merge(out)
 

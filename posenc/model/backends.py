@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -303,8 +304,12 @@ def attend(
     p_drop: float,
     backend: str = "auto",
     transformed: tuple[Tensor, Tensor] | None = None,
+    cache: Any | None = None,
 ) -> Tensor:
-    """One attention call with the scheme's hooks, on the backend that fits.
+    """One attention call with the scheme's hooks, on the backend that fits, or the
+    scheme's own :meth:`~posenc.encoders.base.AttentionPositional.attend` when it
+    declares ``owns_attention``. The hooks see this call's key padding and causal
+    offset in ``ctx.key_valid`` and ``ctx.shift``.
 
     Args:
         pos: The scheme's hooks.
@@ -317,12 +322,17 @@ def attend(
         backend: ``auto``, ``flex``, ``flex_eager`` or ``explicit`` (:data:`BACKENDS`).
         transformed: The content score's q and k when the caller transformed them
             already (a cache keeps transformed keys); else ``transform_qk(q, k, ctx)``.
+        cache: The layer's cache in a decoding step (for a scheme's own ``attend``).
 
     Returns:
         ``(B, H, T, D)``.
     """
     t, s = q.shape[-2], k.shape[-2]
     causal = ctx.kind is AttnKind.CAUSAL
+    ctx = replace(ctx, key_valid=key_valid, shift=shift if causal else None)
+    if pos.owns_attention:
+        q, k = pos.transform_qk(q, k, ctx) if transformed is None else transformed
+        return pos.attend(q, k, v, ctx, p_drop=p_drop, cache=cache)
     scale = pos.scale(q.shape[-1])
     if use_flex(backend, q, pos, p_drop) and not pos.needs_probs:
         score_mod = pos.score_mod(q, k, ctx) if pos.adds_scores else None

@@ -16,6 +16,7 @@ class _ForceProbs(AttentionPositional):
     """Wraps a scheme's hooks but demands the explicit-softmax path."""
 
     needs_probs = True
+    score_term = True
 
     def __init__(self, inner: AttentionPositional) -> None:
         super().__init__()
