@@ -200,13 +200,16 @@ def metric_key(name: str) -> tuple[Any, ...]:
 @functools.cache
 def encoder_order() -> tuple[str, ...]:
     """Every registered encoder in display order: the baseline without positions, the
-    absolute schemes, the relative ones, then those relative only below a threshold;
-    by name within each group (from the classes' declarations, so a new scheme has its
-    place without an edit here)."""
+    absolute schemes, the relative ones, those relative only below a threshold, then
+    the data-dependent ones (positions from the content); by name within each group
+    (from the classes' declarations, so a new scheme has its place without an edit
+    here)."""
     from posenc import encoders  # torch: only when a report sorts encoders
 
     def group(name: str) -> int:
         cls = encoders.get(name)
+        if cls.data_dependent:
+            return 4
         if not cls.uses_positions:
             return 0
         if cls.relative_below:

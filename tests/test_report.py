@@ -231,8 +231,11 @@ def test_summarize_and_order() -> None:
 def test_every_registered_encoder_has_its_place_in_the_order() -> None:
     order = encoder_order()
     assert sorted(order) == encoders.available()
-    # NoPE first, absolute before relative, thresholded relative (FIRE) last.
-    assert order[0] == "none" and order[-1] == "fire"
+    # NoPE first, absolute before relative, thresholded relative (FIRE) after them, the
+    # data-dependent schemes last.
+    dependent = [n for n in order if encoders.get(n).data_dependent]
+    assert order[0] == "none" and order[len(order) - len(dependent) - 1] == "fire"
+    assert {"fox", "cope"} <= set(dependent) and list(order[-len(dependent) :]) == dependent
     assert max(map(order.index, ("learned", "sinusoidal"))) < order.index("alibi")
     assert sorted(["zzz", "rope", "none", "aaa"], key=encoder_key) == ["none", "rope", "aaa", "zzz"]
 

@@ -87,10 +87,11 @@ class Attention(nn.Module):
         Returns:
             ``(B, T, C)``.
         """
+        shared = ctx  # the stack's, the same for every layer
         # the scheme's per-layer view of the pass (FoX's gates from x); default: ctx
         ctx = self.pos.with_input(x, ctx, key_valid=key_valid, cache=cache)
         if cache is not None:
-            return self._cached(x, ctx, memory, key_valid, cache)
+            return self._cached(x, ctx, memory, key_valid, cache, shared)
         src = x if memory is None else memory
         q = self._heads(x, self.q_proj)  # (B, H, T, D)
         k = self._heads(src, self.k_proj)  # (B, H, S, D)
@@ -140,9 +141,12 @@ class Attention(nn.Module):
         memory: Tensor | None,
         key_valid: Tensor | None,
         cache: LayerCache,
+        shared: AttentionContext,
     ) -> Tensor:
         """:meth:`forward` for new tokens ``x`` with a static cache (its slots ``cache.at``
-        for them); one call for all queries, over all the cache's slots."""
+        for them); one call for all queries, over all the cache's slots. ``ctx`` is this
+        layer's context (:meth:`~AttentionPositional.with_input`), ``shared`` the
+        stack's."""
         q = self._heads(x, self.q_proj)  # (B, H, T, D), new queries
         t = q.shape[-2]
         if memory is not None:  # cross-attention: the encoder output's keys, once
@@ -158,7 +162,7 @@ class Attention(nn.Module):
         if ctx.stable_keys:
             # new keys transformed once, at their own positions
             # (the new keys' context is the same for every layer of the step: cut once)
-            new_keys = ctx.shared("step_keys", lambda: ctx.keys_at(cache.at))
+            new_keys = ctx.shared("step_keys", lambda: shared.keys_at(cache.at))
             q_t, k_t = self.pos.transform_qk(q, k_new, new_keys)
             keys = raw = cache.extend("keys", k_t)
             if k_t is not k_new and self.pos.adds_scores:  # score terms read projected keys
