@@ -12,7 +12,7 @@ Notation: B batch, T length, H heads, S keys.
   equal tokens per step, memory linear in T keeps the ratio to ``none`` flat from one
   length to the next; a ``(B, H, T, S)`` buffer would grow it with T.
 * ``flex``: the schemes FlexAttention serves on a GPU (a score term, no value term:
-  ALiBi, T5, FIRE, Transformer-XL, DeBERTa, Shaw without its value term), forced onto
+  ALiBi, T5, FIRE, Transformer-XL, DeBERTa, Shaw without its value term, FoX), forced onto
   compiled FlexAttention (``Attention.backend = "flex"``) and onto the explicit path
   (``"explicit"``: SDPA with the dense term as its mask on a GPU), eager, relative to
   ``none``.
@@ -40,7 +40,7 @@ from posenc.model.attention import Attention
 #: Encoders measured under another name: Shaw's key term alone is FlexAttention's form.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"shaw_no_value": ("shaw", {"value": False})}
 #: The schemes with a FlexAttention form (a score_mod, no value term).
-FLEX = ["alibi", "t5", "fire", "xl", "deberta", "shaw_no_value"]
+FLEX = ["alibi", "t5", "fire", "xl", "deberta", "shaw_no_value", "fox"]
 #: #34's goal for the default (eager) GPU path at the longest length: every score-term
 #: scheme at >= 0.8x none's tokens/s.
 FLEX_GOAL = Goal(">=", 0.8)
