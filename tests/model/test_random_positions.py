@@ -60,8 +60,8 @@ def test_per_row_positions_equal_one_row_at_a_time(name: str) -> None:
         alone = torch.cat([model(ids[b : b + 1], pos[b : b + 1]) for b in range(3)])
         plain = model(ids)
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
-    if model.encoder.uses_positions:  # the positions were used (not NoPE, not FoX's gates)
-        assert not torch.allclose(together, plain, atol=1e-4)
+    # the positions were used, unless the scheme declares it never reads them
+    assert torch.allclose(together, plain, atol=1e-4) != model.encoder.uses_positions
 
 
 def test_training_draws_positions_evaluation_uses_plain_ones() -> None:
@@ -97,8 +97,14 @@ def test_causal_mask_holds_with_random_positions() -> None:
 
 
 def test_translation_model_takes_the_option_in_both_stacks() -> None:
-    model = EncoderDecoder(src_vocab_size=40, tgt_vocab_size=40, encoder="learned",
-                           random_positions=300, dropout=0.0, **SIZES)
+    model = EncoderDecoder(
+        src_vocab_size=40,
+        tgt_vocab_size=40,
+        encoder="learned",
+        random_positions=300,
+        dropout=0.0,
+        **SIZES,
+    )
     assert model.encoder_stack.random_positions == model.decoder_stack.random_positions == 300
     src, tgt = torch.randint(0, 40, (2, 9)), torch.randint(0, 40, (2, 6))
     model(src, tgt).sum().backward()
@@ -112,12 +118,15 @@ def test_translation_model_takes_the_option_in_both_stacks() -> None:
     [
         (["model.random_positions=8"], "model.random_positions=8: smaller than task.seq_len=16"),
         (["model.random_positions=0"], "model.random_positions=0: must be a positive integer"),
-        (["encoder=learned", "encoder.max_len=64", "model.random_positions=128"],
-         "larger than encoder.max_len=64"),
+        (
+            ["encoder=learned", "encoder.max_len=64", "model.random_positions=128"],
+            "larger than encoder.max_len=64",
+        ),
     ],
 )
-def test_bad_values_fail_before_training(tmp_path: Path, overrides: list[str],
-                                         message: str) -> None:
+def test_bad_values_fail_before_training(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
     with pytest.raises(ConfigError, match=message):
         train(compose_run(tmp_path, *overrides))
 
@@ -132,8 +141,7 @@ def test_tiny_lm_run_with_random_positions(tmp_path: Path) -> None:
     """Through the whole job: training with model.random_positions=256 draws positions
     up to 255, so rows 16..255 of the learned table train (they would not if the option
     were dropped on its way to the model), and rows from 256 on do not."""
-    drawn = train(compose_run(tmp_path / "drawn", "encoder=learned",
-                              "model.random_positions=256"))
+    drawn = train(compose_run(tmp_path / "drawn", "encoder=learned", "model.random_positions=256"))
     plain = train(compose_run(tmp_path / "plain", "encoder=learned"))
     assert drawn["config"]["model"]["random_positions"] == 256
     a, b = _table(tmp_path / "drawn" / "run"), _table(tmp_path / "plain" / "run")
@@ -151,8 +159,14 @@ def test_a_causal_only_encoder_in_translation_fails_before_any_data(tmp_path: Pa
     from posenc.config import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["task=mt", "encoder=xpos",
-                                           f"paths.output_dir={tmp_path}",
-                                           f"paths.cache_dir={tmp_path}"])
+        cfg = compose(
+            "config",
+            overrides=[
+                "task=mt",
+                "encoder=xpos",
+                f"paths.output_dir={tmp_path}",
+                f"paths.cache_dir={tmp_path}",
+            ],
+        )
     with pytest.raises(ConfigError, match="encoder: .*xpos.*causal"):
         validate(cfg)
