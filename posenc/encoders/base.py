@@ -226,16 +226,24 @@ class AttentionContext:
             raise ValueError("distance_range needs ctx.starts or ctx.bound")
         return -(self.bound - 1), self.bound - 1
 
+    def key_offsets(self) -> Tensor:
+        """``(T, S)`` int64: key index minus the index of the query's own token among the
+        keys (``i + shift``; ``S - T`` without a causal shift): 0 at its own token,
+        negative for earlier keys. ``shift`` may be a 0-d tensor: no host read."""
+        t, s = self.q_pos.shape[-1], self.k_pos.shape[-1]
+        device = self.q_pos.device
+        shift = s - t if self.shift is None else self.shift
+        i = torch.arange(t, device=device)[:, None]
+        j = torch.arange(s, device=device)[None, :]
+        return j - (i + shift)
+
     def visible(self) -> Tensor:
         """``(B|1, 1, T, S)`` bool: the keys each query may see in this call, by index
         (causality from :attr:`shift`) and :attr:`key_valid`."""
         t, s = self.q_pos.shape[-1], self.k_pos.shape[-1]
-        device = self.q_pos.device
-        ok = torch.ones(1, 1, t, s, dtype=torch.bool, device=device)
+        ok = torch.ones(1, 1, t, s, dtype=torch.bool, device=self.q_pos.device)
         if self.shift is not None:
-            i = torch.arange(t, device=device)[:, None]
-            j = torch.arange(s, device=device)[None, :]
-            ok = ok & (j <= i + self.shift)
+            ok = ok & (self.key_offsets() <= 0)
         if self.key_valid is not None:
             ok = ok & self.key_valid[:, None, None, :]
         return ok

@@ -80,16 +80,13 @@ class _Selective(AttentionPositional):
     ) -> Tensor:
         """``(B, H, T, D)`` from ``q (B, H, T, D)``, ``k``, ``v (B, H, S, D)``; in a cached
         step the keys are every slot and ``cache`` carries each key's accumulated mask."""
-        t, s = q.shape[-2], k.shape[-2]
+        s = k.shape[-2]
         acc = torch.promote_types(q.dtype, torch.float32)
         z = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * self.scale(q.shape[-1])  # (B,H,T,S)
         visible = ctx.visible()  # (B|1, 1, T, S)
-        i = torch.arange(t, device=q.device)[:, None]
-        j = torch.arange(s, device=q.device)[None, :]
-        shift = s - t if ctx.shift is None else ctx.shift  # query i sits at key index i + shift
-        before = j < i + shift  # (T, S)
+        before = ctx.key_offsets() < 0  # (T, S): keys strictly before each query's token
         if ctx.key_valid is None:
-            first = (j == 0).expand(1, s)  # (1, S)
+            first = (torch.arange(s, device=q.device) == 0)[None]  # (1, S)
         else:  # the first real token of each row: a left-padded prompt's first after padding
             first = ctx.key_valid & (ctx.key_valid.cumsum(-1) == 1)  # (B, S)
         g = selection(z[:, 0], visible[:, 0], before, first)  # (B, T, S)

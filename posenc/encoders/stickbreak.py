@@ -95,16 +95,11 @@ class _StickBreaking(AttentionPositional):
         """``(B, H, T, D)`` stick-breaking attention of ``q (B, H, T, D)`` over ``k`` and
         ``v (B, H, S, D)``; each row depends on its own logits only, so a cached step
         needs no state beyond the keys and values (``cache`` unused)."""
-        t, s = q.shape[-2], k.shape[-2]
         acc = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 -> float32
         z = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * self.scale(q.shape[-1])  # (B,H,T,S)
         visible = ctx.visible()  # (B|1, 1, T, S): j <= i + shift, and not padding
-        # Query i's own key sits at index i + shift (a full pass: i; a cached step: its
-        # slot). shift may be a 0-d tensor: compared by broadcasting, never read back.
-        i = torch.arange(t, device=q.device)[:, None]
-        j = torch.arange(s, device=q.device)[None, :]
-        shift = s - t if ctx.shift is None else ctx.shift
-        own = visible & (j == i + shift)  # (B|1, 1, T, S)
+        # Query i's own key sits at index i + shift (a full pass: i; a cached step: its slot)
+        own = visible & (ctx.key_offsets() == 0)  # (B|1, 1, T, S)
         breaks = visible if self.attend_current else visible & ~own
         a = stickbreak_weights(z, breaks)  # (B, H, T, S)
         rem = 1.0 - a.sum(-1, keepdim=True)  # (B, H, T, 1), what is left of the stick
