@@ -1,0 +1,294 @@
+"""PaTH attention (Yang, Shen, Wen, Tan, Mishra, Ren, Panda and Kim 2025, "PaTH
+Attention: Position Encoding via Accumulating Householder Transformations",
+arXiv:2505.16381).
+
+Notation: B batch, H heads, T queries (new tokens), S keys, C d_model, D head dim;
+i a query, j a key, t a token in between.
+
+Each token t carries a data-dependent Householder-like reflection per head,
+
+    H_t = I - beta_t w_t w_t^T,    beta_t = 2 sigmoid(b . x_t + c) in (0, 2),
+    w_t = l2norm(silu(conv(W x_t)))   (a causal depthwise convolution of width 3),
+
+and the score of query i for key j multiplies the reflections of the tokens after the
+key, up to and including the query:
+
+    z_ij = q_i^T H_i H_{i-1} ... H_{j+1} k_j / sqrt(D)            (j < i; z_ii = q_i . k_i)
+
+followed by the causal softmax. ``beta`` near 2 makes H_t a reflection (eigenvalue -1),
+so the product can rotate and flip the key, not only shrink it: a position encoding
+that the content writes. No other positional information.
+
+As the authors' layer (fla-org/flash-linear-attention ``fla/layers/path_attn.py``, the
+defaults of ``PaTHAttention``): ``W`` is low rank (``C -> 32 -> H D``, no biases), the
+convolution has no bias and a SiLU, ``w`` is normalised per head with eps 1e-6, ``b``
+and ``c`` are one ``Linear(C, H)``; every weight starts N(0, 0.02) and every bias 0,
+as in their ``_init_weights`` (the convolution's too). ``forget_gate=true`` adds FoX's
+gate ``G_i - G_j`` (``G`` the running sum of ``logsigmoid(g . x_t + e)``) *inside* the
+1/sqrt(D) scale, as their kernels and reference (``naive_path_attn``) do, unlike FoX's
+own (posenc/encoders/fox.py, outside).
+
+Computation: the direct form. A query's keys are rewritten one token at a time,
+``k_j <- H_t k_j`` for every key before token t, and row t of the scores is read off
+right after token t's reflection: O(T S D) per layer, a loop over the T new tokens
+(each step vectorised over batch, heads and keys). It is exact, not the authors'
+chunked (UT-transform) kernel; fast enough for this project's CPU sizes. Decoding
+keeps the rewritten keys in the layer's cache (``path_keys``, ``(B, H, S, D)``) with the
+convolution's inputs (``path_u``), so a step rewrites the S cached keys once and
+equals a full pass over the prefix; beam search reorders both with the cache.
+
+Padding (left-padded prompts): a padding token's ``beta`` is 0 (its H is the
+identity) and its convolution input is 0, so a row decodes the same alone or padded.
+Causal attention only: the product runs from a key to the query after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.registry import register
+
+#: The authors' ``l2_norm`` epsilon (inside the square root).
+L2_EPS = 1e-6
+
+
+def _bidirectional_refusal() -> ValueError:
+    return ValueError(
+        "path is causal only: bidirectional (encoder) self-attention was requested, but PaTH "
+        "multiplies the reflections of the tokens from each key up to the query after it, "
+        "an order an encoder's keys do not have; use encoder=path with task=lm or task=algo "
+        "(decoder-only), or another encoder for task=mt."
+    )
+
+
+def short_conv(u: Tensor, at: Tensor, weight: Tensor) -> Tensor:
+    """Causal depthwise convolution and SiLU at slots ``at`` of ``u``.
+
+    Args:
+        u: ``(B, S, C)`` inputs by slot (zeros where there is no token).
+        at: ``(T,)`` int64, the slots of the tokens to convolve.
+        weight: ``(C, 1, K)``, ``nn.Conv1d``'s layout: tap ``K - 1`` is the token's
+            own slot, tap 0 the slot ``K - 1`` before it.
+
+    Returns:
+        ``(B, T, C)``: ``silu(sum_k weight[:, 0, k] * u[at - (K - 1) + k])``, slots
+        before 0 counting as zeros.
+    """
+    taps = weight.shape[-1]
+    idx = at[:, None] + torch.arange(1 - taps, 1, device=at.device)  # (T, K)
+    win = u[:, idx.clamp(min=0)] * (idx >= 0)[None, :, :, None].to(u.dtype)  # (B, T, K, C)
+    return F.silu(torch.einsum("btkc,ck->btc", win, weight[:, 0, :].to(u.dtype)))
+
+
+def path_scores(
+    q: Tensor, keys: Tensor, w: Tensor, beta: Tensor, before: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``q_t^T H_t ... H_{j+1} k_j`` for every new token t and key j, by rewriting keys.
+
+    Args:
+        q: ``(B, H, T, D)`` queries of the new tokens.
+        keys: ``(B, H, S, D)`` keys as rewritten by every token before this call (a
+            new token's own key as projected).
+        w: ``(B, H, T, D)`` unit vectors of the new tokens.
+        beta: ``(B, H, T)`` in [0, 2).
+        before: ``(T, S)`` bool, key j before new token t (token t rewrites it).
+
+    Returns:
+        ``((B, H, T, S) scores, (B, H, S, D) keys rewritten by every new token)``;
+        unscaled, of ``q``'s dtype.
+    """
+    rows = []
+    for t in range(q.shape[-2]):
+        wt = w[:, :, t]  # (B, H, D)
+        coef = (keys @ wt[..., None]).squeeze(-1) * beta[:, :, t, None]  # (B, H, S)
+        coef = coef * before[t].to(coef.dtype)
+        keys = keys - coef[..., None] * wt[:, :, None, :]  # H_t k_j for j before t
+        rows.append(keys @ q[:, :, t, :, None])  # (B, H, S, 1)
+    return torch.cat(rows, -1).transpose(-1, -2), keys
+
+
+class _PaTH(AttentionPositional):
+    """Per-layer hooks: the token's reflection (from x) and the whole attention call."""
+
+    owns_attention = True
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        w_rank: int | None,
+        conv_size: int,
+        forget_gate: bool,
+    ) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        head_dim = d_model // n_heads
+        self.w_proj: nn.Module
+        if w_rank is None:
+            self.w_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
+        else:  # the authors' default: low rank, to keep MHA's parameter count down
+            self.w_proj = nn.Sequential(
+                nn.Linear(d_model, w_rank, bias=False),
+                nn.Linear(w_rank, n_heads * head_dim, bias=False),
+            )
+        self.conv = None
+        if conv_size > 0:
+            c = n_heads * head_dim
+            self.conv = nn.Conv1d(c, c, conv_size, groups=c, bias=False, padding=conv_size - 1)
+            nn.init.normal_(self.conv.weight, std=0.02)  # the authors' init of Conv1d
+        self.beta_proj = nn.Linear(d_model, n_heads)
+        self.gate_proj = nn.Linear(d_model, n_heads) if forget_gate else None
+
+    def with_input(
+        self, x: Tensor, ctx: AttentionContext, *, key_valid: Tensor | None, cache=None
+    ) -> AttentionContext:
+        b, t, _ = x.shape
+        acc = torch.promote_types(x.dtype, torch.float32)
+        valid = None
+        if key_valid is not None:
+            valid = key_valid if cache is None else key_valid.index_select(1, cache.at)
+        u = self.w_proj(x)  # (B, T, H D)
+        if valid is not None:  # padding: no convolution input, no reflection
+            u = u.masked_fill(~valid[..., None], 0.0)
+        if self.conv is not None:
+            at = torch.arange(t, device=x.device) if cache is None else cache.at
+            u_all = u if cache is None else cache.extend("path_u", u, dim=1)  # (B, S, H D)
+            u = short_conv(u_all, at, self.conv.weight)
+        w = u.to(acc).unflatten(-1, (self.n_heads, -1)).transpose(1, 2)  # (B, H, T, D)
+        w = w * torch.rsqrt((w * w).sum(-1, keepdim=True) + L2_EPS)
+        beta = 2.0 * torch.sigmoid(self.beta_proj(x).to(acc)).transpose(1, 2)  # (B, H, T)
+        if valid is not None:
+            beta = beta.masked_fill(~valid[:, None, :], 0.0)
+        out = replace(
+            ctx, extra=dict(ctx.extra), query_dims=dict(ctx.query_dims), key_dims=dict(ctx.key_dims)
+        )
+        out.put("path_w", w, query_dim=2)
+        out.put("path_beta", beta, query_dim=2)
+        if self.gate_proj is not None:  # FoX's gate, as fox.py accumulates it
+            log_f = F.logsigmoid(self.gate_proj(x).to(acc)).transpose(1, 2)  # (B, H, T)
+            if valid is not None:
+                log_f = log_f.masked_fill(~valid[:, None, :], 0.0)
+            g = log_f.cumsum(-1)
+            g_keys = g
+            if cache is not None:
+                total = cache.get("path_gate_total")  # (B, H, 1), updated in place
+                if total is None:
+                    total = g.new_zeros(g.shape[:-1] + (1,))
+                    cache.put("path_gate_total", total)
+                g = g + total
+                total.copy_(g[..., -1:])
+                g_keys = cache.extend("path_gate_keys", g)  # (B, H, S)
+            out.put("path_gate_q", g, query_dim=2)
+            out.put("path_gate_k", g_keys, key_dim=2)
+        return out
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        ctx: AttentionContext,
+        *,
+        p_drop: float,
+        cache: Any | None,
+    ) -> Tensor:
+        """``(B, H, T, D)`` from ``q (B, H, T, D)``, ``k``, ``v (B, H, S, D)``; in a cached
+        step ``k`` holds every slot as projected, and ``cache`` the keys as rewritten by
+        the tokens of earlier steps (``path_keys``)."""
+        acc = torch.promote_types(q.dtype, torch.float32)
+        keys = k.to(acc)
+        buf = None
+        if cache is not None:  # earlier slots: as rewritten so far; new slots: as projected
+            buf = cache.get("path_keys")
+            if buf is None:
+                buf = keys.new_zeros(keys.shape)
+                cache.put("path_keys", buf)
+            keys = buf.index_copy(2, cache.at, keys.index_select(2, cache.at))
+        before = ctx.key_offsets() < 0  # (T, S)
+        z, rewritten = path_scores(
+            q.to(acc), keys, ctx.extra["path_w"], ctx.extra["path_beta"], before
+        )
+        if buf is not None:
+            buf.copy_(rewritten)  # in place: a compiled step stays one graph
+        if self.gate_proj is not None:  # inside the scale, as the authors' kernels
+            z = z + ctx.extra["path_gate_q"][..., :, None] - ctx.extra["path_gate_k"][..., None, :]
+        visible = ctx.visible()  # (B|1, 1, T, S)
+        logits = (z * self.scale(q.shape[-1])).masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(logits, -1).nan_to_num(0.0)  # a query seeing no key: zeros
+        if p_drop > 0.0:
+            probs = F.dropout(probs, p_drop)
+        return (probs @ v.to(acc)).to(v.dtype)
+
+
+@register("path")
+class PaTH(PositionalEncoder):
+    """PaTH attention (module docstring).
+
+    Args:
+        w_rank: Rank of the projection to ``w`` (the authors' default 32); None: a
+            full ``Linear(C, C)``.
+        conv_size: Width of the causal convolution on ``w`` (the authors' 3); 0: none
+            (and no SiLU).
+        forget_gate: Add FoX's forget gate (the paper's PaTH-FoX).
+
+    Raises:
+        ValueError: A setting out of range, or bidirectional attention.
+    """
+
+    causal_only = True
+    data_dependent = True
+    uses_positions = False
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        w_rank: int | None = 32,
+        conv_size: int = 3,
+        forget_gate: bool = False,
+    ) -> None:
+        super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
+        if w_rank is not None and (
+            isinstance(w_rank, bool) or not isinstance(w_rank, int) or w_rank < 1
+        ):
+            raise ValueError(
+                f"path: w_rank must be a positive integer or null (a full projection), got "
+                f"{w_rank!r}; the authors use 32"
+            )
+        if isinstance(conv_size, bool) or not isinstance(conv_size, int) or conv_size < 0:
+            raise ValueError(
+                f"path: conv_size must be an integer >= 0 (0: no convolution), got "
+                f"{conv_size!r}; the authors use 3"
+            )
+        if not isinstance(forget_gate, bool):
+            raise ValueError(f"path: forget_gate must be true or false, got {forget_gate!r}")
+        self.w_rank, self.conv_size, self.forget_gate = w_rank, conv_size, forget_gate
+
+    def prepare(self, ctx: AttentionContext) -> None:
+        if ctx.kind is AttnKind.BIDIRECTIONAL:
+            raise _bidirectional_refusal()
+
+    def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
+        if kind is AttnKind.BIDIRECTIONAL:
+            raise _bidirectional_refusal()
+        if kind is AttnKind.CROSS:
+            return AttentionPositional()
+        return _PaTH(
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            w_rank=self.w_rank,
+            conv_size=self.conv_size,
+            forget_gate=self.forget_gate,
+        )
+
+
+__all__ = ["L2_EPS", "PaTH", "path_scores", "short_conv"]
