@@ -139,7 +139,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         save_last(trainer, run_dir)
     train_time = time.perf_counter() - t0
     val = dict(run_state(trainer).val)
-    best = best_checkpoint(trainer) if not cfg.eval_only else ""
+    # the best checkpoint by validation loss, or the weights that met the gate
+    best = best_checkpoint(trainer) if not (cfg.eval_only or gate.stopped(trainer)) else ""
     sizes = dm.test_sizes()
     log.info(
         "testing sizes %s (%d instances each%s), %s",

@@ -149,7 +149,19 @@ class LearnedGate(pl.Callback):
         return {"learned_step": self.learned_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.learned_step = state_dict.get("learned_step")
+        # A resumed run takes the step from its checkpoint. Testing an earlier checkpoint
+        # after fit restores its callback state too: keep the step this fit found.
+        if self.learned_step is None:
+            self.learned_step = state_dict.get("learned_step")
+
+
+def stopped(trainer: pl.Trainer) -> bool:
+    """Whether the gate ended this fit at its last validation (``stop`` and learned
+    there). The weights in memory are then the ones that met the gate, and the test
+    scores them, not an earlier checkpoint with a lower validation loss: a run's
+    ``learned`` and its test columns describe the same model."""
+    found = [c for c in trainer.callbacks if isinstance(c, LearnedGate)]  # type: ignore[attr-defined]
+    return bool(found) and found[0].stop and found[0].learned_step == trainer.global_step
 
 
 def callback(cfg: DictConfig) -> LearnedGate | None:

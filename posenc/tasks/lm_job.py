@@ -147,7 +147,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # context-extension method).
     names, lengths, extensions, loaders, skipped = eval_loaders(cfg, dm, task)
     task.set_eval_loaders(names, lengths, extensions)
-    best = best_checkpoint(trainer) if not cfg.eval_only else ""
+    # the best checkpoint by validation loss, or the weights that met the gate
+    best = best_checkpoint(trainer) if not (cfg.eval_only or gate.stopped(trainer)) else ""
     if loaders:
         trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
     elif best:  # the passkey evaluation scores the best weights too

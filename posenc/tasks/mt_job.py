@@ -116,7 +116,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         use_cache=d.get("use_cache", True),
     )
     loader = dm.test_dataloader() if split == "test" else dm.val_dataloader()
-    best = best_checkpoint(trainer) if not cfg.eval_only else ""
+    # the best checkpoint by validation loss, or the weights that met the gate
+    best = best_checkpoint(trainer) if not (cfg.eval_only or gate.stopped(trainer)) else ""
     t0 = time.perf_counter()
     trainer.test(task, dataloaders=loader, ckpt_path=best or None, verbose=False)
     decode_time = time.perf_counter() - t0

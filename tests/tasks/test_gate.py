@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from posenc.config import ConfigError, validate
+from posenc.errors import CheckpointError
 from posenc.tasks.algo import AlgoTask, exact_rows
 from posenc.tasks.gate import LearnedGate
 from posenc.train import train
@@ -56,6 +57,9 @@ def test_the_gate_records_the_first_step_that_meets_it_and_stops_only_when_asked
     again = LearnedGate("val/seq_acc", 95.0, stop=False)
     again.load_state_dict(watching.state_dict())
     assert again.learned_step == 500
+    # Testing an earlier checkpoint after fit restores its (older) state: the step stays.
+    watching.load_state_dict({"learned_step": None})
+    assert watching.learned_step == 500
 
 
 def test_exact_rows_by_hand() -> None:
@@ -115,6 +119,25 @@ def test_an_algo_run_stops_at_the_first_validation_that_meets_the_gate(tmp_path:
     saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert (saved["learned"], saved["learned_step"]) == (True, 2)
     assert 0 <= saved["metrics"]["val/seq_acc"] <= 100
+
+
+def test_a_stopped_run_tests_the_weights_that_met_the_gate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The best checkpoint by validation loss can be older than the validation that met
+    the gate; the test then scores the weights that met it (here: the job never asks for
+    a checkpoint, so a path that does not exist is never opened). Without a stop, the
+    best checkpoint is still the one tested."""
+    import posenc.tasks.algo_job as job
+
+    monkeypatch.setattr(job, "best_checkpoint", lambda trainer: str(tmp_path / "older.ckpt"))
+    result = train(_compose(tmp_path, *ALGO_GATE, "task.learned.threshold=0"))
+    assert (result["train_steps"], result["learned"], result["learned_step"]) == (2, True, 2)
+    watching = _compose(
+        tmp_path / "b", *ALGO_GATE, "task.learned.threshold=0", "task.learned.stop=false"
+    )
+    with pytest.raises(CheckpointError, match="older.ckpt: no such file"):
+        train(watching)
 
 
 def test_a_run_that_never_learns_trains_to_the_cap_and_says_so(
