@@ -15,15 +15,19 @@ key, up to and including the query:
 
     z_ij = q_i^T H_i H_{i-1} ... H_{j+1} k_j / sqrt(D)            (j < i; z_ii = q_i . k_i)
 
-followed by the causal softmax. ``beta`` near 2 makes H_t a reflection (eigenvalue -1),
-so the product can rotate and flip the key, not only shrink it: a position encoding
-that the content writes. No other positional information.
+followed by the causal softmax. With a unit ``w_t``, ``beta`` near 2 makes H_t a
+reflection (eigenvalue -1), so the product can rotate and flip the key, not only shrink
+it: a position encoding that the content writes. (The normalisation's eps keeps ``|w|``
+below 1 when the convolution's outputs are small, as at initialisation: mean 0.78 at
+d_model 64, 0.91 at 128, so ``beta = 2`` then gives eigenvalues near -0.2.) No other
+positional information.
 
 As the authors' layer (fla-org/flash-linear-attention ``fla/layers/path_attn.py``, the
 defaults of ``PaTHAttention``): ``W`` is low rank (``C -> 32 -> H D``, no biases), the
 convolution has no bias and a SiLU, ``w`` is normalised per head with eps 1e-6, ``b``
 and ``c`` are one ``Linear(C, H)``; every weight starts N(0, 0.02) and every bias 0,
-as in their ``_init_weights`` (the convolution's too). ``forget_gate=true`` adds FoX's
+as in their ``_init_weights``: the model's initialisation does this for the Linears
+(:class:`posenc.model.DecoderLM`), this module for the convolution. ``forget_gate=true`` adds FoX's
 gate ``G_i - G_j`` (``G`` the running sum of ``logsigmoid(g . x_t + e)``) *inside* the
 1/sqrt(D) scale, as their kernels and reference (``naive_path_attn``) do, unlike FoX's
 own (posenc/encoders/fox.py, outside).
@@ -32,7 +36,11 @@ Computation: the direct form. A query's keys are rewritten one token at a time,
 ``k_j <- H_t k_j`` for every key before token t, and row t of the scores is read off
 right after token t's reflection: O(T S D) per layer, a loop over the T new tokens
 (each step vectorised over batch, heads and keys). It is exact, not the authors'
-chunked (UT-transform) kernel; fast enough for this project's CPU sizes. Decoding
+chunked (UT-transform) kernel; fast enough for this project's CPU sizes. Each step's
+keys, ``(B, H, S, D)``, are what the backward pass needs, D times a score matrix per
+token; training recomputes them in chunks of about sqrt(T) tokens (activation
+checkpointing), about 2 sqrt(T) copies at once instead of T (one layer at B 4, H 8,
+T 256, D 64: 36 MiB saved instead of 1046 MiB). Decoding
 keeps the rewritten keys in the layer's cache (``path_keys``, ``(B, H, S, D)``) with the
 convolution's inputs (``path_u``), so a step rewrites the S cached keys once and
 equals a full pass over the prefix; beam search reorders both with the cache.
@@ -44,12 +52,14 @@ Causal attention only: the product runs from a key to the query after it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
 from posenc.encoders.registry import register
@@ -86,10 +96,30 @@ def short_conv(u: Tensor, at: Tensor, weight: Tensor) -> Tensor:
     return F.silu(torch.einsum("btkc,ck->btc", win, weight[:, 0, :].to(u.dtype)))
 
 
+def _rewrite(
+    q: Tensor, keys: Tensor, w: Tensor, beta: Tensor, before: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:func:`path_scores` over the tokens of ``q`` (a chunk), without checkpointing."""
+    rows = []
+    for t in range(q.shape[-2]):
+        wt = w[:, :, t]  # (B, H, D)
+        coef = (keys @ wt[..., None]).squeeze(-1) * beta[:, :, t, None]  # (B, H, S)
+        coef = coef * before[t].to(coef.dtype)
+        keys = keys - coef[..., None] * wt[:, :, None, :]  # H_t k_j for j before t
+        rows.append(keys @ q[:, :, t, :, None])  # (B, H, S, 1)
+    return torch.cat(rows, -1).transpose(-1, -2), keys
+
+
 def path_scores(
     q: Tensor, keys: Tensor, w: Tensor, beta: Tensor, before: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``q_t^T H_t ... H_{j+1} k_j`` for every new token t and key j, by rewriting keys.
+
+    Each token's step keeps a ``(B, H, S, D)`` copy of the keys for the backward pass,
+    D times the score matrix; with gradients on, the tokens go in chunks of about
+    ``sqrt(T)`` whose steps are recomputed in the backward pass (activation
+    checkpointing), so about ``2 sqrt(T)`` copies are alive at once instead of T. The
+    values and gradients are the same either way (a test).
 
     Args:
         q: ``(B, H, T, D)`` queries of the new tokens.
@@ -103,14 +133,16 @@ def path_scores(
         ``((B, H, T, S) scores, (B, H, S, D) keys rewritten by every new token)``;
         unscaled, of ``q``'s dtype.
     """
-    rows = []
-    for t in range(q.shape[-2]):
-        wt = w[:, :, t]  # (B, H, D)
-        coef = (keys @ wt[..., None]).squeeze(-1) * beta[:, :, t, None]  # (B, H, S)
-        coef = coef * before[t].to(coef.dtype)
-        keys = keys - coef[..., None] * wt[:, :, None, :]  # H_t k_j for j before t
-        rows.append(keys @ q[:, :, t, :, None])  # (B, H, S, 1)
-    return torch.cat(rows, -1).transpose(-1, -2), keys
+    t = q.shape[-2]
+    if not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad)) or t < 4:
+        return _rewrite(q, keys, w, beta, before)
+    size = math.isqrt(t - 1) + 1  # ceil(sqrt(T)) tokens per chunk
+    parts = []
+    for a in range(0, t, size):
+        chunk = (q[:, :, a : a + size], keys, w[:, :, a : a + size], beta[:, :, a : a + size])
+        z, keys = checkpoint(_rewrite, *chunk, before[a : a + size], use_reentrant=False)
+        parts.append(z)
+    return torch.cat(parts, -2), keys
 
 
 class _PaTH(AttentionPositional):

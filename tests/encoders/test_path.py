@@ -16,7 +16,7 @@ from torch import Tensor
 
 from posenc.encoders import build
 from posenc.encoders.base import AttnKind
-from posenc.encoders.path import L2_EPS, path_scores
+from posenc.encoders.path import L2_EPS, _rewrite, path_scores
 from posenc.model import DecoderLM, EncoderDecoder
 from posenc.model.backends import attend
 
@@ -175,8 +175,9 @@ def test_nothing_leaks_past_the_causal_mask() -> None:
 
 def test_the_cache_keeps_rewritten_keys_and_convolution_inputs_per_row() -> None:
     """Batch first (beam search reorders dim 0): the rewritten keys ``(B, H, S, D)``,
-    the convolution's inputs ``(B, S, C)``; after a step, the kept keys are the keys of
-    a full pass rewritten by every token so far."""
+    the convolution's inputs ``(B, S, C)``; after a step, the kept keys are the
+    projected keys rewritten by every token so far, as :func:`path_scores` leaves them
+    after a full pass, and the empty slots stay zero."""
     model = DecoderLM(vocab_size=13, encoder="path", d_model=8, n_heads=2, n_layers=1)
     model = model.double().eval()
     ids = torch.randint(0, 13, (3, 4))
@@ -185,10 +186,92 @@ def test_the_cache_keeps_rewritten_keys_and_convolution_inputs_per_row() -> None
         model(ids, cache=cache)
     bufs = cache.layers[0].buffers
     assert bufs["path_keys"].shape == (3, 2, 10, 4) and bufs["path_u"].shape == (3, 10, 8)
-    # the last token rewrote every earlier key, and never its own
-    assert torch.equal(bufs["path_keys"][:, :, 3], bufs["keys"][:, :, 3])
-    assert not torch.allclose(bufs["path_keys"][:, :, :3], bufs["keys"][:, :, :3])
+    keys = bufs["keys"][:, :, :4]  # as projected (PaTH does not transform keys)
+    x = _layer_input(model, ids)
+    attn = _attention(model)
+    ctx = attn.pos.with_input(x, _context(ids.shape[1]), key_valid=None)
+    q = attn.q_proj(x).unflatten(-1, (2, 4)).transpose(1, 2)
+    before = torch.ones(4, 4, dtype=torch.bool).tril(-1)
+    _, want = path_scores(q, keys, ctx.extra["path_w"], ctx.extra["path_beta"], before)
+    torch.testing.assert_close(bufs["path_keys"][:, :, :4], want, rtol=0, atol=1e-12)
+    assert torch.equal(want[:, :, 3], keys[:, :, 3])  # the last token's own key: untouched
+    assert not torch.allclose(want[:, :, :3], keys[:, :, :3])
     assert not bufs["path_keys"][:, :, 4:].any()
+
+
+def _attention(model: DecoderLM):
+    """The first layer's self-attention module."""
+    return next(m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "pos"))
+
+
+def _layer_input(model: DecoderLM, ids: Tensor) -> Tensor:
+    """What the first layer's attention sees (its normalised input), by a forward hook."""
+    seen = {}
+    attn = _attention(model)
+
+    def keep(module: torch.nn.Module, args: tuple) -> None:
+        seen.setdefault("x", args[0])
+
+    handle = attn.register_forward_pre_hook(keep)
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    return seen["x"]
+
+
+def _context(t: int):
+    enc = build("path", d_model=8, n_heads=2, n_layers=1)
+    pos = torch.arange(t)[None]
+    return enc.context(pos, pos, AttnKind.CAUSAL)
+
+
+def test_checkpointed_chunks_give_the_same_values_and_gradients() -> None:
+    """Training rewrites keys in checkpointed chunks of about sqrt(T) tokens; values and
+    gradients equal the plain loop's (float64), with T not a multiple of the chunk."""
+    gen = torch.Generator().manual_seed(7)
+    b, h, t, d = 2, 2, 11, 3
+    q, k, w = (torch.randn(b, h, t, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    w = w / w.norm(dim=-1, keepdim=True)
+    beta = 2 * torch.rand(b, h, t, generator=gen, dtype=torch.float64)
+    before = torch.ones(t, t, dtype=torch.bool).tril(-1)
+    grads = []
+    for fn in (_rewrite, path_scores):
+        leaves = [x.clone().requires_grad_() for x in (q, k, w, beta)]
+        z, keys = fn(*leaves, before)
+        (z.sin().sum() + keys.cos().sum()).backward()
+        grads.append((z.detach(), keys.detach(), *(x.grad for x in leaves)))
+    for plain, chunked in zip(*grads, strict=True):
+        torch.testing.assert_close(chunked, plain, rtol=0, atol=1e-12)
+
+
+def test_the_forget_gate_from_the_block_input_by_hand() -> None:
+    """PaTH-FoX: G_i = sum_{t<=i} logsigmoid(g . x_t + e), padding adding nothing."""
+    torch.manual_seed(8)
+    c, h, t = 8, 2, 5
+    enc = build("path", d_model=c, n_heads=h, n_layers=1, forget_gate=True)
+    hook = enc.for_attention(layer=0, kind=AttnKind.CAUSAL).double()
+    x = torch.randn(1, t, c, dtype=torch.float64)
+    valid = torch.tensor([[False, False, True, True, True]])
+    pos = torch.arange(t)[None]
+    ctx = hook.with_input(x, enc.context(pos, pos, AttnKind.CAUSAL), key_valid=valid)
+    g = hook.gate_proj
+    for i in range(t):
+        want = sum(F.logsigmoid(g.weight @ x[0, s] + g.bias) for s in range(i + 1) if valid[0, s])
+        want = want if isinstance(want, Tensor) else torch.zeros(h, dtype=x.dtype)
+        torch.testing.assert_close(ctx.extra["path_gate_q"][0, :, i], want, rtol=0, atol=1e-12)
+
+
+def test_the_authors_initialisation_in_a_model() -> None:
+    """Weights N(0, 0.02) (the convolution's too), biases 0, as the authors'
+    ``_init_weights``: the model's initialisation gives the Linears, the scheme the
+    convolution."""
+    torch.manual_seed(9)
+    model = DecoderLM(vocab_size=13, encoder="path", d_model=64, n_heads=4, n_layers=2)
+    for layer in [m for m in model.modules() if type(m).__name__ == "_PaTH"]:
+        for weight in (layer.conv.weight, layer.w_proj[0].weight, layer.w_proj[1].weight):
+            assert abs(weight.std().item() - 0.02) < 0.004, weight.shape
+        assert layer.beta_proj.weight.std().item() == pytest.approx(0.02, abs=0.004)
+        assert not layer.beta_proj.bias.any()
 
 
 def test_bad_settings_and_bidirectional_attention_are_refused_with_the_reason() -> None:

@@ -68,6 +68,9 @@ CASES += [
         {**ROPE_SCALINGS["yarn"], "fraction": 0.5, "yarn_ramp": "paper", "yarn_temper": "score"},
     ),
     ("shaw+no_value", {**SETTINGS["shaw"], "value": False}),
+    # PaTH with FoX's gate (PaTH-FoX), and with neither convolution nor low-rank w
+    ("path+forget_gate", {"forget_gate": True}),
+    ("path+plain_w", {"conv_size": 0, "w_rank": None}),
 ]
 IDS = [c[0] for c in CASES]
 

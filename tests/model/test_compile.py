@@ -194,6 +194,7 @@ def test_inductor_training_matches_eager() -> None:
 #: compile or recompiled at every step (#34).
 STEP_CASES = {name: (name, {}) for name in ENCODER_YAMLS}
 STEP_CASES["shaw_no_value"] = ("shaw", {"value": False})
+STEP_CASES["path_forget_gate"] = ("path", {"forget_gate": True})
 STEP_CASES["rope_dynamic_ntk"] = (
     "rope",
     {"scaling": "dynamic_ntk", "scaling_factor": 2.0, "original_length": 16},
