@@ -60,11 +60,24 @@ def run(
         for name in ("eager", "compiled"):
             s = stats[name]
             note = f"{batch * length / s['median_s']:,.0f} tok/s"
-            rows.append(Row(f"{name}: {enc} @ {batch}x{length}", s["median_s"], s["ratio"],
-                            None, note=note, raw=s))
+            rows.append(
+                Row(
+                    f"{name}: {enc} @ {batch}x{length}",
+                    s["median_s"],
+                    s["ratio"],
+                    None,
+                    note=note,
+                    raw=s,
+                )
+            )
     return {
-        "config": {"model": model_cfg, "vocab": vocab, "shape_BT": shape, "steps": steps,
-                   "backend": backend},
+        "config": {
+            "model": model_cfg,
+            "vocab": vocab,
+            "shape_BT": shape,
+            "steps": steps,
+            "backend": backend,
+        },
         "baseline": "eager",
         "unit": "seconds per step",
         "rows": rows,

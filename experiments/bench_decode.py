@@ -22,10 +22,10 @@ import torch
 from bench_common import Goal, Row, RowList, interleaved
 from bench_steps import failure_text
 
+from posenc.decoding.encdec import beam_search, output_limits
+from posenc.decoding.lm import generate
 from posenc.encoders import available
 from posenc.model import DecoderLM, EncoderDecoder
-from posenc.tasks.decode import beam_search, output_limits
-from posenc.tasks.generate import generate
 
 GOAL = Goal(">=", 5.0)
 

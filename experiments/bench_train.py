@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from posenc.encoders import available, get
 from posenc.model import DecoderLM
-from posenc.tasks.optim import adamw_groups
+from posenc.training.optim import adamw_groups
 
 BASELINE = "none"
 # Issue 6: absolute schemes add one (B, T, C) add, RoPE two elementwise passes

@@ -19,8 +19,20 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["as_list", "cache_dir", "guarded", "lm_batch", "number", "optim", "passkey",
-           "passkey_data", "trainer"]
+from posenc.data.algo import PROBLEMS, Options, longest_sequence
+from posenc.data.algo_problems import grid_sizes
+
+__all__ = [
+    "as_list",
+    "cache_dir",
+    "guarded",
+    "lm_batch",
+    "number",
+    "optim",
+    "passkey",
+    "passkey_data",
+    "trainer",
+]
 
 #: Lightning's time-based ``val_check_interval``, ``DD:HH:MM:SS``.
 _DURATION = re.compile(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}")
@@ -39,6 +51,24 @@ def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def algo_options(cfg: DictConfig) -> Any:
+    """The instance options (:class:`posenc.data.algo.Options`) of ``cfg.task``."""
+    k = cfg.task.get("data_tokens", 16)
+    return Options(
+        symbols=cfg.task.symbols,
+        reverse_digits=bool(cfg.task.reverse_digits),
+        data_tokens=k if isinstance(k, int) and not isinstance(k, bool) else 16,
+    )
+
+
+def algo_longest(cfg: DictConfig, size: int) -> int | None:
+    """Positions an algorithmic instance of ``size`` takes (None for an unknown problem)."""
+    problem = PROBLEMS.get(cfg.task.problem)
+    if problem is None:
+        return None
+    return longest_sequence(problem, size, cfg.task.shape, algo_options(cfg))
+
+
 def guarded(problems: list[str], section: str, check: Callable[[], None]) -> None:
     """Run ``check()``; if it raises on an unexpected value, report ``section`` instead.
 
@@ -48,8 +78,10 @@ def guarded(problems: list[str], section: str, check: Callable[[], None]) -> Non
     try:
         check()
     except Exception as err:
-        problems.append(f"{section}: a value has the wrong type ({type(err).__name__}: {err}); "
-                        f"compare it with conf/ and the README")
+        problems.append(
+            f"{section}: a value has the wrong type ({type(err).__name__}: {err}); "
+            f"compare it with conf/ and the README"
+        )
 
 
 def as_list(problems: list[str], key: str, value: Any, example: str) -> list[Any] | None:
@@ -70,11 +102,16 @@ def optim(o: DictConfig, problems: list[str], schedules: tuple[str, ...]) -> Non
     if not (_finite(lr) and lr > 0):
         problems.append(f"{k}lr={lr!r}: must be a positive number (finite; e.g. 1e-3)")
     betas = o.get("betas")
-    if not (OmegaConf.is_list(betas) and len(betas) == 2
-            and all(_finite(b) and 0 <= b < 1 for b in betas)):
+    if not (
+        OmegaConf.is_list(betas)
+        and len(betas) == 2
+        and all(_finite(b) and 0 <= b < 1 for b in betas)
+    ):
         shown = list(betas) if OmegaConf.is_list(betas) else betas
-        problems.append(f"{k}betas={shown!r}: must be two numbers in [0, 1) (Adam's beta1, "
-                        f"beta2), e.g. [0.9, 0.99]")
+        problems.append(
+            f"{k}betas={shown!r}: must be two numbers in [0, 1) (Adam's beta1, "
+            f"beta2), e.g. [0.9, 0.99]"
+        )
     wd = o.get("weight_decay")
     if not (_finite(wd) and wd >= 0):
         problems.append(f"{k}weight_decay={wd!r}: must be a number >= 0 (0: no decay)")
@@ -86,8 +123,10 @@ def optim(o: DictConfig, problems: list[str], schedules: tuple[str, ...]) -> Non
         problems.append(f"{k}schedule={schedule!r}: allowed {', '.join(schedules)}")
     ratio = o.get("min_lr_ratio", 0.1)
     if not (_finite(ratio) and 0 <= ratio <= 1):
-        problems.append(f"{k}min_lr_ratio={ratio!r}: must be a number in [0, 1] (the cosine "
-                        f"schedule ends at lr * min_lr_ratio)")
+        problems.append(
+            f"{k}min_lr_ratio={ratio!r}: must be a number in [0, 1] (the cosine "
+            f"schedule ends at lr * min_lr_ratio)"
+        )
 
 
 def trainer(cfg: DictConfig, problems: list[str]) -> None:
@@ -96,19 +135,23 @@ def trainer(cfg: DictConfig, problems: list[str]) -> None:
     t = cfg.trainer
     steps = t.get("max_steps")
     if not _integer(steps):
-        problems.append(f"trainer.max_steps={steps!r}: must be a positive integer (training "
-                        f"steps)")
+        problems.append(f"trainer.max_steps={steps!r}: must be a positive integer (training steps)")
     elif steps == 0 and not cfg.get("eval_only"):
-        problems.append("trainer.max_steps=0: would record the metrics of an untrained model; "
-                        "give a positive number of steps, or evaluate a trained model with "
-                        "eval_only=true ckpt_path=...")
+        problems.append(
+            "trainer.max_steps=0: would record the metrics of an untrained model; "
+            "give a positive number of steps, or evaluate a trained model with "
+            "eval_only=true ckpt_path=..."
+        )
     elif steps < 0 and not cfg.get("eval_only"):
-        problems.append(f"trainer.max_steps={steps}: posenc runs are bounded by steps (with -1 "
-                        f"Lightning would train for 1000 epochs); give a positive max_steps")
+        problems.append(
+            f"trainer.max_steps={steps}: posenc runs are bounded by steps (with -1 "
+            f"Lightning would train for 1000 epochs); give a positive max_steps"
+        )
     clip = t.get("gradient_clip_val")
     if clip is not None and not (_finite(clip) and clip >= 0):
-        problems.append(f"trainer.gradient_clip_val={clip!r}: must be a number >= 0, or null "
-                        f"for no clipping")
+        problems.append(
+            f"trainer.gradient_clip_val={clip!r}: must be a number >= 0, or null for no clipping"
+        )
     # Lightning's own positive-integer knobs: 0 fails deep inside it (ZeroDivisionError).
     for key in ("accumulate_grad_batches", "log_every_n_steps", "num_nodes"):
         value = t.get(key)
@@ -126,10 +169,12 @@ def _val_check_interval(t: DictConfig, problems: list[str]) -> None:
     by_epoch = t.get("check_val_every_n_epoch") is not None
     if by_epoch and isinstance(every, float) and 0 < every <= 1:
         return
-    fraction = ("" if by_epoch else " with trainer.check_val_every_n_epoch set")
-    problems.append(f"trainer.val_check_interval={every!r}: must be a positive integer (training "
-                    f"steps between validations), a time DD:HH:MM:SS, or a fraction in (0, 1] "
-                    f"of an epoch{fraction}")
+    fraction = "" if by_epoch else " with trainer.check_val_every_n_epoch set"
+    problems.append(
+        f"trainer.val_check_interval={every!r}: must be a positive integer (training "
+        f"steps between validations), a time DD:HH:MM:SS, or a fraction in (0, 1] "
+        f"of an epoch{fraction}"
+    )
 
 
 def cache_dir(path: Any, problems: list[str]) -> None:
@@ -143,16 +188,20 @@ def cache_dir(path: Any, problems: list[str]) -> None:
     blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         where = "is a file" if blocker == folder else f"is inside {blocker}, which is a file"
-        problems.append(f"{key}={path}: {where}, not a folder; point paths.cache_dir (or "
-                        f"POSENC_CACHE_DIR) at a folder")
+        problems.append(
+            f"{key}={path}: {where}, not a folder; point paths.cache_dir (or "
+            f"POSENC_CACHE_DIR) at a folder"
+        )
         return
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as err:
-        problems.append(f"{key}={path}: cannot write there ({err.strerror or err}); point "
-                        f"paths.cache_dir (or POSENC_CACHE_DIR) at a writable folder")
+        problems.append(
+            f"{key}={path}: cannot write there ({err.strerror or err}); point "
+            f"paths.cache_dir (or POSENC_CACHE_DIR) at a writable folder"
+        )
 
 
 def lm_batch(cfg: DictConfig, train_tokens: int, vocab_size: int) -> str | None:
@@ -173,16 +222,20 @@ def lm_batch(cfg: DictConfig, train_tokens: int, vocab_size: int) -> str | None:
     batch, seq_len = cfg.task.batch_size, cfg.task.seq_len
     windows = (train_tokens - 1) // seq_len
     if batch > windows:
-        return (f"task.batch_size={batch}: larger than the {windows} windows of task.seq_len="
-                f"{seq_len} in the training split ({train_tokens} tokens), so every step would "
-                f"repeat the whole text; lower task.batch_size to at most {windows}")
+        return (
+            f"task.batch_size={batch}: larger than the {windows} windows of task.seq_len="
+            f"{seq_len} in the training split ({train_tokens} tokens), so every step would "
+            f"repeat the whole text; lower task.batch_size to at most {windows}"
+        )
     need = batch * seq_len * vocab_size * 4 * 2
     ram = _physical_memory()
     on_cpu = cfg.trainer.get("accelerator") == "cpu" or not torch.cuda.is_available()
     if on_cpu and ram and need > ram:
-        return (f"task.batch_size={batch}: its logits alone ({batch} x {seq_len} x vocab "
-                f"{vocab_size}, with their gradient) need {need / 2**30:.1f} GiB, more than "
-                f"this machine's {ram / 2**30:.1f} GiB; lower task.batch_size")
+        return (
+            f"task.batch_size={batch}: its logits alone ({batch} x {seq_len} x vocab "
+            f"{vocab_size}, with their gradient) need {need / 2**30:.1f} GiB, more than "
+            f"this machine's {ram / 2**30:.1f} GiB; lower task.batch_size"
+        )
     return None
 
 
@@ -199,9 +252,6 @@ def algo_memory(cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
         hi: The largest training size.
         test_hi: The largest test size.
     """
-    from posenc.config import algo_longest, algo_options
-    from posenc.data.algo import PROBLEMS
-    from posenc.data.algo_problems import grid_sizes
 
     ram = _physical_memory()
     if not ram:
@@ -216,21 +266,25 @@ def algo_memory(cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
     test_bytes = t.test_per_size * len(problem.variants) * positions * 8 * 2
     if test_bytes > ram / 4:
         where = f"every size {sizes[0]}..{sizes[-1]}" if grid == "every" else f"sizes {sizes}"
-        return (f"task.train_lengths=[{lo},{hi}]: its test set ({t.test_per_size} instances "
-                f"of {where}, task.test_multiple={t.test_multiple}) needs "
-                f"{test_bytes / 2**30:.1f} GiB, over a quarter of this machine's "
-                f"{ram / 2**30:.1f} GiB; lower the largest size, task.test_multiple or "
-                f"task.test_per_size")
+        return (
+            f"task.train_lengths=[{lo},{hi}]: its test set ({t.test_per_size} instances "
+            f"of {where}, task.test_multiple={t.test_multiple}) needs "
+            f"{test_bytes / 2**30:.1f} GiB, over a quarter of this machine's "
+            f"{ram / 2**30:.1f} GiB; lower the largest size, task.test_multiple or "
+            f"task.test_per_size"
+        )
     on_cpu = cfg.trainer.get("accelerator") == "cpu" or not torch.cuda.is_available()
     longest = algo_longest(cfg, hi) or 0
     m = cfg.model
     scores = t.batch_size * m.n_heads * longest**2 * 4 * m.n_layers
     if on_cpu and scores > ram:
-        return (f"task.train_lengths=[{lo},{hi}]: a training batch at size {hi} ({longest} "
-                f"positions) holds {t.batch_size} x {m.n_heads} heads x {longest}^2 attention "
-                f"scores in each of {m.n_layers} layers: {scores / 2**30:.1f} GiB, more than "
-                f"this machine's {ram / 2**30:.1f} GiB; lower the largest size or "
-                f"task.batch_size")
+        return (
+            f"task.train_lengths=[{lo},{hi}]: a training batch at size {hi} ({longest} "
+            f"positions) holds {t.batch_size} x {m.n_heads} heads x {longest}^2 attention "
+            f"scores in each of {m.n_layers} layers: {scores / 2**30:.1f} GiB, more than "
+            f"this machine's {ram / 2**30:.1f} GiB; lower the largest size or "
+            f"task.batch_size"
+        )
     return None
 
 
@@ -239,31 +293,43 @@ def passkey(t: DictConfig, problems: list[str], keys: list[str]) -> None:
     multipliers are ``[]``); unknown keys are reported by the caller."""
     mix = t.get("passkey_mix", 0.0)
     if not number(mix) or not 0.0 <= mix <= 1.0:
-        problems.append(f"task.passkey_mix={mix!r}: must be a number in [0, 1] (the fraction "
-                        f"of training windows replaced by passkey sequences; 0: off)")
+        problems.append(
+            f"task.passkey_mix={mix!r}: must be a number in [0, 1] (the fraction "
+            f"of training windows replaced by passkey sequences; 0: off)"
+        )
     weight = t.get("passkey_answer_weight", 1.0)
     if not number(weight) or not weight > 0:
-        problems.append(f"task.passkey_answer_weight={weight!r}: must be a number > 0 (the "
-                        f"loss weight of a training passkey answer's key tokens; 1: as text)")
+        problems.append(
+            f"task.passkey_answer_weight={weight!r}: must be a number > 0 (the "
+            f"loss weight of a training passkey answer's key tokens; 1: as text)"
+        )
     p = t.eval.get("passkey")
     if not OmegaConf.is_dict(p):
-        problems.append(f"task.eval.passkey={p!r}: must be a mapping with keys "
-                        f"{', '.join(keys)} (see conf/task/lm.yaml)")
+        problems.append(
+            f"task.eval.passkey={p!r}: must be a mapping with keys "
+            f"{', '.join(keys)} (see conf/task/lm.yaml)"
+        )
         return
     mults = p.get("multipliers", [])
     if not OmegaConf.is_list(mults):
-        problems.append(f"task.eval.passkey.multipliers={mults!r}: must be a list, e.g. "
-                        f"[1,2,4,8,16] (lengths = multiplier * task.seq_len; []: off)")
+        problems.append(
+            f"task.eval.passkey.multipliers={mults!r}: must be a list, e.g. "
+            f"[1,2,4,8,16] (lengths = multiplier * task.seq_len; []: off)"
+        )
     else:
         for m in mults:
             if not _finite(m) or m <= 0:
-                problems.append(f"task.eval.passkey.multipliers contains {m!r}: must be "
-                                f"positive numbers (length = multiplier * task.seq_len)")
+                problems.append(
+                    f"task.eval.passkey.multipliers contains {m!r}: must be "
+                    f"positive numbers (length = multiplier * task.seq_len)"
+                )
     example = "[0,0.25,0.5,0.75,1]"
     for d in as_list(problems, "task.eval.passkey.depths", p.get("depths"), example) or []:
         if not number(d) or not 0.0 <= d <= 1.0:
-            problems.append(f"task.eval.passkey.depths contains {d!r}: must be numbers in "
-                            f"[0, 1] (0: the key first, 1: right before the question)")
+            problems.append(
+                f"task.eval.passkey.depths contains {d!r}: must be numbers in "
+                f"[0, 1] (0: the key first, 1: right before the question)"
+            )
     for key in ("samples", "key_len"):
         value = p.get(key)
         if not _integer(value) or value <= 0:
@@ -273,8 +339,9 @@ def passkey(t: DictConfig, problems: list[str], keys: list[str]) -> None:
         problems.append(f"task.eval.passkey.seed={seed!r}: must be an integer >= 0")
 
 
-def passkey_data(cfg: DictConfig, lengths: list[int], min_length: int,
-                 split_tokens: dict[str, int]) -> list[str]:
+def passkey_data(
+    cfg: DictConfig, lengths: list[int], min_length: int, split_tokens: dict[str, int]
+) -> list[str]:
     """Problems with passkey lengths once the data is tokenized (the format's size in
     tokens depends on the tokenizer).
 
@@ -292,24 +359,28 @@ def passkey_data(cfg: DictConfig, lengths: list[int], min_length: int,
         problems.append(
             f"task.eval.passkey.multipliers give lengths {short}, shorter than the "
             f"{min_length} tokens a passkey instance needs (needle, question, key, filler); "
-            f"drop those multipliers or raise task.seq_len")
+            f"drop those multipliers or raise task.seq_len"
+        )
     for split in cfg.task.eval.splits if lengths else []:
         if split_tokens[split] < max(lengths):
             problems.append(
                 f"task.eval.passkey.multipliers give length {max(lengths)}, longer than the "
-                f"{split!r} split ({split_tokens[split]} tokens) the filler comes from")
+                f"{split!r} split ({split_tokens[split]} tokens) the filler comes from"
+            )
     mix = cfg.task.get("passkey_mix", 0)
     if mix and not cfg.eval_only and cfg.task.seq_len + 1 < min_length:
         problems.append(
             f"task.passkey_mix={mix}: training passkey sequences of task.seq_len + 1 = "
             f"{cfg.task.seq_len + 1} tokens are shorter than the {min_length} the format "
-            f"needs; raise task.seq_len or set task.passkey_mix=0")
+            f"needs; raise task.seq_len or set task.passkey_mix=0"
+        )
     if mix and not cfg.eval_only and split_tokens.get("val", 0) < cfg.task.seq_len:
         problems.append(
             f"task.passkey_mix={mix}: validation checks retrieval at task.seq_len="
             f"{cfg.task.seq_len} with filler from the 'val' split, which has only "
             f"{split_tokens.get('val', 0)} tokens; lower task.seq_len or give the data a "
-            f"longer validation split")
+            f"longer validation split"
+        )
     return problems
 
 

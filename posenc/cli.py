@@ -29,8 +29,8 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from posenc import stop
 from posenc.errors import RunDirError, UserError
-from posenc.runner import write_json_atomic
 from posenc.train import train
+from posenc.training.runner import write_json_atomic
 
 log = logging.getLogger("posenc.run")
 

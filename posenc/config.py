@@ -19,7 +19,17 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from posenc import checks
+from posenc.checks import algo_longest, algo_options
+from posenc.data.algo import GRIDS, PROBLEMS, SHAPES
+from posenc.data.algo_problems import check as check_problem
+from posenc.data.mt import check_edges
+from posenc.data.tokenizers import TOKENIZER_KINDS
+from posenc.encoders.base import AttnKind
+from posenc.encoders.rope import SCALINGS
 from posenc.errors import UserError
+from posenc.model import DecoderLM, EncoderDecoder
+from posenc.training.gate import GATE_KEYS, PASSKEY, PERCENT, metrics
+from posenc.training.optim import SCHEDULES
 
 
 class ConfigError(UserError, ValueError):
@@ -90,15 +100,20 @@ def validate(cfg: DictConfig) -> None:
         ("task.learned", _validate_gate),
     ]
     if cfg.task.name == "lm":
-        groups += [("tokenizer", _validate_tokenizer), ("task", _validate_lm),
-                   ("task", _reject_mt_options)]
+        groups += [
+            ("tokenizer", _validate_tokenizer),
+            ("task", _validate_lm),
+            ("task", _reject_mt_options),
+        ]
     elif cfg.task.name == "mt":
         groups += [("tokenizer", _validate_tokenizer), ("task", _validate_mt)]
     elif cfg.task.name == "algo":
         groups += [("task", _validate_algo)]
     else:
-        problems.append(f"task.name={cfg.task.name!r}: allowed lm, mt, algo (choose with "
-                        f"task=lm, task=mt or task=algo)")
+        problems.append(
+            f"task.name={cfg.task.name!r}: allowed lm, mt, algo (choose with "
+            f"task=lm, task=mt or task=algo)"
+        )
     for section, check in groups:
         checks.guarded(problems, section, partial(check, cfg, problems))
     if not problems:
@@ -130,13 +145,12 @@ def _validate_model(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"model.compile={m.compile!r}: must be true or false")
     budget = m.get("score_budget_mib", 8)
     if not _number(budget) or not float(budget) >= 0:
-        problems.append(f"model.score_budget_mib={budget!r}: must be a number >= 0 (MiB; 0: "
-                        f"no query blocking)")
+        problems.append(
+            f"model.score_budget_mib={budget!r}: must be a number >= 0 (MiB; 0: no query blocking)"
+        )
 
 
 def _validate_tokenizer(cfg: DictConfig, problems: list[str]) -> None:
-    from posenc.data.tokenizers import TOKENIZER_KINDS
-
     if "vocab_size" in cfg.tokenizer:
         _positive_int(problems, "tokenizer.vocab_size", cfg.tokenizer.vocab_size)
     if cfg.tokenizer.kind not in TOKENIZER_KINDS:
@@ -145,25 +159,71 @@ def _validate_tokenizer(cfg: DictConfig, problems: list[str]) -> None:
 
 
 def _validate_gate(cfg: DictConfig, problems: list[str]) -> None:
-    """``task.learned``: the learnability gate (:mod:`posenc.tasks.gate`)."""
-    from posenc.tasks import gate
-
-    if cfg.task.name in ("lm", "mt", "algo"):
-        gate.validate(cfg, problems)
+    """``task.learned``: the learnability gate (:mod:`posenc.training.gate`)."""
+    if cfg.task.name not in ("lm", "mt", "algo"):
+        return
+    gate = cfg.task.get("learned")
+    if gate is None:
+        return
+    if not OmegaConf.is_dict(gate):
+        problems.append(
+            f"task.learned={gate!r}: must be null (no gate) or {{metric, threshold, stop}}, "
+            f"e.g. task.learned.metric=val/seq_acc task.learned.threshold=95"
+        )
+        return
+    for key in gate:
+        if key not in GATE_KEYS:
+            problems.append(f"task.learned.{key}: unknown key; allowed {', '.join(GATE_KEYS)}")
+    allowed = metrics(cfg)
+    metric, threshold = gate.get("metric"), gate.get("threshold")
+    if metric not in allowed:
+        problems.append(
+            f"task.learned.metric={metric!r}: allowed for task {cfg.task.name}: "
+            f"{', '.join(allowed)} (validation at the training length)"
+        )
+    elif allowed[metric]:
+        problems.append(f"task.learned.metric={metric}: {allowed[metric]}")
+    if not _number(threshold) or not math.isfinite(threshold):
+        problems.append(f"task.learned.threshold={threshold!r}: must be a finite number")
+    elif metric in PERCENT and not 0 <= threshold <= 100:
+        problems.append(f"task.learned.threshold={threshold}: {metric} is in percent (0..100)")
+    elif metric == PASSKEY and not 0 <= threshold <= 1:
+        problems.append(
+            f"task.learned.threshold={threshold}: {metric} is a fraction in [0, 1]; "
+            f"e.g. 0.9 for 90% retrieval"
+        )
+    if not isinstance(gate.get("stop", False), bool):
+        problems.append(f"task.learned.stop={gate.stop!r}: must be true or false")
 
 
 def _validate_optim(cfg: DictConfig, problems: list[str]) -> None:
     """``task.optim``, the same keys and rules for every task."""
-    from posenc.tasks.optim import SCHEDULES
-
     _check_keys(problems, "task.optim.", list(cfg.task.optim), OPTIM_KEYS)
     checks.optim(cfg.task.optim, problems, SCHEDULES)
 
 
-LM_TASK_KEYS = ["name", "seq_len", "batch_size", "eval_batch_size", "optim", "eval",
-                "passkey_mix", "passkey_answer_weight", "learned"]
-LM_EVAL_KEYS = ["splits", "multipliers", "protocols", "sliding_stride", "max_tokens",
-                "skip_unsupported", "context_extension", "extension_factor", "passkey"]
+LM_TASK_KEYS = [
+    "name",
+    "seq_len",
+    "batch_size",
+    "eval_batch_size",
+    "optim",
+    "eval",
+    "passkey_mix",
+    "passkey_answer_weight",
+    "learned",
+]
+LM_EVAL_KEYS = [
+    "splits",
+    "multipliers",
+    "protocols",
+    "sliding_stride",
+    "max_tokens",
+    "skip_unsupported",
+    "context_extension",
+    "extension_factor",
+    "passkey",
+]
 PASSKEY_KEYS = ["multipliers", "depths", "samples", "key_len", "seed"]
 OPTIM_KEYS = ["lr", "betas", "weight_decay", "warmup_steps", "schedule", "min_lr_ratio"]
 
@@ -180,13 +240,21 @@ def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
         _positive_int(problems, f"task.{key}", t[key])
     for mult in checks.as_list(problems, "task.eval.multipliers", e.multipliers, "[1,2,4]") or []:
         if not _number(mult) or not math.isfinite(mult) or mult <= 0:
-            problems.append(f"task.eval.multipliers contains {mult!r}: must be positive numbers "
-                            f"(evaluation length = multiplier * task.seq_len)")
-        elif (isinstance(t.seq_len, int) and not isinstance(t.seq_len, bool) and t.seq_len > 0
-              and int(mult * t.seq_len) < 1):
-            problems.append(f"task.eval.multipliers contains {mult!r}: {mult} * task.seq_len="
-                            f"{t.seq_len} is below one token; give multipliers >= "
-                            f"{1 / t.seq_len:.3g}")
+            problems.append(
+                f"task.eval.multipliers contains {mult!r}: must be positive numbers "
+                f"(evaluation length = multiplier * task.seq_len)"
+            )
+        elif (
+            isinstance(t.seq_len, int)
+            and not isinstance(t.seq_len, bool)
+            and t.seq_len > 0
+            and int(mult * t.seq_len) < 1
+        ):
+            problems.append(
+                f"task.eval.multipliers contains {mult!r}: {mult} * task.seq_len="
+                f"{t.seq_len} is below one token; give multipliers >= "
+                f"{1 / t.seq_len:.3g}"
+            )
     allowed = ("nonoverlap", "sliding")
     for p in checks.as_list(problems, "task.eval.protocols", e.protocols, "[nonoverlap]") or []:
         if p not in allowed:
@@ -196,16 +264,17 @@ def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
     if t.eval.max_tokens is not None:
         _positive_int(problems, "task.eval.max_tokens", t.eval.max_tokens)
     if not isinstance(e.get("skip_unsupported", True), bool):
-        problems.append(f"task.eval.skip_unsupported={e.skip_unsupported!r}: must be true or "
-                        f"false")
+        problems.append(f"task.eval.skip_unsupported={e.skip_unsupported!r}: must be true or false")
     _context_extension(t.eval, problems)
     _passkey(t, problems)
     max_len = cfg.encoder.get("max_len")
     skip = t.eval.get("skip_unsupported", True)
     fits = _fits_encoder(problems, cfg, "seq_len")
     if fits and max_len is not None and not skip and not problems:
-        for key, lengths in (("task.eval.multipliers", eval_lengths(cfg)),
-                             ("task.eval.passkey.multipliers", passkey_lengths(cfg))):
+        for key, lengths in (
+            ("task.eval.multipliers", eval_lengths(cfg)),
+            ("task.eval.passkey.multipliers", passkey_lengths(cfg)),
+        ):
             too_long = [L for L in lengths if max_len < L]
             if too_long:
                 problems.append(
@@ -225,25 +294,28 @@ def _passkey(t: DictConfig, problems: list[str]) -> None:
 def _context_extension(e: DictConfig, problems: list[str]) -> None:
     """``task.eval.context_extension`` (RoPE methods evaluated besides the plain run) and
     ``task.eval.extension_factor``."""
-    from posenc.encoders.rope import SCALINGS
-
     allowed = ", ".join(SCALINGS[1:])
     methods = e.get("context_extension", [])
     if not OmegaConf.is_list(methods):
-        problems.append(f"task.eval.context_extension={methods!r}: must be a list, e.g. "
-                        f"task.eval.context_extension=[{methods}]; allowed methods {allowed}")
+        problems.append(
+            f"task.eval.context_extension={methods!r}: must be a list, e.g. "
+            f"task.eval.context_extension=[{methods}]; allowed methods {allowed}"
+        )
     else:
         for m in methods:
             if m not in SCALINGS[1:]:
                 problems.append(f"task.eval.context_extension contains {m!r}: allowed {allowed}")
         twice = sorted({m for m in methods if list(methods).count(m) > 1})
         if twice:
-            problems.append(f"task.eval.context_extension lists {', '.join(twice)} twice; "
-                            f"give each method once")
+            problems.append(
+                f"task.eval.context_extension lists {', '.join(twice)} twice; give each method once"
+            )
     f = e.get("extension_factor", "auto")
     if f != "auto" and not (_number(f) and math.isfinite(f) and f >= 1):
-        problems.append(f"task.eval.extension_factor={f!r}: must be auto (s = max(1, eval "
-                        f"length / task.seq_len)) or a number >= 1")
+        problems.append(
+            f"task.eval.extension_factor={f!r}: must be auto (s = max(1, eval "
+            f"length / task.seq_len)) or a number >= 1"
+        )
 
 
 #: Options that only the translation task reads (task.* and model.*).
@@ -263,83 +335,102 @@ MT_TASK_KEYS = (
 MT_MODEL_KEYS = ("n_enc_layers", "n_dec_layers")
 
 
-ALGO_TASK_KEYS = ["name", "problem", "shape", "train_lengths", "test_multiple", "bucket_width",
-                  "symbols", "reverse_digits", "batch_size", "eval_batch_size",
-                  "val_per_size", "test_per_size", "optim", "data_tokens", "test_sizes",
-                  "lm_loss", "learned"]
-
-
-def algo_options(cfg: DictConfig) -> Any:
-    """The instance options (:class:`posenc.data.algo.Options`) of ``cfg.task``."""
-    from posenc.data.algo import Options
-
-    k = cfg.task.get("data_tokens", 16)
-    return Options(symbols=cfg.task.symbols, reverse_digits=bool(cfg.task.reverse_digits),
-                   data_tokens=k if isinstance(k, int) and not isinstance(k, bool) else 16)
-
-
-def algo_longest(cfg: DictConfig, size: int) -> int | None:
-    """Positions an algorithmic instance of ``size`` takes (None for an unknown problem)."""
-    from posenc.data.algo import PROBLEMS, longest_sequence
-
-    problem = PROBLEMS.get(cfg.task.problem)
-    if problem is None:
-        return None
-    return longest_sequence(problem, size, cfg.task.shape, algo_options(cfg))
+ALGO_TASK_KEYS = [
+    "name",
+    "problem",
+    "shape",
+    "train_lengths",
+    "test_multiple",
+    "bucket_width",
+    "symbols",
+    "reverse_digits",
+    "batch_size",
+    "eval_batch_size",
+    "val_per_size",
+    "test_per_size",
+    "optim",
+    "data_tokens",
+    "test_sizes",
+    "lm_loss",
+    "learned",
+]
 
 
 def _validate_algo(cfg: DictConfig, problems: list[str]) -> None:
-    from posenc.data.algo import GRIDS, PROBLEMS
-    from posenc.data.algo_problems import check
-    from posenc.tasks.algo import SHAPES
-
     t = cfg.task
     _check_keys(problems, "task.", list(t), ALGO_TASK_KEYS)
     if t.problem not in PROBLEMS:
         problems.append(f"task.problem={t.problem!r}: allowed {', '.join(PROBLEMS)}")
     if t.shape not in SHAPES:
-        problems.append(f"task.shape={t.shape!r}: allowed decoder (decoder-only: prompt, "
-                        f"separator, answer) or encdec (encoder-decoder: prompt -> answer)")
-    for key in ("batch_size", "eval_batch_size", "bucket_width", "val_per_size",
-                "test_per_size", "data_tokens"):
+        problems.append(
+            f"task.shape={t.shape!r}: allowed decoder (decoder-only: prompt, "
+            f"separator, answer) or encdec (encoder-decoder: prompt -> answer)"
+        )
+    for key in (
+        "batch_size",
+        "eval_batch_size",
+        "bucket_width",
+        "val_per_size",
+        "test_per_size",
+        "data_tokens",
+    ):
         _positive_int(problems, f"task.{key}", t.get(key, 1))
     if t.get("test_sizes", "auto") not in ("auto", *GRIDS):
-        problems.append(f"task.test_sizes={t.test_sizes!r}: allowed auto (the problem's own), "
-                        f"{', '.join(GRIDS)}")
+        problems.append(
+            f"task.test_sizes={t.test_sizes!r}: allowed auto (the problem's own), "
+            f"{', '.join(GRIDS)}"
+        )
     lengths = checks.as_list(problems, "task.train_lengths", t.train_lengths, "[1,16]")
     if lengths is not None and (
-            len(lengths) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
-                                     for x in lengths) or not 1 <= lengths[0] <= lengths[1]):
-        problems.append(f"task.train_lengths={list(lengths)}: must be [lo, hi] with integers "
-                        f"1 <= lo <= hi, e.g. task.train_lengths=[1,16]")
+        len(lengths) != 2
+        or any(isinstance(x, bool) or not isinstance(x, int) for x in lengths)
+        or not 1 <= lengths[0] <= lengths[1]
+    ):
+        problems.append(
+            f"task.train_lengths={list(lengths)}: must be [lo, hi] with integers "
+            f"1 <= lo <= hi, e.g. task.train_lengths=[1,16]"
+        )
         lengths = None
     m = t.test_multiple
     if not _number(m) or not math.isfinite(m) or m < 1:
-        problems.append(f"task.test_multiple={m!r}: must be a number >= 1 (test sizes go up to "
-                        f"test_multiple * the largest training size)")
+        problems.append(
+            f"task.test_multiple={m!r}: must be a number >= 1 (test sizes go up to "
+            f"test_multiple * the largest training size)"
+        )
     k = t.symbols
     if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= 26:
-        problems.append(f"task.symbols={k!r}: must be an integer in 2..26 (letters of the "
-                        f"copy, reverse, duplicate and sort problems)")
+        problems.append(
+            f"task.symbols={k!r}: must be an integer in 2..26 (letters of the "
+            f"copy, reverse, duplicate and sort problems)"
+        )
     if not isinstance(t.reverse_digits, bool):
         problems.append(f"task.reverse_digits={t.reverse_digits!r}: must be true or false")
     elif t.reverse_digits and t.problem != "addition":
-        problems.append(f"task.reverse_digits=true: only the addition problem has digits to "
-                        f"reverse (task.problem={t.problem}); drop it")
+        problems.append(
+            f"task.reverse_digits=true: only the addition problem has digits to "
+            f"reverse (task.problem={t.problem}); drop it"
+        )
     if problems or lengths is None:
         return
     if not isinstance(t.get("lm_loss", False), bool):
         problems.append(f"task.lm_loss={t.lm_loss!r}: must be true or false")
         return
-    problems += check(PROBLEMS[t.problem], t.shape, lengths[0], lengths[1], algo_options(cfg),
-                      t.get("lm_loss", False))
+    problems += check_problem(
+        PROBLEMS[t.problem],
+        t.shape,
+        lengths[0],
+        lengths[1],
+        algo_options(cfg),
+        t.get("lm_loss", False),
+    )
     max_len = cfg.encoder.get("max_len")
     longest = algo_longest(cfg, int(math.floor(m * lengths[1])))
     if max_len is not None and longest is not None and longest > max_len:
         problems.append(
             f"task.test_multiple={m}: the largest test instance takes {longest} positions, "
             f"more than encoder.max_len={max_len}; raise encoder.max_len or lower "
-            f"task.test_multiple")
+            f"task.test_multiple"
+        )
     problem = checks.algo_memory(cfg, lengths[0], lengths[1], int(math.floor(m * lengths[1])))
     if problem:
         problems.append(problem)
@@ -369,8 +460,6 @@ def _non_negative(problems: list[str], key: str, value: Any, *, integer: bool) -
 
 
 def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
-    from posenc.data.mt import check_edges
-
     t, m = cfg.task, cfg.model
     for key in ("max_tokens", "max_len"):
         _positive_int(problems, f"task.{key}", t[key])
@@ -407,8 +496,12 @@ def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
     _non_negative(problems, "task.decode.max_len_b", d.max_len_b, integer=True)
     if not isinstance(d.get("use_cache", True), bool):
         problems.append(f"task.decode.use_cache={d.use_cache!r}: must be true or false")
-    _check_keys(problems, "task.decode.", list(d),
-                ["beam_size", "length_penalty", "max_len_a", "max_len_b", "use_cache"])
+    _check_keys(
+        problems,
+        "task.decode.",
+        list(d),
+        ["beam_size", "length_penalty", "max_len_a", "max_len_b", "use_cache"],
+    )
     _fits_encoder(problems, cfg, "max_len")
 
 
@@ -430,8 +523,6 @@ def _try_encoder(cfg: DictConfig, problems: list[str]) -> None:
     """Build the encoder once with the model sizes and make the attention hooks the task
     needs: the encoder's own checks (and refusals, e.g. causal-only schemes in a
     translation encoder) run here, before any data is loaded."""
-    from posenc.encoders.base import AttnKind
-
     m = cfg.model
     kinds = [AttnKind.CAUSAL]
     if cfg.task.name == "mt" or cfg.task.get("shape") == "encdec":
@@ -503,15 +594,27 @@ def _params(fn: Any, drop: tuple[str, ...] = ()) -> list[str]:
     return [p for p in inspect.signature(fn).parameters if p not in drop + ("self",)]
 
 
-TOP_LEVEL = ["encoder", "task", "trainer", "data", "tokenizer", "model", "seed", "eval_only",
-             "ckpt_path", "resume", "checkpoint_every_n_steps", "paths", "init_from", "threads",
-             "tuned"]
+TOP_LEVEL = [
+    "encoder",
+    "task",
+    "trainer",
+    "data",
+    "tokenizer",
+    "model",
+    "seed",
+    "eval_only",
+    "ckpt_path",
+    "resume",
+    "checkpoint_every_n_steps",
+    "paths",
+    "init_from",
+    "threads",
+    "tuned",
+]
 
 
 def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:
     """Misspelled or unknown keys would be ignored or crash late: name them now."""
-    from posenc.model import DecoderLM, EncoderDecoder
-
     _check_keys(problems, "", [str(k) for k in cfg if k != "hydra"], TOP_LEVEL)
     fixed = ("d_model", "n_heads", "n_layers")
     try:
@@ -521,27 +624,33 @@ def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:
     else:
         allowed = _params(cls.__init__, fixed) + ["_target_", "_partial_"]
         _check_keys(problems, "encoder.", list(cfg.encoder), allowed)
-    encdec = cfg.task.name == "mt" or (cfg.task.name == "algo"
-                                       and cfg.task.get("shape") == "encdec")
+    encdec = cfg.task.name == "mt" or (
+        cfg.task.name == "algo" and cfg.task.get("shape") == "encdec"
+    )
     model_cls = EncoderDecoder if encdec else DecoderLM
-    allowed = _params(model_cls.__init__, ("vocab_size", "src_vocab_size", "tgt_vocab_size",
-                                           "encoder"))
+    allowed = _params(
+        model_cls.__init__, ("vocab_size", "src_vocab_size", "tgt_vocab_size", "encoder")
+    )
     allowed.append("compile")  # read by the LightningModule, not the model
     if cfg.task.name == "lm":  # MT-only model keys are reported by _reject_mt_options
         allowed += list(MT_MODEL_KEYS)
     if cfg.task.name == "algo":  # the two shapes share conf/model/algo.yaml
         allowed = [k for k in allowed if k not in ("share_embeddings", *MT_MODEL_KEYS)]
     _check_keys(problems, "model.", list(cfg.model), allowed)
-    _check_keys(problems, "trainer.", list(cfg.trainer),
-                _params(pl.Trainer.__init__) + ["_target_"])
+    _check_keys(
+        problems, "trainer.", list(cfg.trainer), _params(pl.Trainer.__init__) + ["_target_"]
+    )
 
 
 def _run_keys(cfg: DictConfig, problems: list[str]) -> None:
     threads = cfg.get("threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                or threads <= 0):
-        problems.append(f"threads={threads!r}: must be a positive integer (CPU threads per "
-                        f"process) or null (torch's default: one per core)")
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0
+    ):
+        problems.append(
+            f"threads={threads!r}: must be a positive integer (CPU threads per "
+            f"process) or null (torch's default: one per core)"
+        )
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
         problems.append(f"seed={cfg.seed!r}: must be an integer >= 0")
     for key in ("eval_only", "resume"):

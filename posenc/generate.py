@@ -21,8 +21,8 @@ from typing import Any, cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from posenc.decoding.lm import generate
 from posenc.errors import UserError
-from posenc.tasks.generate import generate
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -101,10 +101,10 @@ def run(args: argparse.Namespace) -> str:
     one written before checkpoints carried the tokenizer (2026-11-26) rebuilds it from
     the training data that its run directory's config names.
     """
-    from posenc import checkpoints
     from posenc.data.tokenizers import fingerprints, from_payload
-    from posenc.runner import load_for_eval
     from posenc.tasks.lm import LMTask
+    from posenc.training import checkpoints
+    from posenc.training.runner import load_for_eval
 
     _check_args(args)
     if not args.ckpt.is_file():

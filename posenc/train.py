@@ -12,9 +12,10 @@ import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posenc import checkpoints, tuned
+from posenc import tuned
 from posenc.config import validate
-from posenc.runner import guard_run_dir, quiet_third_party, record_job, resume_checkpoint
+from posenc.training import checkpoints
+from posenc.training.runner import guard_run_dir, quiet_third_party, record_job, resume_checkpoint
 
 #: task name -> module with ``run(cfg, run_dir) -> dict`` (imported on demand).
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ TASKS = {"lm": "posenc.tasks.lm_job", "mt": "posenc.tasks.mt_job", "algo": "pose
 
 def check_checkpoint(cfg: DictConfig) -> None:
     """Before any data is loaded: ``cfg.ckpt_path`` is a whole checkpoint of a model that
-    fits the config (:func:`posenc.checkpoints.check_config`). Under ``eval_only``,
+    fits the config (:func:`posenc.training.checkpoints.check_config`). Under ``eval_only``,
     training settings that differ from the checkpoint's have no effect: they are reported,
     and the config (hence ``metrics.json``) takes the checkpoint's values.
     """

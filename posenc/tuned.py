@@ -2,7 +2,7 @@
 a learning-rate grid (``tuned_lr.yaml``), and ``+tuned=<report dir>``, which gives each
 run its scheme's rate from it.
 
-The report (:mod:`posenc.report_tune`) picks, per task and encoder, the grid rate with the
+The report (:mod:`posenc.report.tune`) picks, per task and encoder, the grid rate with the
 best mean validation metric at the training length (never a length beyond it) and writes
 it here. A run given ``+tuned=<dir or file>`` sets ``task.optim.lr`` to its encoder's rate
 before its config is checked and records where it came from in ``tuned`` (the report
@@ -110,8 +110,8 @@ def write(path: Path, tasks: dict[str, dict[str, Any]], sweep: Path | Sequence[P
 
 def run_key(cfg: DictConfig) -> tuple[str, str]:
     """The task and encoder names a run has in reports (and in the tuned-lr file)."""
-    from posenc.report_rows import task_key
-    from posenc.runner import group_choice
+    from posenc.runs import task_key
+    from posenc.training.runner import group_choice
 
     t = cfg.task
     encoder = group_choice(cfg, "encoder")

@@ -47,9 +47,11 @@ os.environ.setdefault("POSENC_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--all-documented-commands", action="store_true",
+        "--all-documented-commands",
+        action="store_true",
         help="run every command README.md and docs/ print (tests/test_documented_commands.py;"
-             " CI runs a fast subset)")
+        " CI runs a fast subset)",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -102,17 +104,33 @@ def softmax_attend(scores: torch.Tensor, v: torch.Tensor, causal: bool) -> torch
 
 # A run small enough for CI: one layer of width 16, three steps, lengths 16 and 64.
 TINY = [
-    "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.d_ff=32",
-    "task.seq_len=16", "task.batch_size=4", "task.eval_batch_size=4",
-    "task.eval.multipliers=[1,4]", "task.eval.max_tokens=256", "task.eval.sliding_stride=4",
-    "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
-    "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
+    "model.n_layers=1",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_ff=32",
+    "task.seq_len=16",
+    "task.batch_size=4",
+    "task.eval_batch_size=4",
+    "task.eval.multipliers=[1,4]",
+    "task.eval.max_tokens=256",
+    "task.eval.sliding_stride=4",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=2",
+    "trainer.enable_progress_bar=false",
+    "trainer.log_every_n_steps=1",
 ]
 
 
 def compose_run(tmp_path: Path, *overrides: str) -> DictConfig:
     """The real config, composed as run.py would, with a tiny model, writing into tmp_path."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[
-            *TINY, f"paths.output_dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}",
-            *overrides])
+        return compose(
+            "config",
+            overrides=[
+                *TINY,
+                f"paths.output_dir={tmp_path / 'run'}",
+                f"paths.cache_dir={tmp_path / 'cache'}",
+                *overrides,
+            ],
+        )

@@ -24,11 +24,22 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.ddp
 
 TINY = [
-    "encoder=rope", "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.d_ff=32",
-    "task.seq_len=16", "task.batch_size=4", "task.eval_batch_size=4",
-    "task.eval.multipliers=[1,2]", "task.eval.max_tokens=208", "task.eval.sliding_stride=4",
-    "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
-    "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
+    "encoder=rope",
+    "model.n_layers=1",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_ff=32",
+    "task.seq_len=16",
+    "task.batch_size=4",
+    "task.eval_batch_size=4",
+    "task.eval.multipliers=[1,2]",
+    "task.eval.max_tokens=208",
+    "task.eval.sliding_stride=4",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=2",
+    "trainer.enable_progress_bar=false",
+    "trainer.log_every_n_steps=1",
     "trainer.accelerator=cpu",
 ]
 DDP = ["trainer.devices=2", "trainer.strategy=ddp"]
@@ -38,9 +49,20 @@ PPL = ("test/ppl@16", "test/ppl_sw@16", "test/ppl@32", "test/ppl_sw@32")
 def run_py(run_dir: Path, cache: Path, *overrides: str) -> str:
     """``python run.py`` as a user would call it; returns the combined output."""
     proc = subprocess.run(
-        [sys.executable, "run.py", *TINY, f"hydra.run.dir={run_dir}",
-         f"paths.cache_dir={cache}", *overrides],
-        cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "run.py",
+            *TINY,
+            f"hydra.run.dir={run_dir}",
+            f"paths.cache_dir={cache}",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -72,17 +94,25 @@ def test_ddp_training_runs_two_ranks_and_writes_metrics_once(trained: tuple[Path
     assert m["scored_tokens"]["test/ppl@16"] == m["scored_tokens"]["test/ppl_sw@16"] == 208
 
 
-def test_one_and_two_processes_give_the_same_perplexity(trained: tuple[Path, str],
-                                                         tmp_path: Path) -> None:
+def test_one_and_two_processes_give_the_same_perplexity(
+    trained: tuple[Path, str], tmp_path: Path
+) -> None:
     run_dir, _ = trained
     ckpt = run_dir / "checkpoints" / "best.ckpt"
     evaluate = ["eval_only=true", f"ckpt_path={ckpt}"]
     run_py(tmp_path / "two", tmp_path / "cache", *evaluate, *DDP)
     two = metrics(tmp_path / "two")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[
-            *TINY, *evaluate, "trainer.devices=1", f"paths.output_dir={tmp_path / 'one'}",
-            f"paths.cache_dir={tmp_path / 'cache'}"])
+        cfg = compose(
+            "config",
+            overrides=[
+                *TINY,
+                *evaluate,
+                "trainer.devices=1",
+                f"paths.output_dir={tmp_path / 'one'}",
+                f"paths.cache_dir={tmp_path / 'cache'}",
+            ],
+        )
     one = train(cfg)
     assert one["scored_tokens"] == two["scored_tokens"]
     for key in PPL:

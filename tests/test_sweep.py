@@ -40,13 +40,26 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("sweep")
     (tmp / "conf" / "encoder").mkdir(parents=True)
     (tmp / "conf" / "encoder" / "broken.yaml").write_text(
-        f"_target_: {__name__}.BrokenEncoder\n_partial_: true\n")
+        f"_target_: {__name__}.BrokenEncoder\n_partial_: true\n"
+    )
     out = tmp / "multirun"
     proc = subprocess.run(
-        [sys.executable, "run.py", "-m", "sweep=smoke", "encoder=learned,broken,rope",
-         f"hydra.sweep.dir={out}", f"paths.cache_dir={tmp / 'cache'}",
-         f"hydra.searchpath=[file://{tmp / 'conf'}]"],
-        cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "run.py",
+            "-m",
+            "sweep=smoke",
+            "encoder=learned,broken,rope",
+            f"hydra.sweep.dir={out}",
+            f"paths.cache_dir={tmp / 'cache'}",
+            f"hydra.searchpath=[file://{tmp / 'conf'}]",
+        ],
+        cwd=ROOT,
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     # The sweep as a whole succeeds: a failed job is recorded, not raised.
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -59,8 +72,13 @@ def job_dirs(sweep: Path) -> list[Path]:
 def test_every_job_has_its_own_dir_and_one_result(sweep: Path) -> None:
     dirs = job_dirs(sweep)
     assert [d.name for d in dirs] == [
-        "0_lm_learned_seed0", "1_lm_learned_seed1", "2_lm_broken_seed0", "3_lm_broken_seed1",
-        "4_lm_rope_seed0", "5_lm_rope_seed1"]
+        "0_lm_learned_seed0",
+        "1_lm_learned_seed1",
+        "2_lm_broken_seed0",
+        "3_lm_broken_seed1",
+        "4_lm_rope_seed0",
+        "5_lm_rope_seed1",
+    ]
     for d in dirs:
         results = [p.name for p in (d / "metrics.json", d / "error.json") if p.exists()]
         assert results == (["error.json"] if "broken" in d.name else ["metrics.json"]), d
@@ -97,7 +115,8 @@ def test_report_numbers_match_the_runs(sweep: Path) -> None:
             checked += 1
         assert float(rows[encoder, "test/ppl@16"]["n_params"]) == runs[0]["n_params"]
         assert float(rows[encoder, "test/ppl@16"]["tokens_per_s"]) == pytest.approx(
-            statistics.fmean(r["tokens_per_s"] for r in runs))
+            statistics.fmean(r["tokens_per_s"] for r in runs)
+        )
     assert checked >= 12  # ppl and ppl_sw at 16 and 64, val loss and ppl, per encoder
 
 
@@ -105,8 +124,10 @@ def test_report_lists_the_failures_and_draws(sweep: Path) -> None:
     rep = build_report(sweep)
     failed = sorted((f.dir.name, f.status, f.error) for f in rep.failures)
     message = "RuntimeError: deliberately broken encoder: embed() raises"
-    assert failed == [("2_lm_broken_seed0", "failed", message),
-                      ("3_lm_broken_seed1", "failed", message)]
+    assert failed == [
+        ("2_lm_broken_seed0", "failed", message),
+        ("3_lm_broken_seed1", "failed", message),
+    ]
     md = (sweep / "report" / "report.md").read_text()
     assert "4 finished, 2 failed" in md
     assert f"| 2_lm_broken_seed0 | failed | lm | broken | 0 | {message} |" in md
@@ -137,9 +158,18 @@ def test_sweep_presets(preset: str, tmp_path: Path) -> None:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for values in itertools.product(*axes.values()):
             job = [f"{key}={value}" for key, value in zip(axes, values, strict=True)]
-            validate(compose("config", overrides=[f"sweep={preset}", *job, *first_seed,
-                                                  f"paths.output_dir={tmp_path}",
-                                                  f"paths.cache_dir={tmp_path}"]))
+            validate(
+                compose(
+                    "config",
+                    overrides=[
+                        f"sweep={preset}",
+                        *job,
+                        *first_seed,
+                        f"paths.output_dir={tmp_path}",
+                        f"paths.cache_dir={tmp_path}",
+                    ],
+                )
+            )
 
 
 def test_every_encoder_is_a_variant_and_rand_variants_randomize() -> None:
@@ -155,7 +185,14 @@ def test_every_encoder_is_a_variant_and_rand_variants_randomize() -> None:
 
 def test_ddp_is_refused_inside_a_local_multirun() -> None:
     assert [run.local_processes(d) for d in (1, 2, "2", "auto", "0,1", [0, 1, 2], -1)] == [
-        1, 2, 2, 1, 2, 3, 2]
+        1,
+        2,
+        2,
+        1,
+        2,
+        3,
+        2,
+    ]
     cfg = OmegaConf.create({"trainer": {"devices": 2}})
     with pytest.raises(ValueError, match="trainer.devices=2 in a local multirun"):
         run.check_ddp_in_multirun(cfg)
@@ -168,8 +205,11 @@ def test_ddp_guard_counts_gpus_with_lightnings_parser(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(CUDAAccelerator, "is_available", staticmethod(lambda: True))
     monkeypatch.setattr(CUDAAccelerator, "auto_device_count", staticmethod(lambda: 4))
-    monkeypatch.setattr(CUDAAccelerator, "parse_devices",
-                        staticmethod(lambda d: [0, 1, 2, 3] if str(d) == "-1" else [0, 1]))
+    monkeypatch.setattr(
+        CUDAAccelerator,
+        "parse_devices",
+        staticmethod(lambda d: [0, 1, 2, 3] if str(d) == "-1" else [0, 1]),
+    )
     assert run.local_processes("auto") == run.local_processes(-1, "gpu") == 4
     assert run.local_processes("0,1", "cuda") == 2
     assert run.local_processes(2, "cpu") == 2
@@ -184,8 +224,9 @@ def test_local_parallel_launcher_config() -> None:
     assert type(launcher).__name__ == "JoblibLauncher"  # the plugin is found and composes
 
 
-def test_slurm_launcher_renders_one_task_per_device(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slurm_launcher_renders_one_task_per_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The plugin's own parameter mapping and submitit's sbatch file, without a cluster."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     import submitit
@@ -194,18 +235,33 @@ def test_slurm_launcher_renders_one_task_per_device(tmp_path: Path,
     (tmp_path / "srun").write_text("#!/bin/sh\n")  # submitit looks for srun on PATH
     (tmp_path / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    cfg = compose_hydra("hydra/launcher=slurm", "hydra.launcher.partition=gpu",
-                        "trainer.devices=4", "trainer.strategy=ddp", "trainer.num_nodes=2",
-                        f"hydra.sweep.dir={tmp_path}")
+    cfg = compose_hydra(
+        "hydra/launcher=slurm",
+        "hydra.launcher.partition=gpu",
+        "trainer.devices=4",
+        "trainer.strategy=ddp",
+        "trainer.num_nodes=2",
+        f"hydra.sweep.dir={tmp_path}",
+    )
     params = dict(instantiate(cfg.hydra.launcher).params)
     # As SlurmLauncher.launch maps them (hydra_submitit_launcher 1.2).
-    executor = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
-                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
+    executor = submitit.AutoExecutor(
+        cluster="slurm",
+        folder=params.pop("submitit_folder"),
+        slurm_max_num_timeout=params.pop("max_num_timeout"),
+    )
     base = set(OmegaConf.structured(BaseQueueConf).keys())
     executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
     sbatch = executor._executor._make_submission_file_text("python run.py", "0")
-    for line in ("--ntasks-per-node=4", "--gpus-per-node=4", "--nodes=2", "--partition=gpu",
-                 "--time=240", "--cpus-per-task=8", "--mem=32GB"):
+    for line in (
+        "--ntasks-per-node=4",
+        "--gpus-per-node=4",
+        "--nodes=2",
+        "--partition=gpu",
+        "--time=240",
+        "--cpus-per-task=8",
+        "--mem=32GB",
+    ):
         assert f"#SBATCH {line}\n" in sbatch, line
 
 
@@ -227,10 +283,23 @@ def test_a_killed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check"))]
     out = tmp_path / "multirun"
     proc = subprocess.Popen(
-        [sys.executable, "run.py", "-m", "hydra/launcher=local_parallel", *tiny,
-         "encoder=none,rope,alibi", "trainer.max_steps=150", "trainer.val_check_interval=50",
-         f"hydra.sweep.dir={out}", f"paths.cache_dir={tmp_path / 'cache'}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "run.py",
+            "-m",
+            "hydra/launcher=local_parallel",
+            *tiny,
+            "encoder=none,rope,alibi",
+            "trainer.max_steps=150",
+            "trainer.val_check_interval=50",
+            f"hydra.sweep.dir={out}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     # Jobs run two at a time in joblib workers (children of the sweep), each job in a
     # process of its own (a grandchild): kill one once training has begun.
     victim, deadline = None, time.monotonic() + 240
@@ -244,10 +313,14 @@ def test_a_killed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     dirs = sorted(d for d in out.iterdir() if d.is_dir())
-    results = {d.name: [p.name for p in (d / "metrics.json", d / "error.json") if p.exists()]
-               for d in dirs}
+    results = {
+        d.name: [p.name for p in (d / "metrics.json", d / "error.json") if p.exists()] for d in dirs
+    }
     assert sorted(map(tuple, results.values())) == [
-        ("error.json",), ("metrics.json",), ("metrics.json",)], results
+        ("error.json",),
+        ("metrics.json",),
+        ("metrics.json",),
+    ], results
     dead = next(d for d in dirs if (d / "error.json").exists())
     record = json.loads((dead / "error.json").read_text())
     assert record["error_type"] == "JobKilled"
@@ -261,10 +334,21 @@ def test_a_multirun_from_an_empty_folder_makes_its_own_sweep_dir(tmp_path: Path)
     """``python run.py -m ...`` as the README prints it, without ``hydra.sweep.dir``, from
     an empty folder: the sweep directory comes from conf/config.yaml (it failed with
     "HydraConfig was not set"), and two sweeps started together keep their own (#38)."""
-    cmd = [sys.executable, str(ROOT / "run.py"), "-m", "sweep=smoke", "encoder=none",
-           "seed=0", f"paths.cache_dir={tmp_path / 'cache'}"]
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "-m",
+        "sweep=smoke",
+        "encoder=none",
+        "seed=0",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     for proc in procs:
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-3000:]
@@ -284,8 +368,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-def test_sigterm_to_a_parallel_sweep_stops_its_jobs_and_says_how_to_resume(
-        tmp_path: Path) -> None:
+def test_sigterm_to_a_parallel_sweep_stops_its_jobs_and_says_how_to_resume(tmp_path: Path) -> None:
     """SIGTERM to a ``local_parallel`` sweep: both running jobs save ``last.ckpt`` and
     stop, no worker or job process outlives the sweep, which exits 143 printing the
     command that continues it; that command finishes both jobs from their checkpoints,
@@ -297,11 +380,24 @@ def test_sigterm_to_a_parallel_sweep_stops_its_jobs_and_says_how_to_resume(
     tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check"))]
     out = tmp_path / "multirun"
     proc = subprocess.Popen(
-        [sys.executable, "run.py", "-m", "hydra/launcher=local_parallel", *tiny,
-         "encoder=none,rope", "trainer.max_steps=300", "trainer.val_check_interval=300",
-         "checkpoint_every_n_steps=1", f"hydra.sweep.dir={out}",
-         f"paths.cache_dir={tmp_path / 'cache'}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "run.py",
+            "-m",
+            "hydra/launcher=local_parallel",
+            *tiny,
+            "encoder=none,rope",
+            "trainer.max_steps=300",
+            "trainer.val_check_interval=300",
+            "checkpoint_every_n_steps=1",
+            f"hydra.sweep.dir={out}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 240
     while len(list(out.glob("*/checkpoints/last.ckpt"))) < 2 and time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-3000:]

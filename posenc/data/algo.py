@@ -51,6 +51,12 @@ from posenc.data.algo_problems import (
     size_buckets,
     training_size,
 )
+from posenc.data.mt import MTCollator
+from posenc.data.samplers import ShardSampler
+
+#: Layouts of an instance: decoder-only (BOS prompt SEP answer EOS, loss on the answer)
+#: or encoder-decoder (prompt -> answer).
+SHAPES = ("decoder", "encdec")
 
 __all__ = [
     "BOS",
@@ -59,6 +65,7 @@ __all__ = [
     "PAD",
     "PROBLEMS",
     "SEP",
+    "SHAPES",
     "SPECIALS",
     "AlgoDataModule",
     "AlgoVocab",
@@ -278,8 +285,6 @@ def collate_encdec(examples: Sequence[Example]) -> dict[str, Any]:
     """Encoder-decoder batches: the prompt as source, the answer as target (the keys of
     :class:`posenc.data.mt.MTCollator`, with ``size`` in place of ``index``, and
     ``score_mask``, the target's mask)."""
-    from posenc.data.mt import MTCollator
-
     batch = MTCollator(PAD, BOS, EOS)(examples)
     batch["size"] = batch.pop("index")
     batch["score_mask"] = batch["tgt_mask"]
@@ -469,8 +474,6 @@ class AlgoDataModule(pl.LightningDataModule):
         collate: Collate,
         variants: Sequence[str] = ("",),
     ) -> torch.utils.data.DataLoader:
-        from posenc.data.samplers import ShardSampler
-
         data = Batches(
             evaluation_set(
                 self.problem, self.vocab, split, sizes, per_size, variants, **self.options

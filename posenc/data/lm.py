@@ -28,10 +28,10 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from posenc.data.passkey import PasskeyFormat, seeded
 from posenc.data.sources import SPLITS
 from posenc.data.tokenizers import Tokenizer, build_tokenizer
 from posenc.errors import DataError
-from posenc.eval.passkey import PasskeyFormat, seeded
 
 __all__ = [
     "EvalWindows",
@@ -258,9 +258,15 @@ class RandomOffsetSampler(Sampler[int | PasskeyDraw]):
             without the mix draws. For :class:`PasskeyMixWindows`.
     """
 
-    def __init__(self, num_offsets: int, steps: int, batch_size: int, seed: int,
-                 start_step: Callable[[], int] | None = None,
-                 passkey_mix: float = 0.0) -> None:
+    def __init__(
+        self,
+        num_offsets: int,
+        steps: int,
+        batch_size: int,
+        seed: int,
+        start_step: Callable[[], int] | None = None,
+        passkey_mix: float = 0.0,
+    ) -> None:
         self.num_offsets = num_offsets
         self.steps = steps
         self.batch_size = batch_size
@@ -288,7 +294,7 @@ class RandomOffsetSampler(Sampler[int | PasskeyDraw]):
 class PasskeyMixWindows(RandomWindows):
     """Training windows where a :class:`PasskeyDraw` gives a passkey sequence of
     ``seq_len + 1`` tokens (filler from this stream, a uniform random depth) in place of
-    a text window (see :mod:`posenc.eval.passkey`).
+    a text window (see :mod:`posenc.data.passkey`).
 
     Every item also has ``weight``, the loss weight of each target: 1, but
     ``answer_weight`` on the answer's key tokens of a passkey sequence (the targets that
@@ -302,8 +308,14 @@ class PasskeyMixWindows(RandomWindows):
         answer_weight: Loss weight of the answer's key tokens (> 0).
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, passkeys: PasskeyFormat,
-                 seed: int, answer_weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        seq_len: int,
+        passkeys: PasskeyFormat,
+        seed: int,
+        answer_weight: float = 1.0,
+    ) -> None:
         super().__init__(tokens, seq_len)
         if not answer_weight > 0:
             raise ValueError(f"answer_weight must be > 0, got {answer_weight!r}.")
@@ -386,9 +398,7 @@ class LMDataModule(pl.LightningDataModule):
         self.passkey_mix = float(passkey_mix)
         self.passkey_key_len = _positive_int("passkey_key_len", passkey_key_len)
         if not passkey_answer_weight > 0:
-            raise ValueError(
-                f"passkey_answer_weight must be > 0, got {passkey_answer_weight!r}."
-            )
+            raise ValueError(f"passkey_answer_weight must be > 0, got {passkey_answer_weight!r}.")
         self.passkey_answer_weight = float(passkey_answer_weight)
         if not callable(source):
             raise ValueError(
@@ -549,14 +559,23 @@ class LMDataModule(pl.LightningDataModule):
         """
         tokens = self.lm_split_tokens("train")
         dataset = (
-            PasskeyMixWindows(tokens, self.seq_len,
-                              PasskeyFormat(self.tokenizer, self.passkey_key_len), self.seed,
-                              self.passkey_answer_weight)
-            if self.passkey_mix else RandomWindows(tokens, self.seq_len)
+            PasskeyMixWindows(
+                tokens,
+                self.seq_len,
+                PasskeyFormat(self.tokenizer, self.passkey_key_len),
+                self.seed,
+                self.passkey_answer_weight,
+            )
+            if self.passkey_mix
+            else RandomWindows(tokens, self.seq_len)
         )
         sampler = RandomOffsetSampler(
-            len(dataset), self.train_steps_per_epoch, self.batch_size, self.seed,
-            start_step=self._global_step, passkey_mix=self.passkey_mix,
+            len(dataset),
+            self.train_steps_per_epoch,
+            self.batch_size,
+            self.seed,
+            start_step=self._global_step,
+            passkey_mix=self.passkey_mix,
         )
         return self._loader(dataset, batch_size=self.batch_size, sampler=sampler)
 

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from posenc.errors import CacheError
+
 __all__ = [
     "BOS_ID",
     "EOS_ID",
@@ -482,8 +484,6 @@ def _cached(path: Path) -> bool:
     Raises:
         CacheError: The file changed since posenc wrote it.
     """
-    from posenc.errors import CacheError
-
     if not path.exists():
         return False
     check = _checksum_path(path)

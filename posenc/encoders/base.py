@@ -66,10 +66,6 @@ class AttnKind(str, Enum):
     BIDIRECTIONAL = "bidirectional"  # encoder self-attention
     CROSS = "cross"  # decoder queries over encoder keys
 
-    @property
-    def is_self(self) -> bool:
-        return self is not AttnKind.CROSS
-
 
 @dataclass
 class AttentionContext:

@@ -156,9 +156,7 @@ class _ShawAttention(AttentionPositional):
             w = offset_window(ctx, -clip, clip)
             mass = probs.new_zeros(b, h, t, w.n_hi - w.n_lo + 1)  # (B, H, T, L)
             (q0, k0) = ctx.starts
-            view = offset_view(
-                mass, row0=q0, col0=k0 + w.left, lo=w.n_lo, cols=w.right - w.left
-            )
+            view = offset_view(mass, row0=q0, col0=k0 + w.left, lo=w.n_lo, cols=w.right - w.left)
             if view is not None:
                 view.copy_(probs[..., w.left : w.right])
                 per_slot = offsets_to_slots(mass, w.n_lo, clip)  # (B, H, T, 2K+1)

@@ -48,8 +48,9 @@ class Attention(nn.Module):
         #: result), which keeps them in cache and skips causally masked keys. None: no
         #: blocking. GPUs never block: one kernel over all queries is what they want.
         self.max_score_bytes = score_budget
-        #: ``auto`` (by device and scheme), ``flex``, ``flex_eager`` or ``explicit``: see
-        #: :mod:`posenc.model.backends`.
+        #: ``auto`` (by device and scheme), ``flex`` (forced; compiled on a GPU),
+        #: ``flex_eager`` (forced, the unfused reference kernel: for debugging a
+        #: ``score_mod``) or ``explicit``: see :mod:`posenc.model.backends`.
         self.backend = "auto"
         if d_model % n_heads:
             raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")

@@ -45,9 +45,6 @@ from posenc.encoders.base import (
 )
 from posenc.model.scored import scored_attention
 
-#: ``auto`` (by device and scheme), ``flex`` (forced; compiled on a GPU), ``flex_eager``
-#: (forced, the unfused reference kernel: for debugging a ``score_mod``), ``explicit``.
-BACKENDS = ("auto", "flex", "flex_eager", "explicit")
 #: The explicit softmax with its written-out backward (True) or plain autograd (False).
 HAND_WRITTEN_BACKWARD = True
 
@@ -319,7 +316,7 @@ def attend(
         shift: Causal offset (:func:`attention_mask`): an int, or a 0-d tensor for the
             slot of a static cache's first new query.
         p_drop: Dropout on the probabilities (0 in evaluation).
-        backend: ``auto``, ``flex``, ``flex_eager`` or ``explicit`` (:data:`BACKENDS`).
+        backend: ``auto``, ``flex``, ``flex_eager`` or ``explicit``.
         transformed: The content score's q and k when the caller transformed them
             already (a cache keeps transformed keys); else ``transform_qk(q, k, ctx)``.
         cache: The layer's cache in a decoding step (for a scheme's own ``attend``).

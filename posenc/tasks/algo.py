@@ -28,13 +28,12 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.aggregation import SumMetric
 
-from posenc.data.algo import BOS, EOS, PAD, PROBLEMS
+from posenc.data.algo import BOS, EOS, PAD, PROBLEMS, SHAPES
+from posenc.decoding.encdec import greedy
+from posenc.decoding.lm import generate
 from posenc.model import DecoderLM, EncoderDecoder, count_parameters
-from posenc.tasks.decode import greedy
-from posenc.tasks.generate import generate
-from posenc.tasks.optim import check_finite, configure_adamw
+from posenc.training.optim import check_finite, configure_adamw
 
-SHAPES = ("decoder", "encdec")
 Batch = dict[str, Tensor]
 #: Validation sums (over ranks): loss, trained tokens, right scored tokens, scored tokens,
 #: exact instances, instances.

@@ -18,8 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.data.algo import AlgoDataModule, bucket_name
-from posenc.report_plots import accuracy_vs_size
-from posenc.runner import (
+from posenc.plots import accuracy_vs_size
+from posenc.tasks.algo import AlgoTask
+from posenc.training import gate
+from posenc.training.callbacks import Throughput, peak_memory_mb
+from posenc.training.runner import (
     best_checkpoint,
     build_trainer,
     group_choice,
@@ -31,10 +34,7 @@ from posenc.runner import (
     to_dict,
     write_json_atomic,
 )
-from posenc.summary import summary
-from posenc.tasks import gate
-from posenc.tasks.algo import AlgoTask
-from posenc.tasks.callbacks import Throughput, peak_memory_mb
+from posenc.training.summary import summary
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from posenc.encoders.base import Scalable
 from posenc.eval.lengths import TokenNLL
 from posenc.model import DecoderLM, count_parameters
-from posenc.tasks.optim import check_finite, configure_adamw
+from posenc.training.optim import check_finite, configure_adamw
 
 log = logging.getLogger(__name__)
 

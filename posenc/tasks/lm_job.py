@@ -14,19 +14,17 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import TensorBoardLogger
 
-from posenc import checkpoints
 from posenc.config import check_lm_batch, check_passkey, eval_lengths, passkey_lengths
 from posenc.data.lm import LMDataModule
 from posenc.data.samplers import ShardSampler
 from posenc.data.tokenizers import fingerprints, to_payload
-from posenc.eval.lengths import (
-    PROTOCOLS,
-    loss_by_position_figure,
-    metric_name,
-    parse_metric,
-    ppl_vs_length_figure,
-)
-from posenc.runner import (
+from posenc.eval.lengths import PROTOCOLS, metric_name, parse_metric
+from posenc.plots import loss_by_position_figure, ppl_vs_length_figure
+from posenc.tasks import lm_passkey
+from posenc.tasks.lm import Extension, LMTask
+from posenc.training import checkpoints, gate
+from posenc.training.callbacks import Throughput, peak_memory_mb
+from posenc.training.runner import (
     best_checkpoint,
     build_trainer,
     group_choice,
@@ -38,10 +36,7 @@ from posenc.runner import (
     to_dict,
     write_json_atomic,
 )
-from posenc.summary import summary
-from posenc.tasks import gate, lm_passkey
-from posenc.tasks.callbacks import Throughput, peak_memory_mb
-from posenc.tasks.lm import Extension, LMTask
+from posenc.training.summary import summary
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ accuracy by length and depth per evaluated split, ``<split>/passkey@L`` scalars 
 over depths), and their TensorBoard scalars and heatmap; and, for a run trained on the
 passkey mix, ``val/passkey`` (at the training length) at every validation
 (:class:`PasskeyValidation`), the metric of the passkey learnability gate
-(:mod:`posenc.tasks.gate`)."""
+(:mod:`posenc.training.gate`)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from omegaconf import DictConfig
 
 from posenc.config import passkey_lengths
 from posenc.data.lm import LMDataModule
-from posenc.eval.passkey import DOC, PasskeyFormat, evaluate_length, greedy, heatmap_figure
+from posenc.data.passkey import DOC, PasskeyFormat
+from posenc.eval.passkey import evaluate_length, greedy
 from posenc.model import DecoderLM
-from posenc.tasks.gate import PASSKEY
+from posenc.plots import heatmap_figure
+from posenc.training.gate import PASSKEY
 
 log = logging.getLogger(__name__)
 

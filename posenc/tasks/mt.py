@@ -22,9 +22,9 @@ from hydra.utils import instantiate
 from torch import Tensor
 from torchmetrics.aggregation import SumMetric
 
+from posenc.decoding.encdec import Decoded, beam_search, greedy, output_limits
 from posenc.model import EncoderDecoder, count_parameters
-from posenc.tasks.decode import Decoded, beam_search, greedy, output_limits
-from posenc.tasks.optim import check_finite, configure_adamw
+from posenc.training.optim import check_finite, configure_adamw
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class MTTask(pl.LightningModule):
         val_bleu_sentences: Greedy-decode this many validation sentences each validation
             (0 turns ``val/bleu`` off).
         max_len_a: Output budget per source token when decoding.
-        max_len_b: Output budget on top, see :func:`posenc.tasks.decode.output_limits`.
+        max_len_b: Output budget on top, see :func:`posenc.decoding.encdec.output_limits`.
         max_len: Most tokens decoding generates for any sentence (``task.max_len``, the
             longest training target), whatever ``max_len_a`` gives for a long source;
             None: no cap beyond the decoder's positions.

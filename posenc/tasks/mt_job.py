@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +18,11 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from posenc.data.mt import MTDataModule, restore_order
 from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
-from posenc.eval.lengths import plt  # the Agg backend is selected there
-from posenc.runner import (
+from posenc.plots import bleu_by_length_figure, close
+from posenc.tasks.mt import MTTask
+from posenc.training import gate
+from posenc.training.callbacks import Throughput, peak_memory_mb
+from posenc.training.runner import (
     best_checkpoint,
     build_trainer,
     group_choice,
@@ -33,10 +34,7 @@ from posenc.runner import (
     to_dict,
     write_json_atomic,
 )
-from posenc.summary import summary
-from posenc.tasks import gate
-from posenc.tasks.callbacks import Throughput, peak_memory_mb
-from posenc.tasks.mt import MTTask
+from posenc.training.summary import summary
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +181,7 @@ def finish_mt(
             "beam_size": d.beam_size,
             "length_penalty": d.length_penalty,
             "length_penalty_kind": LENGTH_PENALTY_DOC,
-            "max_len": f"min({d.max_len_a} * source length + {d.max_len_b}, "
-                       f"{task.max_out_cap})",
+            "max_len": f"min({d.max_len_a} * source length + {d.max_len_b}, {task.max_out_cap})",
         },
         "max_train_src_len": cfg.task.max_train_src_len,
         "data_stats": dm.stats,
@@ -227,41 +224,6 @@ def _write_lines_atomic(path: Path, lines: list[str]) -> None:
     os.replace(tmp, path)
 
 
-def bleu_by_length_figure(
-    by_bucket: Mapping[str, Mapping[str, float]],
-    edges: Sequence[int],
-    train_max: int | None,
-    title: str = "",
-) -> Figure:
-    """BLEU per source-length bucket as bars labelled with their sentence counts.
-
-    Args:
-        by_bucket: Bucket name -> ``{"n", "bleu", ...}`` (:func:`scores_by_bucket`), in the
-            order of ``edges``.
-        edges: The bucket edges.
-        train_max: Longest training source (``task.max_train_src_len``) or None; buckets
-            whose every length is beyond it are drawn in orange.
-        title: Figure title.
-    """
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    names = list(by_bucket)
-    bleu = [by_bucket[n]["bleu"] for n in names]
-    heights = [0.0 if math.isnan(b) else b for b in bleu]
-    beyond = [train_max is not None and start > train_max for start in edges[:-1]]
-    bars = ax.bar(range(len(names)), heights, color=["C1" if b else "C0" for b in beyond])
-    for bar, name, b in zip(bars, names, bleu, strict=True):
-        label = f"n={int(by_bucket[name]['n'])}" + ("" if math.isfinite(b) else " (empty)")
-        x = bar.get_x() + bar.get_width() / 2
-        ax.annotate(label, (x, bar.get_height()), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(names)), [n[3:] for n in names])
-    ax.set_xlabel("source length (tokens)")
-    ax.set_ylabel("BLEU")
-    note = "" if train_max is None else f" (orange: beyond training max {train_max})"
-    ax.set_title(title + note, fontsize=9)
-    fig.tight_layout()
-    return fig
-
-
 def _samples_markdown(
     sources: list[str], refs: list[str], hyps: list[str], lengths: list[int], k: int
 ) -> str:
@@ -291,7 +253,7 @@ def _tensorboard(
     """BLEU-by-length figure, sample translations, and HParams linked to the results."""
     logger = trainer.logger
     if not isinstance(logger, TensorBoardLogger):
-        plt.close(fig)
+        close(fig)
         return
     writer, step, split = logger.experiment, trainer.global_step, result["eval_split"]
     writer.add_figure(f"{split}/bleu_by_source_length", fig, step)  # closes the figure

@@ -78,7 +78,11 @@ def test_parallel_files_reads_plain_and_gz(tmp_path: Path) -> None:
         f.write("five\nsix\n")
     p = {k: tmp_path / k for k in files}
     data = parallel_files(
-        p["tr.src"], p["tr.tgt"], p["va.src"], p["va.tgt"], tmp_path / "te.src.gz",
+        p["tr.src"],
+        p["tr.tgt"],
+        p["va.src"],
+        p["va.tgt"],
+        tmp_path / "te.src.gz",
         tmp_path / "te.tgt.gz",
     )
     assert data == {
@@ -161,7 +165,14 @@ def test_every_length_falls_in_exactly_one_bucket() -> None:
     counts = Counter(bucket_of(n, edges) for n in range(5000))
     assert set(counts) == set(names) and sum(counts.values()) == 5000
     assert [bucket_of(n, edges) for n in (0, 9, 10, 39, 40, 999, 1000, 10**6)] == [
-        "len0-10", "len0-10", "len10-20", "len30-40", "len40+", "len40+", "len40+", "len40+",
+        "len0-10",
+        "len0-10",
+        "len10-20",
+        "len30-40",
+        "len40+",
+        "len40+",
+        "len40+",
+        "len40+",
     ]
     for bad in ([0], [1, 5], [0, 5, 5], [0, 2.5]):
         with pytest.raises(ValueError, match="length bucket edges"):
@@ -375,13 +386,18 @@ def test_multi30k_module_with_train_short_test_long(tmp_path: Path) -> None:
 
 def test_bad_settings_raise_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_tokens=100 is smaller than max_len=256"):
-        MTDataModule(source=_toy_source, tokenizer={"kind": "char"}, cache_dir=tmp_path,
-                     max_tokens=100)
+        MTDataModule(
+            source=_toy_source, tokenizer={"kind": "char"}, cache_dir=tmp_path, max_tokens=100
+        )
     with pytest.raises(ValueError, match="lack 'kind'"):
         MTDataModule(source=_toy_source, tokenizer={"vocab_size": 10}, cache_dir=tmp_path)
     with pytest.raises(ValueError, match="length bucket edges"):
-        MTDataModule(source=_toy_source, tokenizer={"kind": "char"}, cache_dir=tmp_path,
-                     length_buckets=[0, 10, 5])
+        MTDataModule(
+            source=_toy_source,
+            tokenizer={"kind": "char"},
+            cache_dir=tmp_path,
+            length_buckets=[0, 10, 5],
+        )
 
     def no_val() -> dict[str, Any]:
         return {"train": (["a"], ["b"]), "validation": (["a"], ["b"])}

@@ -17,8 +17,9 @@ def test_single_process_yields_everything_in_order() -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_ranks_partition_the_items_without_padding(world: int,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ranks_partition_the_items_without_padding(
+    world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda: world)
     shards = []

@@ -90,16 +90,18 @@ def test_fire_distance_table_path_equals_the_per_pair_mlp(kind: AttnKind) -> Non
     fire = Fire(d_model=C, n_heads=H, n_layers=1, threshold=40.0, init_c=0.6).fire
     # Positions up to 39 < L = 40 (at i = L exactly, max(L, i) has a tie and the per-pair
     # path's torch.maximum splits the gradient of L; both are valid subgradients).
-    qp = torch.stack([torch.arange(3, 15), torch.tensor([0, 1, 4, 9, 10, 11, 20, 21, 22, 30,
-                                                         38, 39])])
+    qp = torch.stack(
+        [torch.arange(3, 15), torch.tensor([0, 1, 4, 9, 10, 11, 20, 21, 22, 30, 38, 39])]
+    )
     ctx = AttentionContext(q_pos=qp, k_pos=qp, kind=kind, bound=40)
     assert fire._below_threshold(ctx)  # every normaliser is psi(L)
     fast = fire(ctx)
     slow = fire.mlp(fire.inputs(ctx))
     torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-6)
     weights = torch.randn_like(fast)
-    grads = [torch.autograd.grad((b * weights).sum(), list(fire.parameters()))
-             for b in (fast, slow)]
+    grads = [
+        torch.autograd.grad((b * weights).sum(), list(fire.parameters())) for b in (fast, slow)
+    ]
     for g_fast, g_slow in zip(*grads, strict=True):
         torch.testing.assert_close(g_fast, g_slow, atol=1e-4, rtol=1e-4)
     # One position past L (and, bidirectionally, one key past it) leaves the fast path.
@@ -127,8 +129,9 @@ def test_fire_rows_below_threshold_use_the_table(start: int) -> None:
     keep = torch.arange(start + 8)[None, :] <= q_pos[0, :, None]  # unmasked pairs
     torch.testing.assert_close(fast * keep, slow * keep, atol=1e-6, rtol=1e-6)
     weights = torch.randn_like(fast) * keep
-    grads = [torch.autograd.grad((b * weights).sum(), list(fire.parameters()))
-             for b in (fast, slow)]
+    grads = [
+        torch.autograd.grad((b * weights).sum(), list(fire.parameters())) for b in (fast, slow)
+    ]
     for g_fast, g_slow in zip(*grads, strict=True):
         torch.testing.assert_close(g_fast, g_slow, atol=1e-4, rtol=1e-4)
 

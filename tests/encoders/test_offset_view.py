@@ -97,8 +97,10 @@ def test_deberta_row_runs() -> None:
     enc = get("deberta")(d_model=H * D, n_heads=H, n_layers=1, max_distance=10, bucket_size=6)
     for lo, hi, causal in itertools.product((-60, -12, -3, 0, 4), (5, 9, 25, 60), (False, True)):
         dist = torch.arange(lo, hi + 1)
-        for rows in (enc.row(dist.clamp(min=0) if causal else dist),
-                     enc.row(-(dist.clamp(min=0) if causal else dist))):
+        for rows in (
+            enc.row(dist.clamp(min=0) if causal else dist),
+            enc.row(-(dist.clamp(min=0) if causal else dist)),
+        ):
             a, b = flat_ends(lo, hi, enc.saturation, causal)
             assert 0 <= a <= b <= hi - lo
             assert (rows[: a + 1] == rows[a]).all() and (rows[b:] == rows[b]).all()

@@ -60,9 +60,22 @@ def test_readme_recipe_passes_the_conformance_tests(tmp_path: Path) -> None:
     name = Path(next(r for r in recipe if r.endswith(".yaml"))).stem
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # the copy, not the installed posenc
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *RECIPE_TESTS,
-         "-k", f"{name} or registry"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            *RECIPE_TESTS,
+            "-k",
+            f"{name} or registry",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -89,15 +102,19 @@ def test_readme_encoder_plugs_in_unchanged() -> None:
             ctx = enc.context(pos, pos, kind)
             bias = hook.score_bias(torch.zeros(1, 4, 5, 4), torch.zeros(1, 4, 5, 4), ctx)
             ln2 = math.log(2.0)
-            assert math.isclose(bias[0, 0, 4, 1].item(), -ln2 * math.log(1 + 3 * ln2),
-                                rel_tol=1e-6)
+            assert math.isclose(bias[0, 0, 4, 1].item(), -ln2 * math.log(1 + 3 * ln2), rel_tol=1e-6)
             r1, r2 = math.log1p(math.e), math.log1p(math.exp(-1.0))  # softplus(1), softplus(-1)
-            assert math.isclose(bias[0, 2, 1, 4].item(), -r1 * math.log(1 + 3 * r2),
-                                rel_tol=1e-6)
+            assert math.isclose(bias[0, 2, 1, 4].item(), -r1 * math.log(1 + 3 * r2), rel_tol=1e-6)
             assert bias[0, :, 3, 3].abs().max() == 0  # no penalty at distance 0
         lm = DecoderLM(vocab_size=30, encoder="my_kerple", n_layers=2, d_model=16, n_heads=4)
-        mt = EncoderDecoder(src_vocab_size=30, tgt_vocab_size=30, encoder="my_kerple",
-                            n_layers=1, d_model=16, n_heads=4)
+        mt = EncoderDecoder(
+            src_vocab_size=30,
+            tgt_vocab_size=30,
+            encoder="my_kerple",
+            n_layers=1,
+            d_model=16,
+            n_heads=4,
+        )
         ids = torch.randint(0, 30, (2, 9))
         (lm(ids).sum() + mt(ids, ids).sum()).backward()
         grads = [p.grad for n, p in lm.named_parameters() if n.endswith(".raw")]

@@ -39,16 +39,20 @@ def elementwise_reference(x: torch.Tensor, positions: torch.Tensor, layout: str)
 def test_fast_path_equals_the_textbook_form(layout: str) -> None:
     x = torch.randn(7, D)
     pos = torch.tensor([0, 1, 2, 50, 999, 4096, 65535])
-    torch.testing.assert_close(rotate(x, pos, layout).double(),
-                               elementwise_reference(x, pos, layout), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        rotate(x, pos, layout).double(), elementwise_reference(x, pos, layout), atol=1e-5, rtol=1e-5
+    )
     # On the strided (B, H, T, D) views attention hands over, as well.
     q = torch.randn(2, 5, 3, D).transpose(1, 2)  # (B, H=3, T=5, D), non-contiguous
     ang = torch.arange(5).double()[:, None] * rope_frequencies(D).double()
     out = apply_rope(q, ang.cos().float()[None, None], ang.sin().float()[None, None], layout)
     for h in range(3):
-        torch.testing.assert_close(out[1, h].double(),
-                                   elementwise_reference(q[1, h], torch.arange(5), layout),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[1, h].double(),
+            elementwise_reference(q[1, h], torch.arange(5), layout),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def dense_matrix(m: int, d: int, base: float = 10000.0) -> torch.Tensor:
@@ -248,8 +252,12 @@ def test_gradients_equal_the_textbook_forms(layout: str, rot_dim: int) -> None:
 
     def textbook(t: torch.Tensor) -> torch.Tensor:
         rotated = [
-            torch.stack([elementwise_reference(t[b, h, :, :rot_dim], torch.arange(6), layout)
-                         for h in range(3)])
+            torch.stack(
+                [
+                    elementwise_reference(t[b, h, :, :rot_dim], torch.arange(6), layout)
+                    for h in range(3)
+                ]
+            )
             for b in range(2)
         ]
         return torch.cat((torch.stack(rotated).float(), t[..., rot_dim:]), -1)

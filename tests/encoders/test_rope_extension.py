@@ -33,8 +33,9 @@ def rope(d_model: int = 16, n_heads: int = 2, **kwargs) -> RoPE:
     return RoPE(d_model=d_model, n_heads=n_heads, n_layers=1, **kwargs)
 
 
-def qk(enc: RoPE, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                torch.Tensor]:
+def qk(
+    enc: RoPE, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k ``(1, H, T, D)`` after the encoder's causal self-attention hook at ``pos (1, T)``."""
     ctx = enc.context(pos, pos, AttnKind.CAUSAL)
     return enc.for_attention(layer=0, kind=AttnKind.CAUSAL).transform_qk(q, k, ctx)
@@ -80,8 +81,7 @@ def test_yarn_factor_one_with_partial_rotation_adds_no_temperature() -> None:
     pos = torch.arange(8)[None]
     assert "pass_scale" not in enc.context(pos, pos, AttnKind.CAUSAL).extra
     x = torch.randn(1, 2, 8, 16)
-    for a, b in zip(qk(rope(d_model=32, fraction=0.5), x, x, pos), qk(enc, x, x, pos),
-                    strict=True):
+    for a, b in zip(qk(rope(d_model=32, fraction=0.5), x, x, pos), qk(enc, x, x, pos), strict=True):
         assert torch.equal(a, b)
 
 
@@ -95,12 +95,10 @@ def test_linear_rotates_by_m_over_s_times_theta(s: float) -> None:
     x = torch.randn(1, 1, len(m), 8)
     q, _ = qk(rope(d_model=8, n_heads=1, scaling="linear", scaling_factor=s), x, x, m[None])
     # float32 angles of up to ~1000 rad: a few 1e-5 of absolute error.
-    torch.testing.assert_close(q[0, 0].double(), textbook(x[0, 0], angles), atol=1e-4,
-                               rtol=1e-5)
+    torch.testing.assert_close(q[0, 0].double(), textbook(x[0, 0], angles), atol=1e-4, rtol=1e-5)
     # And m/s need not be an integer: position 3 at s = 2 sits half way between 1 and 2.
     cos, _ = enc.tables(torch.tensor([[3]]))
-    torch.testing.assert_close(cos[0, 0, 0].double(), (3 / s * theta).cos(), atol=1e-6,
-                               rtol=1e-6)
+    torch.testing.assert_close(cos[0, 0, 0].double(), (3 / s * theta).cos(), atol=1e-6, rtol=1e-6)
 
 
 def test_ntk_base_by_hand() -> None:
@@ -137,13 +135,20 @@ def test_yarn_frequencies_and_temperature_by_hand() -> None:
     assert want[0] == theta[0] and want[2] == theta[2] / s
     assert theta[1] / s < want[1] < theta[1]
     got, mscale = scaled_frequencies(8, 10000.0, Scaling("yarn", s, length, yarn_ramp="paper"))
-    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0
+    )
     assert mscale == pytest.approx(0.1 * math.log(4) + 1) == yarn_mscale(4.0)
     assert mscale == pytest.approx(1.138629, abs=1e-6)
     # The tables carry the temperature: cos, sin of m * theta'_i, times mscale.
-    enc = rope(d_model=8, n_heads=1, scaling="yarn", scaling_factor=s, original_length=length,
-               yarn_ramp="paper")
+    enc = rope(
+        d_model=8,
+        n_heads=1,
+        scaling="yarn",
+        scaling_factor=s,
+        original_length=length,
+        yarn_ramp="paper",
+    )
     cos, sin = enc.tables(torch.tensor([[100]]))
     angle = 100 * torch.tensor(want, dtype=torch.float64)
     torch.testing.assert_close(cos[0, 0, 0].double(), mscale * angle.cos(), atol=2e-5, rtol=0)
@@ -169,8 +174,9 @@ def test_yarn_paper_ramp_by_hand() -> None:
     # 0.70367 / 4 + 0.29633 = 0.47224; pair 1: (1.0186 - 1) / 31 = 0.000600, theta' =
     # 0.9994 * 0.025 + 0.0006 * 0.1 = 0.025045; pairs 2, 3 below alpha: theta / 4.
     got, _ = scaled_frequencies(8, 10000.0, Scaling("yarn", 4.0, 64, yarn_ramp="paper"))
-    torch.testing.assert_close(got, torch.tensor([0.47224, 0.025045, 0.0025, 0.00025]),
-                               rtol=2e-5, atol=0)
+    torch.testing.assert_close(
+        got, torch.tensor([0.47224, 0.025045, 0.0025, 0.00025]), rtol=2e-5, atol=0
+    )
 
 
 def test_yarn_code_ramp_edges() -> None:
@@ -221,8 +227,7 @@ def test_dynamic_ntk_factor_by_hand(alpha: float, want: tuple[float, ...]) -> No
 def test_scores_stay_relative(method: str, fraction: float) -> None:
     """<R_m q, R_n k> depends only on n - m: with one q and one k at every position, the
     score matrix is constant along each diagonal (one pass, so one dynamic s')."""
-    enc = rope(d_model=32, fraction=fraction, scaling=method, scaling_factor=4.0,
-               original_length=L)
+    enc = rope(d_model=32, fraction=fraction, scaling=method, scaling_factor=4.0, original_length=L)
     n = 4 * L
     q = torch.randn(1, 2, 1, 16).expand(1, 2, n, 16)
     k = torch.randn(1, 2, 1, 16).expand(1, 2, n, 16)
@@ -238,8 +243,9 @@ def test_yarn_temperature_with_partial_rotation(temper: str) -> None:
     """``rotated`` (default, the code): the unrotated dims' score is untouched and the
     rotated dims' score gets mscale^2; ``score`` (the paper): both get mscale^2."""
     kwargs = {} if temper == "rotated" else {"yarn_temper": "score"}
-    enc = rope(d_model=32, fraction=0.5, scaling="yarn", scaling_factor=4.0, original_length=L,
-               **kwargs)
+    enc = rope(
+        d_model=32, fraction=0.5, scaling="yarn", scaling_factor=4.0, original_length=L, **kwargs
+    )
     plain = rope(d_model=32, fraction=0.5)
     m2 = yarn_mscale(4.0) ** 2
     pos = torch.arange(3)[None]
@@ -255,8 +261,12 @@ def test_yarn_temperature_with_partial_rotation(temper: str) -> None:
     freq, _ = enc.frequencies(3)
     angles = pos[0, :, None].double() * freq.double()  # (T, R/2)
     tq, tk = textbook(q[0, :, :, :8], angles), textbook(k[0, :, :, :8], angles)
-    torch.testing.assert_close((rq @ rk.transpose(-1, -2))[0].double(),
-                               m2 * tq @ tk.transpose(-1, -2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        (rq @ rk.transpose(-1, -2))[0].double(),
+        m2 * tq @ tk.transpose(-1, -2),
+        atol=1e-5,
+        rtol=1e-5,
+    )
     assert not torch.equal(qk(plain, q, k, pos)[0], rq)
 
 
@@ -269,8 +279,9 @@ def test_switching_never_serves_stale_tables() -> None:
     assert previous == PLAIN
     yarn = enc.tables(pos)
     assert not torch.equal(yarn[0], plain[0])
-    torch.testing.assert_close(yarn[0], rope(scaling="yarn", scaling_factor=4.0,
-                                             original_length=L).tables(pos)[0])
+    torch.testing.assert_close(
+        yarn[0], rope(scaling="yarn", scaling_factor=4.0, original_length=L).tables(pos)[0]
+    )
     assert enc.set_scaling(previous).method == "yarn"
     for a, b in zip(enc.tables(pos), plain, strict=True):
         assert torch.equal(a, b)
@@ -299,8 +310,12 @@ def test_yarn_ramp_settings_survive_a_switch_and_a_cast() -> None:
     enc = rope(yarn_alpha=2.0, yarn_beta=16.0, yarn_ramp="paper", yarn_temper="score")
     with enc.scaled("yarn", 4.0, L):
         s = enc.scaling
-        assert (s.yarn_alpha, s.yarn_beta, s.yarn_ramp, s.yarn_temper) == (2.0, 16.0, "paper",
-                                                                           "score")
+        assert (s.yarn_alpha, s.yarn_beta, s.yarn_ramp, s.yarn_temper) == (
+            2.0,
+            16.0,
+            "paper",
+            "score",
+        )
     enc = rope(scaling="yarn", scaling_factor=4.0, original_length=L)
     pos = torch.arange(40)[None]
     before = enc.tables(pos)[0].clone()
@@ -320,8 +335,10 @@ def test_only_rope_declares_scaling_methods() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(scaling="rope2"), "unknown scaling 'rope2'; allowed: none, linear, ntk, "
-                                "dynamic_ntk, yarn"),
+        (
+            dict(scaling="rope2"),
+            "unknown scaling 'rope2'; allowed: none, linear, ntk, dynamic_ntk, yarn",
+        ),
         (dict(scaling="linear", scaling_factor=0.5), "scaling_factor must be a number >= 1"),
         (dict(scaling="yarn", scaling_factor=2.0), "scaling=yarn needs original_length"),
         (dict(scaling="dynamic_ntk"), "scaling=dynamic_ntk needs original_length"),

@@ -146,8 +146,18 @@ def test_scores_on_real_data_match_hand_formulas() -> None:
 
 def test_signature_names_the_settings() -> None:
     sig = signature()
-    for part in ("BLEU", "nrefs:1", "case:mixed", "tok:13a", "smooth:exp", "chrF2", "nc:6",
-                 "nw:0", "space:no", "version:"):
+    for part in (
+        "BLEU",
+        "nrefs:1",
+        "case:mixed",
+        "tok:13a",
+        "smooth:exp",
+        "chrF2",
+        "nc:6",
+        "nw:0",
+        "space:no",
+        "version:",
+    ):
         assert part in sig
 
 

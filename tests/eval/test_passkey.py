@@ -18,23 +18,14 @@ from posenc.data.lm import (
     RandomOffsetSampler,
     is_passkey_slot,
 )
+from posenc.data.passkey import ALPHABET, NEEDLE_HEAD, NEEDLE_TAIL, QUESTION, PasskeyFormat, seeded
 from posenc.data.tokenizers import CharTokenizer
 from posenc.eval.lengths import parse_metric
-from posenc.eval.passkey import (
-    ALPHABET,
-    NEEDLE_HEAD,
-    NEEDLE_TAIL,
-    QUESTION,
-    PasskeyFormat,
-    correct,
-    evaluate_length,
-    greedy,
-    seeded,
-)
-from posenc.report_plots import passkey_means
-from posenc.report_rows import Run
-from posenc.summary import lm_rows
+from posenc.eval.passkey import correct, evaluate_length, greedy
+from posenc.plots import passkey_means
+from posenc.runs import Run
 from posenc.tasks.lm_passkey import metric_name
+from posenc.training.summary import lm_rows
 from tests.conftest import compose_run
 
 TEXT = (
@@ -445,7 +436,7 @@ def test_checkpoints_from_before_the_mix_resume(tmp_path: Path) -> None:
     there and 0 in the config is no change; any other value is."""
     from omegaconf import OmegaConf
 
-    from posenc.checkpoints import differences
+    from posenc.training.checkpoints import differences
 
     cfg = compose_run(tmp_path)
     old = OmegaConf.to_container(cfg, resolve=True)
@@ -462,8 +453,8 @@ def test_answer_weight_matters_to_resume_only_under_the_mix(tmp_path: Path) -> N
     does nothing, so any value resumes."""
     from omegaconf import OmegaConf
 
-    from posenc.checkpoints import check_config
     from posenc.errors import CheckpointError
+    from posenc.training.checkpoints import check_config
 
     cfg = compose_run(tmp_path)
     assert cfg.task.passkey_answer_weight != 1.0  # the default differs from old runs'
@@ -484,8 +475,8 @@ def test_answer_weight_matters_to_resume_only_under_the_mix(tmp_path: Path) -> N
 def test_resume_refuses_another_key_length_under_the_mix(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from posenc.checkpoints import check_config
     from posenc.errors import CheckpointError
+    from posenc.training.checkpoints import check_config
 
     cfg = compose_run(tmp_path, "task.passkey_mix=0.25")
     saved = OmegaConf.to_container(cfg, resolve=True)

@@ -92,8 +92,9 @@ def test_query_blocks_give_the_same_result(name: str, kind: AttnKind) -> None:
     """A long input is processed a block of queries at a time: same numbers, forward
     and backward, with padding and offset positions."""
     enc = build(name, d_model=16, n_heads=2, n_layers=1)
-    whole = Attention(d_model=16, n_heads=2, dropout=0.0,
-                      pos=enc.for_attention(layer=0, kind=kind)).eval()
+    whole = Attention(
+        d_model=16, n_heads=2, dropout=0.0, pos=enc.for_attention(layer=0, kind=kind)
+    ).eval()
     x = torch.randn(2, 11, 16, requires_grad=True)
     valid = torch.ones(2, 11, dtype=torch.bool)
     valid[1, 8:] = False

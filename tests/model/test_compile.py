@@ -272,8 +272,8 @@ def test_compiled_model_generates_what_eager_generates(case: str) -> None:
     with generation and passkey decoding: greedy tokens equal the eager model's, for
     left-padded prompts too. FIRE's and Shaw's (no value term) cached steps did not
     compile before the static cache (#34); dynamic NTK replays the prefix."""
+    from posenc.decoding.lm import generate
     from posenc.eval.passkey import greedy as passkey_greedy
-    from posenc.tasks.generate import generate
 
     name, settings = STEP_CASES[case]
     eager = DecoderLM(
@@ -296,7 +296,7 @@ def test_compiled_model_generates_what_eager_generates(case: str) -> None:
 def test_compiled_translator_decodes_what_eager_decodes(name: str) -> None:
     """``compile()`` of a translator compiles its decoding step too; beam search (rows
     reordered and dropped as sentences finish) and greedy decoding give eager's output."""
-    from posenc.tasks.decode import beam_search, greedy
+    from posenc.decoding.encdec import beam_search, greedy
 
     eager = EncoderDecoder(
         src_vocab_size=13, tgt_vocab_size=13, encoder=name, **{**SIZES, "n_layers": 1}

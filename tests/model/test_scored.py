@@ -182,9 +182,11 @@ def test_a_part_past_the_keys_is_an_error() -> None:
 
 # The schemes with a score term (a bias, its parts, or a value term), as their hooks say.
 SCORED = [
-    n for n in available()
-    if build(n, d_model=8, n_heads=2, n_layers=1).for_attention(
-        layer=0, kind=AttnKind.CAUSAL).adds_scores
+    n
+    for n in available()
+    if build(n, d_model=8, n_heads=2, n_layers=1)
+    .for_attention(layer=0, kind=AttnKind.CAUSAL)
+    .adds_scores
 ]
 
 

@@ -88,7 +88,7 @@ def _reference(task: AlgoTask, batch: dict) -> list[list[int]]:
 
 
 # Every encoder decoder-only; the encoder-decoder's decoding is decode.greedy, whose cache
-# is checked for every encoder in tests/tasks/test_decode.py: two schemes check the plumbing.
+# is checked for every encoder in tests/decoding/test_encdec.py: two schemes check the plumbing.
 CASES = [(n, "decoder") for n in ENCODER_YAMLS] + [("rope", "encdec"), ("t5", "encdec")]
 
 

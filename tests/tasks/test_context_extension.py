@@ -34,8 +34,16 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def extended(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The existing checkpoint evaluated with all four methods, without retraining."""
     tmp = tmp_path_factory.mktemp("eval")
-    return train(compose_run(tmp, "encoder=rope", "eval_only=true", f"ckpt_path={trained}",
-                             "task.eval.multipliers=[1,4]", ALL))
+    return train(
+        compose_run(
+            tmp,
+            "encoder=rope",
+            "eval_only=true",
+            f"ckpt_path={trained}",
+            "task.eval.multipliers=[1,4]",
+            ALL,
+        )
+    )
 
 
 def test_every_method_is_evaluated_at_every_length_and_protocol(extended: dict) -> None:
@@ -66,30 +74,48 @@ def test_auto_factor_is_the_length_ratio(extended: dict) -> None:
     settings = extended["extension_settings"]
     for method in ("linear", "ntk", "yarn"):
         assert settings[f"test/ppl+{method}@64"] == {
-            "method": method, "factor": 4.0, "original_length": 16}
+            "method": method,
+            "factor": 4.0,
+            "original_length": 16,
+        }
         assert settings[f"test/ppl_sw+{method}@16"]["factor"] == 1.0
     assert settings["test/ppl+dynamic_ntk@64"]["factor"] == 1.0  # alpha; s' = l / L = 4
 
 
 def test_metric_order_keeps_plain_first(extended: dict) -> None:
-    names = [n for n in extended["metrics"] if n.startswith("test/ppl@")
-             or n.startswith("test/ppl+")]
+    names = [
+        n for n in extended["metrics"] if n.startswith("test/ppl@") or n.startswith("test/ppl+")
+    ]
     assert names[:2] == ["test/ppl@16", "test/ppl@64"]
     assert names[2:4] == ["test/ppl+dynamic_ntk@16", "test/ppl+dynamic_ntk@64"]
 
 
 def test_a_fixed_factor_applies_at_every_length(trained: Path, tmp_path: Path) -> None:
-    out = train(compose_run(tmp_path, "encoder=rope", "eval_only=true", f"ckpt_path={trained}",
-                            "task.eval.multipliers=[1]", "task.eval.protocols=[nonoverlap]",
-                            "task.eval.context_extension=[linear]",
-                            "task.eval.extension_factor=2"))
+    out = train(
+        compose_run(
+            tmp_path,
+            "encoder=rope",
+            "eval_only=true",
+            f"ckpt_path={trained}",
+            "task.eval.multipliers=[1]",
+            "task.eval.protocols=[nonoverlap]",
+            "task.eval.context_extension=[linear]",
+            "task.eval.extension_factor=2",
+        )
+    )
     assert out["extension_settings"]["test/ppl+linear@16"]["factor"] == 2.0
     assert out["metrics"]["test/ppl+linear@16"] != out["metrics"]["test/ppl@16"]
 
 
 def test_encoders_without_the_methods_skip_them(tmp_path: Path) -> None:
-    out = train(compose_run(tmp_path, "encoder=sinusoidal", "task.eval.protocols=[nonoverlap]",
-                            "task.eval.context_extension=[yarn,linear]"))
+    out = train(
+        compose_run(
+            tmp_path,
+            "encoder=sinusoidal",
+            "task.eval.protocols=[nonoverlap]",
+            "task.eval.context_extension=[yarn,linear]",
+        )
+    )
     m = out["metrics"]
     assert math.isfinite(m["test/ppl@64"])
     for name in ("test/ppl+yarn@16", "test/ppl+yarn@64", "test/ppl+linear@64"):
@@ -108,10 +134,20 @@ def test_init_from_copies_weights_only(trained: Path, tmp_path: Path) -> None:
     for key, value in task.model.state_dict().items():
         assert torch.equal(value, state[f"model.{key}"]), key
     # The short fine-tune at a longer length with YaRN: a new run, counted from step 0.
-    out = train(compose_run(
-        tmp_path / "b", "encoder=rope", f"init_from={trained}", "task.seq_len=32",
-        "encoder.scaling=yarn", "encoder.scaling_factor=2", "encoder.original_length=16",
-        "trainer.max_steps=2", "trainer.val_check_interval=2", "task.eval.multipliers=[1]"))
+    out = train(
+        compose_run(
+            tmp_path / "b",
+            "encoder=rope",
+            f"init_from={trained}",
+            "task.seq_len=32",
+            "encoder.scaling=yarn",
+            "encoder.scaling_factor=2",
+            "encoder.original_length=16",
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "task.eval.multipliers=[1]",
+        )
+    )
     assert out["train_steps"] == 2
     assert math.isfinite(out["metrics"]["test/ppl@32"])
 
@@ -119,29 +155,37 @@ def test_init_from_copies_weights_only(trained: Path, tmp_path: Path) -> None:
 def test_init_from_a_different_model_is_a_clear_error(trained: Path, tmp_path: Path) -> None:
     """One line naming the first tensors that differ (a UserError: exit 2, no traceback;
     #38), not torch's multi-line load_state_dict report."""
-    with pytest.raises(CheckpointError, match=r"does not match this run's \(embed.weight is "
-                                              r"\(\d+, 16\) there, \(\d+, 32\) here; "
-                                              r".* and \d+ more\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"does not match this run's \(embed.weight is "
+        r"\(\d+, 16\) there, \(\d+, 32\) here; "
+        r".* and \d+ more\)",
+    ):
         train(compose_run(tmp_path, "encoder=rope", f"init_from={trained}", "model.d_model=32"))
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ("task.eval.context_extension=[yarn,pi]",
-         "context_extension contains 'pi': allowed linear, ntk, dynamic_ntk, yarn"),
+        (
+            "task.eval.context_extension=[yarn,pi]",
+            "context_extension contains 'pi': allowed linear, ntk, dynamic_ntk, yarn",
+        ),
         ("task.eval.context_extension=yarn", "context_extension='yarn': must be a list"),
         ("task.eval.context_extension=[ntk,ntk]", "lists ntk twice"),
         ("task.eval.extension_factor=0.5", "extension_factor=0.5: must be auto .* or a number"),
         ("task.eval.extension_factor=big", "extension_factor='big': must be auto"),
         ("init_from=/no/such.ckpt", "init_from=/no/such.ckpt: no such file"),
-        ("encoder=rope encoder.scaling=yarn encoder.scaling_factor=4",
-         "scaling=yarn needs original_length"),
+        (
+            "encoder=rope encoder.scaling=yarn encoder.scaling_factor=4",
+            "scaling=yarn needs original_length",
+        ),
         ("encoder=rope encoder.scaling=pi", "unknown scaling 'pi'; allowed: none, linear"),
     ],
 )
-def test_bad_options_fail_before_any_data(tmp_path: Path, overrides: str, message: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_options_fail_before_any_data(
+    tmp_path: Path, overrides: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("POSENC_DATA_DIR", str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match=message):
         train(compose_run(tmp_path, *overrides.split()))
@@ -149,8 +193,9 @@ def test_bad_options_fail_before_any_data(tmp_path: Path, overrides: str, messag
 
 def test_init_from_with_eval_only_is_refused(trained: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="use ckpt_path alone"):
-        train(compose_run(tmp_path, f"init_from={trained}", "eval_only=true",
-                          f"ckpt_path={trained}"))
+        train(
+            compose_run(tmp_path, f"init_from={trained}", "eval_only=true", f"ckpt_path={trained}")
+        )
 
 
 def test_metric_names_round_trip() -> None:
@@ -158,23 +203,47 @@ def test_metric_names_round_trip() -> None:
     assert metric_name("test", "nonoverlap", 512) == "test/ppl@512"
     assert parse_metric("test/ppl_sw+yarn@512") == ("test", "ppl_sw", "yarn", "512")
     assert parse_metric("val/loss") == ("val", "loss", "", "")
-    names = ["test/ppl_sw@16", "test/ppl+yarn@16", "test/ppl@64", "test/ppl+linear@64",
-             "test/ppl@16", "test/bleu@len30+"]
+    names = [
+        "test/ppl_sw@16",
+        "test/ppl+yarn@16",
+        "test/ppl@64",
+        "test/ppl+linear@64",
+        "test/ppl@16",
+        "test/bleu@len30+",
+    ]
     assert sorted(names, key=metric_key) == [
-        "test/bleu@len30+", "test/ppl@16", "test/ppl@64", "test/ppl+linear@64",
-        "test/ppl+yarn@16", "test/ppl_sw@16"]
+        "test/bleu@len30+",
+        "test/ppl@16",
+        "test/ppl@64",
+        "test/ppl+linear@64",
+        "test/ppl+yarn@16",
+        "test/ppl_sw@16",
+    ]
 
 
 def test_report_shows_methods_as_rows_and_curves(extended: dict, tmp_path: Path) -> None:
     run = tmp_path / "sweep" / "0_lm_rope_seed0"
     run.mkdir(parents=True)
-    data = {k: extended[k] for k in ("task", "encoder", "seed", "seq_len", "metrics", "skipped",
-                                     "loss_by_position", "protocols", "context_extension")}
+    data = {
+        k: extended[k]
+        for k in (
+            "task",
+            "encoder",
+            "seed",
+            "seq_len",
+            "metrics",
+            "skipped",
+            "loss_by_position",
+            "protocols",
+            "context_extension",
+        )
+    }
     (run / "metrics.json").write_text(json.dumps(data))
     rep = build_report(tmp_path / "sweep", tensorboard=False)
     md = (tmp_path / "sweep" / "report" / "report.md").read_text()
-    header = next(line for line in md.splitlines()
-                  if line.startswith("| encoder |") and "| test/" in line)
+    header = next(
+        line for line in md.splitlines() if line.startswith("| encoder |") and "| test/" in line
+    )
     assert "+" not in header  # methods are rows, not columns
     for method in METHODS:
         row = next(line for line in md.splitlines() if line.startswith(f"| rope+{method} |"))

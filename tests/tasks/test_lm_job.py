@@ -54,8 +54,9 @@ def test_lengths_beyond_training_were_really_evaluated(runs: dict[str, dict], na
 def test_sliding_protocol_scores_each_token_once(runs: dict[str, dict], name: str) -> None:
     m = runs[name]
     for length in (16, 64):
-        assert m["scored_tokens"][f"test/ppl_sw@{length}"] == m["scored_tokens"][
-            f"test/ppl@{length}"]
+        assert (
+            m["scored_tokens"][f"test/ppl_sw@{length}"] == m["scored_tokens"][f"test/ppl@{length}"]
+        )
 
 
 def test_run_writes_checkpoints_and_tensorboard(tmp_path: Path) -> None:
@@ -74,8 +75,15 @@ def test_eval_only_from_a_checkpoint(tmp_path: Path) -> None:
     # The training run evaluated its best checkpoint; evaluating that file again must
     # give the same numbers to the last digit.
     ckpt = first / "run" / "checkpoints" / "best.ckpt"
-    again = train(compose_run(tmp_path / "b", "encoder=rope", "eval_only=true",
-                              f"ckpt_path={ckpt}", "task.eval.multipliers=[1]"))
+    again = train(
+        compose_run(
+            tmp_path / "b",
+            "encoder=rope",
+            "eval_only=true",
+            f"ckpt_path={ckpt}",
+            "task.eval.multipliers=[1]",
+        )
+    )
     assert again["train_steps"] == 0
     for key in ("test/ppl@16", "test/ppl_sw@16"):
         assert again["metrics"][key] == pytest.approx(trained["metrics"][key], rel=1e-9)

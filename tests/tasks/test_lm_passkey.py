@@ -10,11 +10,11 @@ import pytest
 
 from posenc.data.lm import PasskeyDraw
 from posenc.eval.passkey import evaluate_length, greedy
-from posenc.runner import load_for_eval
 from posenc.tasks.lm import LMTask
 from posenc.tasks.lm_job import lm_datamodule
 from posenc.tasks.lm_passkey import passkey_format
 from posenc.train import train
+from posenc.training.runner import load_for_eval
 from tests.conftest import compose_run
 
 # seq_len 64 holds a training passkey sequence with a 2-letter key (the format needs 64).

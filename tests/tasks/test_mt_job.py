@@ -12,9 +12,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from posenc.checkpoints import CheckpointError
 from posenc.config import ConfigError, validate
 from posenc.train import train
+from posenc.training.checkpoints import CheckpointError
 from tests.conftest import BIDIRECTIONAL_YAMLS, ROOT
 
 N_TEST = 12  # test sentences decoded per run
@@ -90,14 +90,23 @@ def test_eval_only_from_a_checkpoint(tmp_path: Path, cache_dir: Path) -> None:
     hyps = (tmp_path / "a" / "test.hyp.txt").read_text(encoding="utf-8")
     assert (tmp_path / "b" / "test.hyp.txt").read_text(encoding="utf-8") == hyps
     # Without the key/value cache: the same translations, token for token.
-    uncached = train(compose_mt(tmp_path / "c", cache_dir, "encoder=shaw", "eval_only=true",
-                                f"ckpt_path={ckpt}", "task.decode.use_cache=false"))
+    uncached = train(
+        compose_mt(
+            tmp_path / "c",
+            cache_dir,
+            "encoder=shaw",
+            "eval_only=true",
+            f"ckpt_path={ckpt}",
+            "task.decode.use_cache=false",
+        )
+    )
     assert (tmp_path / "c" / "test.hyp.txt").read_text(encoding="utf-8") == hyps
     assert uncached["metrics"]["test/bleu"] == trained["metrics"]["test/bleu"]
 
 
 def test_a_checkpoint_evaluates_with_a_tokenizer_trained_elsewhere(
-        tmp_path: Path, cache_dir: Path) -> None:
+    tmp_path: Path, cache_dir: Path
+) -> None:
     """Another checkout or machine retrains SentencePiece into another cache folder: the
     same model, so the checkpoint is accepted and translates the same. Checkpoints from
     before the path-free fingerprint (the whole model file's hash) are accepted too."""
@@ -105,8 +114,9 @@ def test_a_checkpoint_evaluates_with_a_tokenizer_trained_elsewhere(
     ckpt = tmp_path / "a" / "checkpoints" / "best.ckpt"
     hyps = (tmp_path / "a" / "test.hyp.txt").read_text(encoding="utf-8")
     elsewhere = tmp_path / "other-cache"
-    train(compose_mt(tmp_path / "b", elsewhere, "encoder=rope", "eval_only=true",
-                     f"ckpt_path={ckpt}"))
+    train(
+        compose_mt(tmp_path / "b", elsewhere, "encoder=rope", "eval_only=true", f"ckpt_path={ckpt}")
+    )
     assert (tmp_path / "b" / "test.hyp.txt").read_text(encoding="utf-8") == hyps
     (model,) = elsewhere.glob("*.model")
     assert model.read_bytes() != next(cache_dir.glob(model.name)).read_bytes()  # paths inside
@@ -114,17 +124,38 @@ def test_a_checkpoint_evaluates_with_a_tokenizer_trained_elsewhere(
     old = torch.load(ckpt, weights_only=True)
     old["posenc"]["tokenizer"] = hashlib.sha256(model.read_bytes()).hexdigest()
     torch.save(old, tmp_path / "old.ckpt")
-    train(compose_mt(tmp_path / "c", elsewhere, "encoder=rope", "eval_only=true",
-                     f"ckpt_path={tmp_path / 'old.ckpt'}"))
+    train(
+        compose_mt(
+            tmp_path / "c",
+            elsewhere,
+            "encoder=rope",
+            "eval_only=true",
+            f"ckpt_path={tmp_path / 'old.ckpt'}",
+        )
+    )
     assert (tmp_path / "c" / "test.hyp.txt").read_text(encoding="utf-8") == hyps
     # ... but only with the very model file it names.
     with pytest.raises(CheckpointError, match="trained with tokenizer"):
-        train(compose_mt(tmp_path / "d", cache_dir, "encoder=rope", "eval_only=true",
-                         f"ckpt_path={tmp_path / 'old.ckpt'}"))
+        train(
+            compose_mt(
+                tmp_path / "d",
+                cache_dir,
+                "encoder=rope",
+                "eval_only=true",
+                f"ckpt_path={tmp_path / 'old.ckpt'}",
+            )
+        )
     # Training on from either checkpoint (the resume path) accepts them the same way.
     for i, given in enumerate((ckpt, tmp_path / "old.ckpt")):
-        out = train(compose_mt(tmp_path / f"e{i}", elsewhere, "encoder=rope",
-                               "trainer.max_steps=3", f"ckpt_path={given}"))
+        out = train(
+            compose_mt(
+                tmp_path / f"e{i}",
+                elsewhere,
+                "encoder=rope",
+                "trainer.max_steps=3",
+                f"ckpt_path={given}",
+            )
+        )
         assert out["train_steps"] == 3
 
 
@@ -187,12 +218,19 @@ def test_mt_sets_its_own_trainer_defaults() -> None:
 def test_mt_long_preset_is_the_default_job_run_longer(tmp_path: Path) -> None:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         base = compose("config", overrides=["task=mt"])
-        long = compose("config", overrides=["task=mt", "experiment=mt_long",
-                                            f"paths.output_dir={tmp_path}",
-                                            f"paths.cache_dir={tmp_path}"])
+        long = compose(
+            "config",
+            overrides=[
+                "task=mt",
+                "experiment=mt_long",
+                f"paths.output_dir={tmp_path}",
+                f"paths.cache_dir={tmp_path}",
+            ],
+        )
     assert (long.trainer.max_steps, long.trainer.val_check_interval) == (1500, 500)
     assert base.trainer.max_steps == 500
     drop = ("trainer", "paths", "experiment")
     assert {k: v for k, v in long.items() if k not in drop} == {
-        k: v for k, v in base.items() if k not in drop}
+        k: v for k, v in base.items() if k not in drop
+    }
     validate(long)

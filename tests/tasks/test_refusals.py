@@ -19,15 +19,15 @@ from torch import nn
 from posenc import checks, stop
 from posenc.config import ConfigError, validate
 from posenc.data.lm import LMDataModule
+from posenc.decoding.encdec import beam_search, greedy
+from posenc.decoding.lm import generate
 from posenc.model import DecoderLM
 from posenc.stop import StopRequested
-from posenc.tasks.decode import beam_search, greedy
-from posenc.tasks.generate import generate
 from posenc.tasks.mt import MTTask
-from posenc.tasks.optim import configure_adamw, warmup_cosine, warmup_inverse_sqrt
 from posenc.train import train
+from posenc.training.optim import configure_adamw, warmup_cosine, warmup_inverse_sqrt
 from tests.conftest import ROOT, compose_run
-from tests.tasks.test_decode import BOS, EOS, PAD, _batch, _model
+from tests.decoding.test_encdec import BOS, EOS, PAD, _batch, _model
 
 #: (overrides, the refusal line it must give); task=lm unless the overrides say otherwise.
 REFUSED = [
@@ -41,8 +41,11 @@ REFUSED = [
     ("task.optim.lr=nan", r"task.optim.lr=nan: must be a positive number \(finite"),
     ("task.optim.lr=inf", r"task.optim.lr=inf: must be a positive number \(finite"),
     ("task.optim.lr=-1e-3", r"task.optim.lr=-0.001: must be a positive number"),
-    ("task.optim.betas=[2.0,0.99]", r"task.optim.betas=\[2.0, 0.99\]: must be two numbers in "
-                                    r"\[0, 1\)"),
+    (
+        "task.optim.betas=[2.0,0.99]",
+        r"task.optim.betas=\[2.0, 0.99\]: must be two numbers in "
+        r"\[0, 1\)",
+    ),
     ("task.optim.betas=[0.9]", r"task.optim.betas=\[0.9\]: must be two numbers"),
     ("task.optim.betas=0.9", r"task.optim.betas=0.9: must be two numbers"),
     ("task.optim.betas=[0.9,1.0]", r"task.optim.betas=\[0.9, 1.0\]: must be two numbers"),
@@ -57,9 +60,11 @@ REFUSED = [
     ("task.eval.protocols=sliding", r"task.eval.protocols='sliding': must be a list"),
     ("trainer.val_check_interval=0", r"trainer.val_check_interval=0: must be a positive integer"),
     ("trainer.val_check_interval=-5", r"trainer.val_check_interval=-5: must be a positive"),
-    ("trainer.val_check_interval=0.5",
-     r"trainer.val_check_interval=0.5: .*fraction in \(0, 1\] of an epoch with "
-     r"trainer.check_val_every_n_epoch set"),
+    (
+        "trainer.val_check_interval=0.5",
+        r"trainer.val_check_interval=0.5: .*fraction in \(0, 1\] of an epoch with "
+        r"trainer.check_val_every_n_epoch set",
+    ),
     ("trainer.max_steps=abc", r"trainer.max_steps='abc': must be a positive integer"),
     ("task.name=abc", r"task.name='abc': allowed lm, mt"),
     ("model.d_ff=abc", r"model.d_ff='abc': must be a positive integer"),
@@ -75,21 +80,33 @@ REFUSED = [
     ("task=mt task.length_buckets=5", r"task.length_buckets=5: must be a list"),
     ("task=mt trainer.max_steps=0", r"trainer.max_steps=0: .*eval_only=true ckpt_path="),
     # #38 point 6: failed deep inside a run before
-    ("task=algo task.train_lengths=[1,100000]",
-     r"task.train_lengths=\[1,100000\]: its test set \(24 instances of every size "
-     r"1..300000, task.test_multiple=3\) needs \d+\.\d GiB"),
-    ("+trainer.accumulate_grad_batches=0",
-     r"trainer.accumulate_grad_batches=0: must be a positive integer"),
-    ("task.eval.multipliers=[0.01]",
-     r"task.eval.multipliers contains 0.01: 0.01 \* task.seq_len=16 is below one token"),
+    (
+        "task=algo task.train_lengths=[1,100000]",
+        r"task.train_lengths=\[1,100000\]: its test set \(24 instances of every size "
+        r"1..300000, task.test_multiple=3\) needs \d+\.\d GiB",
+    ),
+    (
+        "+trainer.accumulate_grad_batches=0",
+        r"trainer.accumulate_grad_batches=0: must be a positive integer",
+    ),
+    (
+        "task.eval.multipliers=[0.01]",
+        r"task.eval.multipliers contains 0.01: 0.01 \* task.seq_len=16 is below one token",
+    ),
 ]
 
 #: Allowed edge values: they must pass the same checks.
 ACCEPTED = [
-    "task=algo task.train_lengths=[1,64]", "+trainer.accumulate_grad_batches=2",
-    "task.optim.warmup_steps=0", "task.optim.min_lr_ratio=0", "task.optim.min_lr_ratio=1",
-    "task.optim.weight_decay=0", "trainer.gradient_clip_val=0", "trainer.gradient_clip_val=null",
-    "task.optim.betas=[0,0.999]", "trainer.val_check_interval=00:00:10:00",
+    "task=algo task.train_lengths=[1,64]",
+    "+trainer.accumulate_grad_batches=2",
+    "task.optim.warmup_steps=0",
+    "task.optim.min_lr_ratio=0",
+    "task.optim.min_lr_ratio=1",
+    "task.optim.weight_decay=0",
+    "trainer.gradient_clip_val=0",
+    "trainer.gradient_clip_val=null",
+    "task.optim.betas=[0,0.999]",
+    "trainer.val_check_interval=00:00:10:00",
     "trainer.val_check_interval=0.5 trainer.check_val_every_n_epoch=1",
 ]
 
@@ -100,10 +117,18 @@ def _compose(tmp_path: Path, overrides: str) -> DictConfig:
     if "task=mt" not in words and "task=algo" not in words:
         return compose_run(tmp_path, *words)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[
-            "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.d_ff=32",
-            f"paths.output_dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}",
-            *words])
+        return compose(
+            "config",
+            overrides=[
+                "model.n_layers=1",
+                "model.d_model=16",
+                "model.n_heads=2",
+                "model.d_ff=32",
+                f"paths.output_dir={tmp_path / 'run'}",
+                f"paths.cache_dir={tmp_path / 'cache'}",
+                *words,
+            ],
+        )
 
 
 @pytest.fixture
@@ -123,8 +148,9 @@ def _refusal(err: pytest.ExceptionInfo[ConfigError], pattern: str) -> str:
 
 
 @pytest.mark.parametrize(("overrides", "pattern"), REFUSED)
-def test_refused_before_any_data_with_the_key_named(tmp_path: Path, no_data: Path,
-                                                    overrides: str, pattern: str) -> None:
+def test_refused_before_any_data_with_the_key_named(
+    tmp_path: Path, no_data: Path, overrides: str, pattern: str
+) -> None:
     with pytest.raises(ConfigError) as err:
         train(_compose(tmp_path, overrides))
     _refusal(err, pattern)
@@ -138,15 +164,23 @@ def test_allowed_edge_values_pass(tmp_path: Path, overrides: str) -> None:
 
 
 def test_every_problem_of_a_bad_optimiser_is_listed_at_once(tmp_path: Path) -> None:
-    cfg = _compose(tmp_path, "task.optim.lr=nan task.optim.betas=[2.0,0.99] "
-                             "task.optim.weight_decay=-1 task.optim.warmup_steps=-10 "
-                             "task.optim.min_lr_ratio=-5 trainer.gradient_clip_val=-1")
+    cfg = _compose(
+        tmp_path,
+        "task.optim.lr=nan task.optim.betas=[2.0,0.99] "
+        "task.optim.weight_decay=-1 task.optim.warmup_steps=-10 "
+        "task.optim.min_lr_ratio=-5 trainer.gradient_clip_val=-1",
+    )
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     keys = [line.strip().split("=")[0] for line in str(err.value).splitlines()[1:]]
-    assert keys == ["trainer.gradient_clip_val", "task.optim.lr", "task.optim.betas",
-                    "task.optim.weight_decay", "task.optim.warmup_steps",
-                    "task.optim.min_lr_ratio"]
+    assert keys == [
+        "trainer.gradient_clip_val",
+        "task.optim.lr",
+        "task.optim.betas",
+        "task.optim.weight_decay",
+        "task.optim.warmup_steps",
+        "task.optim.min_lr_ratio",
+    ]
 
 
 def _leaves(cfg: DictConfig) -> list[str]:
@@ -166,7 +200,8 @@ def _leaves(cfg: DictConfig) -> list[str]:
 
 @pytest.mark.parametrize("task", ["lm", "mt"])
 def test_a_wrongly_typed_value_anywhere_gives_config_error_not_a_traceback(
-        tmp_path: Path, task: str) -> None:
+    tmp_path: Path, task: str
+) -> None:
     """Every leaf key set to a string, a list, a mapping or null: validate either accepts
     it (Lightning's own trainer options are left to Lightning) or raises ConfigError; any
     other exception is a bug in the checks."""
@@ -193,12 +228,15 @@ def test_a_check_that_trips_on_a_value_becomes_a_problem_line() -> None:
         raise TypeError("'<' not supported between instances of 'str' and 'int'")
 
     checks.guarded(problems, "trainer", bad)
-    assert problems == ["trainer: a value has the wrong type (TypeError: '<' not supported "
-                        "between instances of 'str' and 'int'); compare it with conf/ and the "
-                        "README"]
+    assert problems == [
+        "trainer: a value has the wrong type (TypeError: '<' not supported "
+        "between instances of 'str' and 'int'); compare it with conf/ and the "
+        "README"
+    ]
 
 
 # ---- paths.cache_dir (POSENC_CACHE_DIR) ----------------------------------------------------
+
 
 def test_cache_dir_that_is_a_file_is_refused(tmp_path: Path, no_data: Path) -> None:
     a_file = tmp_path / "cache.txt"
@@ -212,8 +250,9 @@ def test_cache_dir_that_is_a_file_is_refused(tmp_path: Path, no_data: Path) -> N
     assert a_file.read_text() == "not a folder" and not no_data.exists()
 
 
-def test_cache_dir_from_the_environment_is_checked(tmp_path: Path, no_data: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_dir_from_the_environment_is_checked(
+    tmp_path: Path, no_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """paths.cache_dir defaults to ${oc.env:POSENC_CACHE_DIR,...}: the variable's value is
     what gets checked and named."""
     a_file = tmp_path / "cache.txt"
@@ -237,7 +276,8 @@ def test_unwritable_cache_dir_is_refused(tmp_path: Path, no_data: Path) -> None:
             with pytest.raises(ConfigError) as err:
                 train(_compose(tmp_path, f"paths.cache_dir={cache}"))
             assert _refusal(err, r"^paths.cache_dir=").startswith(
-                f"paths.cache_dir={cache}: cannot write there")
+                f"paths.cache_dir={cache}: cannot write there"
+            )
     finally:
         locked.chmod(0o700)
     assert not no_data.exists()
@@ -251,8 +291,8 @@ def test_a_missing_cache_dir_is_created(tmp_path: Path) -> None:
 
 # ---- refusals that need the data -----------------------------------------------------------
 
-def test_batch_larger_than_the_training_windows_is_refused_before_the_model(
-        tmp_path: Path) -> None:
+
+def test_batch_larger_than_the_training_windows_is_refused_before_the_model(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         train(compose_run(tmp_path, "task.batch_size=100000"))
     message = str(err.value)
@@ -266,8 +306,13 @@ def test_batch_larger_than_the_training_windows_is_refused_before_the_model(
 
 
 def test_batch_whose_logits_exceed_the_memory_is_refused() -> None:
-    cfg = OmegaConf.create({"eval_only": False, "trainer": {"accelerator": "cpu"},
-                            "task": {"batch_size": 4096, "seq_len": 2048}})
+    cfg = OmegaConf.create(
+        {
+            "eval_only": False,
+            "trainer": {"accelerator": "cpu"},
+            "task": {"batch_size": 4096, "seq_len": 2048},
+        }
+    )
     problem = checks.lm_batch(cfg, train_tokens=10**12, vocab_size=50_000)
     assert problem is not None and problem.startswith("task.batch_size=4096: its logits alone")
     assert checks.lm_batch(cfg, train_tokens=10**12, vocab_size=10) is None
@@ -282,21 +327,31 @@ def test_whitespace_only_text_file_is_refused_naming_the_file(tmp_path: Path, sp
     blank = tmp_path / "blank.txt"
     blank.write_text(" \n\t\n   \n" * 100)
     files = {"train": text, "val": text} | {split: blank}
-    cfg = compose_run(tmp_path, "data=text_files", f"data.source.train={files['train']}",
-                      f"data.source.val={files['val']}")
+    cfg = compose_run(
+        tmp_path,
+        "data=text_files",
+        f"data.source.train={files['train']}",
+        f"data.source.val={files['val']}",
+    )
     with pytest.raises(ValueError, match=f"the '{split}' file '{blank}' holds only whitespace"):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_whitespace_only_training_text_from_any_source_is_refused(tmp_path: Path) -> None:
-    dm = LMDataModule(source=lambda: {"train": "\n \n", "val": "abc" * 20, "test": "abc" * 20},
-                      tokenizer={"kind": "char"}, cache_dir=tmp_path, seq_len=4, batch_size=2)
+    dm = LMDataModule(
+        source=lambda: {"train": "\n \n", "val": "abc" * 20, "test": "abc" * 20},
+        tokenizer={"kind": "char"},
+        cache_dir=tmp_path,
+        seq_len=4,
+        batch_size=2,
+    )
     with pytest.raises(ValueError, match="the train split holds only whitespace"):
         dm.setup("fit")
 
 
 # ---- the learning-rate schedule --------------------------------------------------------------
+
 
 def test_warmup_zero_means_no_warmup() -> None:
     assert warmup_cosine(0, warmup=0, total=100, min_ratio=0.1) == 1.0
@@ -312,6 +367,7 @@ def test_warmup_zero_means_no_warmup() -> None:
 
 # ---- decoding: capped by task.max_len, stopped on request ------------------------------------
 
+
 @pytest.fixture(autouse=True)
 def _no_stop_request() -> Any:
     stop.reset()
@@ -322,10 +378,15 @@ def _no_stop_request() -> Any:
 def _tiny_translator(max_len: int) -> MTTask:
     torch.manual_seed(0)
     encoder = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "encoder" / "rope.yaml"))
-    task = MTTask(vocab_size=12, encoder=encoder, ids={"pad": PAD, "bos": BOS, "eos": EOS},
-                  model={"n_layers": 1, "d_model": 16, "n_heads": 2, "d_ff": 32,
-                         "dropout": 0.0},
-                  optim={}, max_steps=1, max_len=max_len)
+    task = MTTask(
+        vocab_size=12,
+        encoder=encoder,
+        ids={"pad": PAD, "bos": BOS, "eos": EOS},
+        model={"n_layers": 1, "d_model": 16, "n_heads": 2, "d_ff": 32, "dropout": 0.0},
+        optim={},
+        max_steps=1,
+        max_len=max_len,
+    )
     decode = task.model.decode
 
     def never_eos(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -385,8 +446,9 @@ def test_decoding_stops_at_the_next_step_on_request(search: str) -> None:
 
 def test_generation_stops_at_the_next_step_on_request() -> None:
     torch.manual_seed(0)
-    model = DecoderLM(vocab_size=12, encoder="rope", n_layers=1, d_model=16, n_heads=2,
-                      d_ff=32, dropout=0.0).eval()
+    model = DecoderLM(
+        vocab_size=12, encoder="rope", n_layers=1, d_model=16, n_heads=2, d_ff=32, dropout=0.0
+    ).eval()
     calls: list[int] = []
 
     def hook(*_: Any) -> None:

@@ -11,20 +11,28 @@ from pathlib import Path
 import pytest
 
 from posenc.errors import RunDirError
-from posenc.runner import RUN_FILES
 from posenc.train import train
+from posenc.training.runner import RUN_FILES
 from tests.conftest import ROOT, TINY, compose_run
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
     """Every file below ``folder`` with the sha256 of its bytes."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _run(cwd: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *TINY, *overrides],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *TINY, *overrides],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_refused_run_leaves_the_finished_runs_files_byte_identical(tmp_path: Path) -> None:
@@ -37,8 +45,14 @@ def test_a_refused_run_leaves_the_finished_runs_files_byte_identical(tmp_path: P
     ckpt = run / "checkpoints" / "best.ckpt"
     for refused in (
         _run(tmp_path, "encoder=alibi", "model.d_model=32", f"hydra.run.dir={run}", cache),
-        _run(tmp_path, "encoder=rope", "eval_only=true", f"ckpt_path={ckpt}",
-             f"hydra.run.dir={run}", cache),
+        _run(
+            tmp_path,
+            "encoder=rope",
+            "eval_only=true",
+            f"ckpt_path={ckpt}",
+            f"hydra.run.dir={run}",
+            cache,
+        ),
     ):
         assert refused.returncode == 2, refused.stderr[-2000:]
         assert "never overwrites results" in refused.stderr
@@ -61,7 +75,8 @@ def test_bad_input_is_one_message_without_a_traceback(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("leftover", RUN_FILES)
 def test_a_directory_with_another_runs_files_is_refused_unless_resuming(
-        tmp_path: Path, leftover: str) -> None:
+    tmp_path: Path, leftover: str
+) -> None:
     """A crashed run's directory (no checkpoint yet) is refused to a new run, and taken
     by the same command with resume=true (it then starts afresh)."""
     run = tmp_path / "run"
@@ -72,8 +87,7 @@ def test_a_directory_with_another_runs_files_is_refused_unless_resuming(
         (run / leftover).mkdir()
     with pytest.raises(RunDirError, match=f"already holds another run's files \\({leftover}"):
         train(compose_run(tmp_path, "encoder=none"))
-    out = train(compose_run(tmp_path, "encoder=none", "resume=true",
-                            "task.eval.multipliers=[1]"))
+    out = train(compose_run(tmp_path, "encoder=none", "resume=true", "task.eval.multipliers=[1]"))
     assert out["train_steps"] == 3
 
 
@@ -86,10 +100,10 @@ def test_a_misspelled_key_gets_the_nearest_key(tmp_path: Path) -> None:
         "task.optim.lrr: no such key; did you mean task.optim.lr?",
     ]
     # Sweeps take their first choice; a key of the chosen encoder is known.
-    assert misspelled_keys(["-m", "encoder=rope,alibi", "encoder.base=500", "seed=0,1"],
-                           conf) == []
+    assert misspelled_keys(["-m", "encoder=rope,alibi", "encoder.base=500", "seed=0,1"], conf) == []
     assert misspelled_keys(["encoder=shaw", "encoder.max_distnce=4"], conf) == [
-        "encoder.max_distnce: no such key; did you mean encoder.max_distance?"]
+        "encoder.max_distnce: no such key; did you mean encoder.max_distance?"
+    ]
     # What Hydra itself reports better (bad syntax, unknown groups) is left to it.
     assert misspelled_keys(["model.d_model=[", "encoder=nope"], conf) == []
     out = _run(tmp_path, "model.d_modle=64")
@@ -103,18 +117,36 @@ def test_keys_that_must_be_set_are_known_keys() -> None:
     from posenc.cli import misspelled_keys
 
     conf = ROOT / "conf"
-    assert misspelled_keys(["data=text_files", "data.source.train=a.txt",
-                            "data.source.val=b.txt"], conf) == []
-    assert misspelled_keys(["task=mt", "data=parallel_files", "data.source.train_src=a",
-                            "data.source.train_tgt=b", "data.source.val_src=c",
-                            "data.source.val_tgt=d"], conf) == []
+    assert (
+        misspelled_keys(
+            ["data=text_files", "data.source.train=a.txt", "data.source.val=b.txt"], conf
+        )
+        == []
+    )
+    assert (
+        misspelled_keys(
+            [
+                "task=mt",
+                "data=parallel_files",
+                "data.source.train_src=a",
+                "data.source.train_tgt=b",
+                "data.source.val_src=c",
+                "data.source.val_tgt=d",
+            ],
+            conf,
+        )
+        == []
+    )
     assert misspelled_keys(["data=text_files", "data.source.trian=a.txt"], conf) == [
-        "data.source.trian: no such key; did you mean data.source.train?"]
+        "data.source.trian: no such key; did you mean data.source.train?"
+    ]
     # A sweep preset's own grid picks the task: its keys are known keys (#38).
     assert misspelled_keys(["sweep=mt_length", "task.max_len=64"], conf) == []
     assert misspelled_keys(["sweep=mt_length", "task.max_lne=64"], conf) == [
-        "task.max_lne: no such key; did you mean task.max_len?"]
+        "task.max_lne: no such key; did you mean task.max_len?"
+    ]
     # A misspelled group or top-level key: Hydra's "not in struct" named no alternative.
     assert misspelled_keys(["encodr=rope", "seeed=1", "seed=2"], conf) == [
         "encodr: no such key or config group; did you mean encoder?",
-        "seeed: no such key or config group; did you mean seed?"]
+        "seeed: no such key or config group; did you mean seed?",
+    ]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from posenc.summary import summary
 from posenc.train import train
+from posenc.training.summary import summary
 from tests.conftest import ROOT, compose_run
 
 
@@ -116,7 +116,7 @@ def test_threads_sets_torchs_thread_count(tmp_path: Path) -> None:
 def test_plain_progress_lines_when_not_a_terminal(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="posenc.tasks.callbacks")
+    caplog.set_level(logging.INFO, logger="posenc.training.callbacks")
     train(
         compose_run(
             tmp_path,

@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 from posenc.config import ConfigError, validate
 from posenc.errors import CheckpointError
 from posenc.tasks.algo import AlgoTask, exact_rows
-from posenc.tasks.gate import LearnedGate
 from posenc.train import train
+from posenc.training.gate import LearnedGate
 from tests.conftest import ROOT
 from tests.tasks.test_algo_job import OPTIM, SMALL, _compose
 

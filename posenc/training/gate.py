@@ -18,7 +18,6 @@ length. ``task.learned`` is ``{metric, threshold, stop}`` or null (no gate):
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import pytorch_lightning as pl
@@ -56,44 +55,6 @@ def metrics(cfg: DictConfig) -> dict[str, str]:
         return {"val/loss": "", "val/ppl": "", PASSKEY: need}
     need = "" if t.get("val_bleu_sentences") else "needs task.val_bleu_sentences > 0"
     return {"val/loss": "", "val/nll": "", "val/ppl": "", "val/bleu": need}
-
-
-def validate(cfg: DictConfig, problems: list[str]) -> None:
-    """Problems with ``task.learned``, one line each."""
-    from posenc.checks import number
-
-    gate = cfg.task.get("learned")
-    if gate is None:
-        return
-    if not OmegaConf.is_dict(gate):
-        problems.append(
-            f"task.learned={gate!r}: must be null (no gate) or {{metric, threshold, stop}}, "
-            f"e.g. task.learned.metric=val/seq_acc task.learned.threshold=95"
-        )
-        return
-    for key in gate:
-        if key not in GATE_KEYS:
-            problems.append(f"task.learned.{key}: unknown key; allowed {', '.join(GATE_KEYS)}")
-    allowed = metrics(cfg)
-    metric, threshold = gate.get("metric"), gate.get("threshold")
-    if metric not in allowed:
-        problems.append(
-            f"task.learned.metric={metric!r}: allowed for task {cfg.task.name}: "
-            f"{', '.join(allowed)} (validation at the training length)"
-        )
-    elif allowed[metric]:
-        problems.append(f"task.learned.metric={metric}: {allowed[metric]}")
-    if not number(threshold) or not math.isfinite(threshold):
-        problems.append(f"task.learned.threshold={threshold!r}: must be a finite number")
-    elif metric in PERCENT and not 0 <= threshold <= 100:
-        problems.append(f"task.learned.threshold={threshold}: {metric} is in percent (0..100)")
-    elif metric == PASSKEY and not 0 <= threshold <= 1:
-        problems.append(
-            f"task.learned.threshold={threshold}: {metric} is a fraction in [0, 1]; "
-            f"e.g. 0.9 for 90% retrieval"
-        )
-    if not isinstance(gate.get("stop", False), bool):
-        problems.append(f"task.learned.stop={gate.stop!r}: must be true or false")
 
 
 def met(metric: str, value: float, threshold: float) -> bool:
@@ -185,7 +146,7 @@ def result(cfg: DictConfig, trainer: pl.Trainer, val: dict[str, float]) -> dict[
     Args:
         cfg: The run config.
         trainer: The trainer, with the gate among its callbacks.
-        val: The last validation's metrics (:class:`posenc.runner.RunState`).
+        val: The last validation's metrics (:class:`posenc.training.runner.RunState`).
     """
     gate = cfg.task.get("learned")
     if gate is None:

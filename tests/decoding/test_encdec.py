@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from posenc.decoding.encdec import beam_search, gnmt_penalty, greedy, output_limits
 from posenc.model import EncoderDecoder
-from posenc.tasks.decode import beam_search, gnmt_penalty, greedy, output_limits
 from tests.conftest import BIDIRECTIONAL_YAMLS
 
 PAD, BOS, EOS = 0, 1, 2

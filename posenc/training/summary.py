@@ -10,7 +10,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from posenc.eval.lengths import parse_metric
-from posenc.tasks.gate import describe
+from posenc.training.gate import describe
 
 
 def _fmt(value: float) -> str:

@@ -31,10 +31,166 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from posenc.report_rows import LEARNED, NOT_LEARNED, Row, Run, split_extension, summarize
+from posenc.runs import LEARNED, NOT_LEARNED, Row, Run, split_extension, summarize
 
 #: (mean, std or None) of one point.
 Point = tuple[float, float | None]
+
+
+# ------------------------------------------------------------ one run's figures
+
+
+def ppl_vs_length_figure(
+    ppl: Mapping[str, Mapping[int, float]], train_len: int, title: str = ""
+) -> Figure:
+    """Perplexity against evaluation length, one line per protocol (or encoder).
+
+    Args:
+        ppl: Label -> {length: perplexity}; NaN marks a length that was not run.
+        train_len: Training context, drawn as a vertical line.
+        title: Figure title.
+    """
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for label, curve in ppl.items():
+        xs = sorted(curve)
+        ax.plot(xs, [curve[x] for x in xs], marker="o", label=label)
+    ax.axvline(train_len, color="grey", linestyle="--", label=f"train length {train_len}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def loss_by_position_figure(
+    curves: Mapping[str, list[float]], train_len: int, title: str = "", points: int = 256
+) -> Figure:
+    """Mean loss by token position within the window (where extrapolation breaks).
+
+    Args:
+        curves: Label -> per-position mean loss.
+        train_len: Training context, drawn as a vertical line.
+        title: Figure title.
+        points: Curves are averaged into at most this many bins, for readability.
+    """
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for label, ys in curves.items():
+        xs, vals = _bin(ys, points)
+        ax.plot(xs, vals, label=label, linewidth=1.2)
+    ax.axvline(train_len, color="grey", linestyle="--", label=f"train length {train_len}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("position in window")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _bin(ys: list[float], points: int) -> tuple[list[float], list[float]]:
+    """Average a long curve into at most ``points`` log-spaced bins (positions 1-based)."""
+    n = len(ys)
+    if n <= points:
+        return [float(i + 1) for i in range(n)], list(ys)
+    edges = sorted({int(round(math.exp(math.log(n) * k / points))) for k in range(points + 1)})
+    edges = [0] + [e for e in edges if e > 0]
+    xs, vals = [], []
+    for a, b in zip(edges, edges[1:], strict=False):
+        chunk = [y for y in ys[a:b] if math.isfinite(y)]
+        if chunk:
+            xs.append((a + b + 1) / 2)
+            vals.append(sum(chunk) / len(chunk))
+    return xs, vals
+
+
+def bleu_by_length_figure(
+    by_bucket: Mapping[str, Mapping[str, float]],
+    edges: Sequence[int],
+    train_max: int | None,
+    title: str = "",
+) -> Figure:
+    """BLEU per source-length bucket as bars labelled with their sentence counts.
+
+    Args:
+        by_bucket: Bucket name -> ``{"n", "bleu", ...}`` (:func:`scores_by_bucket`), in the
+            order of ``edges``.
+        edges: The bucket edges.
+        train_max: Longest training source (``task.max_train_src_len``) or None; buckets
+            whose every length is beyond it are drawn in orange.
+        title: Figure title.
+    """
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    names = list(by_bucket)
+    bleu = [by_bucket[n]["bleu"] for n in names]
+    heights = [0.0 if math.isnan(b) else b for b in bleu]
+    beyond = [train_max is not None and start > train_max for start in edges[:-1]]
+    bars = ax.bar(range(len(names)), heights, color=["C1" if b else "C0" for b in beyond])
+    for bar, name, b in zip(bars, names, bleu, strict=True):
+        label = f"n={int(by_bucket[name]['n'])}" + ("" if math.isfinite(b) else " (empty)")
+        x = bar.get_x() + bar.get_width() / 2
+        ax.annotate(label, (x, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), [n[3:] for n in names])
+    ax.set_xlabel("source length (tokens)")
+    ax.set_ylabel("BLEU")
+    note = "" if train_max is None else f" (orange: beyond training max {train_max})"
+    ax.set_title(title + note, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def heatmap_figure(
+    accuracy: Sequence[Sequence[float]],
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    train_len: int | None,
+    title: str = "",
+    ax=None,
+    blank: Sequence[str] | None = None,
+):
+    """Accuracy as a length x depth heatmap (NaN cells, lengths not run, are blank).
+
+    Args:
+        accuracy: ``[length][depth]`` in [0, 1].
+        lengths: Row labels (tokens).
+        depths: Column labels.
+        train_len: The training length (its row is marked ``(train)``).
+        title: Axes title.
+        ax: Axes to draw into; None makes a new figure.
+        blank: Per length, the word written in its NaN cells (default ``skipped``: a length
+            the encoder cannot run; the report writes ``not learned`` for lengths left out).
+
+    Returns:
+        The figure.
+    """
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(depths), 1.2 + 0.45 * len(lengths)))
+    else:
+        fig = ax.figure
+    data = [[math.nan if v is None else v for v in row] for row in accuracy]
+    im = ax.imshow(data, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    for i, row in enumerate(data):
+        for j, v in enumerate(row):
+            if math.isfinite(v):
+                color = "black" if v > 0.6 else "white"
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color=color)
+            else:  # a length the encoder cannot run, or runs left out
+                word = blank[i] if blank is not None else "skipped"
+                ax.text(j, i, word, ha="center", va="center", fontsize=6, color="grey")
+    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_yticks(
+        range(len(lengths)), [f"{n} (train)" if n == train_len else str(n) for n in lengths]
+    )
+    ax.set_xlabel("needle depth")
+    ax.set_ylabel("length (tokens)")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="accuracy")
+    return fig
+
+
+# ------------------------------------------------------- a sweep report's figures
 
 
 def _bucket_start(name: str) -> int:
@@ -384,8 +540,6 @@ def passkey_means(
 
 def passkey_heatmaps(means: Mapping[str, PasskeyMean], train_len: int | None, title: str) -> Figure:
     """One accuracy heatmap (length x depth) per encoder, four to a row."""
-    from posenc.eval.passkey import heatmap_figure
-
     cols = min(4, len(means))
     rows = math.ceil(len(means) / cols)
     first = next(iter(means.values()))
@@ -530,6 +684,11 @@ def figures(
         | _mt_figures(runs, by_group, rows)
         | _algo_figures(by_group)
     )
+
+
+def close(fig: Figure) -> None:
+    """Free a figure that was not saved (matplotlib keeps every open one)."""
+    plt.close(fig)
 
 
 def save(figs: Mapping[str, Figure], out: Path, writer: Any = None) -> list[Path]:

@@ -11,6 +11,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from posenc.progress import clock
+
 log = logging.getLogger(__name__)
 
 
@@ -114,10 +116,3 @@ class PlainProgress(pl.Callback):
             clock(elapsed),
             clock(eta),
         )
-
-
-def clock(seconds: float) -> str:
-    """``h:mm:ss``."""
-    minutes, s = divmod(int(seconds), 60)
-    h, m = divmod(minutes, 60)
-    return f"{h}:{m:02d}:{s:02d}"

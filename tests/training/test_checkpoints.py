@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from posenc import checkpoints
 from posenc.errors import CacheError, CheckpointError
 from posenc.train import train
+from posenc.training import checkpoints
 from tests.conftest import ROOT, TINY, compose_run
 
 
@@ -315,7 +315,7 @@ def test_a_finished_run_resumed_keeps_its_validation_metrics(tmp_path: Path) -> 
 def test_resume_takes_the_newer_of_last_and_a_slurm_requeue_checkpoint(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from posenc.runner import resume_checkpoint
+    from posenc.training.runner import resume_checkpoint
 
     cfg = OmegaConf.create({"eval_only": False, "ckpt_path": None, "resume": True})
     assert resume_checkpoint(cfg, tmp_path) is None  # nothing yet: start afresh

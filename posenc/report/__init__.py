@@ -5,12 +5,12 @@ Reads every ``metrics.json`` and ``error.json`` below the directories and writes
 encoder x metric: mean, sample std, 95% CI, n, skipped, runs left out as not learned, the
 mark against the column's best and its p-value, and the compute columns), PNG figures, the
 same figures in TensorBoard (``<out>/tb``), and ``tuned_lr.yaml`` when the runs hold a
-learning-rate grid (:mod:`posenc.report_tune`). A partial sweep is reported as it stands:
+learning-rate grid (:mod:`posenc.report.tune`). A partial sweep is reported as it stands:
 failed runs (``error.json``) and job directories without results are listed, never fatal.
 
-Statistics (:mod:`posenc.report_stats`): intervals by Student's t over seeds, Welch's
+Statistics (:mod:`posenc.report.stats`): intervals by Student's t over seeds, Welch's
 t-test against each column's best; columns past the training length count only runs that
-learned their task (:mod:`posenc.tasks.gate`). Runs of several learning rates are never
+learned their task (:mod:`posenc.training.gate`). Runs of several learning rates are never
 averaged together: same lr, tuned lr and each rate of a grid get tables of their own.
 """
 
@@ -28,7 +28,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-from posenc.report_rows import (
+from posenc.report.stats import BEST, TIE, ci95, lower_is_better, rank
+from posenc.report.tune import Grid, arm_note, assign_arms, grid_table, grids, write_tuned
+from posenc.runs import (
     LEARNED,
     NO_GATE,
     UNKNOWN,
@@ -42,8 +44,6 @@ from posenc.report_rows import (
     split_extension,
     summarize,
 )
-from posenc.report_stats import BEST, TIE, ci95, lower_is_better, rank
-from posenc.report_tune import Grid, arm_note, assign_arms, grid_table, grids, write_tuned
 
 #: Compute columns: averaged over a group's runs so comparisons can be compute-matched.
 COST_KEYS = ("n_params", "tokens_per_s", "peak_memory_mb", "train_time_s")
@@ -215,7 +215,7 @@ def aggregate(runs: Sequence[Run]) -> list[Row]:
 
 
 def mark_rows(rows: Sequence[Row]) -> None:
-    """Per task and column, mark each row against the best mean (:func:`report_stats.rank`).
+    """Per task and column, mark each row against the best mean (:func:`posenc.report.stats.rank`).
     A context-extension row (``test/ppl+yarn@L``) competes in its plain metric's column,
     as the table shows it."""
     columns: dict[tuple[str, str], list[Row]] = defaultdict(list)
@@ -576,7 +576,7 @@ def build_report(
         FileNotFoundError: A ``root`` is not a directory.
         ValueError: Several directories and no ``out``.
     """
-    from posenc import report_plots
+    from posenc import plots
 
     roots = [Path(r).resolve() for r in ([root] if isinstance(root, str | Path) else root)]
     for r in roots:
@@ -599,9 +599,9 @@ def build_report(
     lr_grids = grids(runs)
     tuned = write_tuned(lr_grids, out, roots)
     by_group = groups(runs)
-    figures = report_plots.figures(runs, by_group, rows)
-    writer = report_plots.summary_writer(out / "tb") if tensorboard else None
-    pngs = report_plots.save(figures, out, writer)
+    figures = plots.figures(runs, by_group, rows)
+    writer = plots.summary_writer(out / "tb") if tensorboard else None
+    pngs = plots.save(figures, out, writer)
     text = markdown(roots, runs, failures, rows, pngs, lr_grids, tuned)
     (out / "report.md").write_text(text)
     write_csv(rows, out / "report.csv", {k: learned_cell(rs) for k, rs in by_group.items()})
@@ -651,7 +651,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ", ".join(str(p) for p in rep.files)
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,5 +1,5 @@
 """What the sweep report reads and computes, shared by :mod:`posenc.report` (tables) and
-:mod:`posenc.report_plots` (figures): a finished run, a job without results, one
+:mod:`posenc.plots` (figures): a finished run, a job without results, one
 aggregated row, and the sort keys of metric and encoder names."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class Row:
         values: Those n finite values.
         ci95: Half-width of the 95% confidence interval of the mean (None for n < 2).
         dropped: Runs left out because they did not learn the task (past training only).
-        mark: Standing in its column (:mod:`posenc.report_stats`: best, tie, worse,
+        mark: Standing in its column (:mod:`posenc.report.stats`: best, tie, worse,
             untested), and p: Holm-adjusted p-value against the best.
     """
 

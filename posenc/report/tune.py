@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from posenc.report_rows import Run, encoder_key, finite_values
-from posenc.report_stats import ci95
+from posenc.report.stats import ci95
+from posenc.runs import Run, encoder_key, finite_values
 
 #: Per task (its name in metrics.json): the validation metric that chooses a rate, and
 #: whether lower is better. MT's BLEU of the validation sentences when logged, else loss.

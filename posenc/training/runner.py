@@ -23,10 +23,9 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
 
-from posenc import checkpoints
 from posenc.errors import CheckpointError, RunDirError
-from posenc.tasks import gate
-from posenc.tasks.callbacks import PlainProgress, Throughput
+from posenc.training import checkpoints, gate
+from posenc.training.callbacks import PlainProgress, Throughput
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +158,7 @@ def record_job(cfg: DictConfig, run_dir: Path) -> None:
 class RunState(pl.Callback):
     """What posenc keeps in every checkpoint besides Lightning's own state:
 
-    - the run's config and tokenizer fingerprint (:func:`posenc.checkpoints.record`), so a
+    - the run's config and tokenizer fingerprint (:func:`posenc.training.checkpoints.record`), so a
       checkpoint is checked against the config that loads it;
     - the torch RNG state, so a resumed run draws the same dropout masks as an
       uninterrupted one;
@@ -167,7 +166,7 @@ class RunState(pl.Callback):
       resumed only to redo its final evaluation.
 
     Args:
-        record: :func:`posenc.checkpoints.record` of this run.
+        record: :func:`posenc.training.checkpoints.record` of this run.
         tokenizer: The fingerprints a resumed checkpoint's tokenizer may have (see
             :func:`posenc.data.tokenizers.fingerprints`); None skips the check.
     """
@@ -231,10 +230,10 @@ def build_trainer(
 ) -> pl.Trainer:
     """Lightning Trainer from ``cfg.trainer`` plus posenc's logger and callbacks.
 
-    Checkpoints (:mod:`posenc.checkpoints`: atomic, checksummed, replaced in place):
+    Checkpoints (:mod:`posenc.training.checkpoints`: atomic, checksummed, replaced in place):
     ``best.ckpt`` by the task's ``monitor`` metric at each validation, and ``last.ckpt``
     every ``checkpoint_every_n_steps`` steps and at the end of training, for resuming.
-    With ``task.learned`` set, the learnability gate (:mod:`posenc.tasks.gate`) watches
+    With ``task.learned`` set, the learnability gate (:mod:`posenc.training.gate`) watches
     every validation.
 
     Args:

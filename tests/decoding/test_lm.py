@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from posenc.decoding.lm import generate, next_token
 from posenc.model import DecoderLM
-from posenc.tasks.generate import generate, next_token
 from tests.conftest import ENCODER_YAMLS, ROOT, TINY
 
 SIZES = dict(d_model=32, n_heads=4, n_layers=2, dropout=0.0)
@@ -24,8 +24,10 @@ def test_cached_generation_gives_the_uncached_tokens(name: str) -> None:
     without the cache."""
     model = DecoderLM(vocab_size=23, encoder=name, **SIZES).eval()
     prompt = torch.randint(0, 23, (2, 5))
-    runs = [generate(model, prompt, 20, temperature=1.0, top_k=5, seed=3, use_cache=c)
-            for c in (True, False)]
+    runs = [
+        generate(model, prompt, 20, temperature=1.0, top_k=5, seed=3, use_cache=c)
+        for c in (True, False)
+    ]
     assert torch.equal(runs[0], runs[1])
     assert runs[0].shape == (2, 25) and torch.equal(runs[0][:, :5], prompt)
 
@@ -48,22 +50,48 @@ def test_generation_refuses_bad_arguments() -> None:
 
 def test_generate_command_on_a_trained_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    train_cmd = [sys.executable, "run.py", *TINY, "encoder=rope", f"hydra.run.dir={run_dir}",
-                 f"paths.cache_dir={tmp_path / 'cache'}"]
+    train_cmd = [
+        sys.executable,
+        "run.py",
+        *TINY,
+        "encoder=rope",
+        f"hydra.run.dir={run_dir}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+    ]
     proc = subprocess.run(train_cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ckpt = run_dir / "checkpoints" / "best.ckpt"
     assert ckpt.is_file()
     outs = []
     for extra in ([], ["--no-cache"]):
-        cmd = [sys.executable, "-m", "posenc.generate", str(ckpt), "--prompt", "ROMEO:",
-               "--tokens", "40", "--temperature", "0.8", "--top-k", "10", "--seed", "1", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "posenc.generate",
+            str(ckpt),
+            "--prompt",
+            "ROMEO:",
+            "--tokens",
+            "40",
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "10",
+            "--seed",
+            "1",
+            *extra,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         outs.append(proc.stdout)
     assert outs[0] == outs[1] and outs[0].startswith("ROMEO:") and len(outs[0]) > 40
-    bad = subprocess.run([sys.executable, "-m", "posenc.generate", str(tmp_path / "nope.ckpt")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "posenc.generate", str(tmp_path / "nope.ckpt")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "no checkpoint at" in bad.stderr
     assert "Traceback" not in bad.stderr
     # The checkpoint alone, handed to a colleague without the run directory or the data:
@@ -71,26 +99,56 @@ def test_generate_command_on_a_trained_checkpoint(tmp_path: Path) -> None:
     alone = tmp_path / "elsewhere" / "model.ckpt"
     alone.parent.mkdir()
     alone.write_bytes(ckpt.read_bytes())
-    env = {**os.environ, "POSENC_DATA_DIR": str(tmp_path / "no_data"),
-           "POSENC_CACHE_DIR": str(tmp_path / "no_cache")}
-    cmd = [sys.executable, "-m", "posenc.generate", str(alone), "--prompt", "ROMEO:",
-           "--tokens", "40", "--temperature", "0.8", "--top-k", "10", "--seed", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=alone.parent, env=env,
-                          timeout=300)
+    env = {
+        **os.environ,
+        "POSENC_DATA_DIR": str(tmp_path / "no_data"),
+        "POSENC_CACHE_DIR": str(tmp_path / "no_cache"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "posenc.generate",
+        str(alone),
+        "--prompt",
+        "ROMEO:",
+        "--tokens",
+        "40",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "10",
+        "--seed",
+        "1",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=alone.parent, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == outs[0]
     assert not (tmp_path / "no_data").exists() and not (tmp_path / "no_cache").exists()
-    for args, message in ((["--temperature", "nan"], "--temperature nan: must be a finite"),
-                          (["--tokens", "0"], "--tokens 0: must be at least 1"),
-                          (["--top-k", "0"], "--top-k 0: must be at least 1")):
-        bad = subprocess.run([sys.executable, "-m", "posenc.generate", str(alone), *args],
-                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+    for args, message in (
+        (["--temperature", "nan"], "--temperature nan: must be a finite"),
+        (["--tokens", "0"], "--tokens 0: must be at least 1"),
+        (["--top-k", "0"], "--top-k 0: must be at least 1"),
+    ):
+        bad = subprocess.run(
+            [sys.executable, "-m", "posenc.generate", str(alone), *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]
         assert "Traceback" not in bad.stderr
     damaged = tmp_path / "damaged.ckpt"
     damaged.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
-    bad = subprocess.run([sys.executable, "-m", "posenc.generate", str(damaged)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "posenc.generate", str(damaged)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "damaged.ckpt" in bad.stderr, bad.stderr[-2000:]
     assert "Traceback" not in bad.stderr
 
