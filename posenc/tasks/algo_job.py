@@ -8,33 +8,26 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.data.algo import AlgoDataModule, bucket_name
 from posenc.plots import accuracy_vs_size
 from posenc.tasks.algo import AlgoTask
-from posenc.training import gate
-from posenc.training.callbacks import Throughput, peak_memory_mb
+from posenc.training import job
+from posenc.training.callbacks import Throughput
 from posenc.training.runner import (
-    best_checkpoint,
-    build_trainer,
     group_choice,
     init_from_checkpoint,
     load_for_eval,
     log_hparams,
-    run_state,
-    save_last,
     to_dict,
-    write_json_atomic,
 )
-from posenc.training.summary import summary
 
 log = logging.getLogger(__name__)
 
@@ -132,15 +125,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     dm = datamodule(cfg)
     task = algo_task(cfg, dm)
     throughput = Throughput("input" if cfg.task.shape == "decoder" else "tgt_in")
-    trainer = build_trainer(cfg, run_dir, throughput, vocab_fingerprints(dm))
-    t0 = time.perf_counter()
-    if not cfg.eval_only:
-        trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
-        save_last(trainer, run_dir)
-    train_time = time.perf_counter() - t0
-    val = dict(run_state(trainer).val)
-    # the best checkpoint by validation loss, or the weights that met the gate
-    best = best_checkpoint(trainer) if not (cfg.eval_only or gate.stopped(trainer)) else ""
+    fitted = job.fit(cfg, run_dir, task, throughput, dm, vocab_fingerprints(dm))
     sizes = dm.test_sizes()
     log.info(
         "testing sizes %s (%d instances each%s), %s",
@@ -149,8 +134,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         f" of {len(dm.problem.variants)} variants" if len(dm.problem.variants) > 1 else "",
         "teacher-forced" if dm.problem.tagged else "greedy decoding",
     )
-    trainer.test(task, datamodule=dm, ckpt_path=best or None, verbose=False)
-    return finish(cfg, run_dir, dm, task, trainer, throughput, train_time, val)
+    fitted.trainer.test(task, datamodule=dm, ckpt_path=fitted.best or None, verbose=False)
+    return finish(cfg, run_dir, dm, task, fitted, throughput)
 
 
 def by_size(
@@ -190,10 +175,8 @@ def finish(
     run_dir: Path,
     dm: AlgoDataModule,
     task: AlgoTask,
-    trainer: pl.Trainer,
+    fitted: job.Fitted,
     throughput: Throughput,
-    train_time: float,
-    val: dict[str, float],
 ) -> dict[str, Any]:
     """Collect metrics; write metrics.json, the figure and HParams (rank zero only)."""
     t = cfg.task
@@ -203,11 +186,10 @@ def finish(
     metrics: dict[str, float] = {}
     for variant in problem.variants:
         metrics |= bucket_metrics(task.results[variant], ranges, problem.metrics, variant)
-    metrics |= val
+    metrics |= fitted.val
     sizes = dm.test_sizes()
     kinds = tuple(dict.fromkeys(("seq_acc", "acc", *problem.metrics)))  # by_size's
-    mem, mem_kind = peak_memory_mb(task.device)
-    result = {
+    fields = {
         "task": "algo",
         "problem": t.problem,
         "shape": t.shape,
@@ -226,20 +208,9 @@ def finish(
         "by_size_variants": {
             v: by_size(task.results[v], sizes, kinds) for v in problem.variants if v
         },
-        **gate.result(cfg, trainer, val),  # gate, learned, learned_step
-        "n_params": task.n_params,
-        "train_steps": trainer.global_step,
-        "train_time_s": round(train_time, 2),
-        "tokens_per_s": round(throughput.tokens_per_s, 1),
-        "peak_memory_mb": round(mem, 1),
-        "peak_memory_kind": mem_kind,
-        "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    if trainer.is_global_zero:
-        write_json_atomic(run_dir / "metrics.json", result)
-        _tensorboard(trainer, cfg, result)
-        log.info("metrics written to %s", run_dir / "metrics.json")
-        print(summary(result, run_dir), flush=True)
+    result = job.record(cfg, task, fitted, throughput, fields)
+    job.write(run_dir, fitted.trainer, result, lambda: _tensorboard(fitted.trainer, cfg, result))
     return result
 
 

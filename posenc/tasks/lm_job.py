@@ -4,7 +4,6 @@ protocol; ``metrics.json``, figures and HParams in the run directory."""
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +21,15 @@ from posenc.eval.lengths import PROTOCOLS, metric_name, parse_metric
 from posenc.plots import loss_by_position_figure, ppl_vs_length_figure
 from posenc.tasks import lm_passkey
 from posenc.tasks.lm import Extension, LMTask
-from posenc.training import checkpoints, gate
-from posenc.training.callbacks import Throughput, peak_memory_mb
+from posenc.training import checkpoints, job
+from posenc.training.callbacks import Throughput
 from posenc.training.runner import (
-    best_checkpoint,
-    build_trainer,
     group_choice,
     init_from_checkpoint,
     load_for_eval,
     log_hparams,
-    run_state,
-    save_last,
     to_dict,
-    write_json_atomic,
 )
-from posenc.training.summary import summary
 
 log = logging.getLogger(__name__)
 
@@ -122,34 +115,27 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     tokenizer = fingerprints(dm.tokenizer)
     task = lm_task(cfg, dm.vocab_size, tokenizer)
     throughput = Throughput()
-    trainer = build_trainer(
+    fitted = job.fit(
         cfg,
         run_dir,
+        task,
         throughput,
+        dm,
         tokenizer,
         to_payload(dm.tokenizer),
         lm_passkey.validation_callbacks(cfg, dm),
     )
-    t0 = time.perf_counter()
-    if not cfg.eval_only:
-        trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
-        save_last(trainer, run_dir)
-    train_time = time.perf_counter() - t0
-    # The last validation (kept in checkpoints, so a resumed finished run has it too).
-    val = dict(run_state(trainer).val)
-
+    trainer, best = fitted.trainer, fitted.best
     # Evaluation beyond the training context: one loader per (split, length, protocol,
     # context-extension method).
     names, lengths, extensions, loaders, skipped = eval_loaders(cfg, dm, task)
     task.set_eval_loaders(names, lengths, extensions)
-    # the best checkpoint by validation loss, or the weights that met the gate
-    best = best_checkpoint(trainer) if not (cfg.eval_only or gate.stopped(trainer)) else ""
     if loaders:
         trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
     elif best:  # the passkey evaluation scores the best weights too
         task.load_state_dict(checkpoints.load(best)["state_dict"])
     passkey = lm_passkey.evaluate(cfg, dm, task.model, trainer.strategy.root_device)
-    return finish_lm(cfg, run_dir, task, trainer, throughput, skipped, train_time, val, passkey)
+    return finish_lm(cfg, run_dir, task, fitted, throughput, skipped, passkey)
 
 
 def extension_setting(cfg: DictConfig, method: str, length: int) -> Extension:
@@ -217,11 +203,9 @@ def finish_lm(
     cfg: DictConfig,
     run_dir: Path,
     task: LMTask,
-    trainer: pl.Trainer,
+    fitted: job.Fitted,
     throughput: Throughput,
     skipped: dict[str, str],
-    train_time: float,
-    val: dict[str, float],
     passkey: tuple[dict[str, Any], dict[str, float], dict[str, str]] = ({}, {}, {}),
 ) -> dict[str, Any]:
     """Collect metrics; write metrics.json, figures and HParams (rank zero only).
@@ -239,10 +223,9 @@ def finish_lm(
         tokens[name] = int(out["tokens"])
         if parse_metric(name)[1] == "ppl":  # non-overlapping windows, with or without a method
             by_position[name] = [round(float(x), 5) for x in out["loss_by_position"]]
-    metrics = dict(sorted(metrics.items(), key=_metric_order)) | val
-    mem, mem_kind = peak_memory_mb(task.device)
+    metrics = dict(sorted(metrics.items(), key=_metric_order)) | fitted.val
     encoder = cfg.encoder._target_.rsplit(".", 1)[-1]
-    result = {
+    fields = {
         "task": "lm",
         "encoder": group_choice(cfg, "encoder"),
         "encoder_class": encoder,
@@ -264,20 +247,9 @@ def finish_lm(
         "skipped": skipped,
         "loss_by_position": by_position,
         "passkey": passkey_block,
-        **gate.result(cfg, trainer, val),  # gate, learned, learned_step
-        "n_params": task.n_params,
-        "train_steps": trainer.global_step,
-        "train_time_s": round(train_time, 2),
-        "tokens_per_s": round(throughput.tokens_per_s, 1),
-        "peak_memory_mb": round(mem, 1),
-        "peak_memory_kind": mem_kind,
-        "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    if trainer.is_global_zero:
-        write_json_atomic(run_dir / "metrics.json", result)
-        _tensorboard(trainer, cfg, result)
-        log.info("metrics written to %s", run_dir / "metrics.json")
-        print(summary(result, run_dir), flush=True)
+    result = job.record(cfg, task, fitted, throughput, fields)
+    job.write(run_dir, fitted.trainer, result, lambda: _tensorboard(fitted.trainer, cfg, result))
     return result
 
 

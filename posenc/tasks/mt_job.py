@@ -12,7 +12,7 @@ from typing import Any
 import pytorch_lightning as pl
 from hydra.utils import instantiate
 from matplotlib.figure import Figure
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.data.mt import MTDataModule, restore_order
@@ -20,21 +20,15 @@ from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.plots import bleu_by_length_figure, close
 from posenc.tasks.mt import MTTask
-from posenc.training import gate
-from posenc.training.callbacks import Throughput, peak_memory_mb
+from posenc.training import job
+from posenc.training.callbacks import Throughput
 from posenc.training.runner import (
-    best_checkpoint,
-    build_trainer,
     group_choice,
     init_from_checkpoint,
     load_for_eval,
     log_hparams,
-    run_state,
-    save_last,
     to_dict,
-    write_json_atomic,
 )
-from posenc.training.summary import summary
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +91,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     tokenizer = fingerprints(dm.tokenizer)
     task = mt_task(cfg, dm, tokenizer)
     throughput = Throughput(key="tgt_in")  # target tokens (with padding) per second
-    trainer = build_trainer(cfg, run_dir, throughput, tokenizer, to_payload(dm.tokenizer))
-    t0 = time.perf_counter()
-    if not cfg.eval_only:
-        trainer.fit(task, datamodule=dm, ckpt_path=cfg.ckpt_path)
-        save_last(trainer, run_dir)
-    train_time = time.perf_counter() - t0
-    # The last validation (kept in checkpoints, so a resumed finished run has it too).
-    val = dict(run_state(trainer).val)
-
+    fitted = job.fit(cfg, run_dir, task, throughput, dm, tokenizer, to_payload(dm.tokenizer))
     d = cfg.task.decode
     task.configure_test(
         beam_size=d.beam_size,
@@ -114,14 +100,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         use_cache=d.get("use_cache", True),
     )
     loader = dm.test_dataloader() if split == "test" else dm.val_dataloader()
-    # the best checkpoint by validation loss, or the weights that met the gate
-    best = best_checkpoint(trainer) if not (cfg.eval_only or gate.stopped(trainer)) else ""
+    trainer = fitted.trainer
     t0 = time.perf_counter()
-    trainer.test(task, dataloaders=loader, ckpt_path=best or None, verbose=False)
+    trainer.test(task, dataloaders=loader, ckpt_path=fitted.best or None, verbose=False)
     decode_time = time.perf_counter() - t0
     loss = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
-    timing = {"train_time_s": train_time, "decode_time_s": decode_time}
-    return finish_mt(cfg, run_dir, dm, task, trainer, throughput, timing, val | loss)
+    return finish_mt(cfg, run_dir, dm, task, fitted, throughput, decode_time, loss)
 
 
 def score(
@@ -148,10 +132,10 @@ def finish_mt(
     run_dir: Path,
     dm: MTDataModule,
     task: MTTask,
-    trainer: pl.Trainer,
+    fitted: job.Fitted,
     throughput: Throughput,
-    timing: dict[str, float],
-    extra: dict[str, float],
+    decode_time: float,
+    loss: dict[str, float],
 ) -> dict[str, Any]:
     """Score the decoded split; write metrics.json, test.hyp.txt, figure and TensorBoard."""
     split = cfg.task.eval_split
@@ -161,10 +145,10 @@ def finish_mt(
         metrics[f"{split}/bleu@{name}"] = s["bleu"]
     for name, s in by_bucket.items():
         metrics[f"{split}/chrf@{name}"] = s["chrf"]
-    metrics |= dict(sorted(extra.items()))  # test/loss ..., then val/bleu, val/loss ...
-    mem, mem_kind = peak_memory_mb(task.device)
+    # test/loss ..., then val/bleu, val/loss ...
+    metrics |= dict(sorted((fitted.val | loss).items()))
     d = cfg.task.decode
-    result = {
+    fields = {
         "task": "mt",
         "encoder": group_choice(cfg, "encoder"),
         "encoder_class": cfg.encoder._target_.rsplit(".", 1)[-1],
@@ -174,7 +158,6 @@ def finish_mt(
         "n_sentences": len(hyps),
         "metrics": metrics,
         "buckets": {name: int(s["n"]) for name, s in by_bucket.items()},
-        **gate.result(cfg, trainer, extra),  # gate, learned, learned_step
         "bucket_doc": "source length in tokens of the joint tokenizer; lenA-B is A <= n < B",
         "bleu_signature": signature(),
         "decode": {
@@ -185,19 +168,19 @@ def finish_mt(
         },
         "max_train_src_len": cfg.task.max_train_src_len,
         "data_stats": dm.stats,
-        "n_params": task.n_params,
-        "train_steps": trainer.global_step,
-        "train_time_s": round(timing["train_time_s"], 2),
-        "decode_time_s": round(timing["decode_time_s"], 2),
-        "tokens_per_s": round(throughput.tokens_per_s, 1),
-        "tokens_per_s_kind": "target tokens incl. padding, training steps only",
-        "peak_memory_mb": round(mem, 1),
-        "peak_memory_kind": mem_kind,
-        "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    if trainer.is_global_zero:
+    result = job.record(
+        cfg,
+        task,
+        fitted,
+        throughput,
+        fields,
+        timing={"decode_time_s": decode_time},
+        throughput_kind="target tokens incl. padding, training steps only",
+    )
+
+    def files() -> None:
         _write_lines_atomic(run_dir / f"{split}.hyp.txt", hyps)
-        write_json_atomic(run_dir / "metrics.json", result)
         fig = bleu_by_length_figure(
             by_bucket,
             dm.length_buckets,
@@ -205,15 +188,10 @@ def finish_mt(
             f"{result['encoder']}: {split} BLEU",
         )
         fig.savefig(run_dir / "bleu_by_length.png", dpi=120)
-        _tensorboard(trainer, cfg, dm, result, hyps, fig)
-        log.info(
-            "%s BLEU %.2f chrF %.2f; metrics written to %s",
-            split,
-            overall["bleu"],
-            overall["chrf"],
-            run_dir / "metrics.json",
-        )
-        print(summary(result, run_dir), flush=True)
+        _tensorboard(fitted.trainer, cfg, dm, result, hyps, fig)
+
+    message = f"{split} BLEU {overall['bleu']:.2f} chrF {overall['chrf']:.2f}"
+    job.write(run_dir, fitted.trainer, result, files, message)
     return result
 
 

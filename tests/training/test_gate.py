@@ -128,7 +128,7 @@ def test_a_stopped_run_tests_the_weights_that_met_the_gate(
     the gate; the test then scores the weights that met it (here: the job never asks for
     a checkpoint, so a path that does not exist is never opened). Without a stop, the
     best checkpoint is still the one tested."""
-    import posenc.tasks.algo_job as job
+    import posenc.training.job as job
 
     monkeypatch.setattr(job, "best_checkpoint", lambda trainer: str(tmp_path / "older.ckpt"))
     result = train(_compose(tmp_path, *ALGO_GATE, "task.learned.threshold=0"))

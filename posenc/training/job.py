@@ -1,0 +1,124 @@
+"""The skeleton every task's job follows: fit, test, finish.
+
+A task's job (``posenc/tasks/<task>_job.py``) builds its data module and
+LightningModule, then calls :func:`fit`; it tests the model :func:`fit` names
+(``Fitted.best``) its own way, collects its metrics, and hands them to :func:`record`
+(the fields every ``metrics.json`` has, after the task's own) and :func:`write` (rank
+zero writes the file, the task's TensorBoard entries and the closing summary).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from omegaconf import DictConfig, OmegaConf
+
+from posenc.training import gate
+from posenc.training.callbacks import Throughput, peak_memory_mb
+from posenc.training.runner import (
+    best_checkpoint,
+    build_trainer,
+    run_state,
+    save_last,
+    write_json_atomic,
+)
+from posenc.training.summary import summary
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Fitted:
+    """What a fit leaves for the test and the record.
+
+    Attributes:
+        trainer: The trainer (its callbacks: throughput, the gate, checkpoints).
+        train_time: Seconds of ``trainer.fit`` (0 with ``eval_only``).
+        val: The last validation's metrics, read before the test (testing a checkpoint
+            restores its callbacks' state).
+        best: The checkpoint to test: ``best.ckpt`` (lowest validation loss), or ""
+            for the weights in memory (``eval_only``, or a run the learnability gate
+            stopped: the weights that met it).
+    """
+
+    trainer: pl.Trainer
+    train_time: float
+    val: dict[str, float]
+    best: str
+
+
+def fit(
+    cfg: DictConfig,
+    run_dir: Path,
+    task: pl.LightningModule,
+    throughput: Throughput,
+    datamodule: pl.LightningDataModule,
+    tokenizer: tuple[str, ...] | None = None,
+    tokenizer_payload: dict[str, Any] | None = None,
+    callbacks: Sequence[pl.Callback] = (),
+) -> Fitted:
+    """Build the trainer (:func:`~posenc.training.runner.build_trainer`: the tokenizer's
+    fingerprints and payload go into the checkpoints, ``callbacks`` join posenc's) and
+    fit, unless ``eval_only``; ``last.ckpt`` is saved at the end."""
+    trainer = build_trainer(cfg, run_dir, throughput, tokenizer, tokenizer_payload, callbacks)
+    t0 = time.perf_counter()
+    if not cfg.eval_only:
+        trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        save_last(trainer, run_dir)
+    train_time = time.perf_counter() - t0
+    val = dict(run_state(trainer).val)
+    # the best checkpoint by validation loss, or the weights that met the gate
+    best = best_checkpoint(trainer) if not (cfg.eval_only or gate.stopped(trainer)) else ""
+    return Fitted(trainer, train_time, val, best)
+
+
+def record(
+    cfg: DictConfig,
+    task: pl.LightningModule,
+    fitted: Fitted,
+    throughput: Throughput,
+    fields: dict[str, Any],
+    timing: dict[str, float] | None = None,
+    throughput_kind: str | None = None,
+) -> dict[str, Any]:
+    """``metrics.json``: the task's ``fields`` first, then the gate's fields, the model's
+    size, the training's steps, time (and ``timing``'s other entries, in seconds),
+    throughput, peak memory and the resolved config."""
+    mem, mem_kind = peak_memory_mb(task.device)
+    trainer = fitted.trainer
+    return {
+        **fields,
+        **gate.result(cfg, trainer, fitted.val),  # gate, learned, learned_step
+        "n_params": task.n_params,
+        "train_steps": trainer.global_step,
+        "train_time_s": round(fitted.train_time, 2),
+        **{k: round(v, 2) for k, v in (timing or {}).items()},
+        "tokens_per_s": round(throughput.tokens_per_s, 1),
+        **({"tokens_per_s_kind": throughput_kind} if throughput_kind else {}),
+        "peak_memory_mb": round(mem, 1),
+        "peak_memory_kind": mem_kind,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+def write(
+    run_dir: Path,
+    trainer: pl.Trainer,
+    result: dict[str, Any],
+    files: Callable[[], None],
+    message: str = "",
+) -> None:
+    """On rank zero: ``metrics.json``, then the task's other files and TensorBoard entries
+    (``files()``), a log line and the run's closing summary."""
+    if not trainer.is_global_zero:
+        return
+    write_json_atomic(run_dir / "metrics.json", result)
+    files()
+    log.info("%smetrics written to %s", f"{message}; " if message else "", run_dir / "metrics.json")
+    print(summary(result, run_dir), flush=True)
