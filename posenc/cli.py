@@ -30,7 +30,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from posenc import stop
 from posenc.errors import RunDirError, UserError
 from posenc.train import train
-from posenc.training.runner import write_json_atomic
+from posenc.training.rundir import write_json_atomic
 
 log = logging.getLogger("posenc.run")
 

@@ -22,7 +22,7 @@ from posenc import checks
 from posenc.checks import algo_longest, algo_options
 from posenc.data.algo import GRIDS, PROBLEMS, SHAPES
 from posenc.data.algo_problems import check as check_problem
-from posenc.data.mt import check_edges
+from posenc.data.buckets import check_edges
 from posenc.data.tokenizers import TOKENIZER_KINDS
 from posenc.encoders.base import AttnKind
 from posenc.encoders.rope import SCALINGS

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> str:
     from posenc.data.tokenizers import fingerprints, from_payload
     from posenc.tasks.lm import LMTask
     from posenc.training import checkpoints
-    from posenc.training.runner import load_for_eval
+    from posenc.training.trainer import load_for_eval
 
     _check_args(args)
     if not args.ckpt.is_file():

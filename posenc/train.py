@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from posenc import tuned
 from posenc.config import validate
 from posenc.training import checkpoints
-from posenc.training.runner import guard_run_dir, quiet_third_party, record_job, resume_checkpoint
+from posenc.training.rundir import guard_run_dir, record_job, resume_checkpoint
+from posenc.training.trainer import quiet_third_party
 
 #: task name -> module with ``run(cfg, run_dir) -> dict`` (imported on demand).
 log = logging.getLogger(__name__)

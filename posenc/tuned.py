@@ -111,7 +111,7 @@ def write(path: Path, tasks: dict[str, dict[str, Any]], sweep: Path | Sequence[P
 def run_key(cfg: DictConfig) -> tuple[str, str]:
     """The task and encoder names a run has in reports (and in the tuned-lr file)."""
     from posenc.runs import task_key
-    from posenc.training.runner import group_choice
+    from posenc.training.trainer import group_choice
 
     t = cfg.task
     encoder = group_choice(cfg, "encoder")

@@ -1,21 +1,33 @@
-"""Language-modeling text sources.
+"""Where the data comes from: text for language modeling, parallel corpora for translation.
 
-Each source returns ``{"train": str, "val": str, "test": str}``: one string per split, which
-:class:`posenc.data.lm.LMDataModule` tokenizes into a single token stream.
+A text source returns ``{"train": str, "val": str, "test": str}``: one string per split,
+which :class:`posenc.data.lm.LMDataModule` tokenizes into a single token stream. A parallel
+source (:func:`multi30k`, :func:`parallel_files`, :func:`hf_translation`, or any callable
+alike) returns ``{split: (sources, targets)}`` with splits ``"train"``, ``"val"`` and
+optionally ``"test"``, which :class:`posenc.data.mt.MTDataModule` tokenizes.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from posenc.data.download import data_dir, fetch, read_text
 from posenc.errors import DataError, DataFileNotFound
 
-__all__ = ["SPLITS", "text_files", "tinyshakespeare", "wikitext103"]
+__all__ = [
+    "SPLITS",
+    "ParallelCorpus",
+    "hf_translation",
+    "multi30k",
+    "parallel_files",
+    "text_files",
+    "tinyshakespeare",
+    "wikitext103",
+]
 
 SPLITS = ("train", "val", "test")
 
@@ -174,4 +186,195 @@ def wikitext103(
         if not text:
             raise DataError(f"wikitext103: the {theirs!r} split holds no text.")
         out[ours] = text
+    return out
+
+
+# Parallel corpora (translation)
+
+#: split name -> (source sentences, target sentences), aligned line by line.
+ParallelCorpus = dict[str, tuple[list[str], list[str]]]
+
+MULTI30K_DIRECTIONS = ("en-de", "de-en")
+# Multi30k task 1 file stems per split; the 2016 Flickr test set is the standard test split.
+_MULTI30K_STEMS = {"train": "train", "val": "val", "test": "test_2016_flickr"}
+# Hugging Face split names -> posenc split names.
+_HF_SPLITS = {"train": "train", "validation": "val", "test": "test"}
+
+
+def _lines(text: str) -> list[str]:
+    """Split file text into lines on ``\\n`` only.
+
+    ``str.splitlines`` also breaks on characters such as U+2028 or U+0085 that can occur inside
+    a sentence, which would silently misalign a parallel corpus, so it is not used.
+    """
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def _read_pair(
+    src_path: str | os.PathLike[str], tgt_path: str | os.PathLike[str]
+) -> tuple[list[str], list[str]]:
+    src, tgt = _lines(read_text(src_path)), _lines(read_text(tgt_path))
+    if len(src) != len(tgt):
+        raise DataError(
+            f"parallel files differ in line count: {src_path} has {len(src)} lines but "
+            f"{tgt_path} has {len(tgt)}; line i of one must translate line i of the other. "
+            "Check that the two files belong together and that neither is truncated."
+        )
+    return src, tgt
+
+
+def multi30k(
+    root: str | os.PathLike[str] | None = None, direction: str = "en-de"
+) -> ParallelCorpus:
+    """Multi30k task 1 (Elliott et al., 2016): 29,000 / 1,014 / 1,000 raw cased pairs.
+
+    Files are fetched (downloaded and sha256-verified if missing) with
+    :func:`posenc.data.download.fetch`; the test split is the 2016 Flickr test set.
+
+    Args:
+        root: Data folder; ``None`` means :func:`posenc.data.download.data_dir`.
+        direction: ``"en-de"`` (English source) or ``"de-en"`` (German source).
+
+    Returns:
+        ``{"train": (src, tgt), "val": (src, tgt), "test": (src, tgt)}`` in file order.
+
+    Raises:
+        ValueError: Unknown direction, or a file pair differs in line count.
+    """
+    if direction not in MULTI30K_DIRECTIONS:
+        raise ValueError(
+            f"unknown Multi30k direction {direction!r}; allowed: {', '.join(MULTI30K_DIRECTIONS)}"
+            " (source-target language codes)."
+        )
+    src_lang, tgt_lang = direction.split("-")
+    out: ParallelCorpus = {}
+    for split, stem in _MULTI30K_STEMS.items():
+        src_path = fetch(f"multi30k/{stem}.{src_lang}.gz", root=root)
+        tgt_path = fetch(f"multi30k/{stem}.{tgt_lang}.gz", root=root)
+        out[split] = _read_pair(src_path, tgt_path)
+    return out
+
+
+def parallel_files(
+    train_src: str | os.PathLike[str],
+    train_tgt: str | os.PathLike[str],
+    val_src: str | os.PathLike[str],
+    val_tgt: str | os.PathLike[str],
+    test_src: str | os.PathLike[str] | None = None,
+    test_tgt: str | os.PathLike[str] | None = None,
+) -> ParallelCorpus:
+    """Read a parallel corpus from local text files, one sentence per line (plain or ``.gz``).
+
+    Args:
+        train_src: Training source sentences.
+        train_tgt: Training target sentences, line-aligned with ``train_src``.
+        val_src: Validation source sentences.
+        val_tgt: Validation target sentences.
+        test_src: Optional test source sentences; give both test files or neither.
+        test_tgt: Optional test target sentences.
+
+    Returns:
+        ``{"train": ..., "val": ..., "test": ...}`` (``"test"`` only if test files are given).
+
+    Raises:
+        ValueError: A source/target pair differs in line count, or only one test file is given.
+    """
+    if (test_src is None) != (test_tgt is None):
+        given, missing = ("test_src", "test_tgt") if test_tgt is None else ("test_tgt", "test_src")
+        raise DataError(
+            f"{given} was given but {missing} was not; pass both test files or neither."
+        )
+    out: ParallelCorpus = {
+        "train": _read_pair(train_src, train_tgt),
+        "val": _read_pair(val_src, val_tgt),
+    }
+    if test_src is not None and test_tgt is not None:
+        out["test"] = _read_pair(test_src, test_tgt)
+    return out
+
+
+def _translation_column(split_data: Any) -> Sequence[Mapping[str, str]]:
+    # A Hugging Face Dataset returns a whole column at once (fast, Arrow-backed); anything else
+    # is treated as an iterable of rows.
+    if hasattr(split_data, "column_names"):
+        if "translation" not in split_data.column_names:
+            raise ValueError(
+                f"dataset split has columns {list(split_data.column_names)} but no 'translation' "
+                "column; hf_translation expects the WMT/IWSLT layout "
+                "{'translation': {lang: sentence}}."
+            )
+        return split_data["translation"]
+    return [row["translation"] for row in split_data]
+
+
+def hf_translation(
+    name: str,
+    config: str,
+    src_lang: str,
+    tgt_lang: str,
+    loader: Callable[..., Mapping[str, Any]] | None = None,
+) -> ParallelCorpus:
+    """A translation corpus from the Hugging Face hub (e.g. WMT14, IWSLT2017).
+
+    Rows must have the WMT/IWSLT layout ``{"translation": {src_lang: ..., tgt_lang: ...}}``.
+    Hugging Face splits ``train``/``validation``/``test`` become ``train``/``val``/``test``;
+    other splits are ignored.
+
+    Args:
+        name: Dataset name, e.g. ``"wmt14"`` or ``"iwslt2017"``.
+        config: Dataset configuration, e.g. ``"de-en"`` or ``"iwslt2017-en-de"``.
+        src_lang: Language code of the source side, e.g. ``"en"``.
+        tgt_lang: Language code of the target side, e.g. ``"de"``.
+        loader: Called as ``loader(name, config)`` and must return a mapping of split name to
+            rows; ``None`` means ``datasets.load_dataset``. Pass e.g.
+            ``functools.partial(datasets.load_dataset, trust_remote_code=True)`` for datasets
+            that need it, or a stand-in for tests.
+
+    Returns:
+        ``{"train": (src, tgt), "val": ..., "test": ...}`` for the splits present.
+
+    Raises:
+        ImportError: ``loader`` is None and ``datasets`` is not installed.
+        ValueError: Same language on both sides, no train split, or a language missing from
+            the rows.
+    """
+    if src_lang == tgt_lang:
+        raise ValueError(
+            f"src_lang and tgt_lang are both {src_lang!r}; give two different language codes."
+        )
+    if loader is None:
+        try:
+            from datasets import load_dataset
+        except ImportError as err:
+            raise ImportError(
+                "hf_translation needs the Hugging Face 'datasets' package, which is not "
+                "installed; install it with `pip install posenc[hf]` (or `pip install datasets`)."
+            ) from err
+        loader = load_dataset
+    data = loader(name, config)
+    if "train" not in data:
+        raise ValueError(
+            f"dataset {name!r} (config {config!r}) has splits {sorted(data)} but no 'train'; "
+            "hf_translation needs a train split to build the tokenizer."
+        )
+    out: ParallelCorpus = {}
+    for hf_split, split in _HF_SPLITS.items():
+        if hf_split not in data:
+            continue
+        column = _translation_column(data[hf_split])
+        src: list[str] = []
+        tgt: list[str] = []
+        for i, pair in enumerate(column):
+            if src_lang not in pair or tgt_lang not in pair:
+                raise DataError(
+                    f"row {i} of split {hf_split!r} of {name!r} ({config!r}) has languages "
+                    f"{sorted(pair)} but src_lang={src_lang!r}, tgt_lang={tgt_lang!r} were "
+                    "asked for; pick codes from those languages or another config."
+                )
+            src.append(pair[src_lang])
+            tgt.append(pair[tgt_lang])
+        out[split] = (src, tgt)
     return out

@@ -310,6 +310,13 @@ class AttentionPositional(nn.Module):
         if cls.owns_attention and cls.attend is AttentionPositional.attend:
             raise TypeError(f"{cls.__name__} declares owns_attention but has no attend()")
 
+    def init_weights(self) -> None:
+        """Hook: the scheme's own initialisation of the weights it holds here, called once
+        by the model when it initialises its stack, at this module's place in module
+        order (so the random draws keep the model's order). The stack's initialisation
+        never touches a scheme's weights. Default: nothing (weights set at construction,
+        or none)."""
+
     @property
     def adds_scores(self) -> bool:
         """Whether the scheme materialises ``(B, H, T, S)`` terms (a score term, the
@@ -417,8 +424,9 @@ class PositionalEncoder(nn.Module):
     #: A scheme that is relative only while positions stay below a learned bound (FIRE's
     #: threshold L) names that bound's parameter here; ``relative`` is then False.
     relative_below: str | None = None
-    #: True for schemes defined for causal attention only: they raise ValueError for
-    #: bidirectional attention, so translation (an encoder stack) cannot use them.
+    #: True for schemes defined for causal attention only (subclasses of
+    #: :class:`CausalOnly`): they raise ValueError for bidirectional attention, so
+    #: translation (an encoder stack) cannot use them.
     causal_only: bool = False
     #: Longest sequence the scheme can encode, or None for no limit.
     max_length: int | None = None
@@ -519,6 +527,61 @@ class PositionalEncoder(nn.Module):
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         """Make the per-layer hooks for attention module ``layer`` of ``kind``."""
         return AttentionPositional()
+
+
+def normal_linears(module: nn.Module, std: float = 0.02) -> None:
+    """N(0, ``std``) weights and zero biases for every ``nn.Linear`` under ``module``, in
+    module order: the initialisation of the reference code of Transformer-XL
+    (``init_std`` 0.02), DeBERTa and PaTH (``initializer_range`` 0.02)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+class CausalOnly(PositionalEncoder):
+    """A scheme defined for causal attention only: its positions run from each key up to
+    the query after it, an order that an encoder's keys do not have. It refuses
+    bidirectional attention with :attr:`causal_reason` (so a translation model fails at
+    construction, and the config checks before any data) and adds nothing to
+    cross-attention. A subclass writes :meth:`causal_hooks` and, for per-pass state,
+    :meth:`prepare_causal`."""
+
+    causal_only = True
+    #: Why, one clause completing "bidirectional (encoder) self-attention was requested,
+    #: but ...".
+    causal_reason: ClassVar[str]
+    #: What a translation model can use instead.
+    causal_instead: ClassVar[str] = "another encoder for task=mt (alibi, rope, t5, ...)"
+
+    def bidirectional_refusal(self) -> ValueError:
+        """The one-line refusal: the scheme, the reason and what to use instead."""
+        return ValueError(
+            f"{self.name} is causal only: bidirectional (encoder) self-attention was "
+            f"requested, but {self.causal_reason}. Use encoder={self.name} with task=lm or "
+            f"task=algo (decoder-only), or {self.causal_instead}."
+        )
+
+    def prepare(self, ctx: AttentionContext) -> None:
+        if ctx.kind is AttnKind.BIDIRECTIONAL:
+            raise self.bidirectional_refusal()
+        if ctx.kind is AttnKind.CAUSAL:
+            self.prepare_causal(ctx)
+
+    def prepare_causal(self, ctx: AttentionContext) -> None:
+        """Hook: :meth:`PositionalEncoder.prepare` for causal self-attention only."""
+
+    def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
+        if kind is AttnKind.BIDIRECTIONAL:
+            raise self.bidirectional_refusal()
+        if kind is AttnKind.CROSS:
+            return AttentionPositional()
+        return self.causal_hooks(layer=layer)
+
+    def causal_hooks(self, *, layer: int) -> AttentionPositional:
+        """Hook: :meth:`PositionalEncoder.for_attention` for causal self-attention."""
+        raise NotImplementedError(f"{type(self).__name__}.causal_hooks")
 
 
 class Scalable(Protocol):

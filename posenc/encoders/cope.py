@@ -34,17 +34,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly
 from posenc.encoders.registry import register
-
-
-def _bidirectional_refusal() -> ValueError:
-    return ValueError(
-        "cope is causal only: bidirectional (encoder) self-attention was requested, but CoPE "
-        "counts gated tokens from each key up to the query (keys at or before it); use "
-        "encoder=cope with task=lm or task=algo (decoder-only), or another encoder (alibi, "
-        "rope, t5, ...) for task=mt."
-    )
 
 
 def cope_term(q: Tensor, k: Tensor, table: Tensor, visible: Tensor, scale: float) -> Tensor:
@@ -84,7 +75,7 @@ class _CopeAttention(AttentionPositional):
 
 
 @register("cope")
-class CoPE(PositionalEncoder):
+class CoPE(CausalOnly):
     """Contextual position encoding (module docstring).
 
     Args:
@@ -96,7 +87,7 @@ class CoPE(PositionalEncoder):
         ValueError: ``count_limit < 1``, or bidirectional attention.
     """
 
-    causal_only = True
+    causal_reason = "CoPE counts gated tokens from each key up to the query (keys at or before it)"
     data_dependent = True
     uses_positions = False  # positions are counted from the gates, never read
 
@@ -111,9 +102,5 @@ class CoPE(PositionalEncoder):
             )
         self.npos = count_limit + 1
 
-    def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
-        if kind is AttnKind.BIDIRECTIONAL:
-            raise _bidirectional_refusal()
-        if kind is AttnKind.CROSS:
-            return AttentionPositional()
+    def causal_hooks(self, *, layer: int) -> AttentionPositional:
         return _CopeAttention(head_dim=self.head_dim, npos=self.npos)

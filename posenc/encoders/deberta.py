@@ -59,6 +59,7 @@ from posenc.encoders.base import (
     ScoreMod,
     ScoreParts,
     dense_parts,
+    normal_linears,
 )
 from posenc.encoders.offsets import (
     gather_rel,
@@ -214,6 +215,11 @@ class _DebertaAttention(AttentionPositional):
     """Per-layer hooks: the disentangled position terms of one attention module."""
 
     score_term = True
+
+    def init_weights(self) -> None:
+        """The relative projections ~ N(0, 0.02), as the authors' code
+        (``initializer_range`` 0.02)."""
+        normal_linears(self)
 
     def __init__(self, *, d_model: int, n_heads: int, c2p: bool, p2c: bool) -> None:
         super().__init__()

@@ -51,9 +51,9 @@ from posenc.encoders.alibi import alibi_slopes
 from posenc.encoders.base import (
     AttentionContext,
     AttentionPositional,
-    AttnKind,
-    PositionalEncoder,
+    CausalOnly,
     ScoreMod,
+    normal_linears,
 )
 from posenc.encoders.offsets import pair_distance
 from posenc.encoders.registry import register
@@ -62,20 +62,16 @@ from posenc.encoders.rope import RoPE, _RotateQK
 GATES = ("full", "bias_only", "fixed")
 
 
-def _bidirectional_refusal() -> ValueError:
-    return ValueError(
-        "fox is causal only: bidirectional (encoder) self-attention was requested, but the "
-        "forget gates are accumulated from each key up to the query (keys at or before it); "
-        "use encoder=fox with task=lm or task=algo (decoder-only), or another encoder "
-        "(alibi, rope, t5, ...) for task=mt."
-    )
-
-
 class _FoxAttention(AttentionPositional):
     """Per-layer hooks: this layer's forget gates, and RoPE's rotation when asked."""
 
     score_term = True
     slopes: Tensor  # gate=fixed: a buffer (not saved), (H,) float32
+
+    def init_weights(self) -> None:
+        """The gate's ``w_h`` ~ N(0, 0.02), ``b_h = 0`` (a bias-only or fixed gate: set
+        when built)."""
+        normal_linears(self)
 
     def __init__(self, *, d_model: int, n_heads: int, gate: str, rotate: bool) -> None:
         super().__init__()
@@ -153,7 +149,7 @@ class _FoxAttention(AttentionPositional):
 
 
 @register("fox")
-class FoX(PositionalEncoder):
+class FoX(CausalOnly):
     """The forget gate of the Forgetting Transformer (module docstring).
 
     Args:
@@ -165,7 +161,9 @@ class FoX(PositionalEncoder):
         ValueError: An unknown gate, or bidirectional attention.
     """
 
-    causal_only = True
+    causal_reason = (
+        "the forget gates are accumulated from each key up to the query (keys at or before it)"
+    )
     data_dependent = True
     uses_positions = False  # the paper's FoX: the gates see tokens, not positions
 
@@ -184,15 +182,11 @@ class FoX(PositionalEncoder):
             self.uses_positions = True
             self.relative = True
 
-    def prepare(self, ctx: AttentionContext) -> None:
-        if self.rope is not None and ctx.kind is not AttnKind.CROSS:
+    def prepare_causal(self, ctx: AttentionContext) -> None:
+        if self.rope is not None:
             self.rope.prepare(ctx)
 
-    def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
-        if kind is AttnKind.BIDIRECTIONAL:
-            raise _bidirectional_refusal()
-        if kind is AttnKind.CROSS:
-            return AttentionPositional()
+    def causal_hooks(self, *, layer: int) -> AttentionPositional:
         return _FoxAttention(
             d_model=self.d_model,
             n_heads=self.n_heads,

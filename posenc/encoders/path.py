@@ -26,8 +26,8 @@ As the authors' layer (fla-org/flash-linear-attention ``fla/layers/path_attn.py`
 defaults of ``PaTHAttention``): ``W`` is low rank (``C -> 32 -> H D``, no biases), the
 convolution has no bias and a SiLU, ``w`` is normalised per head with eps 1e-6, ``b``
 and ``c`` are one ``Linear(C, H)``; every weight starts N(0, 0.02) and every bias 0,
-as in their ``_init_weights``: the model's initialisation does this for the Linears
-(:class:`posenc.model.DecoderLM`), this module for the convolution. ``forget_gate=true`` adds FoX's
+as in their ``_init_weights`` (``_PaTH.init_weights``, called by the model, for the
+Linears; the convolution when built). ``forget_gate=true`` adds FoX's
 gate ``G_i - G_j`` (``G`` the running sum of ``logsigmoid(g . x_t + e)``) *inside* the
 1/sqrt(D) scale, as their kernels and reference (``naive_path_attn``) do, unlike FoX's
 own (posenc/encoders/fox.py, outside).
@@ -61,20 +61,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly, normal_linears
 from posenc.encoders.registry import register
 
 #: The authors' ``l2_norm`` epsilon (inside the square root).
 L2_EPS = 1e-6
-
-
-def _bidirectional_refusal() -> ValueError:
-    return ValueError(
-        "path is causal only: bidirectional (encoder) self-attention was requested, but PaTH "
-        "multiplies the reflections of the tokens from each key up to the query after it, "
-        "an order an encoder's keys do not have; use encoder=path with task=lm or task=algo "
-        "(decoder-only), or another encoder for task=mt."
-    )
 
 
 def short_conv(u: Tensor, at: Tensor, weight: Tensor) -> Tensor:
@@ -149,6 +140,11 @@ class _PaTH(AttentionPositional):
     """Per-layer hooks: the token's reflection (from x) and the whole attention call."""
 
     owns_attention = True
+
+    def init_weights(self) -> None:
+        """Every Linear N(0, 0.02), biases 0, as the authors' ``_init_weights``; the
+        convolution is set when built."""
+        normal_linears(self)
 
     def __init__(
         self,
@@ -260,7 +256,7 @@ class _PaTH(AttentionPositional):
 
 
 @register("path")
-class PaTH(PositionalEncoder):
+class PaTH(CausalOnly):
     """PaTH attention (module docstring).
 
     Args:
@@ -274,7 +270,10 @@ class PaTH(PositionalEncoder):
         ValueError: A setting out of range, or bidirectional attention.
     """
 
-    causal_only = True
+    causal_reason = (
+        "PaTH multiplies the reflections of the tokens from each key up to the query "
+        "after it, an order an encoder's keys do not have"
+    )
     data_dependent = True
     uses_positions = False
 
@@ -305,15 +304,7 @@ class PaTH(PositionalEncoder):
             raise ValueError(f"path: forget_gate must be true or false, got {forget_gate!r}")
         self.w_rank, self.conv_size, self.forget_gate = w_rank, conv_size, forget_gate
 
-    def prepare(self, ctx: AttentionContext) -> None:
-        if ctx.kind is AttnKind.BIDIRECTIONAL:
-            raise _bidirectional_refusal()
-
-    def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
-        if kind is AttnKind.BIDIRECTIONAL:
-            raise _bidirectional_refusal()
-        if kind is AttnKind.CROSS:
-            return AttentionPositional()
+    def causal_hooks(self, *, layer: int) -> AttentionPositional:
         return _PaTH(
             d_model=self.d_model,
             n_heads=self.n_heads,

@@ -238,19 +238,6 @@ class Scaling:
             if value not in allowed:
                 raise ValueError(f"rope: unknown {key} {value!r}; allowed: {', '.join(allowed)}")
 
-    def at_length(self, length: int) -> Scaling:
-        """The static setting of a pass whose keys reach length ``length``:
-        ``dynamic_ntk`` becomes ``ntk`` with its ``s'``, and every s = 1 becomes plain
-        RoPE (:data:`PLAIN`)."""
-        if self.method == "dynamic_ntk":
-            assert self.original_length is not None  # Scaling.__post_init__: NEEDS_LENGTH
-            s = dynamic_ntk_factor(self.factor, length, self.original_length)
-            return replace(self, method="ntk", factor=s) if s > 1.0 else PLAIN
-        return PLAIN if self.method == "none" or self.factor == 1.0 else self
-
-
-PLAIN = Scaling()
-
 
 def ntk_base(base: float, factor: float, rot_dim: int) -> float:
     """NTK-aware base ``base * s^(R / (R - 2))`` (YaRN section 3.1). With R = 2 the one

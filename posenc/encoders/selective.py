@@ -34,17 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly
 from posenc.encoders.registry import register
-
-
-def _bidirectional_refusal() -> ValueError:
-    return ValueError(
-        "selective is causal only: bidirectional (encoder) self-attention was requested, but "
-        "selective attention lets each token mask earlier tokens for the queries after it, "
-        "an order that an encoder's keys do not have; use encoder=selective with task=lm or "
-        "task=algo (decoder-only), or another encoder for task=mt."
-    )
 
 
 def selection(z0: Tensor, visible: Tensor, before: Tensor, first: Tensor) -> Tensor:
@@ -106,16 +97,15 @@ class _Selective(AttentionPositional):
 
 
 @register("selective")
-class Selective(PositionalEncoder):
+class Selective(CausalOnly):
     """Selective attention (module docstring); no settings, no positions."""
 
-    causal_only = True
+    causal_reason = (
+        "selective attention lets each token mask earlier tokens for the queries after "
+        "it, an order that an encoder's keys do not have"
+    )
     data_dependent = True
     uses_positions = False
 
-    def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
-        if kind is AttnKind.BIDIRECTIONAL:
-            raise _bidirectional_refusal()
-        if kind is AttnKind.CROSS:
-            return AttentionPositional()
+    def causal_hooks(self, *, layer: int) -> AttentionPositional:
         return _Selective()

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly
 from posenc.encoders.registry import register
 
 
@@ -109,17 +109,8 @@ class _StickBreaking(AttentionPositional):
         return (weights @ v.to(acc)).to(v.dtype)
 
 
-def _bidirectional_refusal() -> ValueError:
-    return ValueError(
-        "stickbreak is causal only: bidirectional (encoder) self-attention was requested, "
-        "but stick-breaking attention breaks each query's stick walking back from the query "
-        "over the keys before it, an order that keys after the query do not have. Use "
-        "encoder=stickbreak with task=lm (decoder-only), or another encoder for task=mt."
-    )
-
-
 @register("stickbreak")
-class StickBreaking(PositionalEncoder):
+class StickBreaking(CausalOnly):
     """Stick-breaking attention instead of softmax attention; no positional encoding.
 
     Args:
@@ -131,7 +122,10 @@ class StickBreaking(PositionalEncoder):
         ValueError: ``for_attention`` with bidirectional attention.
     """
 
-    causal_only = True
+    causal_reason = (
+        "stick-breaking attention breaks each query's stick walking back from the query "
+        "over the keys before it, an order that keys after the query do not have"
+    )
     data_dependent = True
     uses_positions = False
 
@@ -145,13 +139,5 @@ class StickBreaking(PositionalEncoder):
             )
         self.attend_current = attend_current
 
-    def prepare(self, ctx: AttentionContext) -> None:
-        if ctx.kind is AttnKind.BIDIRECTIONAL:
-            raise _bidirectional_refusal()
-
-    def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
-        if kind is AttnKind.BIDIRECTIONAL:
-            raise _bidirectional_refusal()
-        if kind is AttnKind.CROSS:
-            return AttentionPositional()
+    def causal_hooks(self, *, layer: int) -> AttentionPositional:
         return _StickBreaking(attend_current=self.attend_current)

@@ -29,6 +29,7 @@ from posenc.encoders.base import (
     AttnKind,
     PositionalEncoder,
     ScoreMod,
+    normal_linears,
 )
 from posenc.encoders.offsets import gather_rel, offset_view, pair_distance
 from posenc.encoders.registry import register
@@ -39,6 +40,10 @@ class _XLAttention(AttentionPositional):
     """Per-layer hooks: the layer's own projection W_{k,R} of the shared sinusoids."""
 
     score_term = True
+
+    def init_weights(self) -> None:
+        """W_{k,R} ~ N(0, 0.02), as the authors' code (``init_std`` 0.02)."""
+        normal_linears(self)
 
     def __init__(self, *, d_model: int, n_heads: int) -> None:
         super().__init__()

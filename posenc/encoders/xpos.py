@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly
 from posenc.encoders.registry import register
 from posenc.encoders.rope import LAYOUTS, apply_rope, put_rotation_tables, rope_frequencies
 
@@ -45,15 +45,6 @@ def xpos_zeta(rot_dim: int, gamma: float = 0.4, device=None) -> Tensor:
     """``zeta_i = (2i/R + gamma) / (1 + gamma)`` for ``i = 0 .. R/2-1``, float32 ``(R/2,)``."""
     i = torch.arange(rot_dim // 2, device=device, dtype=torch.float32)
     return (2.0 * i / rot_dim + gamma) / (1.0 + gamma)
-
-
-def _bidirectional_refusal() -> ValueError:
-    return ValueError(
-        "xpos is causal only: bidirectional (encoder) self-attention was requested, but "
-        "xPos's decay zeta^((n - m) / scale_base) is defined only for keys at or before the "
-        "query (m <= n); for later keys it would grow with distance. Use encoder=xpos with "
-        "task=lm (decoder-only), or encoder=rope for task=mt."
-    )
 
 
 class _ScaledRotateQK(AttentionPositional):
@@ -68,7 +59,7 @@ class _ScaledRotateQK(AttentionPositional):
 
 
 @register("xpos")
-class XPos(PositionalEncoder):
+class XPos(CausalOnly):
     """xPos: rotary embedding with a per-pair exponential decay, causal attention only.
 
     Args:
@@ -83,7 +74,11 @@ class XPos(PositionalEncoder):
     """
 
     relative = True
-    causal_only = True
+    causal_reason = (
+        "xPos's decay zeta^((n - m) / scale_base) is defined only for keys at or before "
+        "the query (m <= n); for later keys it would grow with distance"
+    )
+    causal_instead = "encoder=rope for task=mt"
 
     def __init__(
         self,
@@ -140,11 +135,7 @@ class XPos(PositionalEncoder):
         scale = torch.exp(shifted * (sign * log_zeta / self.scale_base))  # (B|1, T, R/2)
         return (angle.cos() * scale)[:, None], (angle.sin() * scale)[:, None]
 
-    def prepare(self, ctx: AttentionContext) -> None:
-        if ctx.kind is AttnKind.CROSS:
-            return
-        if ctx.kind is AttnKind.BIDIRECTIONAL:
-            raise _bidirectional_refusal()
+    def prepare_causal(self, ctx: AttentionContext) -> None:
         q_pos, k_pos = ctx.q_pos, ctx.k_pos
         ctx.stable_keys = False  # the decay's centre follows the keys of the pass
         if ctx.lengths is not None:
@@ -160,7 +151,5 @@ class XPos(PositionalEncoder):
             ctx, self.layout, self.tables(q_pos, centre, 1.0), self.tables(k_pos, centre, -1.0)
         )
 
-    def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
-        if kind is AttnKind.BIDIRECTIONAL:
-            raise _bidirectional_refusal()
-        return AttentionPositional() if kind is AttnKind.CROSS else _ScaledRotateQK()
+    def causal_hooks(self, *, layer: int) -> AttentionPositional:
+        return _ScaledRotateQK()

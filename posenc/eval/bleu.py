@@ -16,7 +16,7 @@ from typing import TypedDict
 
 from sacrebleu.metrics import BLEU, CHRF
 
-from posenc.data.mt import bucket_names, bucket_of, check_edges
+from posenc.data.buckets import bucket_names, bucket_of, check_edges
 
 __all__ = ["corpus_scores", "scores_by_bucket", "signature"]
 
@@ -133,7 +133,7 @@ def scores_by_bucket(
 ) -> dict[str, dict[str, float]]:
     """Corpus BLEU and chrF within each source-length bucket.
 
-    Each sentence falls into exactly one bucket (see :func:`posenc.data.mt.bucket_of`); each
+    Each sentence falls into exactly one bucket (see :func:`posenc.data.buckets.bucket_of`); each
     bucket is scored as its own corpus, so its BLEU is not an average of sentence BLEUs.
 
     Args:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from posenc.encoders import registry
 from posenc.encoders.base import (
     AttentionContext,
+    AttentionPositional,
     AttnKind,
     PositionalEncoder,
     position_bound,
@@ -262,14 +263,31 @@ class TokenEmbedding(nn.Embedding):
         return super().forward(ids) * self.scale
 
 
-def _init_weights(module: nn.Module, n_layers: int) -> None:
-    """GPT-2 style: N(0, 0.02) linears, residual projections scaled by 1/sqrt(2L)."""
-    for name, m in module.named_modules():
+def _init_weights(stack: nn.Module, n_layers: int) -> None:
+    """GPT-2 style for the stack's own layers: N(0, 0.02) linears, residual projections
+    scaled by 1/sqrt(2L). A scheme's modules are the scheme's: the encoder initialises
+    itself when built, each layer's positional hooks in their ``init_weights``, called
+    here at their place in module order."""
+    seen: set[int] = set()
+
+    def visit(name: str, m: nn.Module) -> None:
+        if id(m) in seen:  # a shared module is initialised once, as named_modules() has it
+            return
+        seen.add(id(m))
+        if isinstance(m, PositionalEncoder):
+            return
+        if isinstance(m, AttentionPositional):
+            m.init_weights()
+            return
         if isinstance(m, nn.Linear):
             std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("out_proj", "ff.2")) else 0.02
             nn.init.normal_(m.weight, std=std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+        for child, sub in m.named_children():
+            visit(f"{name}.{child}" if name else child, sub)
+
+    visit("", stack)
 
 
 def _budget(mib: float) -> int | None:

@@ -20,10 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.aggregation import SumMetric
@@ -31,8 +29,9 @@ from torchmetrics.aggregation import SumMetric
 from posenc.data.algo import BOS, EOS, PAD, PROBLEMS, SHAPES
 from posenc.decoding.encdec import greedy
 from posenc.decoding.lm import generate
-from posenc.model import DecoderLM, EncoderDecoder, count_parameters
-from posenc.training.optim import check_finite, configure_adamw
+from posenc.model import DecoderLM, EncoderDecoder
+from posenc.training.module import TaskModule
+from posenc.training.optim import check_finite
 
 Batch = dict[str, Tensor]
 #: Validation sums (over ranks): loss, trained tokens, right scored tokens, scored tokens,
@@ -120,7 +119,7 @@ class LengthAccuracy(Metric):
         }
 
 
-class AlgoTask(pl.LightningModule):
+class AlgoTask(TaskModule[DecoderLM | EncoderDecoder]):
     """Train a model on an algorithmic problem; test exact match by instance size.
 
     Args:
@@ -154,21 +153,17 @@ class AlgoTask(pl.LightningModule):
         if shape not in self.problem.shapes:
             raise ValueError(f"task.shape={shape!r}: {problem} runs in {self.problem.shapes}")
         self.save_hyperparameters()
-        sizes = {k: v for k, v in model.items() if k != "compile"}
-        self.model: DecoderLM | EncoderDecoder
         if shape == "decoder":
-            self.model = DecoderLM(vocab_size=vocab_size, encoder=instantiate(encoder), **sizes)
+            self.build_model(DecoderLM, encoder, model, vocab_size=vocab_size)
         else:
-            self.model = EncoderDecoder(
+            self.build_model(
+                EncoderDecoder,
+                encoder,
+                model,
                 src_vocab_size=vocab_size,
                 tgt_vocab_size=vocab_size,
-                encoder=instantiate(encoder),
                 share_embeddings=True,
-                **sizes,
             )
-        if model.get("compile"):
-            self.model.compile()
-        self.n_params = count_parameters(self.model)
         self.sums = torch.nn.ModuleDict({k: SumMetric() for k in VAL_SUMS})
         self.by_size = LengthAccuracy(top_size, len(self.problem.variants))
         #: After testing: the sums of :class:`LengthAccuracy` by variant name.
@@ -276,6 +271,3 @@ class AlgoTask(pl.LightningModule):
             name: {k: v[j] for k, v in sums.items()} for j, name in enumerate(self.problem.variants)
         }
         self.by_size.reset()
-
-    def configure_optimizers(self) -> Any:
-        return configure_adamw(self, self.hparams["optim"], self.hparams["max_steps"])

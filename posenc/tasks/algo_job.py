@@ -21,7 +21,7 @@ from posenc.plots import accuracy_vs_size
 from posenc.tasks.algo import AlgoTask
 from posenc.training import job
 from posenc.training.callbacks import Throughput
-from posenc.training.runner import (
+from posenc.training.trainer import (
     group_choice,
     init_from_checkpoint,
     load_for_eval,

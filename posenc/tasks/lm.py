@@ -9,15 +9,14 @@ import logging
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple, cast
 
-import pytorch_lightning as pl
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from torch import Tensor, nn
 
 from posenc.encoders.base import Scalable
 from posenc.eval.lengths import TokenNLL
-from posenc.model import DecoderLM, count_parameters
-from posenc.training.optim import check_finite, configure_adamw
+from posenc.model import DecoderLM
+from posenc.training.module import TaskModule
+from posenc.training.optim import check_finite
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ class Extension(NamedTuple):
     original_length: int
 
 
-class LMTask(pl.LightningModule):
+class LMTask(TaskModule[DecoderLM]):
     """Train a decoder-only LM; evaluate perplexity on named windowed loaders.
 
     Args:
@@ -55,11 +54,7 @@ class LMTask(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        sizes = {k: v for k, v in model.items() if k != "compile"}
-        self.model = DecoderLM(vocab_size=vocab_size, encoder=instantiate(encoder), **sizes)
-        if model.get("compile"):
-            self.model.compile()
-        self.n_params = count_parameters(self.model)
+        self.build_model(DecoderLM, encoder, model, vocab_size=vocab_size)
         self.val_nll = TokenNLL(seq_len)
         self.eval_metrics = nn.ModuleDict()  # loader name -> TokenNLL, set by set_eval_loaders
         self.eval_names: list[str] = []
@@ -147,6 +142,3 @@ class LMTask(pl.LightningModule):
             self.results[name] = {k: v.detach().cpu() for k, v in out.items()}
             self.log(name, out["ppl"].float(), add_dataloader_idx=False)
             self._metric(i).reset()
-
-    def configure_optimizers(self) -> Any:
-        return configure_adamw(self, self.hparams["optim"], self.hparams["max_steps"])

@@ -23,7 +23,7 @@ from posenc.tasks import lm_passkey
 from posenc.tasks.lm import Extension, LMTask
 from posenc.training import checkpoints, job
 from posenc.training.callbacks import Throughput
-from posenc.training.runner import (
+from posenc.training.trainer import (
     group_choice,
     init_from_checkpoint,
     load_for_eval,

@@ -16,15 +16,14 @@ import logging
 import math
 from typing import Any, cast
 
-import pytorch_lightning as pl
 import torch
-from hydra.utils import instantiate
 from torch import Tensor
 from torchmetrics.aggregation import SumMetric
 
 from posenc.decoding.encdec import Decoded, beam_search, greedy, output_limits
-from posenc.model import EncoderDecoder, count_parameters
-from posenc.training.optim import check_finite, configure_adamw
+from posenc.model import EncoderDecoder
+from posenc.training.module import TaskModule
+from posenc.training.optim import check_finite
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ def label_smoothed_nll(
     return loss[mask].sum(), nll[mask].sum()
 
 
-class MTTask(pl.LightningModule):
+class MTTask(TaskModule[EncoderDecoder]):
     """Train a translator; report validation loss and greedy BLEU; decode the test set.
 
     Args:
@@ -99,16 +98,14 @@ class MTTask(pl.LightningModule):
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"task.label_smoothing={label_smoothing}: must be in [0, 1)")
         self.save_hyperparameters()
-        self.model = EncoderDecoder(
+        self.build_model(
+            EncoderDecoder,
+            encoder,
+            model,
             src_vocab_size=vocab_size,
             tgt_vocab_size=vocab_size,
-            encoder=instantiate(encoder),
             share_embeddings=share_embeddings,
-            **{k: v for k, v in model.items() if k != "compile"},
         )
-        if model.get("compile"):  # torch.compile of the forward, in place (same keys)
-            self.model.compile()
-        self.n_params = count_parameters(self.model)
         self.pad, self.bos, self.eos = ids["pad"], ids["bos"], ids["eos"]
         # Decoder inputs hold BOS at position 0, so an absolute table of L positions allows
         # at most L - 1 generated tokens.
@@ -269,6 +266,3 @@ class MTTask(pl.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self._log_sums("test")
-
-    def configure_optimizers(self) -> Any:
-        return configure_adamw(self, self.hparams["optim"], self.hparams["max_steps"])

@@ -22,7 +22,7 @@ from posenc.plots import bleu_by_length_figure, close
 from posenc.tasks.mt import MTTask
 from posenc.training import job
 from posenc.training.callbacks import Throughput
-from posenc.training.runner import (
+from posenc.training.trainer import (
     group_choice,
     init_from_checkpoint,
     load_for_eval,

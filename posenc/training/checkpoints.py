@@ -104,6 +104,14 @@ ADDED_LATER = {
     "encoder.far_keys": "last_bucket",
 }
 
+#: Functions that moved since checkpoints were first written, old path -> new: a
+#: checkpoint's ``_target_`` naming the old path names the same function (#37 moved the
+#: parallel corpora from posenc/data/mt.py to posenc/data/sources.py).
+MOVED = {
+    f"posenc.data.mt.{name}": f"posenc.data.sources.{name}"
+    for name in ("multi30k", "parallel_files", "hf_translation")
+}
+
 #: What defines the network a checkpoint holds: ``eval_only`` refuses differences here.
 MODEL_DEFINING = (
     "task.name",
@@ -317,6 +325,8 @@ def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, 
     now = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     now.pop("hydra", None)
     a, b = _flat(saved), _flat(now)
+    a = {k: MOVED.get(v, v) if k.endswith("_target_") and isinstance(v, str) else v
+         for k, v in a.items()}  # fmt: skip
     missing = object()
     return {
         k: (a.get(k, "<unset>"), b.get(k, "<unset>"))

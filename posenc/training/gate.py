@@ -146,7 +146,7 @@ def result(cfg: DictConfig, trainer: pl.Trainer, val: dict[str, float]) -> dict[
     Args:
         cfg: The run config.
         trainer: The trainer, with the gate among its callbacks.
-        val: The last validation's metrics (:class:`posenc.training.runner.RunState`).
+        val: The last validation's metrics (:class:`posenc.training.trainer.RunState`).
     """
     gate = cfg.task.get("learned")
     if gate is None:

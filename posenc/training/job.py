@@ -21,14 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from posenc.training import gate
 from posenc.training.callbacks import Throughput, peak_memory_mb
-from posenc.training.runner import (
-    best_checkpoint,
-    build_trainer,
-    run_state,
-    save_last,
-    write_json_atomic,
-)
+from posenc.training.rundir import write_json_atomic
 from posenc.training.summary import summary
+from posenc.training.trainer import best_checkpoint, build_trainer, run_state, save_last
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +58,7 @@ def fit(
     tokenizer_payload: dict[str, Any] | None = None,
     callbacks: Sequence[pl.Callback] = (),
 ) -> Fitted:
-    """Build the trainer (:func:`~posenc.training.runner.build_trainer`: the tokenizer's
+    """Build the trainer (:func:`~posenc.training.trainer.build_trainer`: the tokenizer's
     fingerprints and payload go into the checkpoints, ``callbacks`` join posenc's) and
     fit, unless ``eval_only``; ``last.ckpt`` is saved at the end."""
     trainer = build_trainer(cfg, run_dir, throughput, tokenizer, tokenizer_payload, callbacks)

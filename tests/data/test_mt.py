@@ -13,18 +13,11 @@ import pytest
 import torch
 from lightning_fabric.utilities.data import _set_sampler_epoch
 
+from posenc.data.buckets import bucket_names, bucket_of
 from posenc.data.download import data_dir
-from posenc.data.mt import (
-    MTCollator,
-    MTDataModule,
-    TokenBucketSampler,
-    bucket_names,
-    bucket_of,
-    hf_translation,
-    multi30k,
-    parallel_files,
-    restore_order,
-)
+from posenc.data.mt import MTCollator, MTDataModule, restore_order
+from posenc.data.samplers import TokenBucketSampler
+from posenc.data.sources import hf_translation, multi30k, parallel_files
 
 
 def _gz_lines(name: str) -> list[str]:

@@ -3,13 +3,15 @@ invariance of relative schemes, causality, cross-attention, forward/backward."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from posenc import encoders
-from posenc.encoders.base import AttentionPositional, AttnKind
+from posenc.encoders.base import AttentionPositional, AttnKind, CausalOnly
 from posenc.model import DecoderLM, EncoderDecoder
 from tests.conftest import (
     ABSOLUTE,
@@ -117,8 +119,24 @@ def test_lm_is_causal(name: str) -> None:
 
 @pytest.mark.parametrize("name", CAUSAL_ONLY)
 def test_causal_only_schemes_refuse_a_translation_encoder(name: str) -> None:
-    with pytest.raises(ValueError, match="causal"):
+    """One refusal for every causal-only scheme, from the contract: the scheme, its own
+    reason and the way out; in the stack, in a shared pass and in the per-layer hooks.
+    Cross-attention gets no positional hooks."""
+    enc = factory(name)(**SIZES)
+    assert isinstance(enc, CausalOnly)
+    refusal = (
+        f"^{name} is causal only: bidirectional \\(encoder\\) self-attention was requested, "
+        f"but {re.escape(enc.causal_reason)}\\. Use encoder={name} with task=lm or task=algo "
+        f"\\(decoder-only\\), or {re.escape(enc.causal_instead)}\\.$"
+    )
+    with pytest.raises(ValueError, match=refusal):
         EncoderDecoder(src_vocab_size=40, tgt_vocab_size=40, encoder=factory(name), **SIZES)
+    pos = torch.arange(4)[None]
+    with pytest.raises(ValueError, match=refusal):
+        enc.context(pos, pos, AttnKind.BIDIRECTIONAL, starts=(0, 0))
+    with pytest.raises(ValueError, match=refusal):
+        enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)
+    assert type(enc.for_attention(layer=0, kind=AttnKind.CROSS)) is AttentionPositional
 
 
 @pytest.mark.parametrize("name", BIDIRECTIONAL_YAMLS)

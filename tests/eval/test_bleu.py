@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from posenc.data.buckets import bucket_names, bucket_of
 from posenc.data.download import data_dir
-from posenc.data.mt import bucket_names, bucket_of
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 
 

@@ -14,7 +14,7 @@ from posenc.tasks.lm import LMTask
 from posenc.tasks.lm_job import lm_datamodule
 from posenc.tasks.lm_passkey import passkey_format
 from posenc.train import train
-from posenc.training.runner import load_for_eval
+from posenc.training.trainer import load_for_eval
 from tests.conftest import compose_run
 
 # seq_len 64 holds a training passkey sequence with a 2-letter key (the format needs 64).

@@ -12,7 +12,7 @@ import pytest
 
 from posenc.errors import RunDirError
 from posenc.train import train
-from posenc.training.runner import RUN_FILES
+from posenc.training.rundir import RUN_FILES
 from tests.conftest import ROOT, TINY, compose_run
 
 

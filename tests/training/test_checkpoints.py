@@ -315,7 +315,7 @@ def test_a_finished_run_resumed_keeps_its_validation_metrics(tmp_path: Path) -> 
 def test_resume_takes_the_newer_of_last_and_a_slurm_requeue_checkpoint(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from posenc.training.runner import resume_checkpoint
+    from posenc.training.rundir import resume_checkpoint
 
     cfg = OmegaConf.create({"eval_only": False, "ckpt_path": None, "resume": True})
     assert resume_checkpoint(cfg, tmp_path) is None  # nothing yet: start afresh
@@ -388,3 +388,26 @@ def test_a_checkpoint_past_a_file_size_limit_stops_the_run_with_one_line(tmp_pat
     assert "the file was cut short (a full disk or a file-size limit" in last
     assert "Traceback" not in out.stderr
     assert not [p for p in run.rglob("*") if ".tmp" in p.name]
+
+
+def test_a_checkpoint_naming_a_moved_source_resumes(tmp_path: Path) -> None:
+    """#37 moved the parallel corpora to posenc/data/sources.py: a checkpoint whose config
+    names the old path names the same function, and nothing else is forgiven."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        overrides = ["task=mt", f"paths.cache_dir={tmp_path}", f"paths.output_dir={tmp_path}"]
+        cfg = compose("config", overrides=overrides)
+    assert cfg.data.source._target_ == "posenc.data.sources.multi30k"
+    old = OmegaConf.to_container(cfg, resolve=True)
+    old.pop("hydra", None)
+    old["data"]["source"]["_target_"] = "posenc.data.mt.multi30k"
+    assert checkpoints.differences(old, cfg) == {}
+    old["data"]["source"]["_target_"] = "posenc.data.mt.parallel_files"
+    assert checkpoints.differences(old, cfg) == {
+        "data.source._target_": (
+            "posenc.data.sources.parallel_files",
+            "posenc.data.sources.multi30k",
+        )
+    }

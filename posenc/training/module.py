@@ -1,0 +1,49 @@
+"""What the three tasks' LightningModules share (:mod:`posenc.tasks`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import pytorch_lightning as pl
+from hydra.utils import instantiate
+from torch import nn
+
+from posenc.model import count_parameters
+from posenc.training.optim import configure_adamw
+
+#: The model a task trains: DecoderLM, EncoderDecoder, or either (the algorithmic task).
+Net = TypeVar("Net", bound=nn.Module)
+
+
+class TaskModule(pl.LightningModule, Generic[Net]):
+    """A LightningModule around one model of :mod:`posenc.model`: built from the
+    encoder's config and the sizes of ``conf/model``, compiled in place when
+    ``compile: true`` (``torch.compile`` of its forward: checkpoints keep their keys),
+    trained with AdamW and the task's schedule (``hparams.optim`` over
+    ``hparams.max_steps``, saved by the subclass's ``save_hyperparameters``)."""
+
+    model: Net
+    n_params: int
+
+    def build_model(
+        self, net: Callable[..., Net], encoder: dict[str, Any], model: dict[str, Any],
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        """Set :attr:`model` to ``net(encoder=..., **kwargs, **sizes)`` and count its
+        parameters.
+
+        Args:
+            net: :class:`~posenc.model.DecoderLM` or :class:`~posenc.model.EncoderDecoder`.
+            encoder: The encoder's Hydra config (``_target_`` + ``_partial_``).
+            model: ``conf/model``: the sizes, and ``compile``.
+            kwargs: The rest of ``net``'s arguments (vocabularies, shared embeddings).
+        """
+        sizes = {k: v for k, v in model.items() if k != "compile"}
+        self.model = net(encoder=instantiate(encoder), **kwargs, **sizes)
+        if model.get("compile"):
+            self.model.compile()
+        self.n_params = count_parameters(self.model)
+
+    def configure_optimizers(self) -> Any:
+        return configure_adamw(self, self.hparams["optim"], self.hparams["max_steps"])
