@@ -1,4 +1,5 @@
-"""Data for posenc: downloads, tokenizers, text sources and the language-modeling data module."""
+"""Data for posenc: downloads, sources (text and parallel corpora), tokenizers, the LM and
+translation data modules, generated algorithmic problems and passkey instances."""
 
 from posenc.data.download import FILES, DataUnavailableError, data_dir, fetch, read_text
 from posenc.data.lm import LMDataModule, eval_stream_length, score_masks, window_starts
