@@ -368,10 +368,10 @@ def passkey_data(
                 f"{split!r} split ({split_tokens[split]} tokens) the filler comes from"
             )
     mix = cfg.task.get("passkey_mix", 0)
-    if mix and not cfg.eval_only and cfg.task.seq_len + 1 < min_length:
+    if mix and not cfg.eval_only and cfg.task.seq_len < min_length:
         problems.append(
-            f"task.passkey_mix={mix}: training passkey sequences of task.seq_len + 1 = "
-            f"{cfg.task.seq_len + 1} tokens are shorter than the {min_length} the format "
+            f"task.passkey_mix={mix}: training passkey instances of task.seq_len = "
+            f"{cfg.task.seq_len} tokens are shorter than the {min_length} the format "
             f"needs; raise task.seq_len or set task.passkey_mix=0"
         )
     if mix and not cfg.eval_only and split_tokens.get("val", 0) < cfg.task.seq_len:

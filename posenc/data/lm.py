@@ -292,9 +292,14 @@ class RandomOffsetSampler(Sampler[int | PasskeyDraw]):
 
 
 class PasskeyMixWindows(RandomWindows):
-    """Training windows where a :class:`PasskeyDraw` gives a passkey sequence of
-    ``seq_len + 1`` tokens (filler from this stream, a uniform random depth) in place of
-    a text window (see :mod:`posenc.data.passkey`).
+    """Training windows where a :class:`PasskeyDraw` gives a passkey sequence in place of
+    a text window (see :mod:`posenc.data.passkey`): an instance of ``seq_len`` tokens
+    (filler from this stream, a uniform random depth), then the first token of the
+    needle's tail (". ") as the ``seq_len + 1``-th. So the answer sits at the positions it
+    has in an evaluation instance at 1x (its last letter predicted from position
+    ``seq_len - 2``), and a model that ties the answer to absolute positions is tested
+    where it was trained (instances of ``seq_len + 1`` tokens put every answer one
+    position later: a ``learned`` model that retrieved every key there scored 0 at 1x).
 
     Every item also has ``weight``, the loss weight of each target: 1, but
     ``answer_weight`` on the answer's key tokens of a passkey sequence (the targets that
@@ -329,9 +334,11 @@ class PasskeyMixWindows(RandomWindows):
             return {**super().__getitem__(item), "weight": weight}
         gen = seeded(self.seed, 7, item.slot)  # 7: a stream of its own, apart from offsets
         depth = float(torch.rand((), generator=gen))
-        inst = self.passkeys.sample(self.tokens, self.seq_len + 1, [depth], gen)[0]
-        weight[-inst.answer_len :] = self.answer_weight
-        return {"input": inst.tokens[:-1], "target": inst.tokens[1:], "weight": weight}
+        inst = self.passkeys.sample(self.tokens, self.seq_len, [depth], gen)[0]
+        after = torch.tensor(self.passkeys.tail[:1], dtype=torch.long)  # "." as in the needle
+        tokens = torch.cat((inst.tokens, after))
+        weight[-inst.answer_len - 1 : -1] = self.answer_weight
+        return {"input": tokens[:-1], "target": tokens[1:], "weight": weight}
 
 
 def _positive_int(name: str, value: Any) -> int:

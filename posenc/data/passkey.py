@@ -25,7 +25,8 @@ The last answer token is predicted from position L - 2, so an instance of length
 the same positions as a perplexity window of L tokens (``learned`` runs up to max_len).
 Everything is built on token ids, so any tokenizer works (K may then vary per key).
 The training mix (:mod:`posenc.data.lm`) and the evaluation (:mod:`posenc.eval.passkey`)
-build their instances here.
+build their instances here; the mix appends one token (the needle tail's ".") to an
+instance of ``seq_len`` tokens, so its answers sit where a 1x instance's do.
 """
 
 from __future__ import annotations

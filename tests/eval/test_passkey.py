@@ -204,8 +204,11 @@ def test_sampler_replaces_the_requested_fraction(mix: float) -> None:
 
 
 def test_mix_windows_are_passkey_sequences_of_seq_len() -> None:
+    """A training passkey sequence is an instance of seq_len tokens, then "." (as after
+    the key in the needle): its answer has the positions of a 1x evaluation instance."""
     seq_len = 96
-    ds = PasskeyMixWindows(STREAM, seq_len, PasskeyFormat(TOK, 4), seed=0)
+    fmt = PasskeyFormat(TOK, 4)
+    ds = PasskeyMixWindows(STREAM, seq_len, fmt, seed=0)
     depths = []
     for g in range(20):
         item = ds[PasskeyDraw(g)]
@@ -214,8 +217,13 @@ def test_mix_windows_are_passkey_sequences_of_seq_len() -> None:
         whole = text(torch.cat((item["input"], item["target"][-1:])))
         head_at = whole.index(NEEDLE_HEAD)
         key = whole[head_at + len(NEEDLE_HEAD) : head_at + len(NEEDLE_HEAD) + 4]
-        assert whole.endswith(QUESTION + key) and set(key) <= set(ALPHABET)
-        assert text(item["target"][-4:]) == key  # the key's letters are trained targets
+        assert whole.endswith(QUESTION + key + ".") and set(key) <= set(ALPHABET)
+        # the instance the evaluation builds at 1x, with this key and filler
+        gen = seeded(0, 7, g)
+        depth = float(torch.rand((), generator=gen))
+        inst = fmt.sample(STREAM, seq_len, [depth], gen)[0]
+        assert inst.key == key and torch.equal(item["input"], inst.tokens)
+        assert text(item["target"][-5:-1]) == key  # predicted from positions L-5 .. L-2
         depths.append(head_at)
         assert torch.equal(ds[PasskeyDraw(g)]["input"], item["input"])  # seeded by g
     assert len(set(depths)) > 5  # random depths
@@ -224,16 +232,17 @@ def test_mix_windows_are_passkey_sequences_of_seq_len() -> None:
 
 def test_mix_weights_only_the_answer_letters() -> None:
     """``weight`` is ``answer_weight`` exactly on the targets that are the answer's key
-    letters (the key after the question), 1 on every other target and on text windows."""
+    letters (the key after the question), 1 on every other target (the "." after the key
+    too) and on text windows."""
     seq_len = 96
     ds = PasskeyMixWindows(STREAM, seq_len, PasskeyFormat(TOK, 4), seed=0, answer_weight=7.5)
     for g in range(10):
         item = ds[PasskeyDraw(g)]
         whole = text(torch.cat((item["input"], item["target"][-1:])))
-        answer_from = len(whole) - 4  # the answer's first letter, as an index of `whole`
+        answer_from = len(whole) - 5  # the answer's first letter, as an index of `whole`
         assert whole[answer_from - len(QUESTION) : answer_from] == QUESTION
         expected = torch.ones(seq_len)
-        expected[answer_from - 1 :] = 7.5  # target t is token t + 1 of the sequence
+        expected[answer_from - 1 : answer_from + 3] = 7.5  # target t is token t + 1
         assert torch.equal(item["weight"], expected)
     assert torch.equal(ds[5]["weight"], torch.ones(seq_len))
     with pytest.raises(ValueError, match="answer_weight must be > 0"):
@@ -364,9 +373,8 @@ def test_lengths_the_format_cannot_fill_are_refused(tmp_path: Path) -> None:
         "raise task.seq_len",
         "  task.eval.passkey.multipliers give length 128, longer than the 'test' split (100 "
         "tokens) the filler comes from",
-        "  task.passkey_mix=0.1: training passkey sequences of task.seq_len + 1 = 17 tokens "
-        "are shorter than the 68 the format needs; raise task.seq_len or set "
-        "task.passkey_mix=0",
+        "  task.passkey_mix=0.1: training passkey instances of task.seq_len = 16 tokens are "
+        "shorter than the 68 the format needs; raise task.seq_len or set task.passkey_mix=0",
     ]
 
 
