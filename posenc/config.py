@@ -1,87 +1,58 @@
-"""Checks of a composed config, run before any data is loaded.
+"""Checks of a composed config, run before any data is loaded, and the checks that need
+the loaded data (the LM batch, the passkey lengths).
 
-Each problem is one line: the key, the value, what is allowed. All problems are
-reported together so a sweep with a typo fails in a second, not after a download.
+Keys, types, choices and ranges are declared once, in :mod:`posenc.schema`; this module
+walks the config against it and adds the rules that tie keys together (``n_heads``
+divides ``d_model``, a training length fits a ``learned`` table, a gate's metric exists
+for its task, ...). Each problem is one line: the key, the value, what is allowed. All
+problems are reported together so a sweep with a typo fails in a second, not after a
+download.
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
+import os
+import re
+import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from posenc import checks
-from posenc.checks import algo_longest, algo_options
-from posenc.data.algo import GRIDS, PROBLEMS, SHAPES
+from posenc import schema
+from posenc.data.algo import PROBLEMS, Options, longest_sequence
 from posenc.data.algo_problems import check as check_problem
-from posenc.data.buckets import check_edges
-from posenc.data.tokenizers import TOKENIZER_KINDS
+from posenc.data.algo_problems import grid_sizes
 from posenc.encoders.base import AttnKind
-from posenc.encoders.rope import SCALINGS
 from posenc.errors import UserError
-from posenc.model import DecoderLM, EncoderDecoder
-from posenc.training.gate import GATE_KEYS, PASSKEY, PERCENT, metrics
-from posenc.training.optim import SCHEDULES
+from posenc.schema import finite, integer
+from posenc.training.gate import PASSKEY, PERCENT, metrics
 
 
 class ConfigError(UserError, ValueError):
     """A config value is wrong; the message lists every problem found."""
 
 
-def _positive_int(problems: list[str], key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        problems.append(f"{key}={value!r}: must be a positive integer")
+#: Lightning's time-based ``val_check_interval``, ``DD:HH:MM:SS``.
+_DURATION = re.compile(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}")
 
-
-def check_lm_batch(cfg: DictConfig, train_tokens: int, vocab_size: int) -> None:
-    """Refuse a training batch the loaded data or this machine cannot hold; run once the
-    data is tokenized, before the model and trainer are built (see
-    :func:`posenc.checks.lm_batch`).
-
-    Raises:
-        ConfigError: One line naming ``task.batch_size``, the limit and the fix.
-    """
-    problem = checks.lm_batch(cfg, train_tokens, vocab_size)
-    if problem:
-        raise ConfigError(problem)
-
-
-def eval_lengths(cfg: DictConfig) -> list[int]:
-    """Absolute LM evaluation lengths: ``multiplier * seq_len``."""
-    return [int(m * cfg.task.seq_len) for m in cfg.task.eval.multipliers]
-
-
-def passkey_lengths(cfg: DictConfig) -> list[int]:
-    """Absolute passkey lengths, ``multiplier * seq_len`` (empty: the evaluation is off)."""
-    p = cfg.task.eval.get("passkey") or {}
-    return [int(m * cfg.task.seq_len) for m in p.get("multipliers") or []]
-
-
-def check_passkey(cfg: DictConfig, min_length: int, split_tokens: dict[str, int]) -> None:
-    """Refuse passkey lengths the format or the data cannot fill; run once the data is
-    tokenized (see :func:`posenc.checks.passkey_data`).
-
-    Raises:
-        ConfigError: One line per problem, naming the key, the length and the fix.
-    """
-    problems = checks.passkey_data(cfg, passkey_lengths(cfg), min_length, split_tokens)
-    if problems:
-        raise ConfigError(problem_message(problems))
+#: Options that only the translation task reads (task.* and model.*).
+MT_TASK_KEYS = tuple(k for k in schema.keys(schema.MTTask) if k not in schema.keys(schema.LMTask))
+MT_MODEL_KEYS = schema.MT_MODEL_KEYS
 
 
 def validate(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem found in ``cfg``.
 
-    Each group of checks runs under :func:`posenc.checks.guarded`, so a value of a type no
-    check expected becomes a problem line naming its group, never a traceback.
+    Each group of checks runs under :func:`guarded`, so a value of a type no check
+    expected becomes a problem line naming its group, never a traceback.
 
     Args:
         cfg: The composed run config.
@@ -89,35 +60,26 @@ def validate(cfg: DictConfig) -> None:
     problems: list[str] = []
     missing = OmegaConf.missing_keys(cfg)
     problems += [f"{k}: required but not set (add {k}=... to the command)" for k in sorted(missing)]
-    groups: list[tuple[str, Callable[[DictConfig, list[str]], None]]] = [
+    name = cfg.task.name
+    groups: list[tuple[str, Callable[[DictConfig], list[str]]]] = [
         ("config keys", _unknown_keys),
-        ("seed, eval_only, resume, ckpt_path, init_from", _run_keys),
-        ("model", _validate_model),
+        ("eval_only, ckpt_path, init_from", _run_keys),
+        ("model", _model),
         ("model.random_positions", _random_positions),
-        ("trainer", checks.trainer),
-        ("task.optim", _validate_optim),
-        ("paths.cache_dir", lambda c, p: checks.cache_dir(c.paths.cache_dir, p)),
-        ("task.learned", _validate_gate),
+        ("trainer", trainer),
+        ("paths.cache_dir", lambda c: cache_dir(c.paths.cache_dir)),
     ]
-    if cfg.task.name == "lm":
-        groups += [
-            ("tokenizer", _validate_tokenizer),
-            ("task", _validate_lm),
-            ("task", _reject_mt_options),
-        ]
-    elif cfg.task.name == "mt":
-        groups += [("tokenizer", _validate_tokenizer), ("task", _validate_mt)]
-    elif cfg.task.name == "algo":
-        groups += [("task", _validate_algo)]
+    if name in schema.TASKS:
+        groups += [("task", _task), ("task.learned", _gate)]
+        groups += [("tokenizer", _tokenizer)] if name != "algo" else []
     else:
         problems.append(
-            f"task.name={cfg.task.name!r}: allowed lm, mt, algo (choose with "
-            f"task=lm, task=mt or task=algo)"
+            f"task.name={name!r}: allowed lm, mt, algo (choose with task=lm, task=mt or task=algo)"
         )
     for section, check in groups:
-        checks.guarded(problems, section, partial(check, cfg, problems))
+        guarded(problems, section, partial(lambda c: problems.extend(c(cfg)), check))
     if not problems:
-        checks.guarded(problems, "encoder", lambda: _try_encoder(cfg, problems))
+        guarded(problems, "encoder", lambda: problems.extend(_try_encoder(cfg)))
     if problems:
         raise ConfigError(problem_message(problems))
 
@@ -128,425 +90,238 @@ def problem_message(problems: list[str]) -> str:
     return f"invalid config{count}:\n  " + "\n  ".join(problems)
 
 
-def _validate_model(cfg: DictConfig, problems: list[str]) -> None:
-    m = cfg.model
-    found: list[str] = []
-    for key in ("n_layers", "d_model", "n_heads"):
-        _positive_int(found, f"model.{key}", m[key])
-    if not found and m.d_model % m.n_heads:
-        found.append(f"model.n_heads={m.n_heads}: must divide model.d_model={m.d_model}")
-    problems += found
-    _optional_positive_int(problems, "model.d_ff", m.get("d_ff"))
-    if not isinstance(m.get("embed_scale", False), bool):
-        problems.append(f"model.embed_scale={m.embed_scale!r}: must be true or false")
-    if not _number(m.dropout) or not 0.0 <= float(m.dropout) < 1.0:
-        problems.append(f"model.dropout={m.dropout!r}: must be a number in [0, 1)")
-    if not isinstance(m.get("compile", False), bool):
-        problems.append(f"model.compile={m.compile!r}: must be true or false")
-    budget = m.get("score_budget_mib", 8)
-    if not _number(budget) or not float(budget) >= 0:
+def guarded(problems: list[str], section: str, check: Callable[[], None]) -> None:
+    """Run ``check()``; if it raises on an unexpected value, report ``section`` instead.
+
+    The checks test the types they know about, so this is the net for the ones they do
+    not: validation lists problems, it never crashes with a traceback of its own.
+    """
+    try:
+        check()
+    except Exception as err:
         problems.append(
-            f"model.score_budget_mib={budget!r}: must be a number >= 0 (MiB; 0: no query blocking)"
+            f"{section}: a value has the wrong type ({type(err).__name__}: {err}); "
+            f"compare it with conf/ and the README"
         )
 
 
-def _validate_tokenizer(cfg: DictConfig, problems: list[str]) -> None:
-    if "vocab_size" in cfg.tokenizer:
-        _positive_int(problems, "tokenizer.vocab_size", cfg.tokenizer.vocab_size)
-    if cfg.tokenizer.kind not in TOKENIZER_KINDS:
-        kinds = ", ".join(TOKENIZER_KINDS)
-        problems.append(f"tokenizer.kind={cfg.tokenizer.kind!r}: allowed {kinds}")
+def _params(fn: Any, drop: tuple[str, ...] = ()) -> list[str]:
+    return [p for p in inspect.signature(fn).parameters if p not in drop + ("self",)]
 
 
-def _validate_gate(cfg: DictConfig, problems: list[str]) -> None:
-    """``task.learned``: the learnability gate (:mod:`posenc.training.gate`)."""
-    if cfg.task.name not in ("lm", "mt", "algo"):
-        return
+def _unknown_keys(cfg: DictConfig) -> list[str]:
+    """Misspelled or unknown keys would be ignored or crash late: name them now. The
+    instantiated groups take their classes' parameters."""
+    out = schema.problems(cfg, schema.Run, "", skip=("hydra",))  # and seed, threads, ...
+    try:
+        cls: type[Any] = get_class(cfg.encoder._target_)
+    except Exception as err:
+        out.append(f"encoder._target_={cfg.encoder.get('_target_')!r}: {err}")
+    else:
+        allowed = _params(cls.__init__, ("d_model", "n_heads", "n_layers"))
+        out += schema.unknown("encoder.", list(cfg.encoder), allowed + ["_target_", "_partial_"])
+    allowed = _params(pl.Trainer.__init__) + ["_target_"]
+    return out + schema.unknown("trainer.", list(cfg.trainer), allowed)
+
+
+def _run_keys(cfg: DictConfig) -> list[str]:
+    out: list[str] = []
+    ckpt, init = cfg.ckpt_path, cfg.get("init_from")
+    if cfg.eval_only is True and not ckpt:
+        out.append("eval_only=true: needs ckpt_path=/path/to/checkpoint.ckpt")
+    if ckpt and not Path(str(ckpt)).is_file():
+        out.append(f"ckpt_path={ckpt}: no such file")
+    if init and not Path(str(init)).is_file():
+        out.append(f"init_from={init}: no such file")
+    if init and (cfg.eval_only or ckpt):
+        out.append(
+            f"init_from={init}: starts a new run from a checkpoint's weights, but "
+            f"{'eval_only=true' if cfg.eval_only else 'ckpt_path'} is set too; use ckpt_path "
+            f"alone to evaluate or continue a run, init_from alone to fine-tune from one"
+        )
+    return out
+
+
+def _model(cfg: DictConfig) -> list[str]:
+    """``model``: the schema's keys for this task's model, ``n_heads | d_model``."""
+    m, name = cfg.model, cfg.task.name
+    refuse: tuple[str, ...] = () if name == "mt" else ("share_embeddings",)
+    if name == "algo":  # the two shapes share conf/model/algo.yaml
+        refuse += MT_MODEL_KEYS
+    skip = MT_MODEL_KEYS if name == "lm" else ()  # named by _task as translation options
+    out = schema.problems(
+        m, schema.Model, "model.", skip=skip + ("random_positions",), refuse=refuse
+    )
+    sizes = [m.get(k) for k in ("d_model", "n_heads")]
+    if all(integer(v) and v > 0 for v in sizes) and sizes[0] % sizes[1]:
+        out.append(f"model.n_heads={sizes[1]}: must divide model.d_model={sizes[0]}")
+    if name == "mt" and m.get("d_ff") is None:
+        out.append("model.d_ff=None: must be a positive integer")
+    return out
+
+
+def _tokenizer(cfg: DictConfig) -> list[str]:
+    return schema.problems(cfg.tokenizer, schema.Tokenizer, "tokenizer.")
+
+
+def _gate(cfg: DictConfig) -> list[str]:
+    """``task.learned`` against the task: a metric it logs, a threshold on its scale."""
     gate = cfg.task.get("learned")
-    if gate is None:
-        return
     if not OmegaConf.is_dict(gate):
-        problems.append(
-            f"task.learned={gate!r}: must be null (no gate) or {{metric, threshold, stop}}, "
-            f"e.g. task.learned.metric=val/seq_acc task.learned.threshold=95"
-        )
-        return
-    for key in gate:
-        if key not in GATE_KEYS:
-            problems.append(f"task.learned.{key}: unknown key; allowed {', '.join(GATE_KEYS)}")
+        return []  # null, or reported by the schema
     allowed = metrics(cfg)
     metric, threshold = gate.get("metric"), gate.get("threshold")
+    out = []
     if metric not in allowed:
-        problems.append(
+        out.append(
             f"task.learned.metric={metric!r}: allowed for task {cfg.task.name}: "
             f"{', '.join(allowed)} (validation at the training length)"
         )
     elif allowed[metric]:
-        problems.append(f"task.learned.metric={metric}: {allowed[metric]}")
-    if not _number(threshold) or not math.isfinite(threshold):
-        problems.append(f"task.learned.threshold={threshold!r}: must be a finite number")
-    elif metric in PERCENT and not 0 <= threshold <= 100:
-        problems.append(f"task.learned.threshold={threshold}: {metric} is in percent (0..100)")
+        out.append(f"task.learned.metric={metric}: {allowed[metric]}")
+    if not finite(threshold):
+        return out
+    if metric in PERCENT and not 0 <= threshold <= 100:
+        out.append(f"task.learned.threshold={threshold}: {metric} is in percent (0..100)")
     elif metric == PASSKEY and not 0 <= threshold <= 1:
-        problems.append(
+        out.append(
             f"task.learned.threshold={threshold}: {metric} is a fraction in [0, 1]; "
             f"e.g. 0.9 for 90% retrieval"
         )
-    if not isinstance(gate.get("stop", False), bool):
-        problems.append(f"task.learned.stop={gate.stop!r}: must be true or false")
+    return out
 
 
-def _validate_optim(cfg: DictConfig, problems: list[str]) -> None:
-    """``task.optim``, the same keys and rules for every task."""
-    _check_keys(problems, "task.optim.", list(cfg.task.optim), OPTIM_KEYS)
-    checks.optim(cfg.task.optim, problems, SCHEDULES)
+def _task(cfg: DictConfig) -> list[str]:
+    """``task``: the schema of the task, then the rules that tie its keys together."""
+    t, name = cfg.task, cfg.task.name
+    skip = MT_TASK_KEYS if name == "lm" else ()
+    out = schema.problems(t, schema.TASKS[name], "task.", skip=skip)
+    if name == "lm":
+        out += [
+            f"{k}={OmegaConf.select(cfg, k)!r}: a translation option, but task.name=lm; "
+            "remove it or run task=mt"
+            for k in [f"task.{k}" for k in skip if k in t]
+            + [f"model.{k}" for k in MT_MODEL_KEYS if k in cfg.model]
+        ]
+        return out + ([] if out else _lm(cfg))
+    if name == "mt":
+        return out + _mt(cfg)
+    return out + ([] if out else _algo(cfg))
 
 
-LM_TASK_KEYS = [
-    "name",
-    "seq_len",
-    "batch_size",
-    "eval_batch_size",
-    "optim",
-    "eval",
-    "passkey_mix",
-    "passkey_answer_weight",
-    "learned",
-]
-LM_EVAL_KEYS = [
-    "splits",
-    "multipliers",
-    "protocols",
-    "sliding_stride",
-    "max_tokens",
-    "skip_unsupported",
-    "context_extension",
-    "extension_factor",
-    "passkey",
-]
-PASSKEY_KEYS = ["multipliers", "depths", "samples", "key_len", "seed"]
-OPTIM_KEYS = ["lr", "betas", "weight_decay", "warmup_steps", "schedule", "min_lr_ratio"]
+def eval_lengths(cfg: Any) -> list[int]:
+    """Absolute LM evaluation lengths: ``multiplier * seq_len``."""
+    return [int(m * cfg.task.seq_len) for m in cfg.task.eval.multipliers]
 
 
-def _validate_lm(cfg: DictConfig, problems: list[str]) -> None:
+def passkey_lengths(cfg: Any) -> list[int]:
+    """Absolute passkey lengths, ``multiplier * seq_len`` (empty: the evaluation is off)."""
+    p = cfg.task.eval.get("passkey") or {}
+    return [int(m * cfg.task.seq_len) for m in p.get("multipliers") or []]
+
+
+def _lm(cfg: DictConfig) -> list[str]:
+    """Lengths: each evaluation length at least a token, and (unless lengths past a
+    ``learned`` table are skipped) inside the table."""
     t = cfg.task
-    _check_keys(problems, "task.", [k for k in t if k not in MT_TASK_KEYS], LM_TASK_KEYS)
-    _check_keys(problems, "task.eval.", list(t.eval), LM_EVAL_KEYS)
-    e = t.eval
-    for split in checks.as_list(problems, "task.eval.splits", e.splits, "[test]") or []:
-        if split not in ("train", "val", "test"):
-            problems.append(f"task.eval.splits contains {split!r}: allowed train, val, test")
-    for key in ("seq_len", "batch_size", "eval_batch_size"):
-        _positive_int(problems, f"task.{key}", t[key])
-    for mult in checks.as_list(problems, "task.eval.multipliers", e.multipliers, "[1,2,4]") or []:
-        if not _number(mult) or not math.isfinite(mult) or mult <= 0:
-            problems.append(
-                f"task.eval.multipliers contains {mult!r}: must be positive numbers "
-                f"(evaluation length = multiplier * task.seq_len)"
-            )
-        elif (
-            isinstance(t.seq_len, int)
-            and not isinstance(t.seq_len, bool)
-            and t.seq_len > 0
-            and int(mult * t.seq_len) < 1
-        ):
-            problems.append(
-                f"task.eval.multipliers contains {mult!r}: {mult} * task.seq_len="
-                f"{t.seq_len} is below one token; give multipliers >= "
-                f"{1 / t.seq_len:.3g}"
-            )
-    allowed = ("nonoverlap", "sliding")
-    for p in checks.as_list(problems, "task.eval.protocols", e.protocols, "[nonoverlap]") or []:
-        if p not in allowed:
-            problems.append(f"task.eval.protocols contains {p!r}: allowed {', '.join(allowed)}")
-    if t.eval.sliding_stride is not None:
-        _positive_int(problems, "task.eval.sliding_stride", t.eval.sliding_stride)
-    if t.eval.max_tokens is not None:
-        _positive_int(problems, "task.eval.max_tokens", t.eval.max_tokens)
-    if not isinstance(e.get("skip_unsupported", True), bool):
-        problems.append(f"task.eval.skip_unsupported={e.skip_unsupported!r}: must be true or false")
-    _context_extension(t.eval, problems)
-    _passkey(t, problems)
+    out = [
+        f"task.eval.multipliers contains {m!r}: {m} * task.seq_len={t.seq_len} is below one "
+        f"token; give multipliers >= {1 / t.seq_len:.3g}"
+        for m in t.eval.multipliers
+        if int(m * t.seq_len) < 1
+    ]
+    out += _fits_encoder(cfg, "seq_len")
     max_len = cfg.encoder.get("max_len")
-    skip = t.eval.get("skip_unsupported", True)
-    fits = _fits_encoder(problems, cfg, "seq_len")
-    if fits and max_len is not None and not skip and not problems:
-        for key, lengths in (
-            ("task.eval.multipliers", eval_lengths(cfg)),
-            ("task.eval.passkey.multipliers", passkey_lengths(cfg)),
-        ):
-            too_long = [L for L in lengths if max_len < L]
-            if too_long:
-                problems.append(
-                    f"{key} give lengths {too_long} past encoder.max_len={max_len}; drop "
-                    f"those multipliers, raise encoder.max_len, or set "
-                    f"task.eval.skip_unsupported=true to record NaN for them"
-                )
-
-
-def _passkey(t: DictConfig, problems: list[str]) -> None:
-    p = t.eval.get("passkey")
-    if OmegaConf.is_dict(p):
-        _check_keys(problems, "task.eval.passkey.", list(p), PASSKEY_KEYS)
-    checks.passkey(t, problems, PASSKEY_KEYS)
-
-
-def _context_extension(e: DictConfig, problems: list[str]) -> None:
-    """``task.eval.context_extension`` (RoPE methods evaluated besides the plain run) and
-    ``task.eval.extension_factor``."""
-    allowed = ", ".join(SCALINGS[1:])
-    methods = e.get("context_extension", [])
-    if not OmegaConf.is_list(methods):
-        problems.append(
-            f"task.eval.context_extension={methods!r}: must be a list, e.g. "
-            f"task.eval.context_extension=[{methods}]; allowed methods {allowed}"
-        )
-    else:
-        for m in methods:
-            if m not in SCALINGS[1:]:
-                problems.append(f"task.eval.context_extension contains {m!r}: allowed {allowed}")
-        twice = sorted({m for m in methods if list(methods).count(m) > 1})
-        if twice:
-            problems.append(
-                f"task.eval.context_extension lists {', '.join(twice)} twice; give each method once"
+    if out or max_len is None or t.eval.get("skip_unsupported", True):
+        return out
+    for key, lengths in (
+        ("task.eval.multipliers", eval_lengths(cfg)),
+        ("task.eval.passkey.multipliers", passkey_lengths(cfg)),
+    ):
+        too_long = [L for L in lengths if max_len < L]
+        if too_long:
+            out.append(
+                f"{key} give lengths {too_long} past encoder.max_len={max_len}; drop "
+                f"those multipliers, raise encoder.max_len, or set "
+                f"task.eval.skip_unsupported=true to record NaN for them"
             )
-    f = e.get("extension_factor", "auto")
-    if f != "auto" and not (_number(f) and math.isfinite(f) and f >= 1):
-        problems.append(
-            f"task.eval.extension_factor={f!r}: must be auto (s = max(1, eval "
-            f"length / task.seq_len)) or a number >= 1"
+    return out
+
+
+def _mt(cfg: DictConfig) -> list[str]:
+    t, out = cfg.task, []
+    if integer(t.max_tokens) and integer(t.max_len) and t.max_tokens < t.max_len:
+        out.append(
+            f"task.max_tokens={t.max_tokens}: smaller than task.max_len={t.max_len}, so the "
+            "longest training pair would not fit in a batch"
         )
+    monitor, mode = t.get("monitor", "val/loss"), t.get("monitor_mode", "min")
+    if monitor in schema.MONITORS and mode != schema.MONITORS[monitor]:
+        out.append(f"task.monitor_mode={mode!r}: {monitor} needs {schema.MONITORS[monitor]}")
+    if monitor == "val/bleu" and t.val_bleu_sentences == 0:
+        out.append(
+            "task.monitor=val/bleu: needs task.val_bleu_sentences > 0 (it is 0); "
+            "raise it or monitor val/loss"
+        )
+    return out + _fits_encoder(cfg, "max_len")
 
 
-#: Options that only the translation task reads (task.* and model.*).
-MT_TASK_KEYS = (
-    "max_tokens",
-    "max_len",
-    "max_train_src_len",
-    "length_buckets",
-    "label_smoothing",
-    "share_embeddings",
-    "val_bleu_sentences",
-    "eval_split",
-    "eval_max_sentences",
-    "samples",
-    "decode",
-)
-MT_MODEL_KEYS = ("n_enc_layers", "n_dec_layers")
-
-
-ALGO_TASK_KEYS = [
-    "name",
-    "problem",
-    "shape",
-    "train_lengths",
-    "test_multiple",
-    "bucket_width",
-    "symbols",
-    "reverse_digits",
-    "batch_size",
-    "eval_batch_size",
-    "val_per_size",
-    "test_per_size",
-    "optim",
-    "data_tokens",
-    "test_sizes",
-    "lm_loss",
-    "learned",
-]
-
-
-def _validate_algo(cfg: DictConfig, problems: list[str]) -> None:
+def _algo(cfg: DictConfig) -> list[str]:
+    """The problem's own rules for these sizes, the longest test instance inside a
+    ``learned`` table, and the memory of the test set."""
     t = cfg.task
-    _check_keys(problems, "task.", list(t), ALGO_TASK_KEYS)
-    if t.problem not in PROBLEMS:
-        problems.append(f"task.problem={t.problem!r}: allowed {', '.join(PROBLEMS)}")
-    if t.shape not in SHAPES:
-        problems.append(
-            f"task.shape={t.shape!r}: allowed decoder (decoder-only: prompt, "
-            f"separator, answer) or encdec (encoder-decoder: prompt -> answer)"
-        )
-    for key in (
-        "batch_size",
-        "eval_batch_size",
-        "bucket_width",
-        "val_per_size",
-        "test_per_size",
-        "data_tokens",
-    ):
-        _positive_int(problems, f"task.{key}", t.get(key, 1))
-    if t.get("test_sizes", "auto") not in ("auto", *GRIDS):
-        problems.append(
-            f"task.test_sizes={t.test_sizes!r}: allowed auto (the problem's own), "
-            f"{', '.join(GRIDS)}"
-        )
-    lengths = checks.as_list(problems, "task.train_lengths", t.train_lengths, "[1,16]")
-    if lengths is not None and (
-        len(lengths) != 2
-        or any(isinstance(x, bool) or not isinstance(x, int) for x in lengths)
-        or not 1 <= lengths[0] <= lengths[1]
-    ):
-        problems.append(
-            f"task.train_lengths={list(lengths)}: must be [lo, hi] with integers "
-            f"1 <= lo <= hi, e.g. task.train_lengths=[1,16]"
-        )
-        lengths = None
-    m = t.test_multiple
-    if not _number(m) or not math.isfinite(m) or m < 1:
-        problems.append(
-            f"task.test_multiple={m!r}: must be a number >= 1 (test sizes go up to "
-            f"test_multiple * the largest training size)"
-        )
-    k = t.symbols
-    if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= 26:
-        problems.append(
-            f"task.symbols={k!r}: must be an integer in 2..26 (letters of the "
-            f"copy, reverse, duplicate and sort problems)"
-        )
-    if not isinstance(t.reverse_digits, bool):
-        problems.append(f"task.reverse_digits={t.reverse_digits!r}: must be true or false")
-    elif t.reverse_digits and t.problem != "addition":
-        problems.append(
+    if t.reverse_digits and t.problem != "addition":
+        return [
             f"task.reverse_digits=true: only the addition problem has digits to "
             f"reverse (task.problem={t.problem}); drop it"
-        )
-    if problems or lengths is None:
-        return
-    if not isinstance(t.get("lm_loss", False), bool):
-        problems.append(f"task.lm_loss={t.lm_loss!r}: must be true or false")
-        return
-    problems += check_problem(
-        PROBLEMS[t.problem],
-        t.shape,
-        lengths[0],
-        lengths[1],
-        algo_options(cfg),
-        t.get("lm_loss", False),
+        ]
+    lo, hi = t.train_lengths
+    out = check_problem(
+        PROBLEMS[t.problem], t.shape, lo, hi, algo_options(cfg), t.get("lm_loss", False)
     )
+    m = t.test_multiple
     max_len = cfg.encoder.get("max_len")
-    longest = algo_longest(cfg, int(math.floor(m * lengths[1])))
+    longest = algo_longest(cfg, int(math.floor(m * hi)))
     if max_len is not None and longest is not None and longest > max_len:
-        problems.append(
+        out.append(
             f"task.test_multiple={m}: the largest test instance takes {longest} positions, "
             f"more than encoder.max_len={max_len}; raise encoder.max_len or lower "
             f"task.test_multiple"
         )
-    problem = checks.algo_memory(cfg, lengths[0], lengths[1], int(math.floor(m * lengths[1])))
-    if problem:
-        problems.append(problem)
+    problem = algo_memory(cfg, lo, hi, int(math.floor(m * hi)))
+    return out + ([problem] if problem else [])
 
 
-def _reject_mt_options(cfg: DictConfig, problems: list[str]) -> None:
-    """An MT option under task=lm would be silently ignored: say so instead."""
-    found = [f"task.{k}" for k in MT_TASK_KEYS if k in cfg.task]
-    found += [f"model.{k}" for k in MT_MODEL_KEYS if k in cfg.model]
-    for key in found:
-        problems.append(
-            f"{key}={OmegaConf.select(cfg, key)!r}: a translation option, but task.name=lm; "
-            "remove it or run task=mt"
-        )
-
-
-def _optional_positive_int(problems: list[str], key: str, value: Any) -> None:
-    if value is not None:
-        _positive_int(problems, key, value)
-
-
-def _non_negative(problems: list[str], key: str, value: Any, *, integer: bool) -> None:
-    kinds = int if integer else int | float
-    if isinstance(value, bool) or not isinstance(value, kinds) or value < 0:
-        what = "an integer" if integer else "a number"
-        problems.append(f"{key}={value!r}: must be {what} >= 0")
-
-
-def _validate_mt(cfg: DictConfig, problems: list[str]) -> None:
-    t, m = cfg.task, cfg.model
-    for key in ("max_tokens", "max_len"):
-        _positive_int(problems, f"task.{key}", t[key])
-    _positive_int(problems, "model.d_ff", m.d_ff)
-    for key in MT_MODEL_KEYS:
-        _optional_positive_int(problems, f"model.{key}", m.get(key))
-    for key in ("max_train_src_len", "eval_max_sentences"):
-        _optional_positive_int(problems, f"task.{key}", t[key])
-    for key in ("val_bleu_sentences", "samples"):
-        _non_negative(problems, f"task.{key}", t[key], integer=True)
-    if isinstance(t.max_tokens, int) and isinstance(t.max_len, int) and t.max_tokens < t.max_len:
-        problems.append(
-            f"task.max_tokens={t.max_tokens}: smaller than task.max_len={t.max_len}, so the "
-            "longest training pair would not fit in a batch"
-        )
-    ls = t.label_smoothing
-    if isinstance(ls, bool) or not isinstance(ls, int | float) or not 0.0 <= ls < 1.0:
-        problems.append(f"task.label_smoothing={ls!r}: must be in [0, 1)")
-    if not isinstance(t.share_embeddings, bool):
-        problems.append(f"task.share_embeddings={t.share_embeddings!r}: must be true or false")
-    edges = checks.as_list(problems, "task.length_buckets", t.length_buckets, "[0,10,20,1000]")
-    try:
-        if edges is not None:
-            check_edges(edges)
-    except (ValueError, TypeError) as err:
-        problems.append(f"task.length_buckets={edges}: {err}")
-    if t.eval_split not in ("test", "val"):
-        problems.append(f"task.eval_split={t.eval_split!r}: allowed test, val")
-    _validate_monitor(t, problems)
-    d = t.decode
-    _positive_int(problems, "task.decode.beam_size", d.beam_size)
-    _non_negative(problems, "task.decode.length_penalty", d.length_penalty, integer=False)
-    _non_negative(problems, "task.decode.max_len_a", d.max_len_a, integer=False)
-    _non_negative(problems, "task.decode.max_len_b", d.max_len_b, integer=True)
-    if not isinstance(d.get("use_cache", True), bool):
-        problems.append(f"task.decode.use_cache={d.use_cache!r}: must be true or false")
-    _check_keys(
-        problems,
-        "task.decode.",
-        list(d),
-        ["beam_size", "length_penalty", "max_len_a", "max_len_b", "use_cache"],
+def algo_options(cfg: Any) -> Options:
+    """The instance options (:class:`posenc.data.algo.Options`) of ``cfg.task``."""
+    k = cfg.task.get("data_tokens", 16)
+    return Options(
+        symbols=cfg.task.symbols,
+        reverse_digits=bool(cfg.task.reverse_digits),
+        data_tokens=k if integer(k) else 16,
     )
-    _fits_encoder(problems, cfg, "max_len")
 
 
-def _validate_monitor(t: DictConfig, problems: list[str]) -> None:
-    monitor, mode = t.get("monitor", "val/loss"), t.get("monitor_mode", "min")
-    allowed = {"val/loss": "min", "val/nll": "min", "val/ppl": "min", "val/bleu": "max"}
-    if monitor not in allowed:
-        problems.append(f"task.monitor={monitor!r}: allowed {', '.join(allowed)}")
-    elif mode != allowed[monitor]:
-        problems.append(f"task.monitor_mode={mode!r}: {monitor} needs {allowed[monitor]}")
-    if monitor == "val/bleu" and t.val_bleu_sentences == 0:
-        problems.append(
-            "task.monitor=val/bleu: needs task.val_bleu_sentences > 0 (it is 0); "
-            "raise it or monitor val/loss"
-        )
+def algo_longest(cfg: Any, size: int) -> int | None:
+    """Positions an algorithmic instance of ``size`` takes (None for an unknown problem)."""
+    problem = PROBLEMS.get(cfg.task.problem)
+    if problem is None:
+        return None
+    return longest_sequence(problem, size, cfg.task.shape, algo_options(cfg))
 
 
-def _try_encoder(cfg: DictConfig, problems: list[str]) -> None:
-    """Build the encoder once with the model sizes and make the attention hooks the task
-    needs: the encoder's own checks (and refusals, e.g. causal-only schemes in a
-    translation encoder) run here, before any data is loaded."""
-    m = cfg.model
-    kinds = [AttnKind.CAUSAL]
-    if cfg.task.name == "mt" or cfg.task.get("shape") == "encdec":
-        kinds += [AttnKind.BIDIRECTIONAL, AttnKind.CROSS]
-    try:
-        enc = instantiate(cfg.encoder)(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers)
-        for kind in kinds:
-            enc.for_attention(layer=0, kind=kind)
-    except (ValueError, TypeError) as err:
-        problems.append(f"encoder: {err}")
-
-
-def _random_positions(cfg: DictConfig, problems: list[str]) -> None:
+def _random_positions(cfg: DictConfig) -> list[str]:
     """``model.random_positions`` (Ruoss et al. 2023) must cover the longest training
     sequence and, for a ``learned`` table, fit in it."""
-    n = cfg.model.get("random_positions")
+    n, problems = cfg.model.get("random_positions"), list[str]()
     if n is None:
-        return
+        return problems
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         problems.append(
             f"model.random_positions={n!r}: must be a positive integer (the range positions "
             f"are drawn from in training) or null (off)"
         )
-        return
+        return problems
     if cfg.task.name == "algo":
         key = "train_lengths"
         hi = cfg.task.train_lengths[-1] if OmegaConf.is_list(cfg.task.train_lengths) else None
@@ -571,114 +346,267 @@ def _random_positions(cfg: DictConfig, problems: list[str]) -> None:
             f"model.random_positions={n}: larger than encoder.max_len={max_len}, so the "
             f"learned table cannot embed the drawn positions; raise encoder.max_len to {n}"
         )
+    return problems
 
 
-_number = checks.number
-
-
-def _suggest(key: str, allowed: list[str]) -> str:
-    close = difflib.get_close_matches(key, allowed, n=1)
-    return f"did you mean {close[0]!r}? " if close else ""
-
-
-def _check_keys(problems: list[str], prefix: str, given: list[str], allowed: list[str]) -> None:
-    for key in given:
-        if key not in allowed:
-            problems.append(
-                f"{prefix}{key}: unknown key; {_suggest(key, allowed)}allowed: "
-                f"{', '.join(sorted(allowed))}"
-            )
-
-
-def _params(fn: Any, drop: tuple[str, ...] = ()) -> list[str]:
-    return [p for p in inspect.signature(fn).parameters if p not in drop + ("self",)]
-
-
-TOP_LEVEL = [
-    "encoder",
-    "task",
-    "trainer",
-    "data",
-    "tokenizer",
-    "model",
-    "seed",
-    "eval_only",
-    "ckpt_path",
-    "resume",
-    "checkpoint_every_n_steps",
-    "paths",
-    "init_from",
-    "threads",
-    "tuned",
-]
-
-
-def _unknown_keys(cfg: DictConfig, problems: list[str]) -> None:
-    """Misspelled or unknown keys would be ignored or crash late: name them now."""
-    _check_keys(problems, "", [str(k) for k in cfg if k != "hydra"], TOP_LEVEL)
-    fixed = ("d_model", "n_heads", "n_layers")
+def _try_encoder(cfg: DictConfig) -> list[str]:
+    """Build the encoder once with the model sizes and make the attention hooks the task
+    needs: the encoder's own checks (and refusals, e.g. causal-only schemes in a
+    translation encoder) run here, before any data is loaded."""
+    m = cfg.model
+    kinds = [AttnKind.CAUSAL]
+    if cfg.task.name == "mt" or cfg.task.get("shape") == "encdec":
+        kinds += [AttnKind.BIDIRECTIONAL, AttnKind.CROSS]
     try:
-        cls: type[Any] = get_class(cfg.encoder._target_)
-    except Exception as err:
-        problems.append(f"encoder._target_={cfg.encoder.get('_target_')!r}: {err}")
-    else:
-        allowed = _params(cls.__init__, fixed) + ["_target_", "_partial_"]
-        _check_keys(problems, "encoder.", list(cfg.encoder), allowed)
-    encdec = cfg.task.name == "mt" or (
-        cfg.task.name == "algo" and cfg.task.get("shape") == "encdec"
-    )
-    model_cls = EncoderDecoder if encdec else DecoderLM
-    allowed = _params(
-        model_cls.__init__, ("vocab_size", "src_vocab_size", "tgt_vocab_size", "encoder")
-    )
-    allowed.append("compile")  # read by the LightningModule, not the model
-    if cfg.task.name == "lm":  # MT-only model keys are reported by _reject_mt_options
-        allowed += list(MT_MODEL_KEYS)
-    if cfg.task.name == "algo":  # the two shapes share conf/model/algo.yaml
-        allowed = [k for k in allowed if k not in ("share_embeddings", *MT_MODEL_KEYS)]
-    _check_keys(problems, "model.", list(cfg.model), allowed)
-    _check_keys(
-        problems, "trainer.", list(cfg.trainer), _params(pl.Trainer.__init__) + ["_target_"]
-    )
+        enc = instantiate(cfg.encoder)(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers)
+        for kind in kinds:
+            enc.for_attention(layer=0, kind=kind)
+    except (ValueError, TypeError) as err:
+        return [f"encoder: {err}"]
+    return []
 
 
-def _run_keys(cfg: DictConfig, problems: list[str]) -> None:
-    threads = cfg.get("threads")
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0
-    ):
-        problems.append(
-            f"threads={threads!r}: must be a positive integer (CPU threads per "
-            f"process) or null (torch's default: one per core)"
-        )
-    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
-        problems.append(f"seed={cfg.seed!r}: must be an integer >= 0")
-    for key in ("eval_only", "resume"):
-        if not isinstance(cfg[key], bool):
-            problems.append(f"{key}={cfg[key]!r}: must be true or false")
-    _positive_int(problems, "checkpoint_every_n_steps", cfg.checkpoint_every_n_steps)
-    if cfg.eval_only and not cfg.ckpt_path:
-        problems.append("eval_only=true: needs ckpt_path=/path/to/checkpoint.ckpt")
-    if cfg.ckpt_path and not Path(str(cfg.ckpt_path)).is_file():
-        problems.append(f"ckpt_path={cfg.ckpt_path}: no such file")
-    init = cfg.get("init_from")
-    if init and not Path(str(init)).is_file():
-        problems.append(f"init_from={init}: no such file")
-    if init and (cfg.eval_only or cfg.ckpt_path):
-        problems.append(
-            f"init_from={init}: starts a new run from a checkpoint's weights, but "
-            f"{'eval_only=true' if cfg.eval_only else 'ckpt_path'} is set too; use ckpt_path "
-            f"alone to evaluate or continue a run, init_from alone to fine-tune from one"
-        )
-
-
-def _fits_encoder(problems: list[str], cfg: DictConfig, key: str) -> bool:
+def _fits_encoder(cfg: DictConfig, key: str) -> list[str]:
     """``task.<key>`` (the training length) must fit a ``learned`` table's ``max_len``."""
     max_len, length = cfg.encoder.get("max_len"), cfg.task[key]
-    if max_len is not None and isinstance(length, int) and length > max_len:
-        problems.append(
+    if max_len is not None and integer(length) and length > max_len:
+        return [
             f"task.{key}={length}: longer than encoder.max_len={max_len}; raise "
             f"encoder.max_len or lower task.{key}"
+        ]
+    return []
+
+
+def trainer(cfg: DictConfig) -> list[str]:
+    """``trainer.*`` values posenc relies on: a positive step budget, validation by steps,
+    gradient clipping."""
+    t, problems = cfg.trainer, []
+    steps = t.get("max_steps")
+    if not integer(steps):
+        problems.append(f"trainer.max_steps={steps!r}: must be a positive integer (training steps)")
+    elif steps == 0 and not cfg.get("eval_only"):
+        problems.append(
+            "trainer.max_steps=0: would record the metrics of an untrained model; "
+            "give a positive number of steps, or evaluate a trained model with "
+            "eval_only=true ckpt_path=..."
         )
-        return False
-    return True
+    elif steps < 0 and not cfg.get("eval_only"):
+        problems.append(
+            f"trainer.max_steps={steps}: posenc runs are bounded by steps (with -1 "
+            f"Lightning would train for 1000 epochs); give a positive max_steps"
+        )
+    clip = t.get("gradient_clip_val")
+    if clip is not None and not (finite(clip) and clip >= 0):
+        problems.append(
+            f"trainer.gradient_clip_val={clip!r}: must be a number >= 0, or null for no clipping"
+        )
+    # Lightning's own positive-integer knobs: 0 fails deep inside it (ZeroDivisionError).
+    for key in ("accumulate_grad_batches", "log_every_n_steps", "num_nodes"):
+        value = t.get(key)
+        if value is not None and not (integer(value) and value >= 1):
+            problems.append(f"trainer.{key}={value!r}: must be a positive integer")
+    _val_check_interval(t, problems)
+    return problems
+
+
+def _val_check_interval(t: DictConfig, problems: list[str]) -> None:
+    every = t.get("val_check_interval")
+    if every is None or (integer(every) and every > 0):
+        return
+    if isinstance(every, str) and _DURATION.fullmatch(every):
+        return
+    by_epoch = t.get("check_val_every_n_epoch") is not None
+    if by_epoch and isinstance(every, float) and 0 < every <= 1:
+        return
+    fraction = "" if by_epoch else " with trainer.check_val_every_n_epoch set"
+    problems.append(
+        f"trainer.val_check_interval={every!r}: must be a positive integer (training "
+        f"steps between validations), a time DD:HH:MM:SS, or a fraction in (0, 1] "
+        f"of an epoch{fraction}"
+    )
+
+
+def cache_dir(path: Any) -> list[str]:
+    """``paths.cache_dir`` (``POSENC_CACHE_DIR``) must be a folder posenc can write to: it is
+    created if missing, and a temporary file is written and removed."""
+    key = "paths.cache_dir"
+    if not isinstance(path, str) or not path:
+        return [f"{key}={path!r}: must be a folder path (or set POSENC_CACHE_DIR)"]
+    folder = Path(path).expanduser()
+    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        where = "is a file" if blocker == folder else f"is inside {blocker}, which is a file"
+        return [
+            f"{key}={path}: {where}, not a folder; point paths.cache_dir (or "
+            f"POSENC_CACHE_DIR) at a folder"
+        ]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        return [
+            f"{key}={path}: cannot write there ({err.strerror or err}); point "
+            f"paths.cache_dir (or POSENC_CACHE_DIR) at a writable folder"
+        ]
+    return []
+
+
+def check_lm_batch(cfg: Any, train_tokens: int, vocab_size: int) -> None:
+    """Refuse a training batch the loaded data or this machine cannot hold; run once the
+    data is tokenized, before the model and trainer are built (see :func:`lm_batch`).
+
+    Raises:
+        ConfigError: One line naming ``task.batch_size``, the limit and the fix.
+    """
+    problem = lm_batch(cfg, train_tokens, vocab_size)
+    if problem:
+        raise ConfigError(problem)
+
+
+def check_passkey(cfg: Any, min_length: int, split_tokens: dict[str, int]) -> None:
+    """Refuse passkey lengths the format or the data cannot fill; run once the data is
+    tokenized (see :func:`passkey_data`).
+
+    Raises:
+        ConfigError: One line per problem, naming the key, the length and the fix.
+    """
+    problems = passkey_data(cfg, passkey_lengths(cfg), min_length, split_tokens)
+    if problems:
+        raise ConfigError(problem_message(problems))
+
+
+def lm_batch(cfg: Any, train_tokens: int, vocab_size: int) -> str | None:
+    """The problem with ``task.batch_size`` once the LM data is loaded, or None.
+
+    A batch of more windows than the training split holds without overlap would repeat
+    the whole text within every step and only grow memory. On CPU, a batch whose logits
+    alone (``batch_size x seq_len x vocab`` floats, with their gradient) exceed the
+    machine's memory is refused too. ``eval_only`` trains nothing: no problem.
+
+    Args:
+        cfg: The validated run config (task=lm).
+        train_tokens: Tokens in the training split.
+        vocab_size: The tokenizer's vocabulary.
+    """
+    if cfg.eval_only:
+        return None
+    batch, seq_len = cfg.task.batch_size, cfg.task.seq_len
+    windows = (train_tokens - 1) // seq_len
+    if batch > windows:
+        return (
+            f"task.batch_size={batch}: larger than the {windows} windows of task.seq_len="
+            f"{seq_len} in the training split ({train_tokens} tokens), so every step would "
+            f"repeat the whole text; lower task.batch_size to at most {windows}"
+        )
+    need = batch * seq_len * vocab_size * 4 * 2
+    ram = _physical_memory()
+    on_cpu = cfg.trainer.get("accelerator") == "cpu" or not torch.cuda.is_available()
+    if on_cpu and ram and need > ram:
+        return (
+            f"task.batch_size={batch}: its logits alone ({batch} x {seq_len} x vocab "
+            f"{vocab_size}, with their gradient) need {need / 2**30:.1f} GiB, more than "
+            f"this machine's {ram / 2**30:.1f} GiB; lower task.batch_size"
+        )
+    return None
+
+
+def algo_memory(cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
+    """The problem with an algorithmic task's sizes that would exhaust the memory, or None:
+    its test set (``task.test_per_size`` instances of every size of the test grid up to
+    ``test_hi``, for each test distribution, held in memory) or, on a CPU, the attention
+    scores of one training batch at the largest training size (``batch x heads x T^2``
+    per layer, kept for the backward pass).
+
+    Args:
+        cfg: The run config (task=algo, known problem and shape).
+        lo: The smallest training size.
+        hi: The largest training size.
+        test_hi: The largest test size.
+    """
+
+    ram = _physical_memory()
+    if not ram:
+        return None
+    t = cfg.task
+    problem = PROBLEMS[t.problem]
+    grid = t.get("test_sizes", "auto")
+    grid = problem.grid if grid == "auto" else grid
+    sizes = grid_sizes(problem, lo, hi, test_hi, grid, algo_options(cfg))
+    # int64 token ids, input and target, of every instance of every distribution
+    positions = sum(algo_longest(cfg, n) or 0 for n in sizes)
+    test_bytes = t.test_per_size * len(problem.variants) * positions * 8 * 2
+    if test_bytes > ram / 4:
+        where = f"every size {sizes[0]}..{sizes[-1]}" if grid == "every" else f"sizes {sizes}"
+        return (
+            f"task.train_lengths=[{lo},{hi}]: its test set ({t.test_per_size} instances "
+            f"of {where}, task.test_multiple={t.test_multiple}) needs "
+            f"{test_bytes / 2**30:.1f} GiB, over a quarter of this machine's "
+            f"{ram / 2**30:.1f} GiB; lower the largest size, task.test_multiple or "
+            f"task.test_per_size"
+        )
+    on_cpu = cfg.trainer.get("accelerator") == "cpu" or not torch.cuda.is_available()
+    longest = algo_longest(cfg, hi) or 0
+    m = cfg.model
+    scores = t.batch_size * m.n_heads * longest**2 * 4 * m.n_layers
+    if on_cpu and scores > ram:
+        return (
+            f"task.train_lengths=[{lo},{hi}]: a training batch at size {hi} ({longest} "
+            f"positions) holds {t.batch_size} x {m.n_heads} heads x {longest}^2 attention "
+            f"scores in each of {m.n_layers} layers: {scores / 2**30:.1f} GiB, more than "
+            f"this machine's {ram / 2**30:.1f} GiB; lower the largest size or "
+            f"task.batch_size"
+        )
+    return None
+
+
+def passkey_data(
+    cfg: Any, lengths: list[int], min_length: int, split_tokens: dict[str, int]
+) -> list[str]:
+    """Problems with passkey lengths once the data is tokenized (the format's size in
+    tokens depends on the tokenizer).
+
+    Args:
+        cfg: The validated run config (task=lm).
+        lengths: The passkey evaluation lengths.
+        min_length: The shortest instance the format allows
+            (:meth:`posenc.eval.passkey.PasskeyFormat.min_length`).
+        split_tokens: Tokens per split (filler comes from the evaluated splits, the
+            training mix's from ``train``).
+    """
+    problems = []
+    short = [n for n in lengths if n < min_length]
+    if short:
+        problems.append(
+            f"task.eval.passkey.multipliers give lengths {short}, shorter than the "
+            f"{min_length} tokens a passkey instance needs (needle, question, key, filler); "
+            f"drop those multipliers or raise task.seq_len"
+        )
+    for split in cfg.task.eval.splits if lengths else []:
+        if split_tokens[split] < max(lengths):
+            problems.append(
+                f"task.eval.passkey.multipliers give length {max(lengths)}, longer than the "
+                f"{split!r} split ({split_tokens[split]} tokens) the filler comes from"
+            )
+    mix = cfg.task.get("passkey_mix", 0)
+    if mix and not cfg.eval_only and cfg.task.seq_len < min_length:
+        problems.append(
+            f"task.passkey_mix={mix}: training passkey instances of task.seq_len = "
+            f"{cfg.task.seq_len} tokens are shorter than the {min_length} the format "
+            f"needs; raise task.seq_len or set task.passkey_mix=0"
+        )
+    if mix and not cfg.eval_only and split_tokens.get("val", 0) < cfg.task.seq_len:
+        problems.append(
+            f"task.passkey_mix={mix}: validation checks retrieval at task.seq_len="
+            f"{cfg.task.seq_len} with filler from the 'val' split, which has only "
+            f"{split_tokens.get('val', 0)} tokens; lower task.seq_len or give the data a "
+            f"longer validation split"
+        )
+    return problems
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on this platform
+        return None

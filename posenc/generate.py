@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> str:
     the training data that its run directory's config names.
     """
     from posenc.data.tokenizers import fingerprints, from_payload
+    from posenc.schema import typed
     from posenc.tasks.lm import LMTask
     from posenc.training import checkpoints
     from posenc.training.trainer import load_for_eval
@@ -121,11 +122,11 @@ def run(args: argparse.Namespace) -> str:
     else:
         from posenc.tasks.lm_job import lm_datamodule
 
-        dm = lm_datamodule(cfg)
+        dm = lm_datamodule(typed(cfg))
         dm.setup()
         tokenizer = dm.tokenizer
     cfg.ckpt_path = str(args.ckpt)
-    model = load_for_eval(LMTask, cfg, tokenizer.vocab_size, fingerprints(tokenizer))
+    model = load_for_eval(LMTask, typed(cfg), tokenizer.vocab_size, fingerprints(tokenizer))
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ValueError(f"the prompt {args.prompt!r} encodes to no tokens; give some text")

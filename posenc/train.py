@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posenc import tuned
 from posenc.config import validate
+from posenc.schema import typed
 from posenc.training import checkpoints
 from posenc.training.rundir import guard_run_dir, record_job, resume_checkpoint
 from posenc.training.trainer import quiet_third_party
@@ -72,4 +73,4 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True)
     if cfg.task.name not in TASKS:
         raise ValueError(f"task.name={cfg.task.name!r}: allowed {', '.join(TASKS)}")
-    return importlib.import_module(TASKS[cfg.task.name]).run(cfg, run_dir)
+    return importlib.import_module(TASKS[cfg.task.name]).run(typed(cfg), run_dir)

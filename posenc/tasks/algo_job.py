@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from omegaconf import DictConfig
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.data.algo import AlgoDataModule, bucket_name
 from posenc.plots import accuracy_vs_size
+from posenc.schema import Run
 from posenc.tasks.algo import AlgoTask
 from posenc.training import job
 from posenc.training.callbacks import Throughput
@@ -64,19 +64,19 @@ def metric_name(kind: str, variant: str) -> str:
     return f"{kind}_{variant}" if variant else kind
 
 
-def top_size(cfg: DictConfig) -> int:
+def top_size(cfg: Run) -> int:
     """The largest test size: ``test_multiple * hi``."""
     return int(math.floor(cfg.task.test_multiple * cfg.task.train_lengths[1]))
 
 
-def label(cfg: DictConfig) -> str:
+def label(cfg: Run) -> str:
     """The encoder's name in results: ``rope``, or ``rope_rand`` when trained on
     randomized positions (``model.random_positions``)."""
     name = group_choice(cfg, "encoder")
     return f"{name}_rand" if cfg.model.get("random_positions") else name
 
 
-def datamodule(cfg: DictConfig) -> AlgoDataModule:
+def datamodule(cfg: Run) -> AlgoDataModule:
     t = cfg.task
     return AlgoDataModule(
         problem=t.problem,
@@ -102,7 +102,7 @@ def vocab_fingerprints(dm: AlgoDataModule) -> tuple[str]:
     return (hashlib.sha256("\n".join(dm.vocab.tokens).encode()).hexdigest(),)
 
 
-def algo_task(cfg: DictConfig, dm: AlgoDataModule) -> AlgoTask:
+def algo_task(cfg: Run, dm: AlgoDataModule) -> AlgoTask:
     if cfg.eval_only:
         return load_for_eval(AlgoTask, cfg, len(dm.vocab), vocab_fingerprints(dm))
     task = AlgoTask(
@@ -115,12 +115,12 @@ def algo_task(cfg: DictConfig, dm: AlgoDataModule) -> AlgoTask:
         top_size=top_size(cfg),
         problem=cfg.task.problem,
     )
-    if cfg.get("init_from"):
+    if cfg.init_from:
         init_from_checkpoint(task, cfg.init_from)
     return task
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def run(cfg: Run, run_dir: Path) -> dict[str, Any]:
     """Fit, then accuracy by instance size."""
     dm = datamodule(cfg)
     task = algo_task(cfg, dm)
@@ -171,7 +171,7 @@ def bucket_metrics(
 
 
 def finish(
-    cfg: DictConfig,
+    cfg: Run,
     run_dir: Path,
     dm: AlgoDataModule,
     task: AlgoTask,
@@ -214,7 +214,7 @@ def finish(
     return result
 
 
-def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -> None:
+def _tensorboard(trainer: pl.Trainer, cfg: Run, result: dict[str, Any]) -> None:
     logger = trainer.logger
     if not isinstance(logger, TensorBoardLogger):
         return

@@ -10,7 +10,6 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.config import check_lm_batch, check_passkey, eval_lengths, passkey_lengths
@@ -19,6 +18,7 @@ from posenc.data.samplers import ShardSampler
 from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.lengths import PROTOCOLS, metric_name, parse_metric
 from posenc.plots import loss_by_position_figure, ppl_vs_length_figure
+from posenc.schema import Run
 from posenc.tasks import lm_passkey
 from posenc.tasks.lm import Extension, LMTask
 from posenc.training import checkpoints, job
@@ -55,7 +55,7 @@ EXTENSION_DOC = {
 }
 
 
-def lm_datamodule(cfg: DictConfig) -> LMDataModule:
+def lm_datamodule(cfg: Run) -> LMDataModule:
     t = cfg.task
     return LMDataModule(
         source=instantiate(cfg.data.source),
@@ -68,12 +68,12 @@ def lm_datamodule(cfg: DictConfig) -> LMDataModule:
         eval_max_tokens=t.eval.max_tokens,
         seed=cfg.seed,
         passkey_mix=float(t.get("passkey_mix", 0.0)),
-        passkey_key_len=int(OmegaConf.select(t, "eval.passkey.key_len", default=5)),
+        passkey_key_len=int(t.eval.passkey.key_len),
         passkey_answer_weight=float(t.get("passkey_answer_weight", 1.0)),
     )
 
 
-def lm_task(cfg: DictConfig, vocab_size: int, tokenizer: tuple[str, ...] | None = None) -> LMTask:
+def lm_task(cfg: Run, vocab_size: int, tokenizer: tuple[str, ...] | None = None) -> LMTask:
     """A new task (with ``init_from``'s weights, if set), or the one stored in
     ``cfg.ckpt_path`` for ``eval_only`` (checked against the tokenizer's fingerprint)."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
@@ -96,12 +96,12 @@ def lm_task(cfg: DictConfig, vocab_size: int, tokenizer: tuple[str, ...] | None 
         max_steps=cfg.trainer.max_steps,
         seq_len=cfg.task.seq_len,
     )
-    if cfg.get("init_from"):
+    if cfg.init_from:
         init_from_checkpoint(task, cfg.init_from)
     return task
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def run(cfg: Run, run_dir: Path) -> dict[str, Any]:
     """Language modeling: fit, then perplexity at every evaluation length and protocol."""
     dm = lm_datamodule(cfg)
     dm.setup("fit")
@@ -138,7 +138,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     return finish_lm(cfg, run_dir, task, fitted, throughput, skipped, passkey)
 
 
-def extension_setting(cfg: DictConfig, method: str, length: int) -> Extension:
+def extension_setting(cfg: Run, method: str, length: int) -> Extension:
     """The method's setting at evaluation length ``length``: original length
     ``task.seq_len``; ``extension_factor=auto`` gives ``s = max(1, length / seq_len)`` (and
     ``alpha = 1`` for ``dynamic_ntk``, whose ``s'`` then equals ``l / L``)."""
@@ -150,7 +150,7 @@ def extension_setting(cfg: DictConfig, method: str, length: int) -> Extension:
 
 
 def eval_loaders(
-    cfg: DictConfig, dm: LMDataModule, task: LMTask
+    cfg: Run, dm: LMDataModule, task: LMTask
 ) -> tuple[
     list[str], list[int], list[Extension | None], list[torch.utils.data.DataLoader], dict[str, str]
 ]:
@@ -200,7 +200,7 @@ def eval_loaders(
 
 
 def finish_lm(
-    cfg: DictConfig,
+    cfg: Run,
     run_dir: Path,
     task: LMTask,
     fitted: job.Fitted,
@@ -260,7 +260,7 @@ def _metric_order(item: tuple[str, float]) -> tuple[str, str, str, int]:
     return split, kind, extension, int(length) if length.isdigit() else 0
 
 
-def _tensorboard(trainer: pl.Trainer, cfg: DictConfig, result: dict[str, Any]) -> None:
+def _tensorboard(trainer: pl.Trainer, cfg: Run, result: dict[str, Any]) -> None:
     """Perplexity-vs-length and loss-by-position figures, and HParams linked to results."""
     logger = trainer.logger
     if not isinstance(logger, TensorBoardLogger):

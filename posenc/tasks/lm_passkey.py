@@ -14,7 +14,6 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from omegaconf import DictConfig
 
 from posenc.config import passkey_lengths
 from posenc.data.lm import LMDataModule
@@ -22,6 +21,7 @@ from posenc.data.passkey import DOC, PasskeyFormat
 from posenc.eval.passkey import evaluate_length, greedy
 from posenc.model import DecoderLM
 from posenc.plots import heatmap_figure
+from posenc.schema import Run
 from posenc.training.gate import PASSKEY
 
 log = logging.getLogger(__name__)
@@ -32,13 +32,13 @@ def metric_name(split: str, length: int) -> str:
     return f"{split}/passkey@{length}"
 
 
-def passkey_format(cfg: DictConfig, dm: LMDataModule) -> PasskeyFormat:
+def passkey_format(cfg: Run, dm: LMDataModule) -> PasskeyFormat:
     """The run's passkey format (its tokenizer, ``task.eval.passkey.key_len``)."""
     return PasskeyFormat(dm.tokenizer, int(cfg.task.eval.passkey.key_len))
 
 
 def evaluate(
-    cfg: DictConfig, dm: LMDataModule, model: DecoderLM, device: torch.device
+    cfg: Run, dm: LMDataModule, model: DecoderLM, device: torch.device
 ) -> tuple[dict[str, Any], dict[str, float], dict[str, str]]:
     """Run the passkey grid of every evaluated split.
 
@@ -141,7 +141,7 @@ class PasskeyValidation(pl.Callback):
         dm: The set-up data module.
     """
 
-    def __init__(self, cfg: DictConfig, dm: LMDataModule) -> None:
+    def __init__(self, cfg: Run, dm: LMDataModule) -> None:
         p = cfg.task.eval.passkey
         self.fmt = passkey_format(cfg, dm)
         self.stream = dm.lm_split_tokens("val")
@@ -168,7 +168,7 @@ class PasskeyValidation(pl.Callback):
         pl_module.log(PASSKEY, sum(acc) / len(acc))
 
 
-def validation_callbacks(cfg: DictConfig, dm: LMDataModule) -> list[pl.Callback]:
+def validation_callbacks(cfg: Run, dm: LMDataModule) -> list[pl.Callback]:
     """:class:`PasskeyValidation` for a run trained on the passkey mix (none otherwise)."""
     if not cfg.task.get("passkey_mix") or cfg.eval_only:
         return []

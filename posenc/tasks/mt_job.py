@@ -12,13 +12,13 @@ from typing import Any
 import pytorch_lightning as pl
 from hydra.utils import instantiate
 from matplotlib.figure import Figure
-from omegaconf import DictConfig
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.data.mt import MTDataModule, restore_order
 from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.plots import bleu_by_length_figure, close
+from posenc.schema import Run
 from posenc.tasks.mt import MTTask
 from posenc.training import job
 from posenc.training.callbacks import Throughput
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 LENGTH_PENALTY_DOC = "GNMT: hypotheses ranked by logprob / ((5 + |Y|) / 6) ** alpha, |Y| incl. EOS"
 
 
-def mt_datamodule(cfg: DictConfig) -> MTDataModule:
+def mt_datamodule(cfg: Run) -> MTDataModule:
     t = cfg.task
     return MTDataModule(
         source=instantiate(cfg.data.source),
@@ -49,7 +49,7 @@ def mt_datamodule(cfg: DictConfig) -> MTDataModule:
     )
 
 
-def mt_task(cfg: DictConfig, dm: MTDataModule, tokenizer: tuple[str, ...] | None = None) -> MTTask:
+def mt_task(cfg: Run, dm: MTDataModule, tokenizer: tuple[str, ...] | None = None) -> MTTask:
     """A new task (with ``init_from``'s weights, if set), or the one stored in
     ``cfg.ckpt_path`` for ``eval_only`` (checked against the tokenizer's fingerprint)."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
@@ -71,12 +71,12 @@ def mt_task(cfg: DictConfig, dm: MTDataModule, tokenizer: tuple[str, ...] | None
         max_len_b=t.decode.max_len_b,
         max_len=t.max_len,
     )
-    if cfg.get("init_from"):
+    if cfg.init_from:
         init_from_checkpoint(task, cfg.init_from)
     return task
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def run(cfg: Run, run_dir: Path) -> dict[str, Any]:
     """Translation: fit, then decode ``task.eval_split`` and score it."""
     dm = mt_datamodule(cfg)
     dm.setup("fit")
@@ -128,7 +128,7 @@ def score(
 
 
 def finish_mt(
-    cfg: DictConfig,
+    cfg: Run,
     run_dir: Path,
     dm: MTDataModule,
     task: MTTask,
@@ -222,7 +222,7 @@ def _samples_markdown(
 
 def _tensorboard(
     trainer: pl.Trainer,
-    cfg: DictConfig,
+    cfg: Run,
     dm: MTDataModule,
     result: dict[str, Any],
     hyps: list[str],

@@ -23,10 +23,12 @@ from typing import Any
 import pytorch_lightning as pl
 from omegaconf import DictConfig, OmegaConf
 
+from posenc.schema import Gate, Group, Run, keys
+
 log = logging.getLogger(__name__)
 
 #: Keys of ``task.learned``.
-GATE_KEYS = ("metric", "threshold", "stop")
+GATE_KEYS = tuple(keys(Gate))
 #: Metrics whose value must fall to the threshold; every other one must rise to it.
 LOWER_IS_BETTER = ("val/loss", "val/nll", "val/ppl")
 #: Metrics in percent (0..100) and in [0, 1], for the threshold's range check.
@@ -40,7 +42,7 @@ PERCENT = ("val/seq_acc", "val/acc")
 PASSKEY = "val/passkey"
 
 
-def metrics(cfg: DictConfig) -> dict[str, str]:
+def metrics(cfg: Run | DictConfig) -> dict[str, str]:
     """The validation metrics a gate can watch in this run, each with what it needs.
 
     Returns:
@@ -125,7 +127,7 @@ def stopped(trainer: pl.Trainer) -> bool:
     return bool(found) and found[0].stop and found[0].learned_step == trainer.global_step
 
 
-def callback(cfg: DictConfig) -> LearnedGate | None:
+def callback(cfg: Run | DictConfig) -> LearnedGate | None:
     """The run's gate callback (None without ``task.learned``)."""
     gate = cfg.task.get("learned")
     if gate is None:
@@ -133,7 +135,7 @@ def callback(cfg: DictConfig) -> LearnedGate | None:
     return LearnedGate(str(gate.metric), float(gate.threshold), bool(gate.get("stop", False)))
 
 
-def result(cfg: DictConfig, trainer: pl.Trainer, val: dict[str, float]) -> dict[str, Any]:
+def result(cfg: Run | DictConfig, trainer: pl.Trainer, val: dict[str, float]) -> dict[str, Any]:
     """The gate's fields of ``metrics.json``.
 
     - ``gate``: ``{metric, threshold, stop}``, or null for a task without one;
@@ -155,7 +157,7 @@ def result(cfg: DictConfig, trainer: pl.Trainer, val: dict[str, float]) -> dict[
     value = val.get(str(gate.metric))
     learned = None if value is None else met(str(gate.metric), value, float(gate.threshold))
     return {
-        "gate": OmegaConf.to_container(gate, resolve=True),
+        "gate": gate.as_dict() if isinstance(gate, Group) else OmegaConf.to_container(gate),
         "learned": learned,
         "learned_step": found[0].learned_step if found else None,
     }

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
+from posenc.schema import Run, untyped
 from posenc.training import gate
 from posenc.training.callbacks import Throughput, peak_memory_mb
 from posenc.training.rundir import write_json_atomic
@@ -49,7 +50,7 @@ class Fitted:
 
 
 def fit(
-    cfg: DictConfig,
+    cfg: Run,
     run_dir: Path,
     task: pl.LightningModule,
     throughput: Throughput,
@@ -74,7 +75,7 @@ def fit(
 
 
 def record(
-    cfg: DictConfig,
+    cfg: Run,
     task: pl.LightningModule,
     fitted: Fitted,
     throughput: Throughput,
@@ -98,7 +99,7 @@ def record(
         **({"tokens_per_s_kind": throughput_kind} if throughput_kind else {}),
         "peak_memory_mb": round(mem, 1),
         "peak_memory_kind": mem_kind,
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": OmegaConf.to_container(untyped(cfg), resolve=True),
     }
 
 

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from posenc.errors import TrainingDiverged
-
-SCHEDULES = ("cosine", "inverse_sqrt")
+from posenc.schema import SCHEDULES
 
 
 def check_finite(loss: torch.Tensor, step: int) -> None:

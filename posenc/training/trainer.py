@@ -22,6 +22,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
 
 from posenc.errors import CheckpointError
+from posenc.schema import Group, Run, untyped
 from posenc.training import checkpoints, gate
 from posenc.training.callbacks import PlainProgress, Throughput
 
@@ -113,7 +114,7 @@ def run_state(trainer: pl.Trainer) -> RunState:
 
 
 def build_trainer(
-    cfg: DictConfig,
+    cfg: Run,
     run_dir: Path,
     throughput: Throughput,
     tokenizer: tuple[str, ...] | None = None,
@@ -160,7 +161,9 @@ def build_trainer(
         ),
         LearningRateMonitor(logging_interval="step"),
         RunState(
-            checkpoints.record(cfg, tokenizer[0] if tokenizer else None, tokenizer_payload),
+            checkpoints.record(
+                untyped(cfg), tokenizer[0] if tokenizer else None, tokenizer_payload
+            ),
             tokenizer,
         ),
         throughput,
@@ -194,8 +197,11 @@ def best_checkpoint(trainer: pl.Trainer) -> str:
     return cast(ModelCheckpoint, trainer.checkpoint_callback).best_model_path
 
 
-def to_dict(node: DictConfig) -> dict[str, Any]:
-    """A config section as a plain, resolved dict (what the tasks' hyperparameters take)."""
+def to_dict(node: Group | DictConfig) -> dict[str, Any]:
+    """A config section as a plain, resolved dict (what the tasks' hyperparameters take):
+    a typed group's keys as the config set them."""
+    if isinstance(node, Group):
+        return node.as_dict()
     return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
 
 
@@ -205,7 +211,7 @@ def save_last(trainer: pl.Trainer, run_dir: Path) -> None:
     trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
 
 
-def group_choice(cfg: DictConfig, group: str) -> str:
+def group_choice(cfg: Any, group: str) -> str:
     """The Hydra group choice (``rope``); outside a Hydra run (a config composed by
     hand), the registered name of the configured class."""
     from hydra.core.hydra_config import HydraConfig
@@ -227,7 +233,7 @@ def log_hparams(trainer: pl.Trainer, hparams: dict[str, Any], metrics: dict[str,
 
 def load_for_eval(
     task_cls: type[Task],
-    cfg: DictConfig,
+    cfg: Run,
     vocab_size: int,
     tokenizer: tuple[str, ...] | None = None,
 ) -> Task:
@@ -243,10 +249,10 @@ def load_for_eval(
         CheckpointError: The file is damaged, or was trained with another tokenizer.
         ValueError: The checkpoint's vocabulary differs from the configured tokenizer's.
     """
-    ckpt = checkpoints.load(cfg.ckpt_path)
+    ckpt = checkpoints.load(str(cfg.ckpt_path))
     if tokenizer is not None:
         checkpoints.check_tokenizer(str(cfg.ckpt_path), ckpt, tokenizer)
-    task = task_cls.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    task = task_cls.load_from_checkpoint(str(cfg.ckpt_path), map_location="cpu")
     if task.hparams["vocab_size"] != vocab_size:
         raise ValueError(
             f"checkpoint {cfg.ckpt_path} has vocab_size={task.hparams['vocab_size']} but the "

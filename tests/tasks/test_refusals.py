@@ -16,7 +16,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from posenc import checks, stop
+from posenc import config as checks
+from posenc import stop
 from posenc.config import ConfigError, validate
 from posenc.data.lm import LMDataModule
 from posenc.decoding.encdec import beam_search, greedy

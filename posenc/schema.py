@@ -1,0 +1,559 @@
+"""Typed run configs: one frozen dataclass per config group (``model``, ``task`` of each
+task, ``task.optim``, ``task.eval``, ``task.eval.passkey``, ``task.decode``,
+``task.learned``, ``tokenizer``) and one for the run itself.
+
+A field declares a key once: its type, its default (the YAML files under ``conf/`` are
+the documented defaults and set the same values) and its rule, the one-line message a
+wrong value gets. :func:`problems` walks a composed ``DictConfig`` against a group and
+lists every unknown key (with a did-you-mean) and every value its rule refuses;
+:func:`build` turns a checked config into the typed objects the jobs read. The groups
+Hydra instantiates (``encoder``, ``trainer``, ``data``) stay mappings: their keys are the
+parameters of the classes they build.
+
+Validation walks the composed config rather than typing it inside Hydra's composition
+(a ConfigStore schema): OmegaConf would refuse a wrong type there with its own
+multi-line error, one problem at a time, where posenc lists every problem of a command
+in one message before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from posenc.data.algo import GRIDS, PROBLEMS, SHAPES
+from posenc.data.buckets import check_edges
+from posenc.data.tokenizers import TOKENIZER_KINDS
+from posenc.encoders.rope import SCALINGS
+
+# --- rules: a field's spec says what its value must be, and the message if it is not ---
+
+Check = Callable[[str, Any], list[str]]
+
+
+def integer(value: Any) -> bool:
+    """An int, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def number(value: Any) -> bool:
+    """An int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def finite(value: Any) -> bool:
+    """A finite int or float."""
+    return number(value) and math.isfinite(value)
+
+
+#: spec -> (test, message): the values a key takes.
+SPECS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int>0": (lambda v: integer(v) and v > 0, "must be a positive integer"),
+    "int>=0": (lambda v: integer(v) and v >= 0, "must be an integer >= 0"),
+    "num>=0": (lambda v: number(v) and v >= 0, "must be a number >= 0"),
+    "num>0": (lambda v: number(v) and v > 0, "must be a number > 0"),
+    "finite>0": (lambda v: finite(v) and v > 0, "must be a positive number"),
+    "finite>=0": (lambda v: finite(v) and v >= 0, "must be a number >= 0"),
+    "finite>=1": (lambda v: finite(v) and v >= 1, "must be a number >= 1"),
+    "finite": (finite, "must be a finite number"),
+    "[0,1)": (lambda v: number(v) and 0 <= v < 1, "must be a number in [0, 1)"),
+    "[0,1]": (lambda v: number(v) and 0 <= v <= 1, "must be a number in [0, 1]"),
+    "finite[0,1]": (lambda v: finite(v) and 0 <= v <= 1, "must be a number in [0, 1]"),
+    "bool": (lambda v: isinstance(v, bool), "must be true or false"),
+}
+
+
+def rule(
+    spec: str | tuple[str, ...], hint: str = "", says: str = "", optional: bool = False
+) -> Check:
+    """``key=value: <message><hint>`` unless the value meets ``spec`` (a name of
+    :data:`SPECS`, or a tuple of allowed strings); None passes when ``optional``."""
+    if isinstance(spec, tuple):
+        test, message = (lambda v: v in spec), f"allowed {', '.join(spec)}"
+    else:
+        test, message = SPECS[spec]
+
+    def check(key: str, value: Any) -> list[str]:
+        ok = (optional and value is None) or test(value)
+        return [] if ok else [f"{key}={value!r}: {says or message}{hint}"]
+
+    return check
+
+
+def items(
+    example: str, spec: str | tuple[str, ...] = "", says: str = "", empty: bool = False
+) -> Check:
+    """A list (non-empty unless ``empty``) whose items meet ``spec``: a wrong item gets
+    ``key contains item: <says>`` (the spec's message by default), a value that is not a
+    list an example of one."""
+    each = rule(spec, says=says) if spec else (lambda k, v: [])
+
+    def check(key: str, value: Any) -> list[str]:
+        if not isinstance(value, ListConfig | list | tuple):
+            return [f"{key}={value!r}: must be a list, e.g. {key}={example}"]
+        if not len(value) and not empty:
+            return [f"{key}=[]: must list at least one value, e.g. {key}={example}"]
+        return [p.replace(f"{key}=", f"{key} contains ", 1) for x in value for p in each(key, x)]
+
+    return check
+
+
+def key(default: Any, check: str | tuple[str, ...] | Check = "", hint: str = "", **kw: Any) -> Any:
+    """A field: its default (a list is copied per instance) and its rule (a spec for
+    :func:`rule`, or a check of its own)."""
+    if isinstance(check, str | tuple):
+        check = rule(check, hint, **kw) if check else (lambda k, v: [])
+    meta = {"check": check}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def group(cls: type[Group], says: str = "must be a mapping", optional: bool = False) -> Any:
+    """A nested group; ``says``: the message when the value is not a mapping."""
+    meta = {"group": cls, "says": says, "optional": optional}
+    if optional:
+        return field(default=None, metadata=meta)
+    return field(default_factory=cls, metadata=meta)
+
+
+# --- the groups ---
+
+#: Learning-rate schedules (:func:`posenc.training.optim.lr_lambda`).
+SCHEDULES = ("cosine", "inverse_sqrt")
+
+
+class Group:
+    """Read like the ``DictConfig`` it was built from: ``g.key``, ``g["key"]``,
+    ``g.get("key", default)``, ``"key" in g``, ``list(g)``."""
+
+    #: Fields that are not keys of the config (set by :func:`build`).
+    internal: tuple[str, ...] = ()
+    #: True: keys the fields do not name are kept, not refused (options of a library).
+    open: bool = False
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self, name, default)
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self, name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.given()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.given())
+
+    def given(self) -> tuple[str, ...]:
+        """The keys the config set (the others hold the field's default)."""
+        return cast(tuple[str, ...], getattr(self, "_given", keys(type(self))))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The keys the config set and their values (e.g. a model's constructor arguments)."""
+        return {k: getattr(self, k) for k in self.given()}
+
+
+@dataclass(frozen=True)
+class Optim(Group):
+    """``task.optim``: AdamW and its learning-rate schedule (every task)."""
+
+    lr: float = key(1e-3, "finite>0", " (finite; e.g. 1e-3)")
+    betas: list[float] = key(
+        [0.9, 0.99],
+        lambda k, v: [] if _betas(v) else [f"{k}={v!r}: {BETAS}"],
+    )
+    weight_decay: float = key(0.0, "finite>=0", " (0: no decay)")
+    warmup_steps: int = key(0, "int>=0", " (0: no warmup)")
+    schedule: str = key("cosine", SCHEDULES)
+    min_lr_ratio: float = key(
+        0.1, "finite[0,1]", " (the cosine schedule ends at lr * min_lr_ratio)"
+    )
+
+
+BETAS = "must be two numbers in [0, 1) (Adam's beta1, beta2), e.g. [0.9, 0.99]"
+
+
+def _betas(v: Any) -> bool:
+    return (
+        isinstance(v, ListConfig | list)
+        and len(v) == 2
+        and all(finite(b) and 0 <= b < 1 for b in v)
+    )
+
+
+@dataclass(frozen=True)
+class Gate(Group):
+    """``task.learned``: what "learned" means for the task (:mod:`posenc.training.gate`);
+    the metric and threshold are checked against the task in :mod:`posenc.config`."""
+
+    metric: str = key("val/loss")
+    threshold: float = key(0.0, "finite")
+    stop: bool = key(False, "bool")
+
+
+GATE = "must be null (no gate) or {metric, threshold, stop}, e.g. " + (
+    "task.learned.metric=val/seq_acc task.learned.threshold=95"
+)
+
+
+@dataclass(frozen=True)
+class Passkey(Group):
+    """``task.eval.passkey``: passkey retrieval at ``multiplier * task.seq_len`` tokens."""
+
+    multipliers: list[float] = key(
+        [],
+        items(
+            "[1,2,4,8,16] (lengths = multiplier * task.seq_len; []: off)",
+            "finite>0",
+            "must be positive numbers (length = multiplier * task.seq_len)",
+            empty=True,
+        ),
+    )
+    depths: list[float] = key(
+        [0, 0.25, 0.5, 0.75, 1.0],
+        items(
+            "[0,0.25,0.5,0.75,1]",
+            "[0,1]",
+            "must be numbers in [0, 1] (0: the key first, 1: right before the question)",
+        ),
+    )
+    samples: int = key(20, "int>0")
+    key_len: int = key(5, "int>0")
+    seed: int = key(0, "int>=0")
+
+
+def _extension_methods(key: str, value: Any) -> list[str]:
+    allowed = ", ".join(SCALINGS[1:])
+    if not isinstance(value, ListConfig | list):
+        return [f"{key}={value!r}: must be a list, e.g. {key}=[{value}]; allowed methods {allowed}"]
+    out = [f"{key} contains {m!r}: allowed {allowed}" for m in value if m not in SCALINGS[1:]]
+    twice = sorted({m for m in value if list(value).count(m) > 1})
+    if twice:
+        out.append(f"{key} lists {', '.join(twice)} twice; give each method once")
+    return out
+
+
+@dataclass(frozen=True)
+class LMEval(Group):
+    """``task.eval``: perplexity beyond the training length, and passkey retrieval."""
+
+    splits: list[str] = key(["test"], items("[test]", ("train", "val", "test")))
+    multipliers: list[float] = key(
+        [1, 2, 4, 8, 16],
+        items(
+            "[1,2,4]",
+            "finite>0",
+            "must be positive numbers (evaluation length = multiplier * task.seq_len)",
+        ),
+    )
+    protocols: list[str] = key(["nonoverlap"], items("[nonoverlap]", ("nonoverlap", "sliding")))
+    sliding_stride: int | None = key(None, "int>0", optional=True)
+    max_tokens: int | None = key(None, "int>0", optional=True)
+    skip_unsupported: bool = key(True, "bool")
+    context_extension: list[str] = key([], _extension_methods)
+    extension_factor: float | str = key(
+        "auto",
+        lambda k, v: (
+            []
+            if v == "auto" or (finite(v) and v >= 1)
+            else [
+                f"{k}={v!r}: must be auto (s = max(1, eval length / task.seq_len)) or a number >= 1"
+            ]
+        ),
+    )
+    passkey: Passkey = group(
+        Passkey,
+        f"must be a mapping with keys {', '.join(Passkey.__dataclass_fields__)} "
+        "(see conf/task/lm.yaml)",
+    )
+
+
+@dataclass(frozen=True)
+class LMTask(Group):
+    """``task`` for ``task=lm``."""
+
+    name: str = key("lm")
+    seq_len: int = key(128, "int>0")
+    batch_size: int = key(16, "int>0")
+    eval_batch_size: int = key(8, "int>0")
+    optim: Optim = group(Optim)
+    eval: LMEval = group(LMEval)
+    passkey_mix: float = key(
+        0.0,
+        "[0,1]",
+        " (the fraction of training windows replaced by passkey sequences; 0: off)",
+    )
+    passkey_answer_weight: float = key(
+        1.0, "num>0", " (the loss weight of a training passkey answer's key tokens; 1: as text)"
+    )
+    learned: Gate | None = group(Gate, GATE, optional=True)
+
+
+def _buckets(key: str, value: Any) -> list[str]:
+    out = items("[0,10,20,1000]")(key, value)
+    try:
+        if not out:
+            check_edges(list(value))
+    except (ValueError, TypeError) as err:
+        return [f"{key}={list(value)}: {err}"]
+    return out
+
+
+@dataclass(frozen=True)
+class Decode(Group):
+    """``task.decode``: beam search for the translation test."""
+
+    beam_size: int = key(4, "int>0")
+    length_penalty: float = key(0.6, "num>=0")
+    max_len_a: float = key(1.2, "num>=0")
+    max_len_b: int = key(10, "int>=0")
+    use_cache: bool = key(True, "bool")
+
+
+MONITORS = {"val/loss": "min", "val/nll": "min", "val/ppl": "min", "val/bleu": "max"}
+
+
+@dataclass(frozen=True)
+class MTTask(Group):
+    """``task`` for ``task=mt``."""
+
+    name: str = key("mt")
+    max_tokens: int = key(4096, "int>0")
+    max_len: int = key(256, "int>0")
+    max_train_src_len: int | None = key(None, "int>0", optional=True)
+    length_buckets: list[int] = key([0, 10, 20, 30, 1000], _buckets)
+    label_smoothing: float = key(0.1, "[0,1)", says="must be in [0, 1)")
+    share_embeddings: bool = key(True, "bool")
+    val_bleu_sentences: int = key(200, "int>=0")
+    monitor: str = key("val/loss", tuple(MONITORS))
+    monitor_mode: str = key("min")
+    eval_split: str = key("test", ("test", "val"))
+    eval_max_sentences: int | None = key(None, "int>0", optional=True)
+    samples: int = key(8, "int>=0")
+    learned: Gate | None = group(Gate, GATE, optional=True)
+    optim: Optim = group(Optim)
+    decode: Decode = group(Decode)
+
+
+def _train_lengths(key: str, value: Any) -> list[str]:
+    out = items("[1,16]")(key, value)
+    if out or (len(value) == 2 and all(integer(x) for x in value) and 1 <= value[0] <= value[1]):
+        return out
+    return [f"{key}={list(value)}: must be [lo, hi] with integers 1 <= lo <= hi, e.g. {key}=[1,16]"]
+
+
+@dataclass(frozen=True)
+class AlgoTask(Group):
+    """``task`` for ``task=algo``: a generated algorithmic problem."""
+
+    name: str = key("algo")
+    problem: str = key("copy", tuple(PROBLEMS))
+    shape: str = key(
+        "decoder",
+        SHAPES,
+        says="allowed decoder (decoder-only: prompt, separator, answer) or encdec "
+        "(encoder-decoder: prompt -> answer)",
+    )
+    train_lengths: list[int] = key([1, 8], _train_lengths)
+    test_multiple: float = key(
+        3, "finite>=1", " (test sizes go up to test_multiple * the largest training size)"
+    )
+    test_sizes: str = key(
+        "auto", ("auto", *GRIDS), says=f"allowed auto (the problem's own), {', '.join(GRIDS)}"
+    )
+    bucket_width: int = key(4, "int>0")
+    symbols: int = key(
+        16,
+        lambda k, v: (
+            []
+            if integer(v) and 2 <= v <= 26
+            else [
+                f"{k}={v!r}: must be an integer in 2..26 (letters of the copy, reverse, duplicate "
+                "and sort problems)"
+            ]
+        ),
+    )
+    reverse_digits: bool = key(False, "bool")
+    data_tokens: int = key(16, "int>0")
+    lm_loss: bool = key(False, "bool")
+    batch_size: int = key(64, "int>0")
+    eval_batch_size: int = key(128, "int>0")
+    val_per_size: int = key(16, "int>0")
+    test_per_size: int = key(24, "int>0")
+    learned: Gate | None = group(Gate, GATE, optional=True)
+    optim: Optim = group(Optim)
+
+
+TASKS: dict[str, type[Group]] = {"lm": LMTask, "mt": MTTask, "algo": AlgoTask}
+
+
+@dataclass(frozen=True)
+class Model(Group):
+    """``model``: the shared transformer (``conf/model/{lm,mt,algo}.yaml``)."""
+
+    n_layers: int = key(4, "int>0")
+    d_model: int = key(128, "int>0")
+    n_heads: int = key(4, "int>0")
+    d_ff: int | None = key(None, "int>0", optional=True)
+    dropout: float = key(0.0, "[0,1)")
+    embed_scale: bool = key(False, "bool")
+    random_positions: int | None = key(
+        None,
+        "int>0",
+        " (the range positions are drawn from in training) or null (off)",
+        optional=True,
+    )
+    compile: bool = key(False, "bool")
+    score_budget_mib: float = key(8, "num>=0", " (MiB; 0: no query blocking)")
+    # an encoder-decoder's: blocks of each stack (n_layers when null), one embedding table
+    n_enc_layers: int | None = key(None, "int>0", optional=True)
+    n_dec_layers: int | None = key(None, "int>0", optional=True)
+    share_embeddings: bool = key(True, "bool")
+
+
+#: Model keys only a translation model reads.
+MT_MODEL_KEYS = ("n_enc_layers", "n_dec_layers")
+
+
+@dataclass(frozen=True)
+class Tokenizer(Group):
+    """``tokenizer``: its kind and vocabulary; further keys go to the tokenizer."""
+
+    open = True
+    kind: str = key("char", TOKENIZER_KINDS)
+    vocab_size: int | None = key(None, "int>0", optional=True)
+
+
+@dataclass(frozen=True)
+class Run(Group):
+    """A whole run: its own keys, the typed groups, the instantiated groups (``encoder``,
+    ``trainer``, ``data``) as mappings, and ``raw``: the composed config as given, which
+    ``metrics.json`` and checkpoints record."""
+
+    internal = ("raw",)
+    seed: int = key(0, "int>=0")
+    threads: int | None = key(
+        None,
+        "int>0",
+        " (CPU threads per process) or null (torch's default: one per core)",
+        optional=True,
+    )
+    eval_only: bool = key(False, "bool")
+    resume: bool = key(False, "bool")
+    ckpt_path: str | None = key(None)
+    init_from: str | None = key(None)
+    checkpoint_every_n_steps: int = key(250, "int>0")
+    tuned: Any = key(None)
+    task: Any = None  # LMTask | MTTask | AlgoTask
+    model: Model = field(default_factory=Model)
+    tokenizer: Any = None
+    encoder: Any = None
+    trainer: Any = None
+    data: Any = None
+    paths: Any = None
+    raw: Any = None
+
+
+# --- walking a composed config ---
+
+
+def suggest(name: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(name, allowed, n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def unknown(prefix: str, given: list[str], allowed: list[str]) -> list[str]:
+    """``prefix.key: unknown key; did you mean ...? allowed: ...`` for each stray key."""
+    return [
+        f"{prefix}{k}: unknown key; {suggest(k, allowed)}allowed: {', '.join(sorted(allowed))}"
+        for k in given
+        if k not in allowed
+    ]
+
+
+def keys(cls: type[Group]) -> list[str]:
+    """The keys ``cls`` accepts."""
+    return [f.name for f in dataclasses.fields(cast(Any, cls)) if f.name not in cls.internal]
+
+
+def problems(
+    node: Any,
+    cls: type[Group],
+    prefix: str,
+    *,
+    skip: tuple[str, ...] = (),
+    refuse: tuple[str, ...] = (),
+) -> list[str]:
+    """Every problem of ``node`` (a mapping) against ``cls``: unknown keys first (unless
+    ``cls.open``), then each field's rule in field order, nested groups walked in turn.
+    Keys in ``skip`` are neither refused nor checked (their caller reports them); keys in
+    ``refuse`` are unknown here (fields of the group another task reads)."""
+    out: list[str] = []
+    if not cls.open:
+        allowed = [k for k in keys(cls) if k not in refuse]
+        out += unknown(prefix, [str(k) for k in node if k not in skip], allowed)
+    for f in dataclasses.fields(cast(Any, cls)):
+        if f.name not in node or f.name in skip:
+            continue
+        value = node[f.name]
+        sub = f.metadata.get("group")
+        if sub is not None:
+            if value is None and f.metadata["optional"]:
+                continue
+            if not isinstance(value, DictConfig | Mapping):
+                out.append(f"{prefix}{f.name}={value!r}: {f.metadata['says']}")
+                continue
+            out += problems(value, sub, f"{prefix}{f.name}.")
+        elif "check" in f.metadata:
+            out += f.metadata["check"](f"{prefix}{f.name}", value)
+    return out
+
+
+def build(cls: type[Group], node: Any, **extra: Any) -> Any:
+    """The typed ``cls`` of a checked ``node``: its keys, nested groups built in turn,
+    lists as Python lists; a missing key takes the field's default."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cast(Any, cls)):
+        if f.name not in node or f.name in extra:
+            continue
+        value = node[f.name]
+        sub = f.metadata.get("group")
+        if sub is not None and value is not None:
+            value = build(sub, value)
+        elif isinstance(value, ListConfig | DictConfig):
+            value = OmegaConf.to_container(value, resolve=True)
+        values[f.name] = value
+    made = cls(**values, **extra)
+    object.__setattr__(made, "_given", tuple(k for k in keys(cls) if k in values or k in extra))
+    return made
+
+
+def untyped(cfg: Any) -> DictConfig:
+    """The composed config behind ``cfg`` (a :class:`Run`, or already a ``DictConfig``)."""
+    return cast(DictConfig, cfg.raw if isinstance(cfg, Run) else cfg)
+
+
+def typed(cfg: DictConfig) -> Run:
+    """The typed run of a validated config (:func:`posenc.config.validate`)."""
+    task = TASKS[cfg.task.name]
+    return cast(
+        Run,
+        build(
+            Run,
+            cfg,
+            task=build(task, cfg.task),
+            model=build(Model, cfg.model),
+            tokenizer=cfg.get("tokenizer"),
+            encoder=cfg.encoder,
+            trainer=cfg.trainer,
+            data=cfg.get("data"),
+            paths=cfg.paths,
+            raw=cfg,
+        ),
+    )
