@@ -2,9 +2,9 @@
 task, ``task.optim``, ``task.eval``, ``task.eval.passkey``, ``task.decode``,
 ``task.learned``, ``tokenizer``) and one for the run itself.
 
-A field declares a key once: its type, its default (the YAML files under ``conf/`` are
-the documented defaults and set the same values) and its rule, the one-line message a
-wrong value gets. :func:`problems` walks a composed ``DictConfig`` against a group and
+A field declares a key once: its type, its rule (with the one-line message a wrong value
+gets) and a default, used only where a composed config lacks the key (the YAML files
+under ``conf/`` are the documented defaults, and set every key of their groups). :func:`problems` walks a composed ``DictConfig`` against a group and
 lists every unknown key (with a did-you-mean) and every value its rule refuses;
 :func:`build` turns a checked config into the typed objects the jobs read. The groups
 Hydra instantiates (``encoder``, ``trainer``, ``data``) stay mappings: their keys are the
@@ -125,7 +125,7 @@ def group(cls: type[Group], says: str = "must be a mapping", optional: bool = Fa
 
 # --- the groups ---
 
-#: Learning-rate schedules (:func:`posenc.training.optim.lr_lambda`).
+#: Learning-rate schedules (:func:`posenc.training.optim.configure_adamw`).
 SCHEDULES = ("cosine", "inverse_sqrt")
 
 

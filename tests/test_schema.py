@@ -1,0 +1,107 @@
+"""The typed configs (posenc/schema.py): what a job receives equals what Hydra composed,
+key by key; the typed groups cover every key the YAML files set; a job gets a typed run."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+
+from posenc import schema
+from posenc.config import validate
+from tests.conftest import ROOT, compose_run
+
+
+def _compose(tmp_path: Path, *overrides: str) -> Any:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(
+            "config",
+            overrides=[
+                f"paths.output_dir={tmp_path / 'run'}",
+                f"paths.cache_dir={tmp_path / 'cache'}",
+                *overrides,
+            ],
+        )
+
+
+TASKS = [
+    ("task=lm",),
+    ("task=mt",),
+    ("task=algo",),
+    ("task=algo", "task.shape=encdec"),
+    ("sweep=lm_passkey",),  # an LM gate, passkey evaluation on
+]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, schema.Group):
+        return {k: _plain(value[k]) for k in value}
+    return value
+
+
+@pytest.mark.parametrize("overrides", TASKS, ids=" ".join)
+def test_the_typed_run_holds_exactly_the_composed_values(
+    tmp_path: Path, overrides: tuple[str, ...]
+) -> None:
+    cfg = _compose(tmp_path, *overrides)
+    validate(cfg)
+    run = schema.typed(cfg)
+    composed = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(composed, dict)
+    assert _plain(run.task) == composed["task"]  # every key, nested groups included
+    assert _plain(run.model) == composed["model"]
+    assert type(run.task) is schema.TASKS[cfg.task.name]
+    assert isinstance(run.task.optim, schema.Optim) and isinstance(run.model, schema.Model)
+    for k in ("seed", "eval_only", "resume", "checkpoint_every_n_steps"):
+        assert run[k] == composed[k]
+    assert run.raw is cfg and run.encoder is cfg.encoder and run.trainer is cfg.trainer
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.task.seq_len = 1  # type: ignore[misc]
+
+
+def test_a_missing_key_takes_the_declared_default_and_is_not_listed(tmp_path: Path) -> None:
+    cfg = compose_run(tmp_path)
+    with open_dict(cfg):
+        del cfg.task.eval["skip_unsupported"]
+    run = schema.typed(cfg)
+    assert run.task.eval.skip_unsupported is True  # the field's default
+    assert "skip_unsupported" not in run.task.eval and "splits" in run.task.eval
+    assert "skip_unsupported" not in run.task.eval.as_dict()
+
+
+def _yaml_keys(group: str) -> set[str]:
+    """Keys the YAML files of a config group set at the top of that group."""
+    root = ROOT / "conf" / group
+    keys: set[str] = set()
+    for path in root.glob("*.yaml"):
+        node = OmegaConf.to_container(OmegaConf.load(path))
+        if isinstance(node, dict):
+            keys |= {str(k) for k in node if k != "defaults"}
+    return keys
+
+
+def test_every_model_key_of_the_yaml_files_is_declared() -> None:
+    assert _yaml_keys("model") <= set(schema.keys(schema.Model))
+
+
+@pytest.mark.parametrize("task", ["lm", "mt", "algo"])
+def test_every_task_key_of_the_yaml_files_is_declared(task: str) -> None:
+    node = OmegaConf.load(ROOT / "conf" / "task" / f"{task}.yaml")
+    declared = schema.TASKS[task]
+    assert set(node.task) <= set(schema.keys(declared)), set(node.task) - set(schema.keys(declared))
+    assert set(node.task.optim) == set(schema.keys(schema.Optim))
+
+
+def test_the_job_receives_the_typed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import posenc.tasks.lm_job as lm_job
+    from posenc.train import train
+
+    seen: list[Any] = []
+    monkeypatch.setattr(lm_job, "run", lambda cfg, run_dir: seen.append(cfg) or {})
+    train(compose_run(tmp_path))
+    assert len(seen) == 1 and isinstance(seen[0], schema.Run)
+    assert isinstance(seen[0].task, schema.LMTask) and isinstance(seen[0].task.seq_len, int)
