@@ -4,9 +4,10 @@ task, ``task.optim``, ``task.eval``, ``task.eval.passkey``, ``task.decode``,
 
 A field declares a key once: its type, its rule (with the one-line message a wrong value
 gets) and a default, used only where a composed config lacks the key (the YAML files
-under ``conf/`` are the documented defaults, and set every key of their groups). :func:`problems` walks a composed ``DictConfig`` against a group and
-lists every unknown key (with a did-you-mean) and every value its rule refuses;
-:func:`build` turns a checked config into the typed objects the jobs read. The groups
+under ``conf/`` are the documented defaults, and set every key of their groups).
+:func:`problems` walks a composed ``DictConfig`` against a group and lists every unknown
+key (with a did-you-mean) and every value its rule refuses; :func:`typed` turns a
+checked config into the typed :class:`Run` a job reads (``Run[LMTask]`` for the LM job). The groups
 Hydra instantiates (``encoder``, ``trainer``, ``data``) stay mappings: their keys are the
 parameters of the classes they build.
 
@@ -23,7 +24,7 @@ import difflib
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -430,8 +431,11 @@ class Tokenizer(Group):
     vocab_size: int | None = key(None, "int>0", optional=True)
 
 
+T = TypeVar("T", bound=Group)
+
+
 @dataclass(frozen=True)
-class Run(Group):
+class Run(Group, Generic[T]):
     """A whole run: its own keys, the typed groups, the instantiated groups (``encoder``,
     ``trainer``, ``data``) as mappings, and ``raw``: the composed config as given, which
     ``metrics.json`` and checkpoints record."""
@@ -450,7 +454,7 @@ class Run(Group):
     init_from: str | None = key(None)
     checkpoint_every_n_steps: int = key(250, "int>0")
     tuned: Any = key(None)
-    task: Any = None  # LMTask | MTTask | AlgoTask
+    task: T = cast(Any, None)  # LMTask, MTTask or AlgoTask: a job's Run[LMTask] says which
     model: Model = field(default_factory=Model)
     tokenizer: Any = None
     encoder: Any = None
@@ -534,16 +538,16 @@ def build(cls: type[Group], node: Any, **extra: Any) -> Any:
     return made
 
 
-def untyped(cfg: Any) -> DictConfig:
+def untyped(cfg: Run[Any] | DictConfig) -> DictConfig:
     """The composed config behind ``cfg`` (a :class:`Run`, or already a ``DictConfig``)."""
     return cast(DictConfig, cfg.raw if isinstance(cfg, Run) else cfg)
 
 
-def typed(cfg: DictConfig) -> Run:
+def typed(cfg: DictConfig) -> Run[Any]:
     """The typed run of a validated config (:func:`posenc.config.validate`)."""
     task = TASKS[cfg.task.name]
     return cast(
-        Run,
+        Run[Any],
         build(
             Run,
             cfg,

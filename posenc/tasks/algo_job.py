@@ -15,6 +15,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
 
+from posenc import schema
 from posenc.data.algo import AlgoDataModule, bucket_name
 from posenc.plots import accuracy_vs_size
 from posenc.schema import Run
@@ -64,19 +65,19 @@ def metric_name(kind: str, variant: str) -> str:
     return f"{kind}_{variant}" if variant else kind
 
 
-def top_size(cfg: Run) -> int:
+def top_size(cfg: Run[schema.AlgoTask]) -> int:
     """The largest test size: ``test_multiple * hi``."""
     return int(math.floor(cfg.task.test_multiple * cfg.task.train_lengths[1]))
 
 
-def label(cfg: Run) -> str:
+def label(cfg: Run[schema.AlgoTask]) -> str:
     """The encoder's name in results: ``rope``, or ``rope_rand`` when trained on
     randomized positions (``model.random_positions``)."""
     name = group_choice(cfg, "encoder")
     return f"{name}_rand" if cfg.model.get("random_positions") else name
 
 
-def datamodule(cfg: Run) -> AlgoDataModule:
+def datamodule(cfg: Run[schema.AlgoTask]) -> AlgoDataModule:
     t = cfg.task
     return AlgoDataModule(
         problem=t.problem,
@@ -102,7 +103,7 @@ def vocab_fingerprints(dm: AlgoDataModule) -> tuple[str]:
     return (hashlib.sha256("\n".join(dm.vocab.tokens).encode()).hexdigest(),)
 
 
-def algo_task(cfg: Run, dm: AlgoDataModule) -> AlgoTask:
+def algo_task(cfg: Run[schema.AlgoTask], dm: AlgoDataModule) -> AlgoTask:
     if cfg.eval_only:
         return load_for_eval(AlgoTask, cfg, len(dm.vocab), vocab_fingerprints(dm))
     task = AlgoTask(
@@ -120,7 +121,7 @@ def algo_task(cfg: Run, dm: AlgoDataModule) -> AlgoTask:
     return task
 
 
-def run(cfg: Run, run_dir: Path) -> dict[str, Any]:
+def run(cfg: Run[schema.AlgoTask], run_dir: Path) -> dict[str, Any]:
     """Fit, then accuracy by instance size."""
     dm = datamodule(cfg)
     task = algo_task(cfg, dm)
@@ -171,7 +172,7 @@ def bucket_metrics(
 
 
 def finish(
-    cfg: Run,
+    cfg: Run[schema.AlgoTask],
     run_dir: Path,
     dm: AlgoDataModule,
     task: AlgoTask,
@@ -214,7 +215,7 @@ def finish(
     return result
 
 
-def _tensorboard(trainer: pl.Trainer, cfg: Run, result: dict[str, Any]) -> None:
+def _tensorboard(trainer: pl.Trainer, cfg: Run[schema.AlgoTask], result: dict[str, Any]) -> None:
     logger = trainer.logger
     if not isinstance(logger, TensorBoardLogger):
         return

@@ -12,6 +12,7 @@ import torch
 from hydra.utils import instantiate
 from pytorch_lightning.loggers import TensorBoardLogger
 
+from posenc import schema
 from posenc.config import check_lm_batch, check_passkey, eval_lengths, passkey_lengths
 from posenc.data.lm import LMDataModule
 from posenc.data.samplers import ShardSampler
@@ -55,7 +56,7 @@ EXTENSION_DOC = {
 }
 
 
-def lm_datamodule(cfg: Run) -> LMDataModule:
+def lm_datamodule(cfg: Run[schema.LMTask]) -> LMDataModule:
     t = cfg.task
     return LMDataModule(
         source=instantiate(cfg.data.source),
@@ -73,7 +74,9 @@ def lm_datamodule(cfg: Run) -> LMDataModule:
     )
 
 
-def lm_task(cfg: Run, vocab_size: int, tokenizer: tuple[str, ...] | None = None) -> LMTask:
+def lm_task(
+    cfg: Run[schema.LMTask], vocab_size: int, tokenizer: tuple[str, ...] | None = None
+) -> LMTask:
     """A new task (with ``init_from``'s weights, if set), or the one stored in
     ``cfg.ckpt_path`` for ``eval_only`` (checked against the tokenizer's fingerprint)."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
@@ -101,7 +104,7 @@ def lm_task(cfg: Run, vocab_size: int, tokenizer: tuple[str, ...] | None = None)
     return task
 
 
-def run(cfg: Run, run_dir: Path) -> dict[str, Any]:
+def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
     """Language modeling: fit, then perplexity at every evaluation length and protocol."""
     dm = lm_datamodule(cfg)
     dm.setup("fit")
@@ -138,7 +141,7 @@ def run(cfg: Run, run_dir: Path) -> dict[str, Any]:
     return finish_lm(cfg, run_dir, task, fitted, throughput, skipped, passkey)
 
 
-def extension_setting(cfg: Run, method: str, length: int) -> Extension:
+def extension_setting(cfg: Run[schema.LMTask], method: str, length: int) -> Extension:
     """The method's setting at evaluation length ``length``: original length
     ``task.seq_len``; ``extension_factor=auto`` gives ``s = max(1, length / seq_len)`` (and
     ``alpha = 1`` for ``dynamic_ntk``, whose ``s'`` then equals ``l / L``)."""
@@ -150,7 +153,7 @@ def extension_setting(cfg: Run, method: str, length: int) -> Extension:
 
 
 def eval_loaders(
-    cfg: Run, dm: LMDataModule, task: LMTask
+    cfg: Run[schema.LMTask], dm: LMDataModule, task: LMTask
 ) -> tuple[
     list[str], list[int], list[Extension | None], list[torch.utils.data.DataLoader], dict[str, str]
 ]:
@@ -200,7 +203,7 @@ def eval_loaders(
 
 
 def finish_lm(
-    cfg: Run,
+    cfg: Run[schema.LMTask],
     run_dir: Path,
     task: LMTask,
     fitted: job.Fitted,
@@ -260,7 +263,7 @@ def _metric_order(item: tuple[str, float]) -> tuple[str, str, str, int]:
     return split, kind, extension, int(length) if length.isdigit() else 0
 
 
-def _tensorboard(trainer: pl.Trainer, cfg: Run, result: dict[str, Any]) -> None:
+def _tensorboard(trainer: pl.Trainer, cfg: Run[schema.LMTask], result: dict[str, Any]) -> None:
     """Perplexity-vs-length and loss-by-position figures, and HParams linked to results."""
     logger = trainer.logger
     if not isinstance(logger, TensorBoardLogger):

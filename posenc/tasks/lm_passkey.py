@@ -15,6 +15,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from posenc import schema
 from posenc.config import passkey_lengths
 from posenc.data.lm import LMDataModule
 from posenc.data.passkey import DOC, PasskeyFormat
@@ -32,13 +33,13 @@ def metric_name(split: str, length: int) -> str:
     return f"{split}/passkey@{length}"
 
 
-def passkey_format(cfg: Run, dm: LMDataModule) -> PasskeyFormat:
+def passkey_format(cfg: Run[schema.LMTask], dm: LMDataModule) -> PasskeyFormat:
     """The run's passkey format (its tokenizer, ``task.eval.passkey.key_len``)."""
     return PasskeyFormat(dm.tokenizer, int(cfg.task.eval.passkey.key_len))
 
 
 def evaluate(
-    cfg: Run, dm: LMDataModule, model: DecoderLM, device: torch.device
+    cfg: Run[schema.LMTask], dm: LMDataModule, model: DecoderLM, device: torch.device
 ) -> tuple[dict[str, Any], dict[str, float], dict[str, str]]:
     """Run the passkey grid of every evaluated split.
 
@@ -141,7 +142,7 @@ class PasskeyValidation(pl.Callback):
         dm: The set-up data module.
     """
 
-    def __init__(self, cfg: Run, dm: LMDataModule) -> None:
+    def __init__(self, cfg: Run[schema.LMTask], dm: LMDataModule) -> None:
         p = cfg.task.eval.passkey
         self.fmt = passkey_format(cfg, dm)
         self.stream = dm.lm_split_tokens("val")
@@ -168,7 +169,7 @@ class PasskeyValidation(pl.Callback):
         pl_module.log(PASSKEY, sum(acc) / len(acc))
 
 
-def validation_callbacks(cfg: Run, dm: LMDataModule) -> list[pl.Callback]:
+def validation_callbacks(cfg: Run[schema.LMTask], dm: LMDataModule) -> list[pl.Callback]:
     """:class:`PasskeyValidation` for a run trained on the passkey mix (none otherwise)."""
     if not cfg.task.get("passkey_mix") or cfg.eval_only:
         return []

@@ -14,6 +14,7 @@ from hydra.utils import instantiate
 from matplotlib.figure import Figure
 from pytorch_lightning.loggers import TensorBoardLogger
 
+from posenc import schema
 from posenc.data.mt import MTDataModule, restore_order
 from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 LENGTH_PENALTY_DOC = "GNMT: hypotheses ranked by logprob / ((5 + |Y|) / 6) ** alpha, |Y| incl. EOS"
 
 
-def mt_datamodule(cfg: Run) -> MTDataModule:
+def mt_datamodule(cfg: Run[schema.MTTask]) -> MTDataModule:
     t = cfg.task
     return MTDataModule(
         source=instantiate(cfg.data.source),
@@ -49,7 +50,9 @@ def mt_datamodule(cfg: Run) -> MTDataModule:
     )
 
 
-def mt_task(cfg: Run, dm: MTDataModule, tokenizer: tuple[str, ...] | None = None) -> MTTask:
+def mt_task(
+    cfg: Run[schema.MTTask], dm: MTDataModule, tokenizer: tuple[str, ...] | None = None
+) -> MTTask:
     """A new task (with ``init_from``'s weights, if set), or the one stored in
     ``cfg.ckpt_path`` for ``eval_only`` (checked against the tokenizer's fingerprint)."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
@@ -76,7 +79,7 @@ def mt_task(cfg: Run, dm: MTDataModule, tokenizer: tuple[str, ...] | None = None
     return task
 
 
-def run(cfg: Run, run_dir: Path) -> dict[str, Any]:
+def run(cfg: Run[schema.MTTask], run_dir: Path) -> dict[str, Any]:
     """Translation: fit, then decode ``task.eval_split`` and score it."""
     dm = mt_datamodule(cfg)
     dm.setup("fit")
@@ -128,7 +131,7 @@ def score(
 
 
 def finish_mt(
-    cfg: Run,
+    cfg: Run[schema.MTTask],
     run_dir: Path,
     dm: MTDataModule,
     task: MTTask,
@@ -222,7 +225,7 @@ def _samples_markdown(
 
 def _tensorboard(
     trainer: pl.Trainer,
-    cfg: Run,
+    cfg: Run[schema.MTTask],
     dm: MTDataModule,
     result: dict[str, Any],
     hyps: list[str],

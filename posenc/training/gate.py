@@ -42,7 +42,7 @@ PERCENT = ("val/seq_acc", "val/acc")
 PASSKEY = "val/passkey"
 
 
-def metrics(cfg: Run | DictConfig) -> dict[str, str]:
+def metrics(cfg: Run[Any] | DictConfig) -> dict[str, str]:
     """The validation metrics a gate can watch in this run, each with what it needs.
 
     Returns:
@@ -127,7 +127,7 @@ def stopped(trainer: pl.Trainer) -> bool:
     return bool(found) and found[0].stop and found[0].learned_step == trainer.global_step
 
 
-def callback(cfg: Run | DictConfig) -> LearnedGate | None:
+def callback(cfg: Run[Any] | DictConfig) -> LearnedGate | None:
     """The run's gate callback (None without ``task.learned``)."""
     gate = cfg.task.get("learned")
     if gate is None:
@@ -135,7 +135,9 @@ def callback(cfg: Run | DictConfig) -> LearnedGate | None:
     return LearnedGate(str(gate.metric), float(gate.threshold), bool(gate.get("stop", False)))
 
 
-def result(cfg: Run | DictConfig, trainer: pl.Trainer, val: dict[str, float]) -> dict[str, Any]:
+def result(
+    cfg: Run[Any] | DictConfig, trainer: pl.Trainer, val: dict[str, float]
+) -> dict[str, Any]:
     """The gate's fields of ``metrics.json``.
 
     - ``gate``: ``{metric, threshold, stop}``, or null for a task without one;

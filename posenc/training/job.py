@@ -50,7 +50,7 @@ class Fitted:
 
 
 def fit(
-    cfg: Run,
+    cfg: Run[Any],
     run_dir: Path,
     task: pl.LightningModule,
     throughput: Throughput,
@@ -75,7 +75,7 @@ def fit(
 
 
 def record(
-    cfg: Run,
+    cfg: Run[Any],
     task: pl.LightningModule,
     fitted: Fitted,
     throughput: Throughput,

@@ -114,7 +114,7 @@ def run_state(trainer: pl.Trainer) -> RunState:
 
 
 def build_trainer(
-    cfg: Run,
+    cfg: Run[Any],
     run_dir: Path,
     throughput: Throughput,
     tokenizer: tuple[str, ...] | None = None,
@@ -233,7 +233,7 @@ def log_hparams(trainer: pl.Trainer, hparams: dict[str, Any], metrics: dict[str,
 
 def load_for_eval(
     task_cls: type[Task],
-    cfg: Run,
+    cfg: Run[Any],
     vocab_size: int,
     tokenizer: tuple[str, ...] | None = None,
 ) -> Task:
