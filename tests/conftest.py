@@ -124,11 +124,16 @@ TINY = [
 
 def compose_run(tmp_path: Path, *overrides: str) -> DictConfig:
     """The real config, composed as run.py would, with a tiny model, writing into tmp_path."""
+    return compose_config(tmp_path, *TINY, *overrides)
+
+
+def compose_config(tmp_path: Path, *overrides: str) -> DictConfig:
+    """The real config with only ``overrides`` (every task's own sizes), writing into
+    tmp_path."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose(
             "config",
             overrides=[
-                *TINY,
                 f"paths.output_dir={tmp_path / 'run'}",
                 f"paths.cache_dir={tmp_path / 'cache'}",
                 *overrides,

@@ -8,25 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from posenc import schema
 from posenc.config import validate
-from tests.conftest import ROOT, compose_run
-
-
-def _compose(tmp_path: Path, *overrides: str) -> Any:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(
-            "config",
-            overrides=[
-                f"paths.output_dir={tmp_path / 'run'}",
-                f"paths.cache_dir={tmp_path / 'cache'}",
-                *overrides,
-            ],
-        )
-
+from tests.conftest import ROOT, compose_config, compose_run
 
 TASKS = [
     ("task=lm",),
@@ -47,7 +33,7 @@ def _plain(value: Any) -> Any:
 def test_the_typed_run_holds_exactly_the_composed_values(
     tmp_path: Path, overrides: tuple[str, ...]
 ) -> None:
-    cfg = _compose(tmp_path, *overrides)
+    cfg = compose_config(tmp_path, *overrides)
     validate(cfg)
     run = schema.typed(cfg)
     composed = OmegaConf.to_container(cfg, resolve=True)
