@@ -149,9 +149,7 @@ def _model(cfg: DictConfig) -> list[str]:
     if name == "algo":  # the two shapes share conf/model/algo.yaml
         refuse += MT_MODEL_KEYS
     skip = MT_MODEL_KEYS if name == "lm" else ()  # named by _task as translation options
-    out = schema.problems(
-        m, schema.Model, "model.", skip=skip + ("random_positions",), refuse=refuse
-    )
+    out = schema.problems(m, schema.Model, "model.", skip=skip, refuse=refuse)
     sizes = [m.get(k) for k in ("d_model", "n_heads")]
     if all(integer(v) and v > 0 for v in sizes) and sizes[0] % sizes[1]:
         out.append(f"model.n_heads={sizes[1]}: must divide model.d_model={sizes[0]}")
@@ -314,14 +312,8 @@ def _random_positions(cfg: DictConfig) -> list[str]:
     """``model.random_positions`` (Ruoss et al. 2023) must cover the longest training
     sequence and, for a ``learned`` table, fit in it."""
     n, problems = cfg.model.get("random_positions"), list[str]()
-    if n is None:
-        return problems
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        problems.append(
-            f"model.random_positions={n!r}: must be a positive integer (the range positions "
-            f"are drawn from in training) or null (off)"
-        )
-        return problems
+    if not (integer(n) and n > 0):
+        return problems  # null (off), or refused by the schema
     if cfg.task.name == "algo":
         key = "train_lengths"
         hi = cfg.task.train_lengths[-1] if OmegaConf.is_list(cfg.task.train_lengths) else None
