@@ -159,7 +159,9 @@ def result(
     value = val.get(str(gate.metric))
     learned = None if value is None else met(str(gate.metric), value, float(gate.threshold))
     return {
-        "gate": gate.as_dict() if isinstance(gate, Group) else OmegaConf.to_container(gate),
+        "gate": gate.as_dict()
+        if isinstance(gate, Group)
+        else OmegaConf.to_container(gate, resolve=True),
         "learned": learned,
         "learned_step": found[0].learned_step if found else None,
     }
