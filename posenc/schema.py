@@ -227,6 +227,7 @@ class Passkey(Group):
     samples: int = key(20, "int>0")
     key_len: int = key(5, "int>0")
     seed: int = key(0, "int>=0")
+    measure_unlearned: bool = key(False, "bool")
 
 
 def _extension_methods(key: str, value: Any) -> list[str]:

@@ -22,7 +22,7 @@ from posenc.plots import loss_by_position_figure, ppl_vs_length_figure
 from posenc.schema import Run
 from posenc.tasks import lm_passkey
 from posenc.tasks.lm import Extension, LMTask
-from posenc.training import checkpoints, job
+from posenc.training import checkpoints, gate, job
 from posenc.training.callbacks import Throughput
 from posenc.training.trainer import (
     group_choice,
@@ -137,7 +137,8 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
         trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
     elif best:  # the passkey evaluation scores the best weights too
         task.load_state_dict(checkpoints.load(best)["state_dict"])
-    passkey = lm_passkey.evaluate(cfg, dm, task.model, trainer.strategy.root_device)
+    learned = gate.result(cfg, trainer, fitted.val)["learned"]
+    passkey = lm_passkey.evaluate(cfg, dm, task.model, trainer.strategy.root_device, learned)
     return finish_lm(cfg, run_dir, task, fitted, throughput, skipped, passkey)
 
 

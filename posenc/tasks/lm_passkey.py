@@ -39,18 +39,28 @@ def passkey_format(cfg: Run[schema.LMTask], dm: LMDataModule) -> PasskeyFormat:
 
 
 def evaluate(
-    cfg: Run[schema.LMTask], dm: LMDataModule, model: DecoderLM, device: torch.device
+    cfg: Run[schema.LMTask],
+    dm: LMDataModule,
+    model: DecoderLM,
+    device: torch.device,
+    learned: bool | None = None,
 ) -> tuple[dict[str, Any], dict[str, float], dict[str, str]]:
     """Run the passkey grid of every evaluated split.
 
     Lengths the encoder cannot run (``learned`` past ``max_len``) get NaN cells and a
-    reason under ``skipped``, like the perplexity columns.
+    reason under ``skipped``, like the perplexity columns; so do lengths past
+    ``task.seq_len`` when the run missed its learnability gate (``learned`` False), unless
+    ``task.eval.passkey.measure_unlearned``: a model that does not retrieve at the
+    training length says nothing about retrieval beyond it, and decoding at 16x is the
+    longest part of such a run.
 
     Args:
         cfg: The run config (``task.eval.passkey``).
         dm: The set-up data module (tokenizer, split streams).
         model: The LM to evaluate (put in eval mode and moved to ``device`` here).
         device: Where decoding runs.
+        learned: The run's gate result (:func:`posenc.training.gate.result`; None: no
+            gate, or not validated).
 
     Returns:
         ``(block, metrics, skipped)``: the ``passkey`` entry of ``metrics.json`` (empty when
@@ -65,6 +75,7 @@ def evaluate(
     fmt = passkey_format(cfg, dm)
     model = model.to(device).eval()
     limit, enc_name = model.encoder.max_length, type(model.encoder).__name__
+    unlearned = learned is False and not p.get("measure_unlearned", False)
     metrics: dict[str, float] = {}
     skipped: dict[str, str] = {}
     grids: dict[str, list[list[float]]] = {}
@@ -73,11 +84,20 @@ def evaluate(
         rows = []
         for length in lengths:
             name = metric_name(split, length)
-            if limit is not None and length > limit:
-                skipped[name] = (
+            reason = None
+            if unlearned and length > cfg.task.seq_len:
+                reason = (
+                    "the run missed its learnability gate (task.learned); "
+                    f"length {length} not evaluated (task.eval.passkey.measure_unlearned=true "
+                    "measures it)"
+                )
+            elif limit is not None and length > limit:
+                reason = (
                     f"encoder {enc_name} encodes at most {limit} positions; "
                     f"length {length} not evaluated"
                 )
+            if reason:
+                skipped[name] = reason
                 log.warning("%s: %s", name, skipped[name])
                 rows.append([math.nan] * len(depths))
                 metrics[name] = math.nan

@@ -143,3 +143,27 @@ def test_off_by_default(tmp_path: Path) -> None:
     result = train(compose_run(tmp_path, "encoder=none", "task.eval.multipliers=[1]"))
     assert result["passkey"] == {}
     assert not [k for k in result["metrics"] if "passkey" in k]
+
+
+@pytest.mark.parametrize("measure", [False, True])
+def test_a_run_that_missed_its_gate_is_tested_at_1x_only(tmp_path: Path, measure: bool) -> None:
+    """A tiny model never retrieves 100% of keys: past the training length its grid is
+    NaN with the reason, unless measure_unlearned asks for every length."""
+    gate = "task.learned={metric:val/passkey,threshold:1.0,stop:false}"
+    result = train(
+        compose_run(
+            tmp_path,
+            "encoder=rope",
+            *PASSKEY,
+            gate,
+            f"task.eval.passkey.measure_unlearned={str(measure).lower()}",
+        )
+    )
+    assert result["learned"] is False
+    grid = result["passkey"]["accuracy"]["test"]
+    assert all(math.isfinite(v) for v in grid[0])
+    assert all(math.isfinite(v) for v in grid[1]) == measure
+    assert math.isfinite(result["metrics"]["test/passkey@128"]) == measure
+    reason = result["skipped"].get("test/passkey@128", "")
+    assert ("missed its learnability gate" in reason) != measure
+    assert math.isfinite(result["metrics"]["test/ppl@128"])  # perplexity is measured still
