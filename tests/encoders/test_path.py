@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posenc.encoders import build
+from posenc.encoders import build, path
 from posenc.encoders.base import AttnKind
-from posenc.encoders.path import L2_EPS, _rewrite, path_scores
+from posenc.encoders.path import L2_EPS, path_scores
 from posenc.model import DecoderLM, EncoderDecoder
 from posenc.model.backends import attend
 
@@ -225,17 +225,36 @@ def _context(t: int):
     return enc.context(pos, pos, AttnKind.CAUSAL)
 
 
-def test_checkpointed_chunks_give_the_same_values_and_gradients() -> None:
-    """Training rewrites keys in checkpointed chunks of about sqrt(T) tokens; values and
-    gradients equal the plain loop's (float64), with T not a multiple of the chunk."""
+def rewrite_one_token_at_a_time(q, keys, w, beta, before) -> tuple[Tensor, Tensor]:
+    """The recursion the chunked form solves: ``k_j <- H_t k_j`` for every key before
+    token t, and row t of the scores read right after token t's reflection."""
+    rows = []
+    for t in range(q.shape[-2]):
+        wt = w[:, :, t]  # (B, H, D)
+        coef = (keys @ wt[..., None]).squeeze(-1) * beta[:, :, t, None] * before[t]
+        keys = keys - coef[..., None] * wt[:, :, None, :]
+        rows.append(keys @ q[:, :, t, :, None])
+    return torch.cat(rows, -1).transpose(-1, -2), keys
+
+
+@pytest.mark.parametrize("chunk", [4, 64])
+@pytest.mark.parametrize("cached", [0, 6])
+def test_chunks_give_the_values_and_gradients_of_one_token_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, chunk: int, cached: int
+) -> None:
+    """Chunks of new tokens (the triangular solve) against the token-by-token rewrite,
+    float64: scores, rewritten keys and every gradient, with T not a multiple of the
+    chunk and with ``cached`` keys before the new tokens (a decoding step)."""
+    monkeypatch.setattr(path, "CHUNK", chunk)
     gen = torch.Generator().manual_seed(7)
     b, h, t, d = 2, 2, 11, 3
-    q, k, w = (torch.randn(b, h, t, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    q, w = (torch.randn(b, h, t, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    k = torch.randn(b, h, cached + t, d, generator=gen, dtype=torch.float64)
     w = w / w.norm(dim=-1, keepdim=True)
     beta = 2 * torch.rand(b, h, t, generator=gen, dtype=torch.float64)
-    before = torch.ones(t, t, dtype=torch.bool).tril(-1)
+    before = torch.arange(cached + t)[None, :] < torch.arange(cached, cached + t)[:, None]
     grads = []
-    for fn in (_rewrite, path_scores):
+    for fn in (rewrite_one_token_at_a_time, path.path_scores):
         leaves = [x.clone().requires_grad_() for x in (q, k, w, beta)]
         z, keys = fn(*leaves, before)
         (z.sin().sum() + keys.cos().sum()).backward()
