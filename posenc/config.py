@@ -27,7 +27,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from posenc import schema
-from posenc.data.algo import PROBLEMS, Options, longest_sequence
+from posenc.data.algo import PROBLEMS
 from posenc.data.algo_problems import check as check_problem
 from posenc.data.algo_problems import grid_sizes
 from posenc.encoders.base import AttnKind
@@ -207,17 +207,6 @@ def _task(cfg: DictConfig) -> list[str]:
     return out + ([] if out else _algo(cfg))
 
 
-def eval_lengths(cfg: Any) -> list[int]:
-    """Absolute LM evaluation lengths: ``multiplier * seq_len``."""
-    return [int(m * cfg.task.seq_len) for m in cfg.task.eval.multipliers]
-
-
-def passkey_lengths(cfg: Any) -> list[int]:
-    """Absolute passkey lengths, ``multiplier * seq_len`` (empty: the evaluation is off)."""
-    p = cfg.task.eval.get("passkey") or {}
-    return [int(m * cfg.task.seq_len) for m in p.get("multipliers") or []]
-
-
 def _lm(cfg: DictConfig) -> list[str]:
     """Lengths: each evaluation length at least a token, and (unless lengths past a
     ``learned`` table are skipped) inside the table."""
@@ -233,8 +222,8 @@ def _lm(cfg: DictConfig) -> list[str]:
     if out or max_len is None or t.eval.get("skip_unsupported", True):
         return out
     for key, lengths in (
-        ("task.eval.multipliers", eval_lengths(cfg)),
-        ("task.eval.passkey.multipliers", passkey_lengths(cfg)),
+        ("task.eval.multipliers", schema.eval_lengths(t)),
+        ("task.eval.passkey.multipliers", schema.passkey_lengths(t)),
     ):
         too_long = [L for L in lengths if max_len < L]
         if too_long:
@@ -267,45 +256,25 @@ def _mt(cfg: DictConfig) -> list[str]:
 def _algo(cfg: DictConfig) -> list[str]:
     """The problem's own rules for these sizes, the longest test instance inside a
     ``learned`` table, and the memory of the test set."""
-    t = cfg.task
+    t = schema.build(schema.AlgoTask, cfg.task)
     if t.reverse_digits and t.problem != "addition":
         return [
             f"task.reverse_digits=true: only the addition problem has digits to "
             f"reverse (task.problem={t.problem}); drop it"
         ]
     lo, hi = t.train_lengths
-    out = check_problem(
-        PROBLEMS[t.problem], t.shape, lo, hi, algo_options(cfg), t.get("lm_loss", False)
-    )
+    out = check_problem(PROBLEMS[t.problem], t.shape, lo, hi, t.options(), t.lm_loss)
     m = t.test_multiple
     max_len = cfg.encoder.get("max_len")
-    longest = algo_longest(cfg, int(math.floor(m * hi)))
-    if max_len is not None and longest is not None and longest > max_len:
+    longest = t.longest(int(math.floor(m * hi)))
+    if max_len is not None and longest > max_len:
         out.append(
             f"task.test_multiple={m}: the largest test instance takes {longest} positions, "
             f"more than encoder.max_len={max_len}; raise encoder.max_len or lower "
             f"task.test_multiple"
         )
-    problem = algo_memory(cfg, lo, hi, int(math.floor(m * hi)))
+    problem = algo_memory(t, cfg, lo, hi, int(math.floor(m * hi)))
     return out + ([problem] if problem else [])
-
-
-def algo_options(cfg: Any) -> Options:
-    """The instance options (:class:`posenc.data.algo.Options`) of ``cfg.task``."""
-    k = cfg.task.get("data_tokens", 16)
-    return Options(
-        symbols=cfg.task.symbols,
-        reverse_digits=bool(cfg.task.reverse_digits),
-        data_tokens=k if integer(k) else 16,
-    )
-
-
-def algo_longest(cfg: Any, size: int) -> int | None:
-    """Positions an algorithmic instance of ``size`` takes (None for an unknown problem)."""
-    problem = PROBLEMS.get(cfg.task.problem)
-    if problem is None:
-        return None
-    return longest_sequence(problem, size, cfg.task.shape, algo_options(cfg))
 
 
 def _random_positions(cfg: DictConfig) -> list[str]:
@@ -316,8 +285,9 @@ def _random_positions(cfg: DictConfig) -> list[str]:
         return problems  # null (off), or refused by the schema
     if cfg.task.name == "algo":
         key = "train_lengths"
-        hi = cfg.task.train_lengths[-1] if OmegaConf.is_list(cfg.task.train_lengths) else None
-        longest = algo_longest(cfg, hi) if isinstance(hi, int) else None
+        if schema.problems(cfg.task, schema.AlgoTask, "task."):
+            return problems  # the task's own problems come first
+        longest = schema.build(schema.AlgoTask, cfg.task).longest(cfg.task.train_lengths[-1])
     else:
         key = "seq_len" if cfg.task.name == "lm" else "max_len"
         longest = cfg.task.get(key)
@@ -456,14 +426,16 @@ def check_lm_batch(cfg: Any, train_tokens: int, vocab_size: int) -> None:
         raise ConfigError(problem)
 
 
-def check_passkey(cfg: Any, min_length: int, split_tokens: dict[str, int]) -> None:
+def check_passkey(
+    cfg: schema.Run[schema.LMTask], min_length: int, split_tokens: dict[str, int]
+) -> None:
     """Refuse passkey lengths the format or the data cannot fill; run once the data is
     tokenized (see :func:`passkey_data`).
 
     Raises:
         ConfigError: One line per problem, naming the key, the length and the fix.
     """
-    problems = passkey_data(cfg, passkey_lengths(cfg), min_length, split_tokens)
+    problems = passkey_data(cfg, schema.passkey_lengths(cfg.task), min_length, split_tokens)
     if problems:
         raise ConfigError(problem_message(problems))
 
@@ -503,7 +475,7 @@ def lm_batch(cfg: Any, train_tokens: int, vocab_size: int) -> str | None:
     return None
 
 
-def algo_memory(cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
+def algo_memory(t: schema.AlgoTask, cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
     """The problem with an algorithmic task's sizes that would exhaust the memory, or None:
     its test set (``task.test_per_size`` instances of every size of the test grid up to
     ``test_hi``, for each test distribution, held in memory) or, on a CPU, the attention
@@ -511,7 +483,8 @@ def algo_memory(cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
     per layer, kept for the backward pass).
 
     Args:
-        cfg: The run config (task=algo, known problem and shape).
+        t: The task, typed (its keys checked).
+        cfg: The run config (the model's sizes, the trainer's accelerator).
         lo: The smallest training size.
         hi: The largest training size.
         test_hi: The largest test size.
@@ -520,13 +493,11 @@ def algo_memory(cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
     ram = _physical_memory()
     if not ram:
         return None
-    t = cfg.task
     problem = PROBLEMS[t.problem]
-    grid = t.get("test_sizes", "auto")
-    grid = problem.grid if grid == "auto" else grid
-    sizes = grid_sizes(problem, lo, hi, test_hi, grid, algo_options(cfg))
+    grid = problem.grid if t.test_sizes == "auto" else t.test_sizes
+    sizes = grid_sizes(problem, lo, hi, test_hi, grid, t.options())
     # int64 token ids, input and target, of every instance of every distribution
-    positions = sum(algo_longest(cfg, n) or 0 for n in sizes)
+    positions = sum(t.longest(n) for n in sizes)
     test_bytes = t.test_per_size * len(problem.variants) * positions * 8 * 2
     if test_bytes > ram / 4:
         where = f"every size {sizes[0]}..{sizes[-1]}" if grid == "every" else f"sizes {sizes}"
@@ -538,7 +509,7 @@ def algo_memory(cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
             f"task.test_per_size"
         )
     on_cpu = cfg.trainer.get("accelerator") == "cpu" or not torch.cuda.is_available()
-    longest = algo_longest(cfg, hi) or 0
+    longest = t.longest(hi)
     m = cfg.model
     scores = t.batch_size * m.n_heads * longest**2 * 4 * m.n_layers
     if on_cpu and scores > ram:

@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from posenc.data.algo import GRIDS, PROBLEMS, SHAPES
+from posenc.data.algo import GRIDS, PROBLEMS, SHAPES, Options, longest_sequence
 from posenc.data.buckets import check_edges
 from posenc.data.tokenizers import TOKENIZER_KINDS
 from posenc.encoders.rope import SCALINGS
@@ -297,6 +297,17 @@ class LMTask(Group):
     learned: Gate | None = group(Gate, GATE, optional=True)
 
 
+def eval_lengths(task: Any) -> list[int]:
+    """Perplexity's evaluation lengths in tokens, ``multiplier * seq_len``, of an LM
+    ``task`` (an :class:`LMTask`, or the ``task`` node of a composed config)."""
+    return [int(m * task.seq_len) for m in task.eval.multipliers]
+
+
+def passkey_lengths(task: Any) -> list[int]:
+    """Passkey lengths in tokens, ``multiplier * seq_len`` (empty: the evaluation is off)."""
+    return [int(m * task.seq_len) for m in task.eval.passkey.multipliers]
+
+
 def _buckets(key: str, value: Any) -> list[str]:
     out = items("[0,10,20,1000]")(key, value)
     try:
@@ -390,6 +401,16 @@ class AlgoTask(Group):
     test_per_size: int = key(24, "int>0")
     learned: Gate | None = group(Gate, GATE, optional=True)
     optim: Optim = group(Optim)
+
+    def options(self) -> Options:
+        """The instance options (:class:`posenc.data.algo.Options`)."""
+        return Options(
+            symbols=self.symbols, reverse_digits=self.reverse_digits, data_tokens=self.data_tokens
+        )
+
+    def longest(self, size: int) -> int:
+        """Positions an instance of ``size`` takes."""
+        return longest_sequence(PROBLEMS[self.problem], size, self.shape, self.options())
 
 
 TASKS: dict[str, type[Group]] = {"lm": LMTask, "mt": MTTask, "algo": AlgoTask}

@@ -119,7 +119,9 @@ def path_scores(
             new token's own key as projected).
         w: ``(B, H, T, D)`` unit vectors of the new tokens.
         beta: ``(B, H, T)`` in [0, 2).
-        before: ``(T, S)`` bool, key j before new token t (token t rewrites it).
+        before: ``(T, S)`` bool, key j before new token t (token t rewrites it); a
+            key before a token is before every later one (the chunk's solve relies on
+            it), as ``key_offsets() < 0`` gives.
 
     Returns:
         ``((B, H, T, S) scores, (B, H, S, D) keys rewritten by every new token)``;

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc import schema
-from posenc.config import check_lm_batch, check_passkey, eval_lengths, passkey_lengths
+from posenc.config import check_lm_batch, check_passkey
 from posenc.data.lm import LMDataModule
 from posenc.data.samplers import ShardSampler
 from posenc.data.tokenizers import fingerprints, to_payload
@@ -65,7 +65,7 @@ def lm_datamodule(cfg: Run[schema.LMTask]) -> LMDataModule:
         seq_len=t.seq_len,
         batch_size=t.batch_size,
         eval_batch_size=t.eval_batch_size,
-        eval_lengths=eval_lengths(cfg),
+        eval_lengths=schema.eval_lengths(cfg.task),
         eval_max_tokens=t.eval.max_tokens,
         seed=cfg.seed,
         passkey_mix=float(t.get("passkey_mix", 0.0)),
@@ -109,7 +109,7 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
     dm = lm_datamodule(cfg)
     dm.setup("fit")
     check_lm_batch(cfg, dm.lm_split_tokens("train").numel(), dm.vocab_size)
-    if passkey_lengths(cfg) or cfg.task.get("passkey_mix", 0):
+    if schema.passkey_lengths(cfg.task) or cfg.task.get("passkey_mix", 0):
         check_passkey(
             cfg,
             lm_passkey.passkey_format(cfg, dm).min_length(),
@@ -137,8 +137,11 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
         trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
     elif best:  # the passkey evaluation scores the best weights too
         task.load_state_dict(checkpoints.load(best)["state_dict"])
-    learned = gate.result(cfg, trainer, fitted.val)["learned"]
-    passkey = lm_passkey.evaluate(cfg, dm, task.model, trainer.strategy.root_device, learned)
+    verdict = gate.result(cfg, trainer, fitted.val)
+    retrieves = (
+        verdict["learned"] if (verdict["gate"] or {}).get("metric") == gate.PASSKEY else None
+    )
+    passkey = lm_passkey.evaluate(cfg, dm, task.model, trainer.strategy.root_device, retrieves)
     return finish_lm(cfg, run_dir, task, fitted, throughput, skipped, passkey)
 
 
@@ -167,7 +170,7 @@ def eval_loaders(
     methods = [None, *cfg.task.eval.get("context_extension", [])]
     names, lengths, extensions, loaders, skipped = [], [], [], [], {}
     for split in cfg.task.eval.splits:
-        for length in eval_lengths(cfg):
+        for length in schema.eval_lengths(cfg.task):
             for protocol in cfg.task.eval.protocols:
                 for method in methods:
                     name = metric_name(split, protocol, length, method)
@@ -235,7 +238,7 @@ def finish_lm(
         "encoder_class": encoder,
         "seed": cfg.seed,
         "seq_len": cfg.task.seq_len,
-        "eval_lengths": eval_lengths(cfg),
+        "eval_lengths": schema.eval_lengths(cfg.task),
         "protocols": {p: PROTOCOL_DOC[p] for p in cfg.task.eval.protocols},
         "context_extension": {
             m: EXTENSION_DOC[m] for m in cfg.task.eval.get("context_extension", [])

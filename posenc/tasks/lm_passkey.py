@@ -16,7 +16,6 @@ import pytorch_lightning as pl
 import torch
 
 from posenc import schema
-from posenc.config import passkey_lengths
 from posenc.data.lm import LMDataModule
 from posenc.data.passkey import DOC, PasskeyFormat
 from posenc.eval.passkey import evaluate_length, greedy
@@ -49,7 +48,7 @@ def evaluate(
 
     Lengths the encoder cannot run (``learned`` past ``max_len``) get NaN cells and a
     reason under ``skipped``, like the perplexity columns; so do lengths past
-    ``task.seq_len`` when the run missed its learnability gate (``learned`` False), unless
+    ``task.seq_len`` when the run missed its passkey gate (``learned`` False), unless
     ``task.eval.passkey.measure_unlearned``: a model that does not retrieve at the
     training length says nothing about retrieval beyond it, and decoding at 16x is the
     longest part of such a run.
@@ -59,15 +58,16 @@ def evaluate(
         dm: The set-up data module (tokenizer, split streams).
         model: The LM to evaluate (put in eval mode and moved to ``device`` here).
         device: Where decoding runs.
-        learned: The run's gate result (:func:`posenc.training.gate.result`; None: no
-            gate, or not validated).
+        learned: Whether the run met its passkey gate (``task.learned.metric`` =
+            ``val/passkey``) at its last validation; None: no such gate, or not
+            validated (``eval_only``).
 
     Returns:
         ``(block, metrics, skipped)``: the ``passkey`` entry of ``metrics.json`` (empty when
         the evaluation is off), the ``<split>/passkey@L`` scalars, the skipped metrics with
         their reasons.
     """
-    lengths = passkey_lengths(cfg)
+    lengths = schema.passkey_lengths(cfg.task)
     if not lengths:
         return {}, {}, {}
     p = cfg.task.eval.passkey
@@ -87,7 +87,7 @@ def evaluate(
             reason = None
             if unlearned and length > cfg.task.seq_len:
                 reason = (
-                    "the run missed its learnability gate (task.learned); "
+                    "the run missed its passkey gate (task.learned); "
                     f"length {length} not evaluated (task.eval.passkey.measure_unlearned=true "
                     "measures it)"
                 )
