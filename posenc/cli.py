@@ -9,6 +9,7 @@ import difflib
 import logging
 import multiprocessing
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -19,15 +20,20 @@ import traceback
 from pathlib import Path
 from typing import cast
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.config_loader import ConfigLoader
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from posenc import stop
+from posenc import stop, tuned
+from posenc.config import ConfigError, validate
 from posenc.errors import RunDirError, UserError
 from posenc.train import train
 from posenc.training.rundir import write_json_atomic
@@ -344,6 +350,94 @@ class OutputDirCheck(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
         self._check("hydra.sweep.dir", Path(str(config.hydra.sweep.dir)))
+
+
+class SweepCheck(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): every job of a
+    multirun is composed and checked (:func:`posenc.config.validate`, after ``+tuned``)
+    before the first one starts. A sweep holding a job that would be refused stops here
+    with one line per such job (its own overrides, then each problem) and exit status 2,
+    instead of refusing it hours into the sweep. Checks that need the loaded data (the
+    LM batch, the passkey lengths) still run in each job.
+
+    Only the basic sweeper's grids are expanded (every sweep this project ships); another
+    sweeper's jobs are checked one by one as they start.
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
+            return
+        refused = sweep_problems(config)
+        if not refused:
+            return
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for job, job_problems in refused:
+            groups.setdefault(tuple(job_problems), []).append(job)
+        n_jobs = len(sweep_jobs(config))
+        lines = [
+            f"{len(refused)} of {n_jobs} jobs of this sweep would be refused; none was started:"
+        ]
+        for shared, jobs in groups.items():
+            if len(jobs) == n_jobs:
+                who = "every job"
+            elif len(jobs) > 3:
+                who = f"{'; '.join(jobs[:3])} and {len(jobs) - 3} more"
+            else:
+                who = "; ".join(jobs)
+            lines += [f"  {who}:"] + [f"    {p}" for p in shared]
+        lines.append("Fix those values, or leave those combinations out of the sweep.")
+        with contextlib.suppress(OSError):  # the sweep directory, if nothing is in it
+            Path(str(config.hydra.sweep.dir)).rmdir()
+        print("error: " + "\n".join(lines), file=sys.stderr)
+        sys.exit(2)
+
+
+def sweep_jobs(config: DictConfig) -> list[list[str]]:
+    """The overrides of each job the basic sweeper will launch, in its order: the preset's
+    ``hydra.sweeper.params``, then the command line's overrides (which win)."""
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    arguments = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    overrides = OverridesParser.create().parse_overrides(arguments)
+    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+def sweep_problems(config: DictConfig) -> list[tuple[str, list[str]]]:
+    """``(the job's varying overrides, its problems)`` for every job of the sweep
+    ``config`` (the multirun's own config) that :func:`posenc.config.validate` refuses."""
+    jobs = sweep_jobs(config)
+    varying = {o.partition("=")[0] for o in jobs[0]} if jobs else set()
+    varying = {k for k in varying if len({o for j in jobs for o in j if o.startswith(k + "=")}) > 1}
+    loader = GlobalHydra.instance().config_loader()
+    hydra_config = HydraConfig.instance()
+    master = hydra_config.cfg
+    refused = []
+    # The checks do not read the seed: jobs that differ only in an integer seed share one.
+    checked: dict[tuple[str, ...], list[str]] = {}
+    try:
+        for job in jobs:
+            same = tuple(o for o in job if not re.fullmatch(r"seed=-?\d+", o))
+            if same not in checked:
+                checked[same] = _job_problems(loader, config, job)
+            if checked[same]:
+                name = " ".join(o for o in job if o.partition("=")[0] in varying) or " ".join(job)
+                refused.append((name, checked[same]))
+    finally:
+        hydra_config.cfg = master  # the sweep's own again (None outside Hydra)
+    return refused
+
+
+def _job_problems(loader: ConfigLoader, config: DictConfig, job: list[str]) -> list[str]:
+    """The problems :func:`posenc.config.validate` finds in one job of the sweep."""
+    cfg = loader.load_sweep_config(master_config=config, sweep_overrides=list(job))
+    HydraConfig.instance().set_config(cfg)  # ${hydra:...} of this job, as its launcher does
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        tuned.apply(cfg)
+        validate(cfg)
+    except ConfigError as err:
+        return err.problems
+    return []
 
 
 class SweepSignals(Callback):

@@ -37,7 +37,16 @@ from posenc.training.gate import PASSKEY, PERCENT, metrics
 
 
 class ConfigError(UserError, ValueError):
-    """A config value is wrong; the message lists every problem found."""
+    """A config value is wrong; the message lists every problem found.
+
+    Args:
+        message: The whole message (:func:`problem_message` for a list of problems).
+        problems: Its problems, a line each (default: the message as one problem).
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
 
 
 #: Lightning's time-based ``val_check_interval``, ``DD:HH:MM:SS``.
@@ -81,7 +90,7 @@ def validate(cfg: DictConfig) -> None:
     if not problems:
         guarded(problems, "encoder", lambda: problems.extend(_try_encoder(cfg)))
     if problems:
-        raise ConfigError(problem_message(problems))
+        raise ConfigError(problem_message(problems), problems)
 
 
 def problem_message(problems: list[str]) -> str:
@@ -437,7 +446,7 @@ def check_passkey(
     """
     problems = passkey_data(cfg, schema.passkey_lengths(cfg.task), min_length, split_tokens)
     if problems:
-        raise ConfigError(problem_message(problems))
+        raise ConfigError(problem_message(problems), problems)
 
 
 def lm_batch(cfg: Any, train_tokens: int, vocab_size: int) -> str | None:

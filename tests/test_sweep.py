@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import itertools
 import json
@@ -11,12 +12,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import Tensor
 
 from posenc import cli as run
@@ -445,3 +448,92 @@ def test_a_presets_task_takes_the_task_keys_of_the_command_line(preset: str) -> 
     for o in overrides:
         key, _, value = o.partition("=")
         assert str(OmegaConf.select(cfg, key)) == value
+
+
+# ------------------------------------------------------------------------- checked before launch
+@contextlib.contextmanager
+def multirun_config(*overrides: str) -> Iterator[DictConfig]:
+    """The config of ``python run.py -m <overrides>`` as a sweep's callbacks see it (its
+    command line in ``hydra.overrides.task``), with Hydra initialized."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        plain = [o for o in overrides if "," not in o]
+        cfg = compose("config", overrides=plain, return_hydra_config=True)
+        with open_dict(cfg):
+            cfg.hydra.overrides.task = list(overrides)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            yield cfg
+        finally:
+            HydraConfig.instance().cfg = None  # later tests run outside Hydra
+
+
+def test_sweep_jobs_are_the_jobs_hydra_launches_in_its_order() -> None:
+    """The grid the check walks is the basic sweeper's: the preset's params, then the
+    command line (which wins), the last key varying fastest; checked against the job
+    directories a real sweep made (sweep=lr_tune: each encoder's three rates in a row)."""
+    with multirun_config("sweep=lr_tune", "encoder=rope,alibi") as cfg:
+        jobs = run.sweep_jobs(cfg)
+    assert [" ".join(j) for j in jobs][:4] == [
+        "task=lm seed=0 encoder=rope task.optim.lr=0.0003 sweep=lr_tune",
+        "task=lm seed=0 encoder=rope task.optim.lr=0.001 sweep=lr_tune",
+        "task=lm seed=0 encoder=rope task.optim.lr=0.003 sweep=lr_tune",
+        "task=lm seed=0 encoder=alibi task.optim.lr=0.0003 sweep=lr_tune",
+    ]
+    assert len(jobs) == 6
+    with multirun_config("sweep=lm_extrapolation") as cfg:
+        assert len(run.sweep_jobs(cfg)) == 11 * 3
+
+
+def test_a_sweep_with_a_refused_job_starts_none_and_says_which(tmp_path: Path) -> None:
+    """``encoder=learned,rope task.seq_len=2000``: the learned table has 1024 rows, so its
+    jobs would be refused. The sweep stops before any job, in one message naming those
+    jobs (the seeds of one combination together) and the problem, with exit status 2 and
+    no traceback; nothing is written."""
+    out = tmp_path / "multirun"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "-m",
+            "encoder=rope,learned",
+            "seed=0,1",
+            "task.seq_len=2000",
+            f"hydra.sweep.dir={out}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "error: 2 of 4 jobs of this sweep would be refused; none was started:",
+        "  encoder=learned seed=0; encoder=learned seed=1:",
+        "    task.seq_len=2000: longer than encoder.max_len=1024; raise encoder.max_len or "
+        "lower task.seq_len",
+        "Fix those values, or leave those combinations out of the sweep.",
+    ]
+    assert not out.exists() and not (tmp_path / "outputs").exists()
+
+
+def test_the_sweep_check_applies_tuned_rates_and_names_every_problem(tmp_path: Path) -> None:
+    """``+tuned`` is applied per job before the checks (a file without one of the sweep's
+    encoders refuses that encoder's jobs), and a problem every job shares is said once."""
+    from posenc.tuned import write
+
+    write(
+        tmp_path / "tuned_lr.yaml",
+        {"lm": {"criterion": "val/loss", "grid": [1e-3], "lr": {"rope": 1e-3}, "at_edge": []}},
+        tmp_path,
+    )
+    with multirun_config("encoder=rope,alibi", f"+tuned={tmp_path}", "model.n_heads=3") as cfg:
+        refused = dict(run.sweep_problems(cfg))
+    assert list(refused) == ["encoder=rope", "encoder=alibi"]
+    assert refused["encoder=rope"] == ["model.n_heads=3: must divide model.d_model=128"]
+    assert refused["encoder=alibi"][0].startswith(
+        f"tuned={tmp_path}: no tuned learning rate for encoder 'alibi' on task lm"
+    )
+    with multirun_config("encoder=rope,alibi", f"+tuned={tmp_path}", "seed=3") as cfg:
+        assert dict(run.sweep_problems(cfg)).keys() == {"encoder=alibi"}
