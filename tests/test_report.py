@@ -646,7 +646,28 @@ def test_a_learning_rate_grid_chooses_by_validation_and_writes_tuned_lr(tmp_path
     assert "## lm_lr0.001" in md and "Same lr: task.optim.lr = 0.001 for every scheme." in md
     assert "| rope | 2.1 ± 1.3 (n=2) | **1.6 ± 1.3 (n=2)** | 1.7 ± 1.3 (n=2) | 0.001 |" in md
     assert "Chosen at the edge of the grid: alibi" in md
+    assert (
+        "> Widen it (alibi): `python run.py -m <the same sweep> encoder=alibi "
+        "task.optim.lr=0.01`, then one report over both sweep directories." in md
+    )
     assert f"`+tuned={tuned.parent}`" in md
+
+
+@pytest.mark.parametrize(
+    ("rates", "beyond"),
+    [
+        ([3e-4, 1e-3, 3e-3], {3e-4: 1e-4, 3e-3: 1e-2}),  # half-decades, as sweep=lr_tune
+        ([1e-4, 3e-4, 1e-3, 3e-3, 1e-2], {1e-4: 3e-5, 1e-2: 3e-2}),
+        ([1e-3, 2e-3, 4e-3], {1e-3: 5e-4, 4e-3: 8e-3}),  # doublings
+        ([1e-3, 1e-2], {1e-3: 1e-4, 1e-2: 1e-1}),
+    ],
+)
+def test_the_rate_past_each_end_of_a_grid_continues_its_steps(
+    rates: list[float], beyond: dict[float, float]
+) -> None:
+    from posenc.report.tune import Grid
+
+    assert Grid("lm", "val/loss", True, rates, {}, {}).beyond_edges() == beyond
 
 
 def test_same_lr_and_tuned_lr_runs_get_a_table_each(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ training one ever enters the choice.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,6 +101,19 @@ class Grid:
         ends = (min(self.rates), max(self.rates))
         return [e for e, lr in self.chosen.items() if lr in ends and len(self.rates) > 1]
 
+    def beyond_edges(self) -> dict[float, float]:
+        """The next rate past each end of the grid, one grid step on (its rates are
+        geometric: 3e-4, 1e-3, 3e-3 -> 1e-4 below, 1e-2 above): ``{end: beyond}``."""
+        r = sorted(self.rates)
+        if len(r) < 2:
+            return {}
+        up, down = r[-1] ** 2 / r[-2], r[0] ** 2 / r[1]  # the last step once more
+        if len(r) > 2 and math.isclose(r[-1] / r[-3], 10, rel_tol=0.1):
+            up = r[-2] * 10  # steps alternating within a decade (3e-4, 1e-3, 3e-3)
+        if len(r) > 2 and math.isclose(r[2] / r[0], 10, rel_tol=0.1):
+            down = r[1] / 10
+        return {r[0]: float(f"{down:.3g}"), r[-1]: float(f"{up:.3g}")}
+
 
 def grids(runs: Sequence[Run]) -> list[Grid]:
     """The learning-rate grid of each task whose untuned runs of some encoder used more
@@ -174,6 +188,14 @@ def grid_table(grid: Grid) -> list[str]:
             f"> Chosen at the edge of the grid: {', '.join(edge)}; a wider grid may suit "
             f"{'it' if len(edge) == 1 else 'them'} better.",
         ]
+        for end, beyond in grid.beyond_edges().items():
+            names = [e for e in edge if grid.chosen[e] == end]
+            if names:
+                lines.append(
+                    f"> Widen it ({', '.join(names)}): `python run.py -m <the same sweep> "
+                    f"encoder={','.join(names)} task.optim.lr={lr_text(beyond)}`, then one "
+                    f"report over both sweep directories."
+                )
     return lines
 
 
