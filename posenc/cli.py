@@ -367,8 +367,14 @@ class SweepCheck(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
         if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
             return
+        tic = time.perf_counter()
         refused = sweep_problems(config)
         if not refused:
+            log.info(
+                "checked the configs of %d jobs before starting any: no problem (%.1f s)",
+                len(sweep_jobs(config)),
+                time.perf_counter() - tic,
+            )
             return
         groups: dict[tuple[str, ...], list[str]] = {}
         for job, job_problems in refused:
