@@ -358,7 +358,9 @@ class SweepCheck(Callback):
     before the first one starts. A sweep holding a job that would be refused stops here
     with one line per such job (its own overrides, then each problem) and exit status 2,
     instead of refusing it hours into the sweep. Checks that need the loaded data (the
-    LM batch, the passkey lengths) still run in each job.
+    LM batch, the passkey lengths) or the job's machine (the cache folder, an
+    algorithmic task's memory; the jobs may run elsewhere, and nothing here may ask
+    torch about CUDA before the launcher forks the jobs) still run in each job.
 
     Only the basic sweeper's grids are expanded (every sweep this project ships); another
     sweeper's jobs are checked one by one as they start.
@@ -401,9 +403,13 @@ class SweepCheck(Callback):
 def sweep_jobs(config: DictConfig) -> list[list[str]]:
     """The overrides of each job the basic sweeper will launch, in its order: the preset's
     ``hydra.sweeper.params``, then the command line's overrides (which win)."""
-    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    arguments = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
-    overrides = OverridesParser.create().parse_overrides(arguments)
+    # unresolved, as the sweeper reads them: a job resolves its ${...} in its own config
+    params = config.hydra.sweeper.get("params")
+    params = OmegaConf.to_container(params, resolve=False) if params else {}
+    task = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
+    arguments = [f"{k}={v}" for k, v in cast(dict, params).items()] + cast(list, task)
+    loader = GlobalHydra.instance().config_loader()  # for glob() choice sweeps
+    overrides = OverridesParser.create(config_loader=loader).parse_overrides(arguments)
     return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
 
 
@@ -417,11 +423,12 @@ def sweep_problems(config: DictConfig) -> list[tuple[str, list[str]]]:
     hydra_config = HydraConfig.instance()
     master = hydra_config.cfg
     refused = []
-    # The checks do not read the seed: jobs that differ only in an integer seed share one.
+    # The checks read the seed only to refuse a negative one: jobs that differ only in a
+    # seed >= 0 share one check.
     checked: dict[tuple[str, ...], list[str]] = {}
     try:
         for job in jobs:
-            same = tuple(o for o in job if not re.fullmatch(r"seed=-?\d+", o))
+            same = tuple(o for o in job if not re.fullmatch(r"seed=\d+", o))
             if same not in checked:
                 checked[same] = _job_problems(loader, config, job)
             if checked[same]:
@@ -440,7 +447,7 @@ def _job_problems(loader: ConfigLoader, config: DictConfig, job: list[str]) -> l
         del cfg["hydra"]
     try:
         tuned.apply(cfg)
-        validate(cfg)
+        validate(cfg, machine=False)  # the jobs check their machine themselves
     except ConfigError as err:
         return err.problems
     return []

@@ -57,7 +57,7 @@ MT_TASK_KEYS = tuple(k for k in schema.keys(schema.MTTask) if k not in schema.ke
 MT_MODEL_KEYS = schema.MT_MODEL_KEYS
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig, machine: bool = True) -> None:
     """Raise :class:`ConfigError` listing every problem found in ``cfg``.
 
     Each group of checks runs under :func:`guarded`, so a value of a type no check
@@ -65,6 +65,12 @@ def validate(cfg: DictConfig) -> None:
 
     Args:
         cfg: The composed run config.
+        machine: Also check what depends on the machine the job runs on: the cache
+            folder is writable, an algorithmic task's test set and attention scores fit
+            its memory (which asks torch whether CUDA is there). False for a sweep's
+            check before launch (:class:`posenc.cli.SweepCheck`): its jobs may run on
+            other machines, and a CUDA query in the process that forks them would break
+            CUDA in every job.
     """
     problems: list[str] = []
     missing = OmegaConf.missing_keys(cfg)
@@ -76,10 +82,10 @@ def validate(cfg: DictConfig) -> None:
         ("model", _model),
         ("model.random_positions", _random_positions),
         ("trainer", trainer),
-        ("paths.cache_dir", lambda c: cache_dir(c.paths.cache_dir)),
     ]
+    groups += [("paths.cache_dir", lambda c: cache_dir(c.paths.cache_dir))] if machine else []
     if name in schema.TASKS:
-        groups += [("task", _task), ("task.learned", _gate)]
+        groups += [("task", partial(_task, machine=machine)), ("task.learned", _gate)]
         groups += [("tokenizer", _tokenizer)] if name != "algo" else []
     else:
         problems.append(
@@ -198,8 +204,9 @@ def _gate(cfg: DictConfig) -> list[str]:
     return out
 
 
-def _task(cfg: DictConfig) -> list[str]:
-    """``task``: the schema of the task, then the rules that tie its keys together."""
+def _task(cfg: DictConfig, machine: bool = True) -> list[str]:
+    """``task``: the schema of the task, then the rules that tie its keys together (and,
+    with ``machine``, an algorithmic task's memory on this machine)."""
     t, name = cfg.task, cfg.task.name
     skip = MT_TASK_KEYS if name == "lm" else ()
     out = schema.problems(t, schema.TASKS[name], "task.", skip=skip)
@@ -213,7 +220,7 @@ def _task(cfg: DictConfig) -> list[str]:
         return out + ([] if out else _lm(cfg))
     if name == "mt":
         return out + _mt(cfg)
-    return out + ([] if out else _algo(cfg))
+    return out + ([] if out else _algo(cfg, machine))
 
 
 def _lm(cfg: DictConfig) -> list[str]:
@@ -262,7 +269,7 @@ def _mt(cfg: DictConfig) -> list[str]:
     return out + _fits_encoder(cfg, "max_len")
 
 
-def _algo(cfg: DictConfig) -> list[str]:
+def _algo(cfg: DictConfig, machine: bool = True) -> list[str]:
     """The problem's own rules for these sizes, the longest test instance inside a
     ``learned`` table, and the memory of the test set."""
     t = schema.build(schema.AlgoTask, cfg.task)
@@ -282,7 +289,7 @@ def _algo(cfg: DictConfig) -> list[str]:
             f"more than encoder.max_len={max_len}; raise encoder.max_len or lower "
             f"task.test_multiple"
         )
-    problem = algo_memory(t, cfg, lo, hi, int(math.floor(m * hi)))
+    problem = algo_memory(t, cfg, lo, hi, int(math.floor(m * hi))) if machine else None
     return out + ([problem] if problem else [])
 
 

@@ -537,3 +537,62 @@ def test_the_sweep_check_applies_tuned_rates_and_names_every_problem(tmp_path: P
     )
     with multirun_config("encoder=rope,alibi", f"+tuned={tmp_path}", "seed=3") as cfg:
         assert dict(run.sweep_problems(cfg)).keys() == {"encoder=alibi"}
+
+
+def test_the_sweep_check_reads_overrides_as_the_sweeper_does(tmp_path: Path) -> None:
+    """A ``glob()`` sweep is expanded (it was skipped), an interpolation is resolved in each
+    job's own config (learned's ``max_len`` is 1024, so its seq_len is 1024, not the
+    fallback 2000), and only the jobs of the negative seed carry its problem."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "-m",
+            "+variant=glob(learned*)",
+            "task.seq_len=${oc.select:encoder.max_len,2000}",
+            "seed=0,-1",
+            "trainer.max_steps=1",
+            f"hydra.sweep.dir={tmp_path / 'multirun'}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    random = (
+        "model.random_positions=128: smaller than task.seq_len=1024; it must be at least "
+        "the longest training sequence (e.g. 8-16x task.seq_len)"
+    )
+    assert proc.stderr.strip().splitlines() == [
+        "error: 3 of 4 jobs of this sweep would be refused; none was started:",
+        "  +variant=learned seed=-1:",
+        "    seed=-1: must be an integer >= 0",
+        "  +variant=learned_rand seed=0:",
+        f"    {random}",
+        "  +variant=learned_rand seed=-1:",
+        "    seed=-1: must be an integer >= 0",
+        f"    {random}",
+        "Fix those values, or leave those combinations out of the sweep.",
+    ]
+
+
+def test_the_sweep_check_leaves_machine_checks_to_the_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before launch nothing asks torch about CUDA (in the process that forks the jobs it
+    would break CUDA in each of them) and no cache folder is made: an algorithmic sweep's
+    memory check and the cache check run in the jobs, on their own machines."""
+    import torch
+
+    def no_cuda_query() -> bool:
+        raise AssertionError("torch.cuda.is_available() called before the jobs start")
+
+    monkeypatch.setattr(torch.cuda, "is_available", no_cuda_query)
+    cache = tmp_path / "not_made"
+    with multirun_config(
+        "sweep=algo_length", "encoder=rope,alibi", f"paths.cache_dir={cache}"
+    ) as cfg:
+        assert run.sweep_problems(cfg) == []
+    assert not cache.exists()
