@@ -159,7 +159,8 @@ def apply(cfg: DictConfig) -> None:
 
 def check_argument(args: list[str]) -> str | None:
     """``run.py``'s check of a ``+tuned=...`` argument before a sweep starts: the file
-    exists and is well formed (whether it has each job's encoder, the jobs check).
+    exists and is well formed (whether it has each job's encoder:
+    :class:`posenc.cli.SweepCheck`, before the first job starts).
 
     Returns:
         The problem, or None.
