@@ -370,18 +370,19 @@ class SweepCheck(Callback):
         if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
             return
         tic = time.perf_counter()
-        refused = sweep_problems(config)
+        grid = sweep_jobs(config)
+        refused = sweep_problems(config, grid)
+        n_jobs = len(grid)
         if not refused:
             log.info(
                 "checked the configs of %d jobs before starting any: no problem (%.1f s)",
-                len(sweep_jobs(config)),
+                n_jobs,
                 time.perf_counter() - tic,
             )
             return
         groups: dict[tuple[str, ...], list[str]] = {}
         for job, job_problems in refused:
             groups.setdefault(tuple(job_problems), []).append(job)
-        n_jobs = len(sweep_jobs(config))
         lines = [
             f"{len(refused)} of {n_jobs} jobs of this sweep would be refused; none was started:"
         ]
@@ -413,10 +414,13 @@ def sweep_jobs(config: DictConfig) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
 
 
-def sweep_problems(config: DictConfig) -> list[tuple[str, list[str]]]:
+def sweep_problems(
+    config: DictConfig, jobs: list[list[str]] | None = None
+) -> list[tuple[str, list[str]]]:
     """``(the job's varying overrides, its problems)`` for every job of the sweep
-    ``config`` (the multirun's own config) that :func:`posenc.config.validate` refuses."""
-    jobs = sweep_jobs(config)
+    ``config`` (the multirun's own config) that :func:`posenc.config.validate` refuses;
+    ``jobs``: its :func:`sweep_jobs`, if already expanded."""
+    jobs = sweep_jobs(config) if jobs is None else jobs
     varying = {o.partition("=")[0] for o in jobs[0]} if jobs else set()
     varying = {k for k in varying if len({o for j in jobs for o in j if o.startswith(k + "=")}) > 1}
     loader = GlobalHydra.instance().config_loader()

@@ -467,6 +467,24 @@ def multirun_config(*overrides: str) -> Iterator[DictConfig]:
             HydraConfig.instance().cfg = None  # later tests run outside Hydra
 
 
+def run_sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """``python run.py -m <overrides>`` from ``tmp_path``, its sweep and cache there."""
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "-m",
+            *overrides,
+            f"hydra.sweep.dir={tmp_path / 'multirun'}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def test_sweep_jobs_are_the_jobs_hydra_launches_in_its_order() -> None:
     """The grid the check walks is the basic sweeper's: the preset's params, then the
     command line (which wins), the last key varying fastest; checked against the job
@@ -490,22 +508,7 @@ def test_a_sweep_with_a_refused_job_starts_none_and_says_which(tmp_path: Path) -
     jobs (the seeds of one combination together) and the problem, with exit status 2 and
     no traceback; nothing is written."""
     out = tmp_path / "multirun"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "run.py"),
-            "-m",
-            "encoder=rope,learned",
-            "seed=0,1",
-            "task.seq_len=2000",
-            f"hydra.sweep.dir={out}",
-            f"paths.cache_dir={tmp_path / 'cache'}",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_sweep(tmp_path, "encoder=rope,learned", "seed=0,1", "task.seq_len=2000")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert proc.stderr.strip().splitlines() == [
@@ -543,22 +546,12 @@ def test_the_sweep_check_reads_overrides_as_the_sweeper_does(tmp_path: Path) -> 
     """A ``glob()`` sweep is expanded (it was skipped), an interpolation is resolved in each
     job's own config (learned's ``max_len`` is 1024, so its seq_len is 1024, not the
     fallback 2000), and only the jobs of the negative seed carry its problem."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "run.py"),
-            "-m",
-            "+variant=glob(learned*)",
-            "task.seq_len=${oc.select:encoder.max_len,2000}",
-            "seed=0,-1",
-            "trainer.max_steps=1",
-            f"hydra.sweep.dir={tmp_path / 'multirun'}",
-            f"paths.cache_dir={tmp_path / 'cache'}",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_sweep(
+        tmp_path,
+        "+variant=glob(learned*)",
+        "task.seq_len=${oc.select:encoder.max_len,2000}",
+        "seed=0,-1",
+        "trainer.max_steps=1",
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     random = (
