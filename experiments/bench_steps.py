@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_common import Goal, Row, RowList, interleaved, sync
+from bench_common import Goal, Row, RowList, interleaved, summarise, sync
 from bench_train import BASELINE, _stepper, make_model, random_batch
 from torch import nn
 
@@ -164,9 +164,12 @@ def _row(
                 note=f"{name} failed: {stats[name]['failed']}",
                 raw={"failed": stats[name]["failed"]},
             )
-    s = dict(stats[key])
-    ratio = _ratio_to(stats, key, ref)
-    s["ratio"], s["tokens_per_s"] = ratio, tokens / s["median_s"]
+    # The ratio and its spread against ``ref`` (``none`` in the same mode); the rounds'
+    # own ratios are against the interleaving's baseline (eager ``none``).
+    ratios = [r / k for r, k in zip(stats[ref]["times_s"], stats[key]["times_s"], strict=True)]
+    s = summarise(stats[key]["times_s"], ratios)
+    ratio = s["ratio"]
+    s["tokens_per_s"] = tokens / s["median_s"]
     peak, ref_peak = peaks[key], peaks[ref]
     s["peak_mib"] = peak
     s["peak_ratio"] = None if peak is None or not ref_peak else peak / ref_peak

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check (#34): what a researcher gets on one GPU, in about 10 minutes on an
-# H100-class card. Prints one table and writes gpu_check.json (plus each section's log
-# and JSON) to OUT_DIR (default outputs/gpu_check/<date-time>).
+# The GPU check (#34): what a researcher gets on one GPU, in at most about 12 minutes
+# on an H200 (the sections' limits add up to 740 s; GPU_CHECK_SECTIONS splits it into
+# calls). Prints one table and writes gpu_check.json (plus each section's log and JSON)
+# to OUT_DIR (default outputs/gpu_check/<date-time>).
 #
 #   experiments/gpu_check.sh [OUT_DIR]
 #
 # Sections, each under its own time limit; one that fails or runs out of time is
 # reported in the table's header and the others still run:
 #   tests       python -m pytest -m cuda (the cuda-marked tests)
-#   steps_4096  every encoder's bf16 training step at 4x4096, eager (the default) and
+#   steps_4096  each encoder's bf16 training step at 4x4096, eager (the default) and
 #               model.compile=true: tokens/s and peak memory relative to `none`
 #   flex        FlexAttention (forced) vs the explicit path at 4x4096, relative to `none`
 #   decode      greedy generation of 512 tokens after 128, cached and uncached (none,
@@ -17,10 +18,16 @@
 #               linear in T keeps the ratio to `none` flat between the two lengths);
 #               GPU_CHECK_COMPILED_1024=1 adds the compiled steps there too (11 more
 #               compilations: past the 10 minutes)
+#   profile     the top operators of one eager training step at 4x4096 of
+#               GPU_CHECK_PROFILE (default fire, whose eager step took 3.7 s on an
+#               H200 on 2026-11-27): experiments/profile_step.py, in profile.log
 # GPU_CHECK_SECTIONS=tests,flex (say) runs only those; GPU_CHECK_MODES=eager leaves the
-# compiled steps out of steps_4096. The limits below come from a first run on an H200
-# (compiling the kernels is most of the time); a section past its limit leaves its
-# columns empty and the table says so.
+# compiled steps out of steps_4096; GPU_CHECK_ENCODERS=rope,t5 (say) measures those
+# (and `none`) in the step sections, =all every registered one (default: the eleven
+# of #34). The limits below come from the runs of 2026-11-26/27 on an H200 (compiling
+# the kernels is most of the time); a section past its limit keeps the rows it measured
+# and the table says so; the tests run with -v, so their results survive a pytest that
+# does not exit.
 # Every figure is a ratio against `none` measured in the same run (bench.py's sections
 # steps, flex and decode with --sizes gpu: experiments/bench_steps.py, bench_decode.py).
 #
@@ -58,7 +65,13 @@ run_section() {
     return 0
 }
 
-BENCH=("$PY" experiments/bench.py)  # timeout runs programs, not shell functions
+BENCH=("$PY" experiments/bench.py)
+# The eleven schemes of #34 by default; the data-dependent ones (cope, fox, path,
+# selective, stickbreak) take minutes more at 4x4096: GPU_CHECK_ENCODERS=all adds them.
+ENCODERS=${GPU_CHECK_ENCODERS:-none,learned,sinusoidal,rope,xpos,shaw,xl,deberta,alibi,t5,fire}
+if [ "$ENCODERS" = all ]; then
+    ENCODERS=$("$PY" -c "from posenc.encoders import available; print(','.join(available()))")
+fi  # timeout runs programs, not shell functions
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "gpu_check: no CUDA GPU here ($("$PY" -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1)); ran the CPU-runnable parts only, at the quick sizes, into $OUT"
@@ -75,26 +88,29 @@ if ! "$PY" -c "import hydra, omegaconf" 2>/dev/null && ls .whl/*.whl >/dev/null 
 fi
 
 # want SECTION: whether GPU_CHECK_SECTIONS (comma-separated; default all) names it.
-want() { [[ ",${GPU_CHECK_SECTIONS:-tests,steps_4096,flex,decode,steps_1024}," == *",$1,"* ]]; }
+want() { [[ ",${GPU_CHECK_SECTIONS:-tests,steps_4096,flex,decode,steps_1024,profile}," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 # The tests compile a kernel or two each: four workers (pytest-xdist, when installed).
 XDIST=()
 "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
-# One compile thread: the tests' compile workers once kept pytest from exiting.
-want tests && TORCHINDUCTOR_COMPILE_THREADS=1 run_section tests 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider "${XDIST[@]}" \
-    --tb=line -rfE --junitxml="$OUT/tests.xml" tests/model
-want steps_4096 && run_section steps_4096 230 "${BENCH[@]}" --sizes gpu --sections steps --lengths 4096 \
+# One compile thread: the tests' compile workers once kept pytest from exiting. It still
+# hung after the last result on 2026-11-27 (before its summary, so in a worker's
+# teardown): -v writes each result to the log as it comes, which the report counts.
+want tests && TORCHINDUCTOR_COMPILE_THREADS=1 run_section tests 150 "$PY" -m pytest -m cuda -q -p no:cacheprovider "${XDIST[@]}" \
+    -v --tb=line -rfE --junitxml="$OUT/tests.xml" tests/model
+want steps_4096 && run_section steps_4096 260 "${BENCH[@]}" --sizes gpu --sections steps --lengths 4096 --encoders "$ENCODERS" \
     --modes "${GPU_CHECK_MODES:-eager,compiled}" --json "$OUT/steps_4096.json"
 want flex && run_section flex 120 "${BENCH[@]}" --sizes gpu --sections flex --json "$OUT/flex.json"
 want decode && run_section decode 90 "${BENCH[@]}" --sizes gpu --sections decode --encoders none,rope,alibi,t5 \
     --json "$OUT/decode.json"
 if [ "${GPU_CHECK_COMPILED_1024:-0}" = 1 ]; then
-    want steps_1024 && run_section steps_1024 300 "${BENCH[@]}" --sizes gpu --sections steps --lengths 1024 \
+    want steps_1024 && run_section steps_1024 300 "${BENCH[@]}" --sizes gpu --sections steps --lengths 1024 --encoders "$ENCODERS" \
         --json "$OUT/steps_1024.json"
 else
-    want steps_1024 && run_section steps_1024 60 "${BENCH[@]}" --sizes gpu --sections steps --lengths 1024 \
+    want steps_1024 && run_section steps_1024 60 "${BENCH[@]}" --sizes gpu --sections steps --lengths 1024 --encoders "$ENCODERS" \
         --modes eager --json "$OUT/steps_1024.json"
 fi
+want profile && run_section profile 60 "$PY" experiments/profile_step.py "${GPU_CHECK_PROFILE:-fire}"
 "$PY" experiments/gpu_check_report.py "$OUT" || echo "gpu_check: the report failed (see above)"
 exit 0

@@ -32,10 +32,16 @@ def sections(out: Path) -> dict[str, dict[str, Any]]:
     for path in sorted(out.glob("*.status")):
         rc, seconds, limit = (int(x) for x in path.read_text().split())
         state = "ok" if rc == 0 else "timed out" if rc in (124, 137) else f"failed (exit {rc})"
-        if path.stem == "tests" and rc in (124, 137) and tests(out) is not None:
-            # pytest writes its JUnit XML as the session finishes: the results are all
-            # there, and the process stopped on its way out (a compile worker, say).
-            state = "finished, then timed out on exit"
+        counts = tests(out) if path.stem == "tests" else None
+        if counts is not None and rc in (124, 137):
+            # Every test reported (the JUnit XML is written as the session finishes, the
+            # log says how many were collected): the process stopped on its way out.
+            done = "reported" not in counts or counts["reported"] == counts["collected"]
+            state = (
+                "finished, then timed out on exit"
+                if done
+                else f"timed out ({counts['reported']} of {counts['collected'] or '?'} reported)"
+            )
         elif state == "timed out" and (out / f"{path.stem}.json").is_file():
             report = json.loads((out / f"{path.stem}.json").read_text())
             kept = sum(len(v.get("rows", [])) for v in report.get("sections", {}).values())
@@ -50,15 +56,22 @@ def sections(out: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
+#: A verbose (``-v``) pytest-xdist result line: "[gw0] [ 3%] PASSED tests/a.py::test[x]".
+RESULT = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (?P<outcome>[A-Z]+) (?P<test>\S+)")
+COLLECTED = re.compile(r"\[(?P<n>\d+) items?\]|collected (?P<m>\d+) items?")
+
+
 def tests(out: Path) -> dict[str, Any] | None:
-    """Counts of the cuda-marked tests from their JUnit XML (None when absent)."""
+    """Counts of the cuda-marked tests from their JUnit XML, else from the verbose log's
+    result lines (pytest writes the XML only as it exits, and on a GPU it once hung on
+    its way out after every test had reported); None when neither is there."""
     path = out / "tests.xml"
     if not path.is_file():
-        return None
+        return tests_from_log(out / "tests.log")
     try:
         root = ET.parse(path).getroot()
     except ET.ParseError:
-        return None
+        return tests_from_log(out / "tests.log")
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     if suite is None:
         return None
@@ -72,6 +85,30 @@ def tests(out: Path) -> dict[str, Any] | None:
         **counts,
         "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
         "failed": failed,
+    }
+
+
+def tests_from_log(path: Path) -> dict[str, Any] | None:
+    """The counts of :func:`tests` from the result lines of a verbose xdist log, with
+    ``reported`` (how many results) and ``collected`` (how many tests were to run)."""
+    if not path.is_file():
+        return None
+    text = path.read_text(errors="replace")
+    outcomes = {m["test"]: m["outcome"] for m in map(RESULT.match, text.splitlines()) if m}
+    if not outcomes:
+        return None
+    collected = [int(m["n"] or m["m"]) for m in COLLECTED.finditer(text)]
+    failed = sorted(t for t, o in outcomes.items() if o in ("FAILED", "ERROR"))
+    skipped = sum(o in ("SKIPPED", "XFAIL") for o in outcomes.values())
+    return {
+        "tests": len(outcomes),
+        "failures": len(failed),
+        "errors": 0,
+        "skipped": skipped,
+        "passed": len(outcomes) - len(failed) - skipped,
+        "failed": failed,
+        "reported": len(outcomes),
+        "collected": max(collected) if collected else None,
     }
 
 

@@ -6,6 +6,7 @@ No timing thresholds: the numbers depend on the machine and its load.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -241,6 +242,58 @@ def test_gpu_check_report_judges_the_goals_of_34(tmp_path: Path) -> None:
     assert out["sections"]["flex"]["status"] == "timed out"
 
 
+def test_gpu_check_report_counts_the_tests_from_the_log_when_pytest_never_exits(
+    tmp_path: Path,
+) -> None:
+    """On an H200 pytest once reported every cuda test, then hung until the section's
+    limit and wrote no JUnit XML: the report counts the verbose log's result lines and
+    says whether all the collected tests had reported (here, in the second run, not)."""
+    script = ROOT / "experiments" / "gpu_check_report.py"
+    lines = [
+        "created: 4/4 workers",
+        "4 workers [3 items]",
+        "",
+        "[gw0] [ 33%] PASSED tests/model/test_backends.py::test_bf16_training_step_on_cuda[rope] ",
+        "[gw1] [ 66%] XFAIL tests/model/test_backends.py::test_bf16_training_step_on_cuda[cope] ",
+        "[gw2] [100%] FAILED tests/model/test_backends.py::test_flex_gradients_equal[t5] ",
+    ]
+    (tmp_path / "tests.log").write_text("\n".join(lines) + "\n")
+    (tmp_path / "tests.status").write_text("124 150 150\n")
+    run = [sys.executable, str(script), str(tmp_path)]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "tests finished, then timed out on exit (150/150 s)" in proc.stdout
+    assert (
+        "cuda tests: 1 passed, 1 skipped, 1 failed; failed: "
+        "tests/model/test_backends.py::test_flex_gradients_equal[t5]" in proc.stdout
+    )
+    (tmp_path / "tests.log").write_text("\n".join(lines[:-1]) + "\n")
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert "tests timed out (2 of 3 reported) (150/150 s)" in proc.stdout
+    assert "cuda tests: 1 passed, 1 skipped, 0 failed" in proc.stdout
+
+
+def test_a_compiled_rows_spread_is_against_compiled_none() -> None:
+    """A row's ratio and its [min, max] come from the same pairs (``none`` in the row's
+    mode): on an H200 a compiled row once printed 0.88 beside a spread of [0.97, 1.01],
+    the rounds' ratios against eager ``none``."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_steps
+
+    stats = {
+        "eager: none": {"times_s": [2.0, 2.0, 2.0]},
+        "compiled: none": {"times_s": [1.0, 1.2, 0.9]},
+        "compiled: rope": {"times_s": [1.0, 1.0, 1.0], "ratios": [2.0, 2.0, 2.0]},
+    }
+    peaks = dict.fromkeys(stats)
+    row = bench_steps._row(
+        "compiled: rope @ 1x8", stats, peaks, "compiled: rope", "compiled: none", 8, None
+    )
+    assert row.ratio == pytest.approx(1.0)
+    assert (row.raw["ratio_min"], row.raw["ratio_max"]) == pytest.approx((0.9, 1.2))
+    assert row.raw["ratios"] == pytest.approx([1.0, 1.2, 0.9])
+
+
 def test_steps_hands_over_each_encoders_rows_before_the_next_compiles(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -289,3 +342,23 @@ def test_bench_runs_on_cuda(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(out.read_text())["meta"]["device"].startswith("cuda")
+
+
+def test_profile_step_prints_the_top_operators_and_refuses_an_unknown_encoder() -> None:
+    """experiments/profile_step.py (the GPU check's profile section) on the CPU at a toy
+    size: the profiler's table with the asked-for rows, then the step's time; a name
+    that is not registered is one line naming the allowed ones."""
+    script = str(ROOT / "experiments" / "profile_step.py")
+    args = ["--batch", "1", "--length", "32", "--before", "1", "--top", "3", "--device", "cpu"]
+    proc = subprocess.run(
+        [sys.executable, script, "fire", *args], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Self CPU time total" in proc.stdout
+    assert re.search(r"fire @ 1x32 on cpu: one step [\d.]+ ms after 1 steps", proc.stdout)
+    proc = subprocess.run(
+        [sys.executable, script, "firee", *args], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2
+    assert "encoder 'firee' is not registered; allowed: alibi," in proc.stderr
+    assert "Traceback" not in proc.stderr
