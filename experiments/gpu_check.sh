@@ -65,13 +65,13 @@ run_section() {
     return 0
 }
 
-BENCH=("$PY" experiments/bench.py)
+BENCH=("$PY" experiments/bench.py)  # timeout runs programs, not shell functions
 # The eleven schemes of #34 by default; the data-dependent ones (cope, fox, path,
 # selective, stickbreak) take minutes more at 4x4096: GPU_CHECK_ENCODERS=all adds them.
 ENCODERS=${GPU_CHECK_ENCODERS:-none,learned,sinusoidal,rope,xpos,shaw,xl,deberta,alibi,t5,fire}
 if [ "$ENCODERS" = all ]; then
     ENCODERS=$("$PY" -c "from posenc.encoders import available; print(','.join(available()))")
-fi  # timeout runs programs, not shell functions
+fi
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "gpu_check: no CUDA GPU here ($("$PY" -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1)); ran the CPU-runnable parts only, at the quick sizes, into $OUT"
