@@ -97,7 +97,7 @@ XDIST=()
 # One compile thread: the tests' compile workers once kept pytest from exiting. It still
 # hung after the last result on 2026-11-27 (before its summary, so in a worker's
 # teardown): -v writes each result to the log as it comes, which the report counts.
-want tests && TORCHINDUCTOR_COMPILE_THREADS=1 run_section tests 150 "$PY" -m pytest -m cuda -q -p no:cacheprovider "${XDIST[@]}" \
+want tests && TORCHINDUCTOR_COMPILE_THREADS=1 run_section tests 150 "$PY" -m pytest -m cuda -p no:cacheprovider "${XDIST[@]}" \
     -v --tb=line -rfE --junitxml="$OUT/tests.xml" tests/model
 want steps_4096 && run_section steps_4096 260 "${BENCH[@]}" --sizes gpu --sections steps --lengths 4096 --encoders "$ENCODERS" \
     --modes "${GPU_CHECK_MODES:-eager,compiled}" --json "$OUT/steps_4096.json"

@@ -56,8 +56,12 @@ def sections(out: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
-#: A verbose (``-v``) pytest-xdist result line: "[gw0] [ 3%] PASSED tests/a.py::test[x]".
-RESULT = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (?P<outcome>[A-Z]+) (?P<test>\S+)")
+#: A verbose (``-v``) result line, with pytest-xdist ("[gw0] [ 3%] PASSED tests/a.py::t[x]")
+#: or without ("tests/a.py::t[x] PASSED [ 3%]").
+RESULT = re.compile(
+    r"^(?:\[gw\d+\] \[\s*\d+%\] (?P<outcome>[A-Z]+) (?P<test>\S+)"
+    r"|(?P<test1>\S+::\S+) (?P<outcome1>[A-Z]+)\b)"
+)
 COLLECTED = re.compile(r"\[(?P<n>\d+) items?\]|collected (?P<m>\d+) items?")
 
 
@@ -94,7 +98,11 @@ def tests_from_log(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     text = path.read_text(errors="replace")
-    outcomes = {m["test"]: m["outcome"] for m in map(RESULT.match, text.splitlines()) if m}
+    outcomes = {
+        m["test"] or m["test1"]: m["outcome"] or m["outcome1"]
+        for m in map(RESULT.match, text.splitlines())
+        if m
+    }
     if not outcomes:
         return None
     collected = [int(m["n"] or m["m"]) for m in COLLECTED.finditer(text)]

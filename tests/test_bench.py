@@ -271,6 +271,11 @@ def test_gpu_check_report_counts_the_tests_from_the_log_when_pytest_never_exits(
     proc = subprocess.run(run, capture_output=True, text=True, timeout=60)
     assert "tests timed out (2 of 3 reported) (150/150 s)" in proc.stdout
     assert "cuda tests: 1 passed, 1 skipped, 0 failed" in proc.stdout
+    # without pytest-xdist, -v puts the outcome after the test
+    serial = ["collected 2 items", "", "tests/model/t.py::test_a[rope] PASSED   [ 50%]"]
+    (tmp_path / "tests.log").write_text("\n".join(serial) + "\n")
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert "tests timed out (1 of 2 reported) (150/150 s)" in proc.stdout
 
 
 def test_a_compiled_rows_spread_is_against_compiled_none() -> None:
