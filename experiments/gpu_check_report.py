@@ -36,11 +36,11 @@ def sections(out: Path) -> dict[str, dict[str, Any]]:
         if counts is not None and rc in (124, 137):
             # Every test reported (the JUnit XML is written as the session finishes, the
             # log says how many were collected): the process stopped on its way out.
-            done = "reported" not in counts or counts["reported"] == counts["collected"]
+            done = "collected" not in counts or counts["collected"] == counts["tests"]
             state = (
                 "finished, then timed out on exit"
                 if done
-                else f"timed out ({counts['reported']} of {counts['collected'] or '?'} reported)"
+                else f"timed out ({counts['tests']} of {counts['collected'] or '?'} reported)"
             )
         elif state == "timed out" and (out / f"{path.stem}.json").is_file():
             report = json.loads((out / f"{path.stem}.json").read_text())
@@ -93,8 +93,8 @@ def tests(out: Path) -> dict[str, Any] | None:
 
 
 def tests_from_log(path: Path) -> dict[str, Any] | None:
-    """The counts of :func:`tests` from the result lines of a verbose xdist log, with
-    ``reported`` (how many results) and ``collected`` (how many tests were to run)."""
+    """The counts of :func:`tests` from the result lines of a verbose log (with or
+    without xdist), plus ``collected``: how many tests were to run (None if unsaid)."""
     if not path.is_file():
         return None
     text = path.read_text(errors="replace")
@@ -115,7 +115,6 @@ def tests_from_log(path: Path) -> dict[str, Any] | None:
         "skipped": skipped,
         "passed": len(outcomes) - len(failed) - skipped,
         "failed": failed,
-        "reported": len(outcomes),
         "collected": max(collected) if collected else None,
     }
 
