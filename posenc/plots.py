@@ -204,6 +204,16 @@ def _most_common(values: Sequence[Any]) -> Any:
     return Counter(values).most_common(1)[0][0] if values else None
 
 
+def seeds_label(spreads: Sequence[float | None]) -> str:
+    """What a figure's points are, from their spreads (None: a point of one run): an axis
+    label must not promise error bars over seeds for a figure of one seed."""
+    if all(s is None for s in spreads):
+        return "one run each"
+    if any(s is None for s in spreads):
+        return "mean ± std over seeds; no bar: one run"
+    return "mean ± std over seeds"
+
+
 def ppl_vs_length(
     panels: Mapping[str, Mapping[str, Mapping[int, Point]]], train_len: int | None, title: str
 ) -> Figure:
@@ -216,6 +226,8 @@ def ppl_vs_length(
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4), squeeze=False)
     color = colours([e for curves in panels.values() for e in curves])
+    spreads = [p[1] for cs in panels.values() for ps in cs.values() for p in ps.values()]
+    drawn = seeds_label(spreads)
     for ax, (kind, curves) in zip(axes[0], panels.items(), strict=True):
         for encoder, points in curves.items():
             xs = sorted(points)
@@ -245,7 +257,7 @@ def ppl_vs_length(
             FuncFormatter(lambda v, _: f"{v:.3g}") if high < 10 * low else NullFormatter()
         )
         ax.set_xlabel("evaluation length (tokens)")
-        ax.set_ylabel(f"{kind} (mean ± std over seeds)")
+        ax.set_ylabel(f"{kind} ({drawn})")
         ax.set_title(kind, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
     # One legend, beside the panels (inside them it hides the curves), naming the curves
@@ -343,7 +355,7 @@ def bleu_by_bucket(
             )
     ax.set_xticks(range(len(buckets)), [b.removeprefix("len") for b in buckets])
     ax.set_xlabel("source length (tokens)")
-    ax.set_ylabel("BLEU (mean ± std over seeds)")
+    ax.set_ylabel(f"BLEU ({seeds_label([p[1] for v in bars.values() for p in v.values()])})")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -669,8 +681,9 @@ def _algo_figures(by_group: Mapping[tuple[str, str], Sequence[Run]]) -> dict[str
             arm = runs[0].arm if runs else ""
             overview[f"{problem} ({shape}{', ' + arm if arm else ''}): seq_acc"] = panels["seq_acc"]
     if len(overview) > 1:
+        spreads = [p[1] for cs in overview.values() for ps in cs.values() for p in ps.values()]
         figs["algo_seq_acc_vs_size"] = accuracy_vs_size(
-            overview, trained, "Exact-match accuracy by instance size (mean ± std over seeds)"
+            overview, trained, f"Exact-match accuracy by instance size ({seeds_label(spreads)})"
         )
     return figs
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +35,53 @@ def check_checkpoint(cfg: DictConfig) -> None:
     path = str(cfg.ckpt_path)
     ckpt = checkpoints.load(path)
     ignored = checkpoints.check_config(path, ckpt, cfg, resume=not cfg.eval_only)
-    if ignored:
+    # A tuned-lr record the checkpoint lacks (``+tuned`` given to the evaluation) is kept
+    # when the checkpoint was trained at that rate: see _tuned_record below.
+    shown = {
+        k: v
+        for k, v in ignored.items()
+        if not (k.startswith("tuned.") and v[0] == checkpoints.UNSET)
+    }
+    if shown:
         log.warning(
             "eval_only: these settings differ from the checkpoint's and have no effect on "
             "an evaluation; metrics.json records the checkpoint's values:\n  %s",
-            "\n  ".join(f"{k}: checkpoint {a!r}, config {b!r}" for k, (a, b) in ignored.items()),
+            "\n  ".join(f"{k}: checkpoint {a!r}, config {b!r}" for k, (a, b) in shown.items()),
         )
-        for key, (saved, _) in ignored.items():
-            if saved != "<unset>":
-                OmegaConf.update(cfg, key, saved, force_add=True)
+    for key, (saved, _) in ignored.items():
+        if saved != checkpoints.UNSET:
+            OmegaConf.update(cfg, key, saved, force_add=True)
+    if cfg.eval_only:
+        _tuned_record(cfg, path)
+
+
+def _tuned_record(cfg: DictConfig, path: str) -> None:
+    """An evaluation's ``tuned`` record must be true of the model evaluated: a model
+    trained at its scheme's tuned rate (by ``+tuned`` or not) counts as tuned, so a
+    tuning sweep's model at the chosen rate is evaluated into the tuned-lr table without
+    training it again; a model trained at another rate keeps no record (the report would
+    put it in a table of rates it was not trained at)."""
+    record = cfg.get("tuned")
+    if not OmegaConf.is_dict(record):
+        return
+    lr = cfg.task.optim.lr
+    if isinstance(record.get("lr"), float | int) and math.isclose(lr, record.lr, rel_tol=1e-9):
+        log.info(
+            "eval_only: %s was trained at %s's tuned rate %g: counted as tuned",
+            path,
+            record.get("encoder"),
+            lr,
+        )
+        return
+    log.warning(
+        "eval_only: %s was trained at task.optim.lr=%g, not the tuned rate %s of %s: "
+        "its metrics are not counted as tuned (tuned: null)",
+        path,
+        lr,
+        record.get("lr"),
+        record.get("file"),
+    )
+    cfg.tuned = None
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

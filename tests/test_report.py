@@ -365,6 +365,23 @@ def test_ppl_figure_gives_each_of_eleven_curves_its_own_colour_and_plain_ticks()
     assert [t.get_text() for t in legend.get_texts()] == ["train 128", "rope", "alibi"]
 
 
+def test_ppl_figure_labels_what_it_draws_one_run_or_mean_over_seeds() -> None:
+    """#33: the headline figure of one seed said "mean ± std over seeds"."""
+    from posenc.plots import ppl_vs_length
+
+    one = {"rope": {128: (5.0, None), 256: (6.0, None)}}
+    three = {"rope": {128: (5.0, 0.1), 256: (6.0, 0.3)}}
+
+    def label(curves: dict[str, dict[int, tuple[float, float | None]]]) -> str:
+        return str(ppl_vs_length({"test/ppl": curves}, 128, "t").axes[0].get_ylabel())
+
+    assert label(one) == "test/ppl (one run each)"
+    assert label(three) == "test/ppl (mean ± std over seeds)"
+    assert label({**three, "alibi": one["rope"]}) == (
+        "test/ppl (mean ± std over seeds; no bar: one run)"
+    )
+
+
 def test_a_metric_that_is_not_a_number_is_a_failure_not_a_skip(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

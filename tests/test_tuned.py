@@ -127,6 +127,31 @@ def test_a_resumed_runs_record_must_match_its_lr(tmp_path: Path) -> None:
         tuned.apply(cfg)
 
 
+def test_an_evaluation_counts_as_tuned_only_if_the_model_was_trained_at_the_rate(
+    tmp_path: Path,
+) -> None:
+    """eval_only with +tuned: a model trained at its scheme's tuned rate (here without
+    +tuned, as a tuning sweep trains it) is recorded as tuned, so the report puts it in
+    the tuned-lr table; one trained at another rate is not (its record would be false)."""
+    trained = train(compose_run(tmp_path / "a", "encoder=rope", "task.optim.lr=0.003"))
+    assert trained["config"].get("tuned") is None
+    ckpt = tmp_path / "a" / "run" / "checkpoints" / "best.ckpt"
+
+    def evaluate(where: str, rates: dict[str, float]) -> dict:
+        d = _tuned_dir(tmp_path / where, {"lm": {"criterion": "val/loss", "lr": rates}})
+        args = ["encoder=rope", f"+tuned={d}", "eval_only=true", f"ckpt_path={ckpt}"]
+        return train(compose_run(tmp_path / where, *args))["config"]
+
+    assert evaluate("b", {"rope": 0.003})["tuned"] == {
+        "file": str((tmp_path / "b" / "report" / tuned.FILE).resolve()),
+        "task": "lm",
+        "encoder": "rope",
+        "lr": 0.003,
+    }
+    other = evaluate("c", {"rope": 0.01})
+    assert other["tuned"] is None and other["task"]["optim"]["lr"] == 0.003
+
+
 def test_run_py_refuses_a_bad_file_before_the_sweep_starts(tmp_path: Path) -> None:
     proc = subprocess.run(
         [

@@ -320,8 +320,13 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
+#: How :func:`differences` shows a key one side does not have.
+UNSET = "<unset>"
+
+
 def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
-    """``{key: (checkpoint's value, config's value)}`` for every leaf that differs."""
+    """``{key: (checkpoint's value, config's value)}`` for every leaf that differs
+    (:data:`UNSET` for a key one side lacks)."""
     now = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     now.pop("hydra", None)
     a, b = _flat(saved), _flat(now)
@@ -329,7 +334,7 @@ def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, 
          for k, v in a.items()}  # fmt: skip
     missing = object()
     return {
-        k: (a.get(k, "<unset>"), b.get(k, "<unset>"))
+        k: (a.get(k, UNSET), b.get(k, UNSET))
         for k in sorted(a.keys() | b.keys())
         if a.get(k, missing) != b.get(k, missing)
         and not (k not in a and k in ADDED_LATER and b.get(k) == ADDED_LATER[k])
@@ -339,7 +344,7 @@ def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, 
 def _lines(diff: dict[str, tuple[Any, Any]]) -> str:
     def line(k: str, v: tuple[Any, Any]) -> str:
         text = f"{k}: checkpoint {v[0]!r}, config {v[1]!r}"
-        if v[0] == "<unset>" and k in ADDED_LATER:  # tell the value the old run had
+        if v[0] == UNSET and k in ADDED_LATER:  # tell the value the old run had
             text += f" (the checkpoint predates the key; it ran as {k}={ADDED_LATER[k]})"
         return text
 
