@@ -751,3 +751,28 @@ def test_one_report_over_a_same_lr_sweep_and_its_tuned_rerun(
     assert "## lm_same_lr" in md and "## lm_tuned_lr" in md
     assert "| rope | unknown | 2 | **6.5 ± 6.4** |" in md  # one row each: not averaged
     assert "| rope | unknown | 2 | **5.5 ± 6.4** |" in md
+
+
+def test_the_loss_by_position_table_shows_where_the_gap_at_the_training_length_sits(
+    tmp_path: Path,
+) -> None:
+    """Per encoder, the test loss at the training length by doubling position bands, as
+    the difference to the lowest encoder (whose row holds its losses); values by hand."""
+    from posenc.report import position_bands
+
+    assert position_bands(16) == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 16)]
+    assert position_bands(4) == [(0, 1), (1, 2), (2, 4)]
+    flat = [2.0] * 16
+    far = [2.0] * 8 + [2.5] * 8  # worse past position 8 only
+    for seed, shift in enumerate((0.0, 0.2)):  # mean shift 0.1 over the two seeds
+        for enc, curve in (("xl", flat), ("alibi", [x + 0.3 + shift for x in flat])):
+            extra = LM_EXTRA | {"loss_by_position": {"test/ppl@16": curve}}
+            write_run(tmp_path / f"{enc}{seed}", "lm", enc, seed, {"test/ppl@16": 5.0}, **extra)
+    extra = LM_EXTRA | {"loss_by_position": {"test/ppl@16": far, "test/ppl@32": [9.0] * 32}}
+    write_run(tmp_path / "rope0", "lm", "rope", 0, {"test/ppl@16": 5.0}, **extra)
+    build_report(tmp_path, tensorboard=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| encoder | n | pos 0-0 | pos 1-1 | pos 2-3 | pos 4-7 | pos 8-15 |" in md
+    assert "| **xl** | 2 | 2.000 | 2.000 | 2.000 | 2.000 | 2.000 |" in md
+    assert "| alibi | 2 | +0.400 | +0.400 | +0.400 | +0.400 | +0.400 |" in md
+    assert "| rope | 1 | +0.000 | +0.000 | +0.000 | +0.000 | +0.500 |" in md

@@ -418,6 +418,7 @@ def markdown(
             *_notes(task_runs),
             "",
         ]
+        out += position_table(task_groups)
         out += ["<details><summary>All metrics</summary>", ""]
         out += _table(
             [
@@ -490,6 +491,55 @@ def markdown(
             "",
         ]
     return "\n".join(out)
+
+
+def position_bands(length: int) -> list[tuple[int, int]]:
+    """Positions ``[0, length)`` in bands that double: ``[0, L/16), [L/16, L/8), ...,
+    [L/2, L)`` (empty bands of a short length dropped)."""
+    edges = [0, *(length >> k for k in (4, 3, 2, 1)), length]
+    return [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
+
+
+def position_table(task_groups: dict[str, list[Run]]) -> list[str]:
+    """Where the loss at the training length sits: each encoder's test loss by position
+    band (mean over its runs of the per-position loss in ``metrics.json``), as the
+    difference to the encoder with the lowest loss over all positions, whose own row
+    holds its losses. A gap even across positions is not about far context; one that
+    grows with position is. Empty for tasks whose runs record no loss by position."""
+    curves: dict[str, list[list[float]]] = {}
+    for e, rs in task_groups.items():
+        for r in rs:
+            length = r.data.get("seq_len")
+            curve = r.data.get("loss_by_position", {}).get(f"test/ppl@{length}")
+            if isinstance(length, int) and isinstance(curve, list) and len(curve) == length:
+                curves.setdefault(e, []).append([float(x) for x in curve])
+    if not curves:
+        return []
+    # One training length per table (the most common; runs of another are left out).
+    length = Counter(len(c) for cs in curves.values() for c in cs).most_common(1)[0][0]
+    bands = position_bands(length)
+    mean: dict[str, list[float]] = {}
+    for e, cs in curves.items():
+        same = [c for c in cs if len(c) == length]
+        if same:
+            mean[e] = [sum(sum(c[a:b]) / (b - a) for c in same) / len(same) for a, b in bands]
+    widths = [b - a for a, b in bands]
+    best = min(mean, key=lambda e: sum(m * w for m, w in zip(mean[e], widths, strict=True)))
+    body = [
+        [f"**{e}**" if e == best else e, len(curves[e])]
+        + [
+            f"{v:.3f}" if e == best else f"{v - w:+.3f}"
+            for v, w in zip(ms, mean[best], strict=True)
+        ]
+        for e, ms in mean.items()
+    ]
+    return [
+        f"Test loss at the training length ({length}) by position, nats/token: the "
+        f"lowest encoder's (bold), the others as their difference to it (mean over runs):",
+        "",
+        *_table(["encoder", "n", *(f"pos {a}-{b - 1}" for a, b in bands)], body),
+        "",
+    ]
 
 
 def _figure_task(path: Path, tasks: Sequence[str]) -> str | None:
