@@ -776,3 +776,9 @@ def test_the_loss_by_position_table_shows_where_the_gap_at_the_training_length_s
     assert "| **xl** | 2 | 2.000 | 2.000 | 2.000 | 2.000 | 2.000 |" in md
     assert "| alibi | 2 | +0.400 | +0.400 | +0.400 | +0.400 | +0.400 |" in md
     assert "| rope | 1 | +0.000 | +0.000 | +0.000 | +0.000 | +0.500 |" in md
+    # A run of another training length is left out of its encoder's row and count.
+    other = LM_EXTRA | {"seq_len": 8, "loss_by_position": {"test/ppl@8": [0.0] * 8}}
+    write_run(tmp_path / "rope1", "lm", "rope", 1, {"test/ppl@16": 5.0}, **other)
+    build_report(tmp_path, tensorboard=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| rope | 1 | +0.000 | +0.000 | +0.000 | +0.000 | +0.500 |" in md

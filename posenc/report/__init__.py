@@ -519,14 +519,16 @@ def position_table(task_groups: dict[str, list[Run]]) -> list[str]:
     length = Counter(len(c) for cs in curves.values() for c in cs).most_common(1)[0][0]
     bands = position_bands(length)
     mean: dict[str, list[float]] = {}
+    runs: dict[str, int] = {}
     for e, cs in curves.items():
         same = [c for c in cs if len(c) == length]
         if same:
             mean[e] = [sum(sum(c[a:b]) / (b - a) for c in same) / len(same) for a, b in bands]
+            runs[e] = len(same)
     widths = [b - a for a, b in bands]
     best = min(mean, key=lambda e: sum(m * w for m, w in zip(mean[e], widths, strict=True)))
     body = [
-        [f"**{e}**" if e == best else e, len(curves[e])]
+        [f"**{e}**" if e == best else e, runs[e]]
         + [
             f"{v:.3f}" if e == best else f"{v - w:+.3f}"
             for v, w in zip(ms, mean[best], strict=True)
