@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,14 +204,20 @@ def _most_common(values: Sequence[Any]) -> Any:
     return Counter(values).most_common(1)[0][0] if values else None
 
 
-def seeds_label(spreads: Sequence[float | None]) -> str:
+def seeds_label(points: Iterable[Point]) -> str:
     """What a figure's points are, from their spreads (None: a point of one run): an axis
     label must not promise error bars over seeds for a figure of one seed."""
+    spreads = [std for _, std in points]
     if all(s is None for s in spreads):
         return "one run each"
     if any(s is None for s in spreads):
         return "mean ± std over seeds; no bar: one run"
     return "mean ± std over seeds"
+
+
+def _panel_points(panels: Mapping[str, Mapping[str, Mapping[int, Point]]]) -> Iterator[Point]:
+    """Every point of a figure's panels (panel -> curve -> x -> point)."""
+    return (p for curves in panels.values() for points in curves.values() for p in points.values())
 
 
 def ppl_vs_length(
@@ -226,8 +232,7 @@ def ppl_vs_length(
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4), squeeze=False)
     color = colours([e for curves in panels.values() for e in curves])
-    spreads = [p[1] for cs in panels.values() for ps in cs.values() for p in ps.values()]
-    drawn = seeds_label(spreads)
+    drawn = seeds_label(_panel_points(panels))
     for ax, (kind, curves) in zip(axes[0], panels.items(), strict=True):
         for encoder, points in curves.items():
             xs = sorted(points)
@@ -355,7 +360,7 @@ def bleu_by_bucket(
             )
     ax.set_xticks(range(len(buckets)), [b.removeprefix("len") for b in buckets])
     ax.set_xlabel("source length (tokens)")
-    ax.set_ylabel(f"BLEU ({seeds_label([p[1] for v in bars.values() for p in v.values()])})")
+    ax.set_ylabel(f"BLEU ({seeds_label(p for v in bars.values() for p in v.values())})")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -681,9 +686,9 @@ def _algo_figures(by_group: Mapping[tuple[str, str], Sequence[Run]]) -> dict[str
             arm = runs[0].arm if runs else ""
             overview[f"{problem} ({shape}{', ' + arm if arm else ''}): seq_acc"] = panels["seq_acc"]
     if len(overview) > 1:
-        spreads = [p[1] for cs in overview.values() for ps in cs.values() for p in ps.values()]
+        drawn = seeds_label(_panel_points(overview))
         figs["algo_seq_acc_vs_size"] = accuracy_vs_size(
-            overview, trained, f"Exact-match accuracy by instance size ({seeds_label(spreads)})"
+            overview, trained, f"Exact-match accuracy by instance size ({drawn})"
         )
     return figs
 
