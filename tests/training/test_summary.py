@@ -106,6 +106,7 @@ def test_a_run_ends_by_printing_its_numbers_and_where_they_are(tmp_path: Path) -
 
 def test_threads_sets_torchs_thread_count(tmp_path: Path) -> None:
     before = torch.get_num_threads()
+    torch.set_num_threads(2)  # not 1 already (as under pytest -n auto), so this can fail
     try:
         train(compose_run(tmp_path, "encoder=none", "+threads=1", "task.eval.multipliers=[1]"))
         assert torch.get_num_threads() == 1
