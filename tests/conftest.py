@@ -46,8 +46,8 @@ os.environ.setdefault("POSENC_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 
 # Under pytest-xdist (the README's `-n auto`) each worker takes its share of the cores:
 # torch's default, a thread per core in every worker and in the runs a test starts,
-# oversubscribes them (on 2 cores, 3 of the slowest test files took 20% less CPU time and
-# 9% less wall-clock time with one thread a worker). OMP_NUM_THREADS reaches the runs.
+# oversubscribes them (on 2 cores the whole suite took 456 s with one thread a worker,
+# 730 s without). OMP_NUM_THREADS reaches the runs.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
