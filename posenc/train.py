@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posenc import tuned
 from posenc.config import validate
+from posenc.errors import CheckpointError
 from posenc.schema import typed
 from posenc.training import checkpoints
 from posenc.training.rundir import guard_run_dir, record_job, resume_checkpoint
@@ -24,6 +25,82 @@ from posenc.training.trainer import quiet_third_party
 log = logging.getLogger(__name__)
 
 TASKS = {"lm": "posenc.tasks.lm_job", "mt": "posenc.tasks.mt_job", "algo": "posenc.tasks.algo_job"}
+
+
+def command_line_keys(cfg: DictConfig) -> set[str] | None:
+    """The config keys the command line set (``model.d_model=32``, ``+encoder.x=1``) and,
+    for a group choice (``encoder=rope``), its ``_target_``; None outside a Hydra run (a
+    config composed by hand, whose overrides are unknown)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        overrides = list(HydraConfig.get().overrides.task)
+    elif OmegaConf.select(cfg, "hydra.overrides.task") is not None:
+        overrides = list(cfg.hydra.overrides.task)
+    else:
+        return None
+    keys = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    return {k if "." in k else f"{k}._target_" for k in keys}
+
+
+def checkpoint_model(cfg: DictConfig, saved: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """The model sizes and encoder options an ``eval_only`` run takes from its checkpoint's
+    config: every ``model.*`` and ``encoder.*`` value the command line did not set (the
+    encoder itself, its ``_target_``, stays the one chosen: another is refused later, and
+    speed-only settings such as ``model.compile`` stay this run's).
+
+    Args:
+        cfg: This run's config.
+        saved: The checkpoint's config.
+        given: The keys the command line set (:func:`command_line_keys`).
+
+    Returns:
+        ``{key: checkpoint's value}`` for the keys to take.
+
+    Raises:
+        CheckpointError: The command line set a model key to another value than the
+            checkpoint's (both values named, on one line).
+    """
+    flat = {
+        k: v
+        for k, v in checkpoints.flat(saved).items()
+        if k.startswith(("model.", "encoder."))
+        and k != "encoder._target_"
+        and not k.startswith(checkpoints.RUNTIME_ONLY)
+    }
+    if flat and saved.get("encoder", {}).get("_target_") != cfg.encoder.get("_target_"):
+        flat = {k: v for k, v in flat.items() if k.startswith("model.")}  # refused later
+    conflicts = [
+        f"{k}={OmegaConf.select(cfg, k)} was given but the checkpoint's model has {k}={v}"
+        for k, v in flat.items()
+        if k in given and OmegaConf.select(cfg, k) != v
+    ]
+    if conflicts:
+        raise CheckpointError(
+            f"eval_only with {cfg.ckpt_path}: {'; '.join(conflicts)}. Leave the model's "
+            f"sizes and encoder options out (eval_only takes them from the checkpoint)"
+        )
+    return {k: v for k, v in flat.items() if k not in given and OmegaConf.select(cfg, k) != v}
+
+
+def take_checkpoint_model(cfg: DictConfig) -> None:
+    """``eval_only``: the checkpoint's model sizes and encoder options
+    (:func:`checkpoint_model`) replace the config's defaults, before the config is checked,
+    so evaluating a small model needs no sizes retyped."""
+    given = command_line_keys(cfg)
+    path = cfg.get("ckpt_path")
+    if not (cfg.get("eval_only") is True and path and given is not None and Path(path).is_file()):
+        return
+    saved = (checkpoints.load(path).get("posenc") or {}).get("config") or {}
+    taken = checkpoint_model(cfg, saved, given)
+    for key, value in taken.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    if taken:
+        log.info(
+            "eval_only: the model as %s was trained: %s",
+            path,
+            " ".join(f"{k}={v}" for k, v in taken.items()),
+        )
 
 
 def check_checkpoint(cfg: DictConfig) -> None:
@@ -95,6 +172,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """
     quiet_third_party()
     tuned.apply(cfg)  # +tuned=<report dir>: this encoder's tuned lr, before the checks
+    take_checkpoint_model(cfg)
     validate(cfg)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -70,6 +70,15 @@ def metric_name(split: str, protocol: str, length: int, extension: str | None = 
     return f"{split}/{kind}@{length}"
 
 
+def describe_metric(name: str) -> str:
+    """``test/ppl+yarn@512`` -> ``test ppl+yarn@512 nonoverlap``: a metric name with its
+    protocol spelled out (what a progress line or bar says it is evaluating)."""
+    split, base, _, _ = parse_metric(name)
+    protocol = {v: k for k, v in PROTOCOLS.items()}.get(base)
+    head = name.replace("/", " ", 1) if split else name
+    return f"{head} {protocol}" if protocol else head
+
+
 def parse_metric(name: str) -> tuple[str, str, str, str]:
     """``test/ppl_sw+yarn@512`` -> ``("test", "ppl_sw", "yarn", "512")``; the extension is
     ``""`` for a plain run and the last part ``""`` for a name without ``@``."""

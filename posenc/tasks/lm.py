@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posenc.encoders.base import Scalable
-from posenc.eval.lengths import TokenNLL
+from posenc.eval.lengths import TokenNLL, describe_metric
 from posenc.model import DecoderLM
 from posenc.training.module import TaskModule
 from posenc.training.optim import check_finite
@@ -89,6 +89,12 @@ class LMTask(TaskModule[DecoderLM]):
         self.log("val/loss", out["loss"].float(), prog_bar=True)
         self.log("val/ppl", out["ppl"].float())
         self.val_nll.reset()
+
+    @property
+    def eval_labels(self) -> list[str]:
+        """Per evaluation loader, what it evaluates (``test ppl@512 nonoverlap``): the
+        progress display's names."""
+        return [describe_metric(n) for n in self.eval_names]
 
     def set_eval_loaders(
         self,

@@ -1,4 +1,5 @@
-"""Callbacks every task uses: training throughput, peak memory, plain progress lines."""
+"""Callbacks every task uses: training throughput, peak memory, the progress display (a
+bar counting steps on a terminal, plain lines otherwise)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import RichProgressBar
 
 from posenc.progress import clock
 
@@ -71,10 +73,53 @@ class Throughput(pl.Callback):
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+def eval_label(module: pl.LightningModule, index: int) -> str:
+    """What evaluation loader ``index`` evaluates, as the task names it (its
+    ``eval_labels``: ``test ppl@512 nonoverlap``), or ``Testing`` for a task that names none."""
+    labels = getattr(module, "eval_labels", None) or []
+    return str(labels[index]) if index < len(labels) else "Testing"
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich bar counting optimizer steps to ``trainer.max_steps``, and each
+    evaluation bar named by what it evaluates.
+
+    posenc trains for a number of steps from a loader with no end, so Lightning's own bar
+    showed an epoch ``0/-2`` and a count of batches up to the validation interval; its
+    evaluation bars all read ``Testing``.
+    """
+
+    @property
+    def total_train_batches(self) -> int | float:
+        """``trainer.max_steps`` (Lightning's count of one epoch's batches without one)."""
+        steps = self.trainer.max_steps
+        return steps if steps > 0 else super().total_train_batches
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return f"{'train step':{len(self.validation_description)}}"
+
+    @property
+    def test_description(self) -> str:
+        return eval_label(self.trainer.lightning_module, self._current_eval_dataloader_idx or 0)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # The step count (a resumed run starts where it stopped), not the batch index.
+        self._update(self.train_progress_bar_id, trainer.global_step)
+        self.refresh()
+
+
 class PlainProgress(pl.Callback):
-    """One plain log line every ``every`` training steps (step, loss, tokens/s, ETA), for
-    output that is not a terminal (SLURM logs, ``nohup``), where a progress bar shows
-    nothing until the end.
+    """One plain log line every ``every`` training steps (step, loss, tokens/s, elapsed,
+    ETA), and one as each evaluation loader starts, where no progress bar is drawn: output
+    that is not a terminal (SLURM logs, ``nohup``), or ``trainer.enable_progress_bar=false``.
 
     Args:
         throughput: The run's :class:`Throughput` (its running tokens/s).
@@ -115,4 +160,23 @@ class PlainProgress(pl.Callback):
             self.throughput.tokens_per_s,
             clock(elapsed),
             clock(eta),
+        )
+
+    def on_test_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if batch_idx or not trainer.is_global_zero:
+            return
+        loaders = trainer.test_dataloaders
+        count = len(loaders) if isinstance(loaders, list | tuple) else 1
+        log.info(
+            "evaluating %s (%d/%d)",
+            eval_label(pl_module, dataloader_idx),
+            dataloader_idx + 1,
+            count,
         )

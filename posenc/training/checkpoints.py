@@ -296,11 +296,12 @@ def record(
     return out
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict's leaves by dotted key (``{"model.d_model": 16}``)."""
     if isinstance(tree, dict):
         out: dict[str, Any] = {}
         for k, v in tree.items():
-            out |= _flat(v, f"{prefix}{k}.")
+            out |= flat(v, f"{prefix}{k}.")
         return out or {prefix[:-1]: {}}
     return {prefix[:-1]: tree}
 
@@ -329,7 +330,7 @@ def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, 
     (:data:`UNSET` for a key one side lacks)."""
     now = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     now.pop("hydra", None)
-    a, b = _flat(saved), _flat(now)
+    a, b = flat(saved), flat(now)
     a = {k: MOVED.get(v, v) if k.endswith("_target_") and isinstance(v, str) else v
          for k, v in a.items()}  # fmt: skip
     missing = object()

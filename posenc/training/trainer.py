@@ -16,7 +16,7 @@ import torch
 from hydra.utils import get_class, instantiate
 from lightning_fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
-from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
@@ -24,7 +24,7 @@ from torch import nn
 from posenc.errors import CheckpointError
 from posenc.schema import Group, Run, untyped
 from posenc.training import checkpoints, gate
-from posenc.training.callbacks import PlainProgress, Throughput
+from posenc.training.callbacks import PlainProgress, StepProgressBar, Throughput
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +172,10 @@ def build_trainer(
     learned = gate.callback(cfg)
     if learned is not None:
         callbacks.append(learned)
-    progress = cfg.trainer.get("enable_progress_bar", True)
-    if progress and sys.stdout.isatty():
-        callbacks.append(RichProgressBar())
-    elif progress:  # a log file: a plain line every few steps instead of a bar
-        callbacks.append(PlainProgress(throughput))
+    bar = bool(cfg.trainer.get("enable_progress_bar", True)) and sys.stdout.isatty()
+    # Without a bar (a log file, or the bar turned off) a plain line every few steps, so
+    # a run never shows nothing until its end.
+    callbacks.append(StepProgressBar() if bar else PlainProgress(throughput))
     plugins: list[Any] = [checkpoints.VerifiedCheckpointIO()]
     if SLURMEnvironment.detect():
         # SIGUSR1 before the time limit: Lightning saves a checkpoint and requeues the job.
@@ -187,7 +186,7 @@ def build_trainer(
         callbacks=callbacks,
         default_root_dir=str(run_dir),
         plugins=plugins,
-        enable_progress_bar=bool(progress and sys.stdout.isatty()),
+        enable_progress_bar=bar,
     )
 
 

@@ -3,6 +3,7 @@ config, checksummed, replaced in place, saved on SIGTERM; failed saves stop the 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -11,13 +12,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
 
 from posenc.errors import CacheError, CheckpointError
-from posenc.train import train
+from posenc.train import command_line_keys, train
 from posenc.training import checkpoints
 from tests.conftest import ROOT, TINY, compose_run
 
@@ -48,6 +53,71 @@ def test_eval_only_refuses_a_checkpoint_of_another_model(
             compose_run(tmp_path, "encoder=rope", override, "eval_only=true", f"ckpt_path={ckpt}")
         )
     assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+@contextlib.contextmanager
+def command_line(tmp_path: Path, *overrides: str) -> Iterator[DictConfig]:
+    """The config of ``python run.py <overrides>`` (writing into tmp_path), with Hydra
+    initialized as run.py leaves it: its command line in ``hydra.overrides.task``."""
+    overrides = (
+        f"paths.output_dir={tmp_path / 'run'}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        *overrides,
+    )
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        yield cfg
+    finally:
+        HydraConfig.instance().cfg = None  # later tests run outside Hydra
+
+
+#: TINY without the model's sizes: what a user types to evaluate a checkpoint.
+NO_SIZES = [o for o in TINY if not o.startswith("model.")]
+
+
+def test_eval_only_takes_the_model_sizes_from_the_checkpoint(trained: Path, tmp_path: Path) -> None:
+    """``eval_only=true ckpt_path=<small model>`` evaluates it with no sizes retyped (the
+    defaults are 4 layers of width 128; the checkpoint's 1 of 16): the same numbers as
+    the training run's own evaluation."""
+    ckpt = trained / "checkpoints" / "best.ckpt"
+    with command_line(tmp_path, *NO_SIZES, "encoder=rope", "eval_only=true", f"ckpt_path={ckpt}",
+                      "task.eval.multipliers=[1]") as cfg:  # fmt: skip
+        assert cfg.model.d_model == 128
+        out = train(cfg)
+    first = json.loads((trained / "metrics.json").read_text())
+    assert out["config"]["model"]["d_model"] == 16
+    assert out["config"]["model"]["n_layers"] == 1
+    assert out["metrics"]["test/ppl@16"] == pytest.approx(first["metrics"]["test/ppl@16"], rel=1e-9)
+
+
+def test_eval_only_refuses_sizes_given_against_the_checkpoint_in_one_line(
+    trained: Path, tmp_path: Path
+) -> None:
+    ckpt = trained / "checkpoints" / "best.ckpt"
+    with (
+        command_line(
+            tmp_path, *NO_SIZES, "model.d_model=32", "eval_only=true", f"ckpt_path={ckpt}"
+        ) as cfg,
+        pytest.raises(CheckpointError) as err,
+    ):
+        train(cfg)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "model.d_model=32 was given but the checkpoint's model has model.d_model=16" in message
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_command_line_keys_name_what_the_user_set(tmp_path: Path) -> None:
+    assert command_line_keys(compose_run(tmp_path)) is None  # composed by hand: unknown
+    with command_line(tmp_path, "encoder=alibi", "model.d_ff=8", "+encoder.x=1") as cfg:
+        keys = command_line_keys(cfg)
+    assert keys is not None
+    assert {"encoder._target_", "model.d_ff", "encoder.x"} <= keys
+    assert "model.d_model" not in keys
 
 
 def test_eval_only_of_an_mt_checkpoint_under_task_lm_is_refused(tmp_path: Path) -> None:
