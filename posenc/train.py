@@ -19,28 +19,12 @@ from posenc.errors import CheckpointError
 from posenc.schema import typed
 from posenc.training import checkpoints
 from posenc.training.rundir import guard_run_dir, record_job, resume_checkpoint
-from posenc.training.trainer import quiet_third_party
+from posenc.training.trainer import command_line_keys, quiet_third_party
 
 #: task name -> module with ``run(cfg, run_dir) -> dict`` (imported on demand).
 log = logging.getLogger(__name__)
 
 TASKS = {"lm": "posenc.tasks.lm_job", "mt": "posenc.tasks.mt_job", "algo": "posenc.tasks.algo_job"}
-
-
-def command_line_keys(cfg: DictConfig) -> set[str] | None:
-    """The config keys the command line set (``model.d_model=32``, ``+encoder.x=1``) and,
-    for a group choice (``encoder=rope``), its ``_target_``; None outside a Hydra run (a
-    config composed by hand, whose overrides are unknown)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        overrides = list(HydraConfig.get().overrides.task)
-    elif OmegaConf.select(cfg, "hydra.overrides.task") is not None:
-        overrides = list(cfg.hydra.overrides.task)
-    else:
-        return None
-    keys = {o.partition("=")[0].lstrip("+~") for o in overrides}
-    return {k if "." in k else f"{k}._target_" for k in keys}
 
 
 def checkpoint_model(cfg: DictConfig, saved: dict[str, Any], given: set[str]) -> dict[str, Any]:

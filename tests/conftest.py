@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from posenc.cli import register_resolvers
 from posenc.encoders.base import AttentionContext, AttnKind, PositionalEncoder
@@ -134,6 +137,26 @@ TINY = [
 def compose_run(tmp_path: Path, *overrides: str) -> DictConfig:
     """The real config, composed as run.py would, with a tiny model, writing into tmp_path."""
     return compose_config(tmp_path, *TINY, *overrides)
+
+
+@contextlib.contextmanager
+def command_line(tmp_path: Path, *overrides: str) -> Iterator[DictConfig]:
+    """The config of ``python run.py <overrides>`` (writing into tmp_path), with Hydra
+    initialized as run.py leaves it: its command line in ``hydra.overrides.task``."""
+    overrides = (
+        f"paths.output_dir={tmp_path / 'run'}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        *overrides,
+    )
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        yield cfg
+    finally:
+        HydraConfig.instance().cfg = None  # later tests run outside Hydra
 
 
 def compose_config(tmp_path: Path, *overrides: str) -> DictConfig:

@@ -227,16 +227,11 @@ def _tensorboard(trainer: pl.Trainer, cfg: Run[schema.AlgoTask], result: dict[st
     title = f"{result['encoder']}: {result['problem']} ({result['shape']})"
     figure = accuracy_vs_size(panels, tuple(result["train_lengths"]), title)
     logger.experiment.add_figure("test/accuracy_vs_size", figure, trainer.global_step)
-    m = cfg.model
     hparams = {
         "encoder": result["encoder"],
         "task": "algo",
         "problem": result["problem"],
         "shape": result["shape"],
-        "seed": cfg.seed,
-        "n_layers": m.n_layers,
-        "d_model": m.d_model,
-        "n_heads": m.n_heads,
         "n_params": result["n_params"],
     }
-    log_hparams(trainer, hparams, result["metrics"])
+    log_hparams(trainer, cfg, hparams, result["metrics"])

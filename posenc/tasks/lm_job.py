@@ -312,15 +312,10 @@ def _tensorboard(trainer: pl.Trainer, cfg: Run[schema.LMTask], result: dict[str,
             seq_len,
             trainer.global_step,
         )
-    m = cfg.model
     hparams = {
         "encoder": result["encoder"],
         "task": "lm",
-        "seed": cfg.seed,
         "seq_len": seq_len,
-        "n_layers": m.n_layers,
-        "d_model": m.d_model,
-        "n_heads": m.n_heads,
         "n_params": result["n_params"],
     }
-    log_hparams(trainer, hparams, result["metrics"])
+    log_hparams(trainer, cfg, hparams, result["metrics"])

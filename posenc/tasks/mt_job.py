@@ -250,17 +250,12 @@ def _tensorboard(
         ),
         step,
     )
-    m = cfg.model
     hparams = {
         "encoder": result["encoder"],
         "task": "mt",
         "data": result["data"],
-        "seed": cfg.seed,
-        "n_layers": m.n_layers,
-        "d_model": m.d_model,
-        "n_heads": m.n_heads,
         "n_params": result["n_params"],
         "beam_size": cfg.task.decode.beam_size,
         "max_train_src_len": str(cfg.task.max_train_src_len),
     }
-    log_hparams(trainer, hparams, result["metrics"])
+    log_hparams(trainer, cfg, hparams, result["metrics"])

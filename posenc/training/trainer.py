@@ -221,12 +221,58 @@ def group_choice(cfg: Any, group: str) -> str:
     return getattr(cls, "name", cls.__name__)
 
 
-def log_hparams(trainer: pl.Trainer, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
-    """HParams linked to the final metrics, so runs compare in TensorBoard's HParams tab."""
+def command_line_keys(cfg: Any) -> set[str] | None:
+    """The config keys the command line set (``model.d_model=32``, ``+encoder.x=1``) and,
+    for a group choice (``encoder=rope``), its ``_target_``; None outside a Hydra run (a
+    config composed by hand, whose overrides are unknown)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    given = OmegaConf.select(untyped(cfg), "hydra.overrides.task")
+    if HydraConfig.initialized():
+        overrides = list(HydraConfig.get().overrides.task)
+    elif given is not None:
+        overrides = list(given)
+    else:
+        return None
+    keys = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    return {k if "." in k else f"{k}._target_" for k in keys}
+
+
+#: Config keys in every run's HParams besides the model's and the encoder's: what most
+#: often tells two runs of a sweep apart.
+HPARAM_KEYS = ("task.optim.lr", "trainer.max_steps", "seed")
+
+
+def config_hparams(cfg: Run[Any]) -> dict[str, Any]:
+    """The config's part of a run's HParams, as flat scalars by dotted key: the learning
+    rate, the steps, every ``model.*`` and ``encoder.*`` option and every key the command
+    line set (a sweep's swept keys), so runs that differ in any of them are told apart in
+    TensorBoard. Lists become their text."""
+    plain = cast(dict[str, Any], OmegaConf.to_container(untyped(cfg), resolve=True))
+    plain.pop("hydra", None)
+    flat = checkpoints.flat(plain)
+    given = command_line_keys(cfg) or set()
+    keep = {
+        k
+        for k in flat
+        if k in HPARAM_KEYS
+        or k in given
+        or k.startswith(("model.", "encoder."))
+        and not k.endswith(("._target_", "._partial_"))
+    }
+    scalar = (int, float, str, bool)
+    return {k: flat[k] if isinstance(flat[k], scalar) else str(flat[k]) for k in sorted(keep)}
+
+
+def log_hparams(
+    trainer: pl.Trainer, cfg: Run[Any], hparams: dict[str, Any], metrics: dict[str, float]
+) -> None:
+    """HParams (the task's ``hparams`` and :func:`config_hparams`) linked to the final
+    metrics, so runs compare in TensorBoard's HParams tab."""
     if isinstance(trainer.logger, TensorBoardLogger):
         # Under hp/: the same names as the logged curves would add a point at step 0.
         finite = {f"hp/{k}": v for k, v in metrics.items() if math.isfinite(v)}
-        trainer.logger.log_hyperparams(hparams, finite)
+        trainer.logger.log_hyperparams(hparams | config_hparams(cfg), finite)
         trainer.logger.finalize("success")
 
 

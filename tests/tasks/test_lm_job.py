@@ -7,9 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
+from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.train import train
-from tests.conftest import ENCODER_YAMLS, compose_run
+from tests.conftest import ENCODER_YAMLS, TINY, command_line, compose_run
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +88,29 @@ def test_eval_only_from_a_checkpoint(tmp_path: Path) -> None:
     assert again["train_steps"] == 0
     for key in ("test/ppl@16", "test/ppl_sw@16"):
         assert again["metrics"][key] == pytest.approx(trained["metrics"][key], rel=1e-9)
+
+
+def test_hparams_hold_the_rate_steps_sizes_encoder_options_and_swept_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TensorBoard's HParams tell runs of an lr sweep apart: the learning rate, the steps,
+    every model size and encoder option, and each key the command line set."""
+    logged: list[dict[str, object]] = []
+
+    def capture(self: TensorBoardLogger, params: dict[str, object], metrics: object = None) -> None:
+        if metrics:  # the final call, linked to the results
+            logged.append(dict(params))
+
+    monkeypatch.setattr(TensorBoardLogger, "log_hyperparams", capture)
+    with command_line(
+        tmp_path, *TINY, "encoder=rope", "task.optim.lr=0.002", "task.eval.multipliers=[1]"
+    ) as cfg:
+        train(cfg)
+    (hparams,) = logged
+    assert hparams["task.optim.lr"] == 0.002
+    assert hparams["trainer.max_steps"] == 3
+    assert hparams["model.d_ff"] == 32
+    assert hparams["encoder.base"] == 10000.0
+    assert hparams["task.eval.multipliers"] == "[1]"  # set on the command line
+    assert hparams["encoder"] == "rope"
+    assert all(isinstance(v, int | float | str | bool) for v in hparams.values())

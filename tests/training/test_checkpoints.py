@@ -3,7 +3,6 @@ config, checksummed, replaced in place, saved on SIGTERM; failed saves stop the 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -12,19 +11,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, open_dict
 
 from posenc.errors import CacheError, CheckpointError
-from posenc.train import command_line_keys, train
+from posenc.train import train
 from posenc.training import checkpoints
-from tests.conftest import ROOT, TINY, compose_run
+from posenc.training.trainer import command_line_keys
+from tests.conftest import ROOT, TINY, command_line, compose_run
 
 
 @pytest.fixture(scope="module")
@@ -53,26 +49,6 @@ def test_eval_only_refuses_a_checkpoint_of_another_model(
             compose_run(tmp_path, "encoder=rope", override, "eval_only=true", f"ckpt_path={ckpt}")
         )
     assert not (tmp_path / "run" / "metrics.json").exists()
-
-
-@contextlib.contextmanager
-def command_line(tmp_path: Path, *overrides: str) -> Iterator[DictConfig]:
-    """The config of ``python run.py <overrides>`` (writing into tmp_path), with Hydra
-    initialized as run.py leaves it: its command line in ``hydra.overrides.task``."""
-    overrides = (
-        f"paths.output_dir={tmp_path / 'run'}",
-        f"paths.cache_dir={tmp_path / 'cache'}",
-        *overrides,
-    )
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    try:
-        yield cfg
-    finally:
-        HydraConfig.instance().cfg = None  # later tests run outside Hydra
 
 
 #: TINY without the model's sizes: what a user types to evaluate a checkpoint.
