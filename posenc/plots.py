@@ -3,7 +3,8 @@
 - ``lm_<split>_ppl_vs_length.png``: perplexity against evaluation length per encoder,
   log-log, mean with std error bars, one panel per protocol, training length marked; a RoPE
   context-extension method is one more (dashed) curve, ``rope+yarn``, in its protocol's panel.
-- ``lm_<split>_loss_by_position.png``: mean loss by position in the window at the longest
+- ``lm_<split>_loss_by_position.png``: mean loss by position in the window (log-spaced bands of
+  positions) at the longest
   length each encoder (and each of its context-extension methods) was evaluated at.
 - ``lm_<split>_passkey.png``: passkey-retrieval accuracy by length and depth, one heatmap
   per encoder, mean over seeds (runs with ``task.eval.passkey`` on).
@@ -29,7 +30,7 @@ matplotlib.use("Agg")  # files and TensorBoard only, never a window
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
 from posenc.runs import LEARNED, NOT_LEARNED, Row, Run, split_extension, summarize
 
@@ -133,6 +134,7 @@ def bleu_by_length_figure(
         x = bar.get_x() + bar.get_width() / 2
         ax.annotate(label, (x, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(names)), [n[3:] for n in names])
+    ax.set_ylim(bottom=0)  # BLEU is never negative (all-zero bars centred the axis on 0)
     ax.set_xlabel("source length (tokens)")
     ax.set_ylabel("BLEU")
     note = "" if train_max is None else f" (orange: beyond training max {train_max})"
@@ -231,7 +233,8 @@ def ppl_vs_length(
         title: Figure title.
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4), squeeze=False)
-    color = colours([e for curves in panels.values() for e in curves])
+    names = [e for curves in panels.values() for e in curves]
+    color, marker = colours(names), markers(names)
     drawn = seeds_label(_panel_points(panels))
     for ax, (kind, curves) in zip(axes[0], panels.items(), strict=True):
         for encoder, points in curves.items():
@@ -240,8 +243,8 @@ def ppl_vs_length(
                 xs,
                 [points[x][0] for x in xs],
                 yerr=[points[x][1] or 0.0 for x in xs],
-                marker="o",
-                ms=3,
+                marker=marker[encoder],
+                ms=4,
                 capsize=3,
                 ls="--" if "+" in encoder else "-",
                 color=color[encoder],
@@ -254,13 +257,7 @@ def ppl_vs_length(
         lengths = sorted({x for points in curves.values() for x in points})
         ax.set_xticks(lengths, [str(x) for x in lengths])
         ax.xaxis.set_minor_formatter(NullFormatter())
-        # Plain numbers (1000, not 1e+03); the minor ticks are labelled only when the
-        # curves span less than a decade, where the major ticks alone would be too few.
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        low, high = ax.get_ylim()
-        ax.yaxis.set_minor_formatter(
-            FuncFormatter(lambda v, _: f"{v:.3g}") if high < 10 * low else NullFormatter()
-        )
+        label_log_axis(ax)
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel(f"{kind} ({drawn})")
         ax.set_title(kind, fontsize=9)
@@ -279,6 +276,40 @@ def ppl_vs_length(
     return fig
 
 
+def label_log_axis(ax: Any) -> None:
+    """Enough labelled ticks on a log y axis: plain numbers (``20``, not ``2x10^1``) at the
+    1-2-5 steps inside the drawn range, or at every 1..9 step where fewer than four of
+    those fall in it, or five spread over a narrower range (the major ticks alone, one
+    per decade, left a range of one decade with a single label, ``10``)."""
+    low, high = ax.get_ylim()
+    ticks: list[float] = []
+    for steps in ((1, 2, 5), (1, 2, 3, 4, 5, 6, 7, 8, 9)):
+        ticks = [
+            m * 10.0**k
+            for k in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+            for m in steps
+            if low <= m * 10.0**k <= high
+        ]
+        if len(ticks) >= 4:
+            break
+    if len(ticks) < 3:  # a range narrower than 1..9 steps: round steps across it
+        ticks = [t for t in MaxNLocator(5).tick_values(low, high) if low <= t <= high]
+    ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(low, high)
+
+
+#: Markers cycled with a period (8) other than the colours' (10), so that the two curves
+#: sharing a hue (tab20's dark and light shades) never share a marker too.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def markers(names: Sequence[str]) -> dict[str, str]:
+    """A marker per name, in the order :func:`colours` gives colours."""
+    unique = list(dict.fromkeys(names))
+    return {name: MARKERS[i % len(MARKERS)] for i, name in enumerate(unique)}
+
+
 def colours(names: Sequence[str]) -> dict[str, Any]:
     """A colour per name, all different up to 20: tab20's ten dark colours, then its ten
     light ones (the default cycle repeats after ten, so an 11th curve took the 1st's).
@@ -289,27 +320,54 @@ def colours(names: Sequence[str]) -> dict[str, Any]:
     return {name: palette[i % len(palette)] for i, name in enumerate(unique)}
 
 
+def position_bands(ys: Sequence[float], per_octave: int = 3) -> tuple[list[float], list[float]]:
+    """Mean of a per-position curve over log-spaced bands of positions, ``per_octave``
+    bands per doubling: one position each at the start, where the loss falls fastest, ever
+    wider towards the end, where position by position it is noise (at small sizes a
+    window's every position is scored in a few windows only). Non-finite values are left
+    out of their band's mean.
+
+    Args:
+        ys: The value at positions 0..L-1.
+        per_octave: Bands per doubling of the position.
+
+    Returns:
+        Each band's geometric centre (1-based positions, for a log axis) and mean.
+    """
+    n = len(ys)
+    top = math.ceil(per_octave * math.log2(max(n, 1))) + 1
+    edges = sorted({0, n} | {min(n, round(2 ** (k / per_octave))) for k in range(top)})
+    xs, means = [], []
+    for a, b in zip(edges, edges[1:], strict=False):
+        band = [float(y) for y in ys[a:b] if math.isfinite(y)]
+        if band:
+            xs.append(math.sqrt((a + 1) * b))
+            means.append(sum(band) / len(band))
+    return xs, means
+
+
 def loss_by_position(
-    curves: Mapping[str, Sequence[float]], train_len: int | None, title: str, points: int = 256
+    curves: Mapping[str, Sequence[float]], train_len: int | None, title: str, per_octave: int = 3
 ) -> Figure:
-    """Mean loss against position in the window, averaged into at most ``points`` bins.
+    """Mean loss against position in the window, averaged over log-spaced bands
+    (:func:`position_bands`) on a log axis.
 
     Args:
         curves: Label -> loss at positions 0..L-1.
         train_len: Training length, drawn as a vertical line.
         title: Figure title.
-        points: Bins per curve (long windows are noisy position by position).
+        per_octave: Bands per doubling of the position.
     """
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    color = colours(list(curves))
+    color, marker = colours(list(curves)), markers(list(curves))
     for label, ys in curves.items():
-        width = max(1, math.ceil(len(ys) / points))
-        xs = [i + (min(width, len(ys) - i) - 1) / 2 for i in range(0, len(ys), width)]
-        means = [sum(ys[i : i + width]) / len(ys[i : i + width]) for i in range(0, len(ys), width)]
-        ax.plot(xs, means, lw=1.2, color=color[label], label=label)
+        xs, means = position_bands(ys, per_octave)
+        ax.plot(xs, means, lw=1.2, color=color[label], marker=marker[label], ms=3, label=label)
     if train_len:
         ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"train {train_len}")
-    ax.set_xlabel("position in window")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel(f"position in window (1-based; mean over {per_octave} bands per doubling)")
     ax.set_ylabel("loss (nats)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
@@ -359,6 +417,7 @@ def bleu_by_bucket(
                 label=f"beyond training max {train_max}",
             )
     ax.set_xticks(range(len(buckets)), [b.removeprefix("len") for b in buckets])
+    ax.set_ylim(bottom=0)  # BLEU is never negative (all-zero bars centred the axis on 0)
     ax.set_xlabel("source length (tokens)")
     ax.set_ylabel(f"BLEU ({seeds_label(p for v in bars.values() for p in v.values())})")
     ax.set_title(title, fontsize=10)

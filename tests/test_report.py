@@ -782,3 +782,67 @@ def test_the_loss_by_position_table_shows_where_the_gap_at_the_training_length_s
     build_report(tmp_path, tensorboard=False)
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| rope | 1 | +0.000 | +0.000 | +0.000 | +0.000 | +0.500 |" in md
+
+
+def test_loss_by_position_is_averaged_over_log_spaced_bands() -> None:
+    """At small sizes every position was its own point (64 points of noise at L=64): the
+    report's figure averages log-spaced bands, one position each at the start."""
+    from posenc.plots import loss_by_position, position_bands
+
+    ys = [float(i) for i in range(64)]
+    xs, means = position_bands(ys, per_octave=1)  # bands [0,1) [1,2) [2,4) ... [32,64)
+    assert means == [0.0, 1.0, 2.5, 5.5, 11.5, 23.5, 47.5]
+    assert xs[0] == 1.0 and xs[-1] == pytest.approx((33 * 64) ** 0.5)
+    assert position_bands([1.0, float("nan"), 3.0, float("inf")], per_octave=1)[1] == [1.0, 3.0]
+    fig = loss_by_position({"rope (L=64, n=1)": ys}, 16, "t")
+    (line,) = [ln for ln in fig.axes[0].lines if ln.get_label().startswith("rope")]
+    assert 10 <= len(line.get_xdata()) <= 24
+    assert fig.axes[0].get_xscale() == "log"
+
+
+def test_ppl_figure_labels_several_ticks_and_marks_each_curve() -> None:
+    """The README's figure had one labelled tick (10) on its log axis over 4.8-60, and
+    flat curves told apart by similar colours only: now 1-2-5 ticks, and a marker each
+    (the two shades of one hue never share one)."""
+    from posenc.plots import ppl_vs_length
+
+    names = [f"e{i}" for i in range(15)]
+    curves = {n: {128: (4.8, None), 2048: (4.8 + 4 * i, None)} for i, n in enumerate(names)}
+    fig = ppl_vs_length({"test/ppl": curves}, 128, "t")
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.yaxis.get_majorticklabels()]
+    assert {"5", "10", "20", "50"} <= set(labels), labels
+    marks = [c[0].get_marker() for c in ax.containers]
+    assert marks[0] != marks[10] and marks[1] != marks[11]  # tab20's dark and light blue, ...
+    narrow = ppl_vs_length({"test/ppl": {"a": {128: (5.0, None), 2048: (5.6, None)}}}, 128, "t")
+    narrow.canvas.draw()
+    assert len([t for t in narrow.axes[0].yaxis.get_majorticklabels() if t.get_text()]) >= 3
+
+
+def test_bleu_axes_start_at_zero_when_every_bleu_is_zero() -> None:
+    from posenc.plots import bleu_by_bucket, bleu_by_length_figure
+
+    fig = bleu_by_bucket({"rope": {"len0-10": (0.0, None)}}, ["len0-10"], None, "t")
+    assert fig.axes[0].get_ylim()[0] == 0.0
+    one = bleu_by_length_figure({"len0-10": {"n": 3, "bleu": 0.0}}, [0, 10], None)
+    assert one.axes[0].get_ylim()[0] == 0.0
+
+
+def test_a_one_seed_table_says_no_ci_once_and_its_caption_names_only_its_rows(
+    tmp_path: Path,
+) -> None:
+    for enc, ppl in (("rope", 5.0), ("alibi", 6.0)):
+        write_run(tmp_path / enc, "lm", enc, 0, {"test/ppl@16": ppl}, **LM_EXTRA)
+    build_report(tmp_path, tensorboard=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "(n=1, no CI)" not in md
+    assert "Test metrics (one run per scheme: no confidence intervals and no tests):" in md
+    assert "rope+yarn" not in md
+    assert "| rope | unknown | 1 | **5** |" in md
+    metrics = {"test/ppl@16": 5.0, "test/ppl+yarn@16": 4.0}
+    write_run(tmp_path / "rope1", "lm", "rope", 1, metrics, **LM_EXTRA)
+    build_report(tmp_path, tensorboard=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "Test metrics (`rope+yarn`: the same runs evaluated with a RoPE" in md
+    assert "| alibi | unknown | 1 | 6 (n=1, no CI) |" in md  # a mixed table marks its single runs

@@ -316,9 +316,10 @@ def write_csv(rows: Sequence[Row], path: Path, learned: dict[tuple[str, str], st
             )
 
 
-def _cell(r: Row, n_runs: int) -> str:
+def _cell(r: Row, n_runs: int, one_run_each: bool = False) -> str:
     """``12 ± 5`` (mean ± 95% CI half-width), bold for the best and its ties, ``(n=k)``
-    where fewer than all runs count; why a cell is empty."""
+    where fewer than all runs count; why a cell is empty. ``one_run_each``: every scheme
+    of the table has one run, which its caption says once, not every cell."""
     if r.mean is None:
         why = [f"skipped ({r.skipped})"] if r.skipped else []
         why += [f"not learned ({r.dropped} left out)"] if r.dropped else []
@@ -327,7 +328,7 @@ def _cell(r: Row, n_runs: int) -> str:
     if r.mark in (BEST, TIE):
         text = f"**{text}**"
     if r.n == 1:
-        return text + " (n=1, no CI)"
+        return text if one_run_each else text + " (n=1, no CI)"
     return text + ("" if r.n == n_runs else f" (n={r.n})")
 
 
@@ -404,13 +405,7 @@ def markdown(
             ),
         )
         gated = any(learned_cell(rs) for rs in task_groups.values())
-        out += [
-            "",
-            "Test metrics (`rope+yarn`: the same runs evaluated with a RoPE "
-            "context-extension method):",
-            "",
-        ]
-        out += _test_table(task_groups, task_rows, gated)
+        out += ["", *_test_table(task_groups, task_rows, gated)]
         out += [
             "",
             STATS_NOTE + "  ",
@@ -567,6 +562,7 @@ def _test_table(
             cells[f"{r.encoder}+{ext}" if ext else r.encoder, plain] = r
             extensions.setdefault(r.encoder, set()).add(ext)
     metrics = sorted({m for _, m in cells}, key=metric_key)
+    single = all(len(rs) == 1 for rs in task_groups.values())
     body = []
     for e, rs in task_groups.items():
         for ext in sorted(extensions.get(e, {""})):
@@ -576,12 +572,23 @@ def _test_table(
                 [
                     *head,
                     *(
-                        _cell(cells[label, m], len(rs)) if (label, m) in cells else ""
+                        _cell(cells[label, m], len(rs), single) if (label, m) in cells else ""
                         for m in metrics
                     ),
                 ]
             )
-    return _table(["encoder", *(["learned"] if gated else []), "n", *metrics], body)
+    table = _table(["encoder", *(["learned"] if gated else []), "n", *metrics], body)
+    return [_test_caption([str(row[0]) for row in body], single), "", *table]
+
+
+def _test_caption(labels: Sequence[str], one_run_each: bool) -> str:
+    """The test table's caption: it explains only the rows the table has (an
+    ``encoder+method`` row, where one is there) and says once that each scheme has a
+    single run."""
+    ext = next((label for label in labels if "+" in label), None)
+    notes = [f"`{ext}`: the same runs evaluated with a RoPE context-extension method"] * bool(ext)
+    notes += ["one run per scheme: no confidence intervals and no tests"] * one_run_each
+    return f"Test metrics ({'; '.join(notes)}):" if notes else "Test metrics:"
 
 
 def task_rows_cost(rows: Sequence[Row], encoder: str, key: str) -> float | None:
