@@ -3,9 +3,9 @@
 - ``lm_<split>_ppl_vs_length.png``: perplexity against evaluation length per encoder,
   log-log, mean with std error bars, one panel per protocol, training length marked; a RoPE
   context-extension method is one more (dashed) curve, ``rope+yarn``, in its protocol's panel.
-- ``lm_<split>_loss_by_position.png``: mean loss by position in the window (log-spaced bands of
-  positions) at the longest
-  length each encoder (and each of its context-extension methods) was evaluated at.
+- ``lm_<split>_loss_by_position.png``: mean loss by position in the window (over log-spaced
+  bands of positions) at the longest length each encoder (and each of its context-extension
+  methods) was evaluated at.
 - ``lm_<split>_passkey.png``: passkey-retrieval accuracy by length and depth, one heatmap
   per encoder, mean over seeds (runs with ``task.eval.passkey`` on).
 - ``mt_<split>_bleu_by_length.png``: BLEU per source-length bucket per encoder.
