@@ -16,7 +16,6 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Any
 
 from posenc.report.stats import ci95
@@ -215,7 +214,7 @@ def _config_from_overrides(failure: Failure) -> dict[str, Any] | None:
         return None
     assert isinstance(out, dict)
     out.setdefault("task", {})["name"] = failure.task
-    return out
+    return {str(k): v for k, v in out.items()}
 
 
 def _criterion(runs: Sequence[Run]) -> tuple[str, bool]:
@@ -276,9 +275,7 @@ def _incomplete_note(grid: Grid) -> list[str]:
     names = grid.incomplete()
     if not names:
         return []
-    each = "; ".join(
-        f"{e} at {', '.join(lr_text(lr) for lr in grid.failed(e))}" for e in names
-    )
+    each = "; ".join(f"{e} at {', '.join(lr_text(lr) for lr in grid.failed(e))}" for e in names)
     return [
         "",
         f"> Chosen from an incomplete grid (runs failed: {each}): the best rate may be "
