@@ -5,16 +5,13 @@ without the folder to resume, each one line and exit status 2."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from posenc import preflight
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_py
 
 CONF = ROOT / "conf"
 ENCODERS = ", ".join(preflight.group_options(CONF, "encoder"))
@@ -35,19 +32,8 @@ def test_an_unknown_group_option_gets_the_nearest_one() -> None:
     ]
 
 
-def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *args],
-        cwd=cwd,
-        env=os.environ.copy(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_run_py_says_an_unknown_option_in_one_line(tmp_path: Path) -> None:
-    proc = _run(tmp_path, "encoder=rpoe")
+    proc = run_py(tmp_path, "encoder=rpoe")
     assert proc.returncode == 2
     assert proc.stderr == (
         f"error: encoder=rpoe: no such option; did you mean encoder=rope? allowed: {ENCODERS}\n"
@@ -109,7 +95,7 @@ def test_resume_without_its_folder_names_the_newest_run_to_resume(tmp_path: Path
 
 def test_run_py_refuses_resume_without_its_folder_and_starts_nothing(tmp_path: Path) -> None:
     run = _run_dir(tmp_path / "outputs", "2026-01-02_10-00-00_seed0_bbbb")
-    proc = _run(tmp_path, "resume=true")
+    proc = run_py(tmp_path, "resume=true")
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: resume=true needs the run's folder")
     assert f"add hydra.run.dir=outputs/lm/rope/{run.name} (" in proc.stderr

@@ -4,9 +4,6 @@ report writes, records where it came from, and bad input fails in one line."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,7 @@ from omegaconf import OmegaConf
 from posenc import tuned
 from posenc.config import ConfigError
 from posenc.train import train
-from tests.conftest import ROOT, compose_run
+from tests.conftest import compose_run, run_py
 
 
 def _tuned_dir(tmp_path: Path, tasks: dict | None = None) -> Path:
@@ -163,14 +160,7 @@ def test_a_file_from_before_the_record_of_failures_loads_with_a_note(
 
 def test_run_py_refuses_a_partial_choice_in_one_line_before_training(tmp_path: Path) -> None:
     d = _partial_dir(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), "encoder=rope", f"+tuned={d}"],
-        cwd=tmp_path,
-        env=os.environ.copy(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_py(tmp_path, "encoder=rope", f"+tuned={d}")
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith(f"error: tuned={d}: rope's rate 0.001 on task lm")
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -217,20 +207,7 @@ def test_an_evaluation_counts_as_tuned_only_if_the_model_was_trained_at_the_rate
 
 
 def test_run_py_refuses_a_bad_file_before_the_sweep_starts(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "run.py"),
-            "-m",
-            "encoder=rope,alibi",
-            f"+tuned={tmp_path / 'missing'}",
-        ],
-        cwd=tmp_path,
-        env=os.environ.copy(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_py(tmp_path, "-m", "encoder=rope,alibi", f"+tuned={tmp_path / 'missing'}")
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         f"error: tuned={tmp_path / 'missing'}: no such file or "
