@@ -7,6 +7,7 @@ import hydra
 from omegaconf import DictConfig
 
 from posenc.cli import misspelled_keys, register_resolvers, run_job
+from posenc.preflight import missing_launcher, resume_without_folder, unknown_options
 from posenc.tuned import check_argument
 
 register_resolvers()
@@ -18,9 +19,16 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    typos = misspelled_keys(
-        [a for a in sys.argv[1:] if not a.startswith("-")], Path(__file__).parent / "conf"
-    )
+    conf = Path(__file__).parent / "conf"
+    args = [a for a in sys.argv[1:] if not a.startswith("-")]
+    # Each one line: an unknown group option, a launcher not installed, resume=true
+    # without the folder to resume.
+    problems = unknown_options(args, conf) + missing_launcher(args)
+    problems = problems or resume_without_folder(sys.argv[1:], conf)
+    if problems:
+        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+        sys.exit(2)
+    typos = misspelled_keys(args, conf)
     if typos:
         print("error: " + "\n  ".join(["unknown keys:", *typos]), file=sys.stderr)
         sys.exit(2)

@@ -34,6 +34,7 @@ from posenc.encoders.base import AttnKind
 from posenc.errors import UserError
 from posenc.schema import finite, integer
 from posenc.training.gate import PASSKEY, PERCENT, metrics
+from posenc.training.rundir import missing_checkpoint
 
 
 class ConfigError(UserError, ValueError):
@@ -144,10 +145,9 @@ def _run_keys(cfg: DictConfig) -> list[str]:
     ckpt, init = cfg.ckpt_path, cfg.get("init_from")
     if cfg.eval_only is True and not ckpt:
         out.append("eval_only=true: needs ckpt_path=/path/to/checkpoint.ckpt")
-    if ckpt and not Path(str(ckpt)).is_file():
-        out.append(f"ckpt_path={ckpt}: no such file")
-    if init and not Path(str(init)).is_file():
-        out.append(f"init_from={init}: no such file")
+    for name, value in (("ckpt_path", ckpt), ("init_from", init)):
+        if value and not Path(str(value)).is_file():
+            out.append(missing_checkpoint(Path(str(value)), name))
     if init and (cfg.eval_only or ckpt):
         out.append(
             f"init_from={init}: starts a new run from a checkpoint's weights, but "

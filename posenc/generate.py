@@ -105,11 +105,12 @@ def run(args: argparse.Namespace) -> str:
     from posenc.schema import typed
     from posenc.tasks.lm import LMTask
     from posenc.training import checkpoints
+    from posenc.training.rundir import missing_checkpoint
     from posenc.training.trainer import load_for_eval
 
     _check_args(args)
     if not args.ckpt.is_file():
-        raise FileNotFoundError(f"no checkpoint at {args.ckpt}")
+        raise FileNotFoundError(missing_checkpoint(args.ckpt))
     saved = checkpoints.load(args.ckpt).get("posenc") or {}
     cfg = _config(args.ckpt, saved)
     if cfg.task.name != "lm":

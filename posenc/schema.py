@@ -476,6 +476,7 @@ class Run(Group, Generic[T]):
     init_from: str | None = key(None)
     checkpoint_every_n_steps: int = key(250, "int>0")
     tuned: Any = key(None)
+    tuned_allow_partial: bool = key(False, "bool")
     task: T = cast(Any, None)  # LMTask, MTTask or AlgoTask: a job's Run[LMTask] says which
     model: Model = field(default_factory=Model)
     tokenizer: Any = None

@@ -14,18 +14,27 @@ then shows it under "tuned lr")::
 
 ``+tuned`` (a key the composed config lacks, added by the command) rather than a config
 group: the rates live in a file a sweep produced, not in ``conf/``, and one key names it.
+
+The file records, per scheme, the rates its choice was made from (``chosen_from``) and the
+rates whose runs failed (``failed``). A choice made while a rate of its grid failed may
+not be the best rate at all, so ``+tuned`` refuses it unless ``+tuned_allow_partial=true``.
+Files written before that record load with a note and count as complete.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from posenc.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: The file name in a report directory, and its format tag.
 FILE = "tuned_lr.yaml"
@@ -53,8 +62,24 @@ def locate(source: str) -> Path:
     return path.resolve()
 
 
-def load(path: Path) -> dict[str, dict[str, float]]:
-    """The rates of a tuned-lr file: ``{task: {encoder: lr}}``.
+@dataclass
+class TunedRates:
+    """A tuned-lr file's contents.
+
+    Attributes:
+        rates: ``{task: {encoder: lr}}``.
+        failed: ``{task: {encoder: [rates whose runs failed]}}``; a task is missing when
+            its entry predates this record (its completeness is unknown).
+        chosen_from: ``{task: {encoder: [rates with a result]}}`` (same caveat).
+    """
+
+    rates: dict[str, dict[str, float]]
+    failed: dict[str, dict[str, list[float]]]
+    chosen_from: dict[str, dict[str, list[float]]]
+
+
+def load(path: Path) -> TunedRates:
+    """The rates of a tuned-lr file, and per scheme the rates that failed.
 
     Raises:
         ConfigError: Unreadable, or not a file :func:`write` made.
@@ -72,19 +97,36 @@ def load(path: Path) -> dict[str, dict[str, float]]:
     tasks = data.get("tasks")
     if not isinstance(tasks, dict) or not tasks:
         raise bad("no tasks")
-    out: dict[str, dict[str, float]] = {}
+    out = TunedRates({}, {}, {})
     for task, entry in tasks.items():
         rates = entry.get("lr") if isinstance(entry, dict) else None
         if not isinstance(rates, dict) or not rates:
             raise bad(f"tasks.{task}.lr is not a mapping of encoder to learning rate")
         for encoder, lr in rates.items():
-            if (
-                isinstance(lr, bool)
-                or not isinstance(lr, int | float)
-                or not (math.isfinite(lr) and lr > 0)
-            ):
+            if not _is_rate(lr):
                 raise bad(f"tasks.{task}.lr.{encoder}={lr!r} is not a positive number")
-        out[str(task)] = {str(e): float(lr) for e, lr in rates.items()}
+        out.rates[str(task)] = {str(e): float(lr) for e, lr in rates.items()}
+        for name, into in (("failed", out.failed), ("chosen_from", out.chosen_from)):
+            if name in entry:
+                into[str(task)] = _rate_lists(entry[name], f"tasks.{task}.{name}", bad)
+    return out
+
+
+def _is_rate(lr: object) -> bool:
+    return isinstance(lr, int | float) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0
+
+
+def _rate_lists(
+    node: object, where: str, bad: Callable[[str], ConfigError]
+) -> dict[str, list[float]]:
+    """``{encoder: [rates]}`` of a ``failed`` or ``chosen_from`` entry."""
+    if not isinstance(node, dict):
+        raise bad(f"{where} is not a mapping of encoder to a list of learning rates")
+    out = {}
+    for encoder, rates in node.items():
+        if not isinstance(rates, list) or not all(_is_rate(lr) for lr in rates):
+            raise bad(f"{where}.{encoder}={rates!r} is not a list of positive numbers")
+        out[str(encoder)] = [float(lr) for lr in rates]
     return out
 
 
@@ -95,12 +137,15 @@ def write(path: Path, tasks: dict[str, dict[str, Any]], sweep: Path | Sequence[P
         path: Where (``<report dir>/tuned_lr.yaml``).
         tasks: Per task: ``criterion`` (text), ``grid`` (the rates tried), ``lr``
             (encoder -> chosen rate), ``at_edge`` (encoders whose rate is the grid's
-            smallest or largest).
+            smallest or largest), ``chosen_from`` and ``failed`` (encoder -> the rates
+            with a result, and those whose runs failed).
         sweep: The directory (or directories) the runs came from.
     """
     head = (
         "# Learning rates tuned alike for every scheme: per task and encoder, the rate of\n"
         "# the grid with the best mean validation metric at the training length.\n"
+        "# failed: per scheme, rates whose runs failed (the choice is from the rest; +tuned\n"
+        "# refuses such a choice unless +tuned_allow_partial=true).\n"
         "# Written by python -m posenc.report; used by python run.py ... +tuned=<its dir>\n"
     )
     where = [str(sweep)] if isinstance(sweep, Path) else [str(s) for s in sweep]
@@ -126,7 +171,8 @@ def apply(cfg: DictConfig) -> None:
     ``tuned`` that is already such a record (a resumed run's) is checked against the lr.
 
     Raises:
-        ConfigError: One line: no file, a malformed one, or no rate for this task or encoder.
+        ConfigError: One line: no file, a malformed one, no rate for this task or encoder,
+            or a rate chosen while some of its grid failed (:func:`check_complete`).
     """
     source = cfg.get("tuned")
     if source is None:
@@ -139,7 +185,8 @@ def apply(cfg: DictConfig) -> None:
             )
         return
     path = locate(str(source))
-    rates = load(path)
+    found = load(path)
+    rates = found.rates
     task, encoder = run_key(cfg)
     if task not in rates:
         raise ConfigError(
@@ -153,8 +200,57 @@ def apply(cfg: DictConfig) -> None:
             f"report, or drop +tuned"
         )
     lr = rates[task][encoder]
+    check_complete(cfg, str(source), path, found, task, encoder)
     cfg.task.optim.lr = lr
     cfg.tuned = {"file": str(path), "task": task, "encoder": encoder, "lr": lr}
+
+
+#: Files whose missing record of failed rates was noted already (once per process).
+_NOTED: set[Path] = set()
+
+
+def check_complete(
+    cfg: DictConfig, source: str, path: Path, found: TunedRates, task: str, encoder: str
+) -> None:
+    """Refuse a rate chosen from an incomplete grid (some of the scheme's runs failed)
+    unless ``tuned_allow_partial`` is true; a file from before the record of failures
+    is taken as complete, with a one-line note.
+
+    Raises:
+        ConfigError: The choice is partial and not allowed, or ``tuned_allow_partial`` is
+            not a boolean.
+    """
+    allow = cfg.get("tuned_allow_partial", False)
+    if not isinstance(allow, bool):
+        raise ConfigError(
+            f"tuned_allow_partial={allow!r}: must be true or false (true: take a rate chosen "
+            f"from an incomplete grid)"
+        )
+    if task not in found.failed:
+        if path not in _NOTED:
+            _NOTED.add(path)
+            log.warning(
+                "%s predates the record of failed rates: its choices are taken as made "
+                "from complete grids (python -m posenc.report on the sweep rewrites it)",
+                path,
+            )
+        return
+    failed = found.failed[task].get(encoder, [])
+    if not failed:
+        return
+    lr = found.rates[task][encoder]
+    rest = found.chosen_from.get(task, {}).get(encoder, [lr])
+    what = (
+        f"tuned={source}: {encoder}'s rate {lr:g} on task {task} was chosen from an "
+        f"incomplete grid (only {', '.join(f'{r:g}' for r in rest)} have results; runs at "
+        f"{', '.join(f'{r:g}' for r in failed)} failed)"
+    )
+    if not allow:
+        raise ConfigError(
+            f"{what}; rerun the failed jobs and the report, or add +tuned_allow_partial=true "
+            f"to take it anyway"
+        )
+    log.warning("%s; taken anyway (tuned_allow_partial=true)", what)
 
 
 def check_argument(args: list[str]) -> str | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -171,3 +173,15 @@ def compose_config(tmp_path: Path, *overrides: str) -> DictConfig:
                 *overrides,
             ],
         )
+
+
+def run_py(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python run.py <args>`` from ``cwd`` (a check before any training: quick)."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=cwd,
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

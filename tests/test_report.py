@@ -658,7 +658,9 @@ def test_a_learning_rate_grid_chooses_by_validation_and_writes_tuned_lr(tmp_path
     assert sorted({r.task for r in report.runs}) == ["lm_lr0.0003", "lm_lr0.001", "lm_lr0.003"]
     tuned = root / "report" / "tuned_lr.yaml"
     assert tuned in report.files
-    assert load(tuned) == {"lm": {"alibi": 3e-3, "rope": 1e-3}}
+    assert load(tuned).rates == {"lm": {"alibi": 3e-3, "rope": 1e-3}}
+    assert load(tuned).failed == {"lm": {"alibi": [], "rope": []}}  # a complete grid
+    assert load(tuned).chosen_from["lm"]["rope"] == [3e-4, 1e-3, 3e-3]
     md = (root / "report" / "report.md").read_text()
     assert "## lm_lr0.001" in md and "Same lr: task.optim.lr = 0.001 for every scheme." in md
     assert "| rope | 2.1 ± 1.3 (n=2) | **1.6 ± 1.3 (n=2)** | 1.7 ± 1.3 (n=2) | 0.001 |" in md
@@ -668,6 +670,47 @@ def test_a_learning_rate_grid_chooses_by_validation_and_writes_tuned_lr(tmp_path
         "task.optim.lr=0.01`, then one report over both sweep directories." in md
     )
     assert f"`+tuned={tuned.parent}`" in md
+
+
+def test_a_grid_with_failed_runs_records_them_and_says_the_choice_is_partial(
+    tmp_path: Path,
+) -> None:
+    """rope's runs at 3e-3 failed (one with its job record, one refused before it, known
+    by its overrides only): its choice is from 3e-4 and 1e-3 alone; the file and the
+    table say so. alibi's NaN criterion at 3e-4 is a failed rate too."""
+    from posenc.tuned import load
+
+    root = tmp_path / "grid"
+    values = {("rope", 3e-4): 2.0, ("rope", 1e-3): 1.5, ("alibi", 1e-3): 1.7}
+    values |= {("alibi", 3e-4): float("nan"), ("alibi", 3e-3): 1.6}
+    for i, ((encoder, lr), loss) in enumerate(values.items()):
+        write_run(
+            root / f"{i}_run",
+            "lm",
+            encoder,
+            0,
+            {"val/loss": loss},
+            config={"seed": 0, "task": {"optim": {"lr": lr}}},
+            **LM_EXTRA,
+        )
+    for seed in (0, 1):
+        failed = root / f"fail{seed}"
+        (failed / ".hydra").mkdir(parents=True)
+        error = {"error_type": "TrainingDiverged", "message": "loss nan", "task": "lm"}
+        error |= {"encoder": "rope", "seed": seed, "overrides": ["task.optim.lr=3e-3"]}
+        (failed / "error.json").write_text(json.dumps(error))
+    # seed 0 wrote its job record; seed 1 was refused before (no config.yaml)
+    record = "task: {name: lm, optim: {lr: 0.003}}\ntuned: null\n"
+    (root / "fail0" / ".hydra" / "config.yaml").write_text(record)
+    build_report(root, tensorboard=False)
+    tuned = load(root / "report" / "tuned_lr.yaml")
+    assert tuned.rates == {"lm": {"rope": 1e-3, "alibi": 3e-3}}
+    assert tuned.failed == {"lm": {"rope": [3e-3], "alibi": [3e-4]}}
+    assert tuned.chosen_from == {"lm": {"rope": [3e-4, 1e-3], "alibi": [1e-3, 3e-3]}}
+    md = (root / "report" / "report.md").read_text()
+    assert "| rope | 2 (n=1) | **1.5 (n=1)** | failed (2) | 0.001 (incomplete grid) |" in md
+    assert "| alibi | failed (1) | 1.7 (n=1) | **1.6 (n=1)** | 0.003 (incomplete grid) |" in md
+    assert "> Chosen from an incomplete grid (runs failed: rope at 0.003; alibi at 0.0003)" in md
 
 
 @pytest.mark.parametrize(

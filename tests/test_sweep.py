@@ -542,6 +542,28 @@ def test_the_sweep_check_applies_tuned_rates_and_names_every_problem(tmp_path: P
         assert dict(run.sweep_problems(cfg)).keys() == {"encoder=alibi"}
 
 
+def test_the_sweep_check_refuses_a_rate_chosen_from_an_incomplete_grid(tmp_path: Path) -> None:
+    """rope's rate was chosen while its runs at 3e-3 failed: its jobs are refused before
+    the sweep starts, unless +tuned_allow_partial=true; alibi's complete choice passes."""
+    from posenc.tuned import write
+
+    entry = {"grid": [1e-3, 3e-3], "lr": {"rope": 1e-3, "alibi": 3e-3}}
+    entry |= {"chosen_from": {"rope": [1e-3], "alibi": [1e-3, 3e-3]}}
+    write(tmp_path / "tuned_lr.yaml", {"lm": entry | {"failed": {"rope": [3e-3]}}}, tmp_path)
+    with multirun_config("encoder=rope,alibi", f"+tuned={tmp_path}") as cfg:
+        refused = dict(run.sweep_problems(cfg))
+    assert refused == {
+        "encoder=rope": [
+            f"tuned={tmp_path}: rope's rate 0.001 on task lm was chosen from an incomplete "
+            f"grid (only 0.001 have results; runs at 0.003 failed); rerun the failed jobs "
+            f"and the report, or add +tuned_allow_partial=true to take it anyway"
+        ]
+    }
+    allowed = ("encoder=rope,alibi", f"+tuned={tmp_path}", "+tuned_allow_partial=true")
+    with multirun_config(*allowed) as cfg:
+        assert run.sweep_problems(cfg) == []
+
+
 def test_the_sweep_check_reads_overrides_as_the_sweeper_does(tmp_path: Path) -> None:
     """A ``glob()`` sweep is expanded (it was skipped), an interpolation is resolved in each
     job's own config (learned's ``max_len`` is 1024, so its seq_len is 1024, not the

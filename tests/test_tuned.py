@@ -4,9 +4,6 @@ report writes, records where it came from, and bad input fails in one line."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,7 @@ from omegaconf import OmegaConf
 from posenc import tuned
 from posenc.config import ConfigError
 from posenc.train import train
-from tests.conftest import ROOT, compose_run
+from tests.conftest import compose_run, run_py
 
 
 def _tuned_dir(tmp_path: Path, tasks: dict | None = None) -> Path:
@@ -113,6 +110,63 @@ def test_an_encoder_or_task_not_in_the_file_is_refused(tmp_path: Path) -> None:
         tuned.apply(_compose(tmp_path, "encoder=rope", f"+tuned={d}"))
 
 
+def _partial_dir(tmp_path: Path) -> Path:
+    """A report directory whose rope rate was chosen while its runs at 3e-3 failed."""
+    entry = {"grid": [3e-4, 1e-3, 3e-3], "lr": {"rope": 1e-3, "alibi": 3e-3}}
+    entry |= {"chosen_from": {"rope": [3e-4, 1e-3], "alibi": [3e-4, 1e-3, 3e-3]}}
+    entry |= {"failed": {"rope": [3e-3], "alibi": []}}
+    return _tuned_dir(tmp_path, {"lm": entry})
+
+
+def test_a_rate_chosen_from_an_incomplete_grid_is_refused_unless_allowed(
+    tmp_path: Path,
+) -> None:
+    d = _partial_dir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        tuned.apply(compose_run(tmp_path, "encoder=rope", f"+tuned={d}"))
+    assert str(err.value) == (
+        f"tuned={d}: rope's rate 0.001 on task lm was chosen from an incomplete grid (only "
+        f"0.0003, 0.001 have results; runs at 0.003 failed); rerun the failed jobs and the "
+        f"report, or add +tuned_allow_partial=true to take it anyway"
+    )
+    cfg = compose_run(tmp_path, "encoder=rope", f"+tuned={d}", "+tuned_allow_partial=true")
+    tuned.apply(cfg)
+    assert cfg.task.optim.lr == 1e-3
+    cfg = compose_run(tmp_path, "encoder=alibi", f"+tuned={d}")  # complete: no question
+    tuned.apply(cfg)
+    assert cfg.task.optim.lr == 3e-3
+    with pytest.raises(ConfigError, match=r"^tuned_allow_partial='yes': must be true or false"):
+        tuned.apply(
+            compose_run(tmp_path, "encoder=rope", f"+tuned={d}", "+tuned_allow_partial=yes")
+        )
+
+
+def test_a_file_from_before_the_record_of_failures_loads_with_a_note(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    d = _tuned_dir(tmp_path)  # no failed / chosen_from: as the report wrote it before
+    assert tuned.load(d / tuned.FILE).failed == {}
+    cfg = compose_run(tmp_path, "encoder=rope", f"+tuned={d}")
+    with caplog.at_level("WARNING", logger="posenc.tuned"):
+        tuned.apply(cfg)
+        tuned.apply(compose_run(tmp_path, "encoder=alibi", f"+tuned={d}"))
+    assert cfg.task.optim.lr == 3e-3
+    notes = [r.getMessage() for r in caplog.records]
+    assert notes == [
+        f"{(d / tuned.FILE).resolve()} predates the record of failed rates: its choices are "
+        f"taken as made from complete grids (python -m posenc.report on the sweep rewrites it)"
+    ]  # once per file, not once per run
+
+
+def test_run_py_refuses_a_partial_choice_in_one_line_before_training(tmp_path: Path) -> None:
+    d = _partial_dir(tmp_path)
+    proc = run_py(tmp_path, "encoder=rope", f"+tuned={d}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith(f"error: tuned={d}: rope's rate 0.001 on task lm")
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not list((tmp_path / "outputs").rglob("*.ckpt"))  # nothing trained
+
+
 def test_a_resumed_runs_record_must_match_its_lr(tmp_path: Path) -> None:
     cfg = compose_run(
         tmp_path,
@@ -153,20 +207,7 @@ def test_an_evaluation_counts_as_tuned_only_if_the_model_was_trained_at_the_rate
 
 
 def test_run_py_refuses_a_bad_file_before_the_sweep_starts(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "run.py"),
-            "-m",
-            "encoder=rope,alibi",
-            f"+tuned={tmp_path / 'missing'}",
-        ],
-        cwd=tmp_path,
-        env=os.environ.copy(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_py(tmp_path, "-m", "encoder=rope,alibi", f"+tuned={tmp_path / 'missing'}")
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         f"error: tuned={tmp_path / 'missing'}: no such file or "

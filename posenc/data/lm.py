@@ -485,7 +485,7 @@ class LMDataModule(pl.LightningDataModule):
         if n_train < self.seq_len + 1:
             raise DataError(
                 f"the train split has {n_train} tokens, fewer than seq_len + 1 = "
-                f"{self.seq_len + 1}; lower seq_len or use more training text."
+                f"{self.seq_len + 1}; lower task.seq_len or use more training text."
             )
         # Fail before training, not hours later at evaluation time.
         for split in ("val", "test"):
@@ -494,14 +494,23 @@ class LMDataModule(pl.LightningDataModule):
         self._tokenizer = tok
         self._tokens = tokens
 
-    @staticmethod
-    def _check_fits(split: str, n_tokens: int, length: int) -> None:
-        if n_tokens < length + 1:
-            raise DataError(
-                f"the {split!r} split has {n_tokens} tokens, too few for one evaluation window "
-                f"of length L={length} (needs {length + 1}); drop L={length} from eval_lengths "
-                "or use a longer split."
+    def _check_fits(self, split: str, n_tokens: int, length: int) -> None:
+        """Refuse a length the split cannot fill, naming the keys that set it: the
+        training length (``task.seq_len``) or a multiple of it (``task.eval.multipliers``)."""
+        if n_tokens >= length + 1:
+            return
+        if length == self.seq_len:
+            fix = f"lower task.seq_len (now {self.seq_len})"
+        else:
+            m = length / self.seq_len
+            fix = (
+                f"drop {m:g} from task.eval.multipliers (L = {m:g} x task.seq_len), or "
+                f"lower task.seq_len (now {self.seq_len})"
             )
+        raise DataError(
+            f"the {split!r} split has {n_tokens} tokens, too few for one evaluation window "
+            f"of length L={length} (needs {length + 1}); {fix}, or use a longer split."
+        )
 
     def _require_setup(self) -> dict[str, torch.Tensor]:
         if self._tokens is None:

@@ -655,7 +655,7 @@ def build_report(
         seen |= {x.dir for x in found} | {x.dir for x in failed}
     assign_arms(runs)  # same lr, tuned lr, or one table per rate of a grid
     rows = aggregate(runs)
-    lr_grids = grids(runs)
+    lr_grids = grids(runs, failures)
     tuned = write_tuned(lr_grids, out, roots)
     by_group = groups(runs)
     figures = plots.figures(runs, by_group, rows)

@@ -16,9 +16,10 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from posenc.report.stats import ci95
-from posenc.runs import Run, encoder_key, finite_values
+from posenc.runs import Failure, Run, encoder_key, finite_values, task_key
 
 #: Per task (its name in metrics.json): the validation metric that chooses a rate, and
 #: whether lower is better. MT's BLEU of the validation sentences when logged, else loss.
@@ -75,9 +76,11 @@ def arm_note(runs: Sequence[Run]) -> str:
 
 @dataclass
 class GridCell:
-    """One encoder at one rate of the grid: the criterion's values over seeds."""
+    """One encoder at one rate of the grid: the criterion's values over seeds, and how
+    many of its runs left none (failed, killed, or a criterion that is not finite)."""
 
     values: list[float]
+    failed: int = 0
 
     @property
     def mean(self) -> float | None:
@@ -94,6 +97,18 @@ class Grid:
     rates: list[float]
     cells: dict[str, dict[float, GridCell]]
     chosen: dict[str, float]
+
+    def failed(self, encoder: str) -> list[float]:
+        """The rates at which some run of ``encoder`` failed."""
+        return [lr for lr, c in sorted(self.cells.get(encoder, {}).items()) if c.failed]
+
+    def chosen_from(self, encoder: str) -> list[float]:
+        """The rates of ``encoder`` with a result: those its choice was made from."""
+        return [lr for lr, c in sorted(self.cells.get(encoder, {}).items()) if c.values]
+
+    def incomplete(self) -> list[str]:
+        """Encoders with a choice made while some of their runs failed."""
+        return [e for e in self.chosen if self.failed(e)]
 
     def at_edge(self) -> list[str]:
         """Encoders whose chosen rate is the grid's smallest or largest: a wider grid
@@ -115,10 +130,12 @@ class Grid:
         return {r[0]: float(f"{down:.3g}"), r[-1]: float(f"{up:.3g}")}
 
 
-def grids(runs: Sequence[Run]) -> list[Grid]:
+def grids(runs: Sequence[Run], failures: Sequence[Failure] = ()) -> list[Grid]:
     """The learning-rate grid of each task whose untuned runs of some encoder used more
     than one rate (e.g. ``sweep=lr_tune``), with each encoder's choice: the rate with the
-    best mean criterion over its runs (ties: the smaller rate)."""
+    best mean criterion over its runs (ties: the smaller rate). ``failures`` (jobs without
+    results) count as failed runs at their rate (:func:`failure_point`)."""
+    lost = [p for p in map(failure_point, failures) if p is not None]
     by_task: dict[str, list[Run]] = {}
     for r in runs:
         if r.tuned is None and r.lr is not None:
@@ -128,14 +145,21 @@ def grids(runs: Sequence[Run]) -> list[Grid]:
         per_encoder: dict[str, set[float]] = {}
         for r in rs:
             per_encoder.setdefault(r.encoder, set()).add(r.lr)  # type: ignore[arg-type]
+        for where, encoder, lr in lost:
+            if where == task:
+                per_encoder.setdefault(encoder, set()).add(lr)
         if all(len(v) < 2 for v in per_encoder.values()):
             continue
         metric, lower = _criterion(rs)
         cells: dict[str, dict[float, GridCell]] = {}
         for r in rs:
-            values, _ = finite_values([r.data.get("metrics", {}).get(metric)])
+            values, not_finite = finite_values([r.data.get("metrics", {}).get(metric)])
             cell = cells.setdefault(r.encoder, {}).setdefault(r.lr, GridCell([]))  # type: ignore[arg-type]
             cell.values += values
+            cell.failed += not_finite
+        for where, encoder, lr in lost:
+            if where == task:
+                cells.setdefault(encoder, {}).setdefault(lr, GridCell([])).failed += 1
         chosen = {}
         for encoder, by_rate in cells.items():
             scored = [(c.mean, lr) for lr, c in by_rate.items() if c.mean is not None]
@@ -146,6 +170,51 @@ def grids(runs: Sequence[Run]) -> list[Grid]:
         rates = sorted({lr for by_rate in cells.values() for lr in by_rate})
         out.append(Grid(task, metric, lower, rates, cells, chosen))
     return out
+
+
+def failure_point(failure: Failure) -> tuple[str, str, float] | None:
+    """``(task table, encoder, lr)`` of a job that left no result, from its job record
+    (``.hydra/config.yaml``), else from the overrides in its ``error.json``; None for a
+    job with ``+tuned`` (not part of a grid) or one that cannot be placed."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg: Any = OmegaConf.to_container(OmegaConf.load(failure.dir / ".hydra" / "config.yaml"))
+    except Exception:  # no record (refused before it was written) or a damaged one
+        cfg = _config_from_overrides(failure)
+    if not isinstance(cfg, dict) or cfg.get("tuned") is not None:
+        return None
+    task = cfg.get("task") or {}
+    lr = ((task.get("optim") or {}) if isinstance(task, dict) else {}).get("lr")
+    name = task.get("name") if isinstance(task, dict) else None
+    if name is None or isinstance(lr, bool) or not isinstance(lr, int | float):
+        return None
+    encoder = failure.encoder
+    if name == "algo" and (cfg.get("model") or {}).get("random_positions"):
+        encoder += "_rand"  # as posenc.tasks.algo_job.label names it
+    return task_key(str(name), task.get("problem"), task.get("shape")), encoder, float(lr)
+
+
+def _config_from_overrides(failure: Failure) -> dict[str, Any] | None:
+    """The little of a failed job's config its ``error.json`` overrides say: ``tuned``,
+    ``task.name`` (its task choice), ``task.optim.lr``, ``task.problem``, ``task.shape``
+    and ``model.random_positions``."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    try:
+        overrides = json.loads((failure.dir / "error.json").read_text()).get("overrides") or []
+        given = dict(str(o).lstrip("+~").partition("=")[::2] for o in overrides)
+        cfg = OmegaConf.from_dotlist(
+            [f"{k}={v}" for k, v in given.items() if k.startswith(("task.", "model.", "tuned"))]
+        )
+        out = OmegaConf.to_container(cfg)
+    except Exception:  # unreadable: the failure stays listed, just not at a rate
+        return None
+    assert isinstance(out, dict)
+    out.setdefault("task", {})["name"] = failure.task
+    return {str(k): v for k, v in out.items()}
 
 
 def _criterion(runs: Sequence[Run]) -> tuple[str, bool]:
@@ -173,14 +242,16 @@ def grid_table(grid: Grid) -> list[str]:
         for lr in grid.rates:
             cell = by_rate.get(lr)
             if cell is None or cell.mean is None:
-                row.append("")
+                row.append(f"failed ({cell.failed})" if cell and cell.failed else "")
                 continue
             half = ci95(cell.values)
             text = f"{cell.mean:.4g}" + ("" if half is None else f" ± {half:.2g}")
-            text += f" (n={len(cell.values)})"
+            text += f" (n={len(cell.values)}" + (f", {cell.failed} failed)" if cell.failed else ")")
             row.append(f"**{text}**" if grid.chosen.get(encoder) == lr else text)
-        row.append(lr_text(grid.chosen.get(encoder)))
+        partial = " (incomplete grid)" if encoder in grid.chosen and grid.failed(encoder) else ""
+        row.append(lr_text(grid.chosen.get(encoder)) + partial)
         lines.append("| " + " | ".join(row) + " |")
+    lines += _incomplete_note(grid)
     edge = grid.at_edge()
     if edge:
         lines += [
@@ -199,6 +270,20 @@ def grid_table(grid: Grid) -> list[str]:
     return lines
 
 
+def _incomplete_note(grid: Grid) -> list[str]:
+    """Lines saying which choices were made while some of the grid failed."""
+    names = grid.incomplete()
+    if not names:
+        return []
+    each = "; ".join(f"{e} at {', '.join(lr_text(lr) for lr in grid.failed(e))}" for e in names)
+    return [
+        "",
+        f"> Chosen from an incomplete grid (runs failed: {each}): the best rate may be "
+        f"among those. `+tuned` refuses these choices unless `+tuned_allow_partial=true`; "
+        f"rerun the failed jobs, then one report over both sweep directories.",
+    ]
+
+
 def tuned_file(grids_: Sequence[Grid]) -> dict[str, dict[str, object]]:
     """The ``tasks`` block of ``tuned_lr.yaml`` (:func:`posenc.tuned.write`)."""
     return {
@@ -208,6 +293,8 @@ def tuned_file(grids_: Sequence[Grid]) -> dict[str, dict[str, object]]:
             "grid": g.rates,
             "lr": dict(g.chosen),
             "at_edge": g.at_edge(),
+            "chosen_from": {e: g.chosen_from(e) for e in g.chosen},
+            "failed": {e: g.failed(e) for e in g.chosen},
         }
         for g in grids_
         if g.chosen

@@ -118,3 +118,33 @@ def record_job(cfg: DictConfig, run_dir: Path) -> None:
             logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
         )
         root.addHandler(handler)
+
+
+def checkpoints_in(folder: Path) -> list[Path]:
+    """The checkpoints (``*.ckpt``) in ``folder``: ``best.ckpt`` and ``last.ckpt`` first,
+    then any others by name (empty when there is no such folder)."""
+    if not folder.is_dir():
+        return []
+    order = {"best.ckpt": 0, "last.ckpt": 1}
+    found = [p for p in folder.glob("*.ckpt") if p.is_file()]
+    return sorted(found, key=lambda p: (order.get(p.name, 2), p.name))
+
+
+def missing_checkpoint(path: Path, key: str = "") -> str:
+    """``[<key>=]<path>: no such file``, and what its folder holds instead (a run shorter
+    than its validation interval has a ``last.ckpt`` but no ``best.ckpt``), so the
+    message names the checkpoint to give.
+
+    Args:
+        path: The checkpoint asked for.
+        key: The option that gave it (``ckpt_path``), or "" for a positional argument.
+    """
+    given = f"{key}={path}" if key else str(path)
+    found = checkpoints_in(path.parent)
+    if not found:
+        return f"{given}: no such file"
+    names = ", ".join(p.name for p in found)
+    return (
+        f"{given}: no such file; {path.parent} holds {names}: give "
+        f"{f'{key}=' if key else ''}{found[0]}"
+    )

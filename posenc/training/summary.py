@@ -11,6 +11,7 @@ from hydra.experimental.callback import Callback
 
 from posenc.eval.lengths import parse_metric
 from posenc.training.gate import describe
+from posenc.training.rundir import checkpoints_in
 
 
 def _fmt(value: float) -> str:
@@ -105,9 +106,24 @@ def summary(result: dict[str, Any], run_dir: Path) -> str:
     lines += [
         f"run directory: {run_dir}",
         f"all numbers:   {run_dir / 'metrics.json'}",
+        *checkpoint_lines(run_dir / "checkpoints"),
         f"curves:        tensorboard --logdir {run_dir / 'tb'}",
     ]
     return "\n".join(lines)
+
+
+def checkpoint_lines(folder: Path) -> list[str]:
+    """Which checkpoints the run left (none for an evaluation): a run shorter than its
+    validation interval has ``last.ckpt`` but no ``best.ckpt``, which commands that name
+    ``best.ckpt`` must be told."""
+    found = checkpoints_in(folder)
+    if not found:
+        return []
+    names = ", ".join(p.name for p in found)
+    line = f"checkpoints:   {folder}: {names}"
+    if not (folder / "best.ckpt").exists():
+        line += " (no best.ckpt: no validation ran during training; use last.ckpt)"
+    return [line]
 
 
 class SweepSummary(Callback):

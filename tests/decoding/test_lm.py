@@ -92,7 +92,7 @@ def test_generate_command_on_a_trained_checkpoint(tmp_path: Path) -> None:
         cwd=ROOT,
         timeout=120,
     )
-    assert bad.returncode == 2 and "no checkpoint at" in bad.stderr
+    assert bad.returncode == 2 and f"{tmp_path / 'nope.ckpt'}: no such file" in bad.stderr
     assert "Traceback" not in bad.stderr
     # The checkpoint alone, handed to a colleague without the run directory or the data:
     # it carries its config and tokenizer, and generates the same text (#38).

@@ -86,12 +86,44 @@ def test_lengths_the_split_cannot_fill_are_user_errors(tmp_path: Path) -> None:
     short_val = _text_files(tmp_path, TEXT.encode(), val=b"only a few words here\n")
     with pytest.raises(
         UserError,
-        match=r"the 'val' split has \d+ tokens, too few for one "
-        r"evaluation window of length L=64",
+        match=r"the 'val' split has \d+ tokens, too few for one evaluation window of "
+        r"length L=64 \(needs 65\); drop 4 from task.eval.multipliers \(L = 4 x "
+        r"task.seq_len\), or lower task.seq_len \(now 16\), or use a longer split\.$",
     ):
         train(compose_run(tmp_path, *short_val, "task.eval.splits=[val]"))
+    # The training length itself: the key to change is task.seq_len, which the user set.
+    with pytest.raises(
+        UserError,
+        match=r"length L=30 \(needs 31\); lower task.seq_len \(now 30\), or use a longer",
+    ):
+        train(compose_run(tmp_path, *short_val, "task.seq_len=30", "task.eval.multipliers=[1]"))
     with pytest.raises(UserError, match=r"splits must sum to 1, got \(0\.5, 0\.2, 0\.2\)"):
         train(compose_run(tmp_path, "data.source.splits=[0.5,0.2,0.2]"))
+
+
+def test_a_missing_checkpoint_names_those_its_folder_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run shorter than its validation interval has last.ckpt but no best.ckpt: giving
+    best.ckpt (as the README's commands do) names the one that exists."""
+    from posenc import generate
+    from posenc.config import ConfigError
+
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    (folder / "last.ckpt").write_bytes(b"x")
+    best = folder / "best.ckpt"
+    with pytest.raises(ConfigError) as err:
+        train(compose_run(tmp_path, "eval_only=true", f"ckpt_path={best}"))
+    assert err.value.problems == [
+        f"ckpt_path={best}: no such file; {folder} holds last.ckpt: give "
+        f"ckpt_path={folder / 'last.ckpt'}"
+    ]
+    assert generate.main([str(best)]) == 2
+    assert capsys.readouterr().err == (
+        f"posenc.generate: {best}: no such file; {folder} holds last.ckpt: give "
+        f"{folder / 'last.ckpt'}\n"
+    )
 
 
 def test_parallel_files_of_unequal_length_are_a_user_error(tmp_path: Path) -> None:

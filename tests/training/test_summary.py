@@ -101,7 +101,22 @@ def test_a_run_ends_by_printing_its_numbers_and_where_they_are(tmp_path: Path) -
         line.split() for line in out.stdout.splitlines()
     ]
     assert f"run directory: {run}" in out.stdout
+    assert f"checkpoints:   {run / 'checkpoints'}: best.ckpt, last.ckpt\n" in out.stdout
     assert "litlogger" not in out.stderr and "LeafSpec" not in out.stderr  # no noise
+
+
+def test_the_summary_says_when_a_run_left_no_best_checkpoint(tmp_path: Path) -> None:
+    """A run shorter than its validation interval has last.ckpt only: the summary says
+    so, where commands that name best.ckpt would fail; an evaluation has none."""
+    result = {"task": "lm", "encoder": "rope", "seed": 0, "seq_len": 16, "metrics": {}}
+    assert "checkpoints:" not in summary(result, tmp_path)  # eval_only: no checkpoints
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    lines = summary(result, tmp_path).splitlines()
+    assert lines[-2] == (
+        f"checkpoints:   {tmp_path / 'checkpoints'}: last.ckpt (no best.ckpt: no validation "
+        f"ran during training; use last.ckpt)"
+    )
 
 
 def test_threads_sets_torchs_thread_count(tmp_path: Path) -> None:
