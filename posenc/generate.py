@@ -5,9 +5,10 @@
 
 The checkpoint carries its run's config and tokenizer, so the prompt is encoded as in
 training, without the training data (older checkpoints: the run directory's config and
-data rebuild the tokenizer). Decoding uses the
-key/value cache (``--no-cache``: re-run the whole sequence each step; same tokens).
-Generation may run past the training length, as far as the encoder allows.
+data rebuild the tokenizer). Its tensors are checked against the digests stored in it: a
+damaged file is refused. Decoding uses the key/value cache (``--no-cache``: re-run the
+whole sequence each step; same tokens). Generation may run past the training length, as
+far as the encoder allows.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> str:
     _check_args(args)
     if not args.ckpt.is_file():
         raise FileNotFoundError(missing_checkpoint(args.ckpt))
-    saved = checkpoints.load(args.ckpt).get("posenc") or {}
+    ckpt = checkpoints.load(args.ckpt)  # checked once: its tensors against their digests
+    saved = ckpt.get("posenc") or {}
     cfg = _config(args.ckpt, saved)
     if cfg.task.name != "lm":
         raise ValueError(
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> str:
         dm.setup()
         tokenizer = dm.tokenizer
     cfg.ckpt_path = str(args.ckpt)
-    model = load_for_eval(LMTask, typed(cfg), tokenizer.vocab_size, fingerprints(tokenizer))
+    model = load_for_eval(LMTask, typed(cfg), tokenizer.vocab_size, fingerprints(tokenizer), ckpt)
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ValueError(f"the prompt {args.prompt!r} encodes to no tokens; give some text")

@@ -46,24 +46,47 @@ def ppl_vs_length_figure(
 ) -> Figure:
     """Perplexity against evaluation length, one line per protocol (or encoder).
 
+    A value a log axis cannot show (NaN: a length that was not run; inf: a model whose
+    loss overflowed) is left out, and a note under the plot names it with its value.
+
     Args:
         ppl: Label -> {length: perplexity}; NaN marks a length that was not run.
         train_len: Training context, drawn as a vertical line.
         title: Figure title.
     """
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    left_out = []
     for label, curve in ppl.items():
-        xs = sorted(curve)
-        ax.plot(xs, [curve[x] for x in xs], marker="o", label=label)
+        xs = sorted(x for x in curve if _drawable(curve[x]))
+        left_out += [f"{label}@{x} = {curve[x]}" for x in sorted(curve) if x not in xs]
+        if xs:
+            ax.plot(xs, [curve[x] for x in xs], marker="o", label=label)
     ax.axvline(train_len, color="grey", linestyle="--", label=f"train length {train_len}")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    if len(ax.lines) > 1:  # a log axis without data has no range (matplotlib raises)
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "no value to draw", transform=ax.transAxes, ha="center")
+        ax.set_yticks([])
     ax.set_xlabel("evaluation length (tokens)")
     ax.set_ylabel("perplexity")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08 if left_out else 0, 1, 1))
+    if left_out:
+        _note(fig, "not drawn (not a positive finite number): " + ", ".join(left_out))
     return fig
+
+
+def _drawable(value: float) -> bool:
+    """Whether a log axis can show ``value``."""
+    return math.isfinite(value) and value > 0
+
+
+def _note(fig: Figure, text: str) -> None:
+    """Small print under the plot (what it leaves out, and why); the caller leaves room
+    for it at the bottom."""
+    fig.text(0.01, 0.01, text, fontsize=6, ha="left", va="bottom", wrap=True)
 
 
 def loss_by_position_figure(

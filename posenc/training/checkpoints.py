@@ -8,6 +8,9 @@ config before a run uses them.
   wrote. A checkpoint that no longer matches (a damaged disk, a file edited or cut off) is
   refused on load with the file named. Across a replacement the manifest lists the old and
   the new digest, so a kill at any moment leaves a file that verifies.
+- **Self-verifying.** Each checkpoint also carries a digest of every tensor in it
+  (:mod:`posenc.training.digests`), checked on every load, so a copy outside its run
+  folder is checked too; a checkpoint from before the digests loads with a note.
 - **Checked against the config.** Each checkpoint records the config of its run
   (:func:`record`): ``eval_only`` refuses a checkpoint whose model (task, encoder, model
   sizes, tokenizer) differs from the config, ``resume`` refuses any difference except keys
@@ -33,6 +36,7 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
 from posenc.errors import CheckpointError
+from posenc.training import digests
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +168,8 @@ def _write_failure(err: OSError | RuntimeError) -> str:
 
 
 def save_atomic(checkpoint: dict[str, Any], path: Path) -> None:
-    """Write ``checkpoint`` to ``path`` through a temporary file and record its sha256.
+    """Write ``checkpoint`` to ``path`` through a temporary file and record its sha256; the
+    file carries the digests of its tensors (:func:`posenc.training.digests.seal`).
 
     Raises:
         CheckpointError: The file could not be written (the path and the cause).
@@ -172,7 +177,7 @@ def save_atomic(checkpoint: dict[str, Any], path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(checkpoint, tmp)
+        torch.save(digests.seal(checkpoint), tmp)
         digest = sha256_file(tmp)
         manifest = _read_manifest(path.parent)
         # Old and new digests while the file is replaced: a kill in between verifies.
@@ -222,7 +227,8 @@ def verify(path: str | os.PathLike[str]) -> Path:
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A verified checkpoint's contents (tensors on the CPU).
+    """A verified checkpoint's contents (tensors on the CPU): the file checked against its
+    run folder's manifest, its tensors against the digests stored in it.
 
     Raises:
         CheckpointError: The file is missing, damaged or not a checkpoint.
@@ -246,11 +252,13 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         ) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"{path} is not a posenc checkpoint (no state_dict in it)")
+    digests.check(path, ckpt)
     return ckpt
 
 
 class VerifiedCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO with :func:`save_atomic` and :func:`verify`."""
+    """Lightning's checkpoint IO with :func:`save_atomic`, :func:`verify` and the tensors'
+    digests (:func:`posenc.training.digests.check`): resuming and testing check them."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -263,11 +271,13 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         verify(path)
         try:
             # posenc's checkpoints hold tensors and plain values only: never unpickle code.
-            return super().load_checkpoint(
+            ckpt = super().load_checkpoint(
                 path, map_location=map_location, weights_only=weights_only is not False
             )
         except (EOFError, RuntimeError, zipfile.BadZipFile) as err:
             raise CheckpointError(f"{path} is not a readable checkpoint: {err}") from None
+        digests.check(path, ckpt)
+        return ckpt
 
     def remove_checkpoint(self, path: Any) -> None:
         super().remove_checkpoint(path)

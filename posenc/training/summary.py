@@ -15,8 +15,12 @@ from posenc.training.rundir import checkpoints_in
 
 
 def _fmt(value: float) -> str:
-    if not math.isfinite(value):
+    """A number for the table: "-" for NaN (a length not run), "inf" as itself (a result
+    that overflowed is a result, not a gap)."""
+    if math.isnan(value):
         return "-"
+    if math.isinf(value):
+        return str(value)
     return f"{value:.2f}" if abs(value) < 1000 else f"{value:.0f}"
 
 

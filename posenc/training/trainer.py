@@ -281,6 +281,7 @@ def load_for_eval(
     cfg: Run[Any],
     vocab_size: int,
     tokenizer: tuple[str, ...] | None = None,
+    ckpt: dict[str, Any] | None = None,
 ) -> Task:
     """The task stored in ``cfg.ckpt_path`` (for ``eval_only``), checked against the data.
 
@@ -289,12 +290,15 @@ def load_for_eval(
         cfg: The run's config.
         vocab_size: The configured tokenizer's vocabulary size.
         tokenizer: Its fingerprints; the checkpoint's must be one of them.
+        ckpt: The file's contents if the caller has already loaded (and so verified) them
+            with :func:`posenc.training.checkpoints.load`.
 
     Raises:
         CheckpointError: The file is damaged, or was trained with another tokenizer.
         ValueError: The checkpoint's vocabulary differs from the configured tokenizer's.
     """
-    ckpt = checkpoints.load(str(cfg.ckpt_path))
+    if ckpt is None:
+        ckpt = checkpoints.load(str(cfg.ckpt_path))
     if tokenizer is not None:
         checkpoints.check_tokenizer(str(cfg.ckpt_path), ckpt, tokenizer)
     task = task_cls.load_from_checkpoint(str(cfg.ckpt_path), map_location="cpu")

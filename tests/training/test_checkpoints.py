@@ -1,10 +1,13 @@
 """Checkpoints and caches posenc can trust (#27 points 4-7 and 10): checked against the
-config, checksummed, replaced in place, saved on SIGTERM; failed saves stop the run."""
+config, checksummed, replaced in place, saved on SIGTERM; failed saves stop the run; every
+tensor checked against the digests the file carries, wherever it lies."""
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
+import math
 import os
 import re
 import signal
@@ -18,7 +21,7 @@ import torch
 
 from posenc.errors import CacheError, CheckpointError
 from posenc.train import train
-from posenc.training import checkpoints
+from posenc.training import checkpoints, digests
 from posenc.training.trainer import command_line_keys
 from tests.conftest import ROOT, TINY, command_line, compose_run
 
@@ -457,3 +460,151 @@ def test_a_checkpoint_naming_a_moved_source_resumes(tmp_path: Path) -> None:
             "posenc.data.sources.multi30k",
         )
     }
+
+
+# -- tensors checked against the digests a checkpoint carries --------------------------
+
+
+def _dense(ckpt: dict) -> tuple[str, torch.Tensor]:
+    """The first optimiser-state tensor with no zero in it (its bytes occur once in the file)."""
+    for i, state in ckpt["optimizer_states"][0]["state"].items():
+        for key, t in state.items():
+            if t.numel() >= 64 and bool((t != 0).all()):
+                return f"optimizer_states.0.state.{i}.{key}", t
+    raise AssertionError("no dense optimiser tensor")
+
+
+def _flip(src: Path, dst: Path, tensor: torch.Tensor) -> None:
+    """Copy ``src`` to ``dst`` with 64 bytes of ``tensor``'s data inverted in the file."""
+    raw = bytearray(src.read_bytes())
+    data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    at = bytes(raw).find(data)
+    assert at >= 0 and bytes(raw).count(data) == 1
+    for i in range(at, at + 64):
+        raw[i] ^= 0xFF
+    dst.write_bytes(bytes(raw))
+
+
+@pytest.fixture(scope="module")
+def flipped(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Copies of the run's checkpoints outside its folder (no checksums.json beside them),
+    64 bytes flipped in a model weight (``model``) or an optimiser tensor (``optimizer``)."""
+    out = tmp_path_factory.mktemp("elsewhere")
+    best = trained / "checkpoints" / "best.ckpt"
+    ckpt = torch.load(best, weights_only=True)
+    _flip(best, out / "model.ckpt", ckpt["state_dict"]["model.embed.weight"])
+    name, tensor = _dense(ckpt)
+    _flip(best, out / "optimizer.ckpt", tensor)
+    (out / "optimizer.name").write_text(name)
+    return {"model": out / "model.ckpt", "optimizer": out / "optimizer.ckpt"}
+
+
+def _refusal(path: Path, tensor: str) -> str:
+    return re.escape(f"checkpoint {path} is damaged: tensor {tensor} does not match the digest")
+
+
+def test_eval_only_refuses_a_copied_checkpoint_with_a_flipped_weight(
+    flipped: dict[str, Path], tmp_path: Path
+) -> None:
+    """Outside its run folder no checksums.json covers the file: before the digests,
+    torch.load took the flipped bytes and the run recorded ppl 2.6e+204 as the model's."""
+    path = flipped["model"]
+    assert not (path.parent / checkpoints.MANIFEST).exists()
+    with pytest.raises(CheckpointError, match=_refusal(path, "state_dict.model.embed.weight")) as e:
+        train(compose_run(tmp_path, "encoder=rope", "eval_only=true", f"ckpt_path={path}"))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_every_load_path_refuses_a_flipped_optimizer_tensor(
+    flipped: dict[str, Path], tmp_path: Path
+) -> None:
+    """Resume (posenc's config check and Lightning's own load), init_from and eval_only
+    all read the file through a check of every tensor, optimiser state included."""
+    path = flipped["optimizer"]
+    message = _refusal(path, (path.parent / "optimizer.name").read_text())
+    with pytest.raises(CheckpointError, match=message):
+        train(compose_run(tmp_path, "encoder=rope", f"ckpt_path={path}"))
+    with pytest.raises(CheckpointError, match=message):
+        checkpoints.VerifiedCheckpointIO().load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=message):
+        train(compose_run(tmp_path / "init", "encoder=rope", f"init_from={path}"))
+    assert not (tmp_path / "run" / "metrics.json").exists()
+    assert not (tmp_path / "init" / "run" / "checkpoints").exists()
+
+
+def test_generate_refuses_a_flipped_checkpoint_in_one_line(
+    flipped: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from posenc import generate
+
+    path = flipped["model"]
+    assert generate.main([str(path), "--temperature", "0", "--tokens", "5"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1
+    assert re.match("posenc.generate: " + _refusal(path, "state_dict.model.embed.weight"), err)
+
+
+def _without_digests(src: Path, dst: Path, edit: bool = False) -> None:
+    """``src`` as an older posenc wrote it (no digests), optionally with 16 embedding
+    values overflowed to 1e30."""
+    ckpt = torch.load(src, weights_only=True)
+    del ckpt[digests.KEY]
+    if edit:
+        ckpt["state_dict"]["model.embed.weight"][:4, :4] = 1e30
+    torch.save(ckpt, dst)
+
+
+def test_a_checkpoint_without_digests_loads_with_one_note(
+    trained: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    best = trained / "checkpoints" / "best.ckpt"
+    old = tmp_path / "old.ckpt"
+    _without_digests(best, old)
+    with caplog.at_level(logging.WARNING, logger=digests.__name__):
+        first = checkpoints.load(old)
+        checkpoints.VerifiedCheckpointIO().load_checkpoint(old)
+    notes = [r.getMessage() for r in caplog.records if r.name == digests.__name__]
+    assert notes == [f"{old} predates posenc's tensor digests: its tensors are loaded unchecked"]
+    reference = checkpoints.load(best)
+    assert torch.equal(first["state_dict"]["model.embed.weight"],
+                       reference["state_dict"]["model.embed.weight"])  # fmt: skip
+
+
+def test_a_resaved_checkpoint_keeping_the_old_digests_is_refused(
+    trained: Path, tmp_path: Path
+) -> None:
+    """Weights edited and saved again with torch.save: the digests travel unchanged with
+    the file, the tensors do not match them."""
+    ckpt = torch.load(trained / "checkpoints" / "best.ckpt", weights_only=True)
+    ckpt["state_dict"]["model.embed.weight"][:4, :4] = 1e30
+    edited = tmp_path / "edited.ckpt"
+    torch.save(ckpt, edited)
+    with pytest.raises(CheckpointError, match=_refusal(edited, "state_dict.model.embed.weight")):
+        checkpoints.load(edited)
+
+
+def test_non_finite_results_are_recorded_and_drawn_without_a_traceback(
+    trained: Path, tmp_path: Path
+) -> None:
+    """An older checkpoint (no digests) whose embedding overflows: the evaluation's inf
+    perplexities are written as such, the figure leaves them out with a note (it died
+    in matplotlib's "Data cannot be log-scaled" before), and the summary says inf."""
+    old = tmp_path / "old.ckpt"
+    _without_digests(trained / "checkpoints" / "best.ckpt", old, edit=True)
+    out = train(
+        compose_run(
+            tmp_path, "encoder=rope", "eval_only=true", f"ckpt_path={old}",
+            "task.eval.multipliers=[1,2]",
+        )
+    )  # fmt: skip
+    ppl = {k: v for k, v in out["metrics"].items() if k.startswith("test/ppl")}
+    assert len(ppl) == 4 and all(math.isinf(v) for v in ppl.values()), ppl
+    text = (tmp_path / "run" / "metrics.json").read_text()
+    assert json.loads(text)["metrics"]["test/ppl@16"] == math.inf
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    assert "test/ppl_vs_length" in events.Tags()["images"]

@@ -160,3 +160,17 @@ def test_final_metrics_are_logged_once_in_tensorboard(tmp_path: Path) -> None:
         steps = [e.step for e in acc.Scalars(tag)]
         assert len(steps) == 1 and steps[0] > 0, (tag, steps)
     assert "hp/test/ppl@16" in tags  # what the HParams tab links to
+
+
+def test_an_overflowed_result_shows_as_inf_not_as_a_gap(tmp_path: Path) -> None:
+    """inf is a result (a model whose loss overflowed); "-" is kept for NaN, a length
+    that was not run."""
+    result = {
+        "task": "lm",
+        "encoder": "rope",
+        "seed": 0,
+        "seq_len": 16,
+        "metrics": {"test/ppl@16": float("inf"), "test/ppl@32": float("nan")},
+    }
+    lines = summary(result, tmp_path).splitlines()
+    assert lines[2].split() == ["ppl", "inf", "-"]

@@ -1,0 +1,30 @@
+"""A run's own figures (posenc/plots.py); the sweep report's are in tests/test_report.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from posenc.plots import ppl_vs_length_figure
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 0.0])
+def test_ppl_figure_leaves_out_what_a_log_axis_cannot_show_with_a_note(bad: float) -> None:
+    fig = ppl_vs_length_figure({"ppl": {16: 5.0, 32: bad}, "ppl_sw": {16: bad, 32: bad}}, 16)
+    fig.canvas.draw()  # matplotlib raised "Data cannot be log-scaled" here
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log"
+    curves = {line.get_label(): list(line.get_xydata()) for line in ax.get_lines()}
+    assert curves["ppl"] == [pytest.approx([16.0, 5.0])]
+    assert "ppl_sw" not in curves
+    (note,) = [t.get_text() for t in fig.texts]
+    assert note == f"not drawn (not a positive finite number): ppl@32 = {bad}, " \
+        f"ppl_sw@16 = {bad}, ppl_sw@32 = {bad}"  # fmt: skip
+
+
+def test_ppl_figure_with_no_finite_value_is_drawn_empty() -> None:
+    fig = ppl_vs_length_figure({"ppl": {16: math.inf, 32: math.inf}}, 16)
+    fig.canvas.draw()
+    assert [t.get_text() for t in fig.axes[0].texts] == ["no value to draw"]
+    assert "ppl@16 = inf, ppl@32 = inf" in fig.texts[0].get_text()
