@@ -434,6 +434,7 @@ class Model(Group):
     )
     compile: bool = key(False, "bool")
     score_budget_mib: float = key(8, "num>=0", " (MiB; 0: no query blocking)")
+    qkv_bias: bool = key(True, "bool")
     # an encoder-decoder's: blocks of each stack (n_layers when null), one embedding table
     n_enc_layers: int | None = key(None, "int>0", optional=True)
     n_dec_layers: int | None = key(None, "int>0", optional=True)

@@ -363,6 +363,35 @@ class AttentionPositional(nn.Module):
         """Extra output ``(B, H, T, D)`` from the probabilities ``(B, H, T, S)``."""
         return None
 
+    def transform_kv(
+        self,
+        x: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        key_valid: Tensor | None,
+        cache: Any | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The new tokens' keys and values of self-attention, right after projection and
+        before anything else sees them (a cache stores what this returns): FoX Pro's
+        shift towards the previous token's.
+
+        Args:
+            x: The block's normalised input ``(B, T, C)`` (the new tokens, with a cache).
+            k: Projected keys ``(B, H, T, D)`` of those tokens.
+            v: Projected values ``(B, H, T, D)``.
+            key_valid: As for :meth:`with_input` (over all S slots in a cached step).
+            cache: This layer's cache, or None; state carried from one step to the
+                next goes there under the scheme's own names.
+        """
+        return k, v
+
+    def transform_output(self, x: Tensor, out: Tensor) -> Tensor:
+        """The attention output ``out (B, H, T, D)`` before the heads are merged and
+        projected, given the block's normalised input ``x (B, T, C)`` of the same
+        queries: FoX Pro's output normalisation and gate."""
+        return out
+
     def with_input(
         self,
         x: Tensor,

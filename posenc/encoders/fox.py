@@ -30,6 +30,20 @@ Gates (``gate``):
   variant: the paper's fixed gate spreads decay times between two bounds instead): FoX
   with this gate is ALiBi, bit for bit, which a test checks.
 
+Initial bias (``bias_init``, for the ``full`` and ``bias_only`` gates):
+
+* ``zero`` (default, the authors' full-gate start): ``b_h = 0``, so every gate starts at
+  ``sigmoid(0) = 1/2`` and a key 100 tokens back starts about 69 logits behind.
+* ``spread``: decay times spread over the heads, the form the authors' code uses for its
+  fixed and bias-only gates (``fgate_bias_init``): ``T_h`` log-spaced from
+  ``decay_time_min`` to ``decay_time_max`` over the H heads and
+  ``b_h = -log(exp(1 / T_h) - 1)``, so that ``log sigmoid(b_h) = -1 / T_h``: head h
+  starts forgetting a factor e every ``T_h`` tokens. (The authors' code takes both bounds
+  as required settings; posenc's defaults are 2 and 128, the LM's training length.)
+
+``pro=true`` adds the Pro block around the gate (:mod:`posenc.encoders.fox_pro`: key and
+value shift, QK-norm, output normalisation and gate), the paper's "FoX (Pro)".
+
 With a constant gate the term is ``(i - j) log f_h``, computed from the positions as
 ALiBi computes its own; the ``full`` gate sums the gates of the tokens themselves, so
 it never reads positions: padding tokens (left-padded prompts) add no gate, and
@@ -41,6 +55,7 @@ Causal attention only: the sum runs from the key to the query.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -55,11 +70,25 @@ from posenc.encoders.base import (
     ScoreMod,
     normal_linears,
 )
+from posenc.encoders.fox_pro import FoxPro
 from posenc.encoders.offsets import pair_distance
 from posenc.encoders.registry import register
 from posenc.encoders.rope import RoPE, _RotateQK
 
 GATES = ("full", "bias_only", "fixed")
+#: Initial gate biases (module docstring).
+BIAS_INITS = ("zero", "spread")
+
+
+def spread_bias(n_heads: int, decay_time_min: float, decay_time_max: float) -> Tensor:
+    """``(H,)`` float64 biases whose gates ``sigmoid(b_h) = exp(-1 / T_h)`` have decay
+    times ``T_h`` log-spaced from ``decay_time_min`` to ``decay_time_max`` (the authors'
+    ``fgate_bias_init``, ``ForgettingAttentionLayer`` in zhixuan-lin/forgetting-transformer,
+    ``modeling_forgetting_transformer.py``)."""
+    log_t = torch.linspace(
+        math.log(decay_time_min), math.log(decay_time_max), n_heads, dtype=torch.float64
+    )
+    return -torch.log(torch.expm1(1.0 / log_t.exp()))
 
 
 class _FoxAttention(AttentionPositional):
@@ -69,14 +98,28 @@ class _FoxAttention(AttentionPositional):
     slopes: Tensor  # gate=fixed: a buffer (not saved), (H,) float32
 
     def init_weights(self) -> None:
-        """The gate's ``w_h`` ~ N(0, 0.02), ``b_h = 0`` (a bias-only or fixed gate: set
-        when built)."""
+        """The gate's ``w_h`` ~ N(0, 0.02), ``b_h`` as ``bias_init`` says (a fixed gate:
+        set when built); the Pro block's own (:meth:`FoxPro.init_weights`)."""
         normal_linears(self)
+        if self.pro is not None:
+            self.pro.init_weights()
+        self._init_bias()
 
-    def __init__(self, *, d_model: int, n_heads: int, gate: str, rotate: bool) -> None:
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        gate: str,
+        rotate: bool,
+        start_bias: Tensor | None = None,
+        pro: bool = False,
+    ) -> None:
         super().__init__()
         self.gate = gate
         self.rotate = _RotateQK() if rotate else None
+        self.start_bias = start_bias  # (H,) float64, or None: zeros
+        self.pro = FoxPro(d_model=d_model, n_heads=n_heads) if pro else None
         if gate == "full":
             self.proj = nn.Linear(d_model, n_heads)  # w_h, b_h of every head
         elif gate == "bias_only":
@@ -84,6 +127,15 @@ class _FoxAttention(AttentionPositional):
         else:  # log f_h = -m_h, kept float32 as ALiBi keeps its slopes
             self.n_heads = n_heads
             self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
+        self._init_bias()
+
+    def _init_bias(self) -> None:
+        """``b_h``: zeros, or the spread decay times of ``bias_init=spread``."""
+        if self.gate == "fixed":
+            return
+        bias = self.proj.bias if self.gate == "full" else self.bias
+        with torch.no_grad():
+            bias.copy_(torch.zeros_like(bias) if self.start_bias is None else self.start_bias)
 
     def log_decay(self) -> Tensor:
         """``log f_h`` of a constant gate, ``(H,)``, float32 or wider."""
@@ -145,7 +197,19 @@ class _FoxAttention(AttentionPositional):
         return lambda score, b, h, i, j: score + log_f[h] * dist(b, i, j)
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+        if self.pro is not None:  # QK-norm before any rotation, as the authors' layer
+            q, k = self.pro.norm_qk(q, k)
         return (q, k) if self.rotate is None else self.rotate.transform_qk(q, k, ctx)
+
+    def transform_kv(
+        self, x: Tensor, k: Tensor, v: Tensor, *, key_valid: Tensor | None, cache=None
+    ) -> tuple[Tensor, Tensor]:
+        if self.pro is None:
+            return k, v
+        return self.pro.shift(x, k, v, key_valid=key_valid, cache=cache)
+
+    def transform_output(self, x: Tensor, out: Tensor) -> Tensor:
+        return out if self.pro is None else self.pro.gate_output(x, out)
 
 
 @register("fox")
@@ -156,9 +220,15 @@ class FoX(CausalOnly):
         gate: ``full`` (the paper's data-dependent gate), ``bias_only`` or ``fixed``
             (ALiBi's slopes as constant gates).
         rope: Also rotate q and k with RoPE (base 10000, interleaved pairs).
+        bias_init: ``zero`` (the authors' full-gate start) or ``spread`` (decay times
+            spread over the heads); ``full`` and ``bias_only`` gates.
+        decay_time_min: Shortest decay time of ``spread`` (tokens, > 0).
+        decay_time_max: Longest decay time of ``spread`` (>= ``decay_time_min``).
+        pro: The Pro block (:mod:`posenc.encoders.fox_pro`).
 
     Raises:
-        ValueError: An unknown gate, or bidirectional attention.
+        ValueError: An unknown gate or bias_init, ``spread`` with a fixed gate or bad
+            decay times, a ``pro`` that is not a bool, or bidirectional attention.
     """
 
     causal_reason = (
@@ -168,7 +238,17 @@ class FoX(CausalOnly):
     uses_positions = False  # the paper's FoX: the gates see tokens, not positions
 
     def __init__(
-        self, *, d_model: int, n_heads: int, n_layers: int, gate: str = "full", rope: bool = False
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        gate: str = "full",
+        rope: bool = False,
+        bias_init: str = "zero",
+        decay_time_min: float = 2.0,
+        decay_time_max: float = 128.0,
+        pro: bool = False,
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if gate not in GATES:
@@ -176,7 +256,14 @@ class FoX(CausalOnly):
                 f"fox: unknown gate {gate!r}; allowed: {', '.join(GATES)} (full is the paper's "
                 f"data-dependent forget gate)"
             )
+        _check_init(gate, bias_init, decay_time_min, decay_time_max)
+        if not isinstance(pro, bool):
+            raise ValueError(f"fox: pro must be true or false, got {pro!r}")
         self.gate = gate
+        self.pro = pro
+        self.start_bias = (
+            spread_bias(n_heads, decay_time_min, decay_time_max) if bias_init == "spread" else None
+        )
         self.rope = RoPE(d_model=d_model, n_heads=n_heads, n_layers=n_layers) if rope else None
         if gate != "full" or rope:  # positions enter: a constant gate's (i - j), RoPE
             self.uses_positions = True
@@ -192,7 +279,34 @@ class FoX(CausalOnly):
             n_heads=self.n_heads,
             gate=self.gate,
             rotate=self.rope is not None,
+            start_bias=self.start_bias,
+            pro=self.pro,
         )
 
 
-__all__ = ["FoX", "GATES"]
+def _check_init(gate: str, bias_init: str, t_min: float, t_max: float) -> None:
+    """Refuse an unknown ``bias_init``, ``spread`` where there is no bias to set, and
+    decay times that are not ``0 < t_min <= t_max``.
+
+    Raises:
+        ValueError: One line naming the value and what is allowed.
+    """
+    if bias_init not in BIAS_INITS:
+        raise ValueError(
+            f"fox: unknown bias_init {bias_init!r}; allowed: {', '.join(BIAS_INITS)} (zero is "
+            f"the authors' full-gate start, spread their decay times over heads)"
+        )
+    if bias_init == "spread" and gate == "fixed":
+        raise ValueError(
+            "fox: bias_init=spread sets a learned gate's bias, and gate=fixed has none (its "
+            "gates are ALiBi's slopes); use gate=full or gate=bias_only with bias_init=spread"
+        )
+    ok = all(isinstance(t, int | float) and not isinstance(t, bool) for t in (t_min, t_max))
+    if not (ok and math.isfinite(t_min) and math.isfinite(t_max) and 0 < t_min <= t_max):
+        raise ValueError(
+            f"fox: decay_time_min={t_min!r}, decay_time_max={t_max!r}: need finite numbers "
+            f"with 0 < decay_time_min <= decay_time_max (tokens), e.g. 2 and 128"
+        )
+
+
+__all__ = ["BIAS_INITS", "FoX", "GATES", "spread_bias"]

@@ -14,9 +14,21 @@ asks for:
 so order comes from the products alone (a recency bias), and the weights of a row sum
 to at most 1. The sum over the keys between j and the query is a reverse cumulative sum
 over the key axis, taken in float32 at least. What is left of the stick,
-``1 - sum_j A_ij``, goes to the query's own value:
+``r_i = 1 - sum_j A_ij``, goes to (``remainder``):
 
-    o_i = sum_j A_ij v_j + (1 - sum_j A_ij) v_i
+* ``head_bias`` (default, the authors' model layer: IBM dolomite-engine,
+  ``lm_engine/hf_models/modeling_utils/sequence_mixer_blocks/stickbreaking_attention.py``,
+  ``SBAttention``): a learned vector per head, ``b_h`` (zeros at first), and each head's
+  output is then normalised over its D channels (``GroupNorm(H, C)``: mean and biased
+  variance per head, eps 1e-5, a learned scale and shift per channel, ones and zeros at
+  first) before the output projection:
+
+      u_i = sum_j A_ij v_j + r_i b_h,      o_i = (u_i - mean(u_i)) / sqrt(var(u_i) + eps) * g + c
+
+* ``value`` (the kernel package's test, ``sb_ref`` plus ``rem * v``; posenc's form before
+  ``head_bias`` became the default): the query's own value, no normalisation:
+
+      o_i = sum_j A_ij v_j + r_i v_i
 
 Which keys break the stick (``attend_current``), as in the authors' reference
 (github.com/shawntan/stickbreaking-attention: ``sb_attn(..., attend_current=False)``,
@@ -24,16 +36,15 @@ and ``stickbreaking_attention/sb_ref.py`` with its tests' masks):
 
 * ``False`` (default, the paper's): only the keys before the query, ``j < i``; the
   paper's process runs "for each token before the current" (abstract), and its
-  reference masks the diagonal (``triu(0)``). The query's own value enters through the
-  remainder alone.
+  reference masks the diagonal (``triu(0)``). With ``remainder=value`` the query's own
+  value enters through the remainder alone.
 * ``True``: the query's own key breaks the stick too, ``j <= i`` (the product then runs
-  over ``j < k <= i``); what is left still goes to ``v_i``, as the reference's tests add
-  ``rem * v`` for both settings.
+  over ``j < k <= i``); what is left still goes where ``remainder`` says.
 
 Dropout (``p_drop``) acts on the weights ``A``; the remainder is taken from the weights
 before dropout. Keys a query may not see (later ones, padding, a cache's empty slots)
-get exactly zero weight, remainder included, and break nothing; a query that sees no key
-at all gets zeros, never NaN.
+get exactly zero weight and break nothing. A query that is itself padding (its own slot
+not visible) gets no remainder: zeros before the normalisation, never NaN.
 
 Bidirectional attention: refused (the stick is broken walking back from the query, a
 causal order). Cross-attention: nothing, as for every scheme.
@@ -45,10 +56,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly
 from posenc.encoders.registry import register
+
+#: Where what is left of the stick goes (module docstring).
+REMAINDERS = ("head_bias", "value")
+#: The authors' GroupNorm's eps (torch's default, which SBAttention keeps).
+GROUP_NORM_EPS = 1e-5
 
 
 def stickbreak_weights(z: Tensor, breaks: Tensor) -> Tensor:
@@ -74,13 +90,26 @@ def stickbreak_weights(z: Tensor, breaks: Tensor) -> Tensor:
 
 
 class _StickBreaking(AttentionPositional):
-    """Per-layer hooks: the whole attention call (no parameters)."""
+    """Per-layer hooks: the whole attention call; with ``remainder=head_bias`` the
+    authors' per-head remainder vector and their normalisation over each head."""
 
     owns_attention = True
 
-    def __init__(self, *, attend_current: bool) -> None:
+    def __init__(
+        self, *, attend_current: bool, remainder: str, n_heads: int, head_dim: int
+    ) -> None:
         super().__init__()
         self.attend_current = attend_current
+        self.remainder = remainder
+        if remainder == "head_bias":
+            self.head_bias = nn.Parameter(torch.zeros(n_heads, head_dim))  # b_h
+            self.norm = nn.GroupNorm(n_heads, n_heads * head_dim, eps=GROUP_NORM_EPS)
+
+    def init_weights(self) -> None:
+        """The authors' start: ``b_h = 0``, the normalisation's scale 1 and shift 0."""
+        if self.remainder == "head_bias":
+            nn.init.zeros_(self.head_bias)
+            self.norm.reset_parameters()
 
     def attend(
         self,
@@ -105,8 +134,26 @@ class _StickBreaking(AttentionPositional):
         rem = 1.0 - a.sum(-1, keepdim=True)  # (B, H, T, 1), what is left of the stick
         if p_drop > 0.0:
             a = F.dropout(a, p_drop)
-        weights = a + rem * own  # the remainder on v_i; 0 where not visible
-        return (weights @ v.to(acc)).to(v.dtype)
+        if self.remainder == "value":
+            weights = a + rem * own  # the remainder on v_i; 0 where not visible
+            return (weights @ v.to(acc)).to(v.dtype)
+        real = own.any(-1, keepdim=True)  # (B|1, 1, T, 1): the query is not padding
+        out = a @ v.to(acc) + (rem * real) * self.head_bias.to(acc)[:, None, :]  # (B,H,T,D)
+        return self._normalise(out).to(v.dtype)
+
+    def _normalise(self, out: Tensor) -> Tensor:
+        """The authors' ``GroupNorm(H, C)`` on ``(B*T, C)`` rows: one group per head, so
+        each head's D channels of ``out (B, H, T, D)`` are normalised together."""
+        b, h, t, d = out.shape
+        rows = out.transpose(1, 2).reshape(b * t, h * d)  # (B*T, C), heads contiguous
+        rows = F.group_norm(
+            rows,
+            h,
+            self.norm.weight.to(rows.dtype),
+            self.norm.bias.to(rows.dtype),
+            self.norm.eps,
+        )
+        return rows.view(b, t, h, d).transpose(1, 2)  # (B, H, T, D)
 
 
 @register("stickbreak")
@@ -115,11 +162,15 @@ class StickBreaking(CausalOnly):
 
     Args:
         attend_current: ``False`` (default, the paper's and the reference's): only keys
-            before the query break the stick, and the query's own value takes the
-            remainder. ``True``: the query's own key breaks the stick too.
+            before the query break the stick. ``True``: the query's own key breaks the
+            stick too.
+        remainder: ``head_bias`` (default, the authors' model layer: a learned vector
+            per head, then a normalisation over each head) or ``value`` (the query's own
+            value, as the kernel package's test).
 
     Raises:
-        ValueError: ``for_attention`` with bidirectional attention.
+        ValueError: A bad ``attend_current`` or ``remainder``; ``for_attention`` with
+            bidirectional attention.
     """
 
     causal_reason = (
@@ -130,14 +181,31 @@ class StickBreaking(CausalOnly):
     uses_positions = False
 
     def __init__(
-        self, *, d_model: int, n_heads: int, n_layers: int, attend_current: bool = False
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        attend_current: bool = False,
+        remainder: str = "head_bias",
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if not isinstance(attend_current, bool):
             raise ValueError(
                 f"stickbreak: attend_current must be true or false, got {attend_current!r}"
             )
+        if remainder not in REMAINDERS:
+            raise ValueError(
+                f"stickbreak: unknown remainder {remainder!r}; allowed: {', '.join(REMAINDERS)} "
+                f"(head_bias is the authors' model layer, value the query's own value)"
+            )
         self.attend_current = attend_current
+        self.remainder = remainder
 
     def causal_hooks(self, *, layer: int) -> AttentionPositional:
-        return _StickBreaking(attend_current=self.attend_current)
+        return _StickBreaking(
+            attend_current=self.attend_current,
+            remainder=self.remainder,
+            n_heads=self.n_heads,
+            head_dim=self.head_dim,
+        )

@@ -28,6 +28,8 @@ class Attention(nn.Module):
         dropout: Dropout on the attention probabilities.
         pos: The positional hooks for this module (from ``encoder.for_attention``).
         score_budget: CPU query blocking: see ``max_score_bytes``.
+        qkv_bias: Biases on the q, k and v projections (False: none, as the FoX and
+            PaTH authors' layers have them).
     """
 
     #: Most queries per block in causal attention with score terms (see query_block).
@@ -41,6 +43,7 @@ class Attention(nn.Module):
         dropout: float,
         pos: AttentionPositional,
         score_budget: int | None = 8 * 2**20,
+        qkv_bias: bool = True,
     ) -> None:
         super().__init__()
         #: On a CPU, the most bytes of one (B, H, T, S) score matrix of a scheme that
@@ -57,9 +60,9 @@ class Attention(nn.Module):
         self.n_heads = n_heads
         self.head_dim = d_model // n_heads
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model)
-        self.v_proj = nn.Linear(d_model, d_model)
+        self.q_proj = nn.Linear(d_model, d_model, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_model, d_model, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=qkv_bias)
         self.out_proj = nn.Linear(d_model, d_model)
         self.pos = pos
 
@@ -97,6 +100,8 @@ class Attention(nn.Module):
         q = self._heads(x, self.q_proj)  # (B, H, T, D)
         k = self._heads(src, self.k_proj)  # (B, H, S, D)
         v = self._heads(src, self.v_proj)  # (B, H, S, D)
+        if memory is None:
+            k, v = self.pos.transform_kv(x, k, v, key_valid=key_valid, cache=None)
         b, h, t, _ = q.shape
         s = k.shape[-2]
         causal = ctx.kind is AttnKind.CAUSAL
@@ -133,7 +138,7 @@ class Attention(nn.Module):
                     self._attend(q_blocks[i], k_blocks[i], v_blocks[i], sub, kv, shift=a + s - t)
                 )
             out = torch.cat(parts, dim=2)
-        return self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, T, C)
+        return self._merge(x, out)
 
     def _cached(
         self,
@@ -156,10 +161,16 @@ class Attention(nn.Module):
                 k, v = self._heads(memory, self.k_proj), self._heads(memory, self.v_proj)
                 cache.put("cross_keys", k)
                 cache.put("cross_values", v)
-            return self._merge(self._attend(q, k, v, ctx, key_valid, shift=k.shape[-2] - t))
+            return self._merge(x, self._attend(q, k, v, ctx, key_valid, shift=k.shape[-2] - t))
         assert cache.at is not None  # the stack sets this step's slots
-        k_new = self._heads(x, self.k_proj)  # (B, H, T, D)
-        values = cache.extend("values", self._heads(x, self.v_proj))  # (B, H, S, D)
+        k_new, v_new = self.pos.transform_kv(
+            x,
+            self._heads(x, self.k_proj),  # (B, H, T, D)
+            self._heads(x, self.v_proj),
+            key_valid=key_valid,
+            cache=cache,
+        )
+        values = cache.extend("values", v_new)  # (B, H, S, D)
         if ctx.stable_keys:
             # new keys transformed once, at their own positions
             # (the new keys' context is the same for every layer of the step: cut once)
@@ -186,9 +197,12 @@ class Attention(nn.Module):
             transformed=(q_t, keys),
             cache=cache,
         )
-        return self._merge(out)
+        return self._merge(x, out)
 
-    def _merge(self, out: Tensor) -> Tensor:
+    def _merge(self, x: Tensor, out: Tensor) -> Tensor:
+        """The scheme's output hook on ``out (B, H, T, D)`` (queries' input ``x``), then
+        the heads merged and projected: ``(B, T, C)``."""
+        out = self.pos.transform_output(x, out)
         return self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, T, C)
 
     def query_block(

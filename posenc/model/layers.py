@@ -31,6 +31,7 @@ class Block(nn.Module):
         self_pos: Positional hooks for self-attention.
         cross_pos: Positional hooks for cross-attention, or None for no cross-attention.
         score_budget: CPU query blocking of attention with score terms (bytes; None: off).
+        qkv_bias: Biases on the attention's q, k and v projections.
     """
 
     def __init__(
@@ -43,10 +44,16 @@ class Block(nn.Module):
         self_pos: AttentionPositional,
         cross_pos: AttentionPositional | None = None,
         score_budget: int | None = 8 * 2**20,
+        qkv_bias: bool = True,
     ) -> None:
         super().__init__()
         attention = partial(
-            Attention, d_model=d_model, n_heads=n_heads, dropout=dropout, score_budget=score_budget
+            Attention,
+            d_model=d_model,
+            n_heads=n_heads,
+            dropout=dropout,
+            score_budget=score_budget,
+            qkv_bias=qkv_bias,
         )
         self.ln_self = nn.LayerNorm(d_model)
         self.self_attn = attention(pos=self_pos)

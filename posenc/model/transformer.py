@@ -69,6 +69,7 @@ class Stack(nn.Module):
             sorted random subset of ``0 .. random_positions-1`` per sequence; None: off.
             Evaluation (``.eval()``) always uses ``0 .. T-1``.
         score_budget: CPU query blocking of attention with score terms (bytes; None: off).
+        qkv_bias: Biases on the attention's q, k and v projections.
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class Stack(nn.Module):
         cross: bool = False,
         random_positions: int | None = None,
         score_budget: int | None = 8 * 2**20,
+        qkv_bias: bool = True,
     ) -> None:
         super().__init__()
         if random_positions is not None and random_positions < 1:
@@ -102,6 +104,7 @@ class Stack(nn.Module):
                 self_pos=encoder.for_attention(layer=i, kind=self.kind),
                 cross_pos=encoder.for_attention(layer=i, kind=AttnKind.CROSS) if cross else None,
                 score_budget=score_budget,
+                qkv_bias=qkv_bias,
             )
             for i in range(n_layers)
         )
@@ -327,6 +330,8 @@ class DecoderLM(nn.Module):
         score_budget_mib: On a CPU, attention with score terms goes a block of queries
             at a time once one ``(B, H, T, S)`` score matrix would pass this many MiB
             (same result, less memory and cache traffic); 0: never. GPUs never block.
+        qkv_bias: Biases on every attention's q, k and v projections (False: none, as
+            in the FoX and PaTH authors' layers).
     """
 
     def __init__(
@@ -342,6 +347,7 @@ class DecoderLM(nn.Module):
         embed_scale: bool = False,
         random_positions: int | None = None,
         score_budget_mib: float = 8.0,
+        qkv_bias: bool = True,
     ) -> None:
         super().__init__()
         d_ff = d_ff or 4 * d_model
@@ -366,6 +372,7 @@ class DecoderLM(nn.Module):
             causal=True,
             random_positions=random_positions,
             score_budget=_budget(score_budget_mib),
+            qkv_bias=qkv_bias,
         )
         _init_weights(self.stack, n_layers)
 
@@ -421,6 +428,7 @@ class EncoderDecoder(nn.Module):
         random_positions: Train both stacks on random sorted positions from
             ``0 .. N-1`` (Ruoss et al. 2023); decoding uses ``0 .. T-1``. None: off.
         score_budget_mib: CPU query blocking, as in :class:`DecoderLM`.
+        qkv_bias: Biases on the q, k and v projections, as in :class:`DecoderLM`.
     """
 
     #: :meth:`decode` under ``torch.compile``, after :meth:`compile` (else None).
@@ -443,6 +451,7 @@ class EncoderDecoder(nn.Module):
         n_dec_layers: int | None = None,
         random_positions: int | None = None,
         score_budget_mib: float = 8.0,
+        qkv_bias: bool = True,
     ) -> None:
         super().__init__()
         d_ff = d_ff or 4 * d_model
@@ -484,6 +493,7 @@ class EncoderDecoder(nn.Module):
             causal=False,
             random_positions=random_positions,
             score_budget=_budget(score_budget_mib),
+            qkv_bias=qkv_bias,
         )
         self.decoder_stack = Stack(
             encoder=positional(n_dec),
@@ -496,6 +506,7 @@ class EncoderDecoder(nn.Module):
             cross=True,
             random_positions=random_positions,
             score_budget=_budget(score_budget_mib),
+            qkv_bias=qkv_bias,
         )
         _init_weights(self.encoder_stack, n_enc)
         _init_weights(self.decoder_stack, n_dec)

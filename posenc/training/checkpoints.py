@@ -99,13 +99,20 @@ NO_EFFECT_IN_EVAL = (
 
 #: Keys added after checkpoints were first written, with the value that behaves as an
 #: older checkpoint did: unset in the checkpoint and this value in the config is no change.
-#: (The sinusoidal table's amplitude and DeBERTa's far-key rows came with #33, whose
-#: defaults differ from what older runs did.)
+#: (The sinusoidal table's amplitude and DeBERTa's far-key rows came with #33, and
+#: stick-breaking's remainder later, with defaults that differ from what older runs did;
+#: FoX's initial bias, decay times and Pro block, and the q/k/v biases, kept theirs.)
 ADDED_LATER = {
     "task.passkey_mix": 0.0,
     "task.passkey_answer_weight": 1.0,
     "encoder.amplitude": 1.0,
     "encoder.far_keys": "last_bucket",
+    "encoder.remainder": "value",
+    "encoder.bias_init": "zero",
+    "encoder.decay_time_min": 2,
+    "encoder.decay_time_max": 128,
+    "encoder.pro": False,
+    "model.qkv_bias": True,
 }
 
 #: Functions that moved since checkpoints were first written, old path -> new: a

@@ -176,3 +176,44 @@ def test_context_memo_is_shared_by_slices_not_by_forwards() -> None:
     assert ctx.slice_queries(2, 4).slice_keys(4).once(enc, "t", lambda: 99) == value == 1
     assert enc.context(pos, pos, AttnKind.CAUSAL).once(enc, "t", lambda: 7) == 7
     assert made == [1]
+
+
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_qkv_bias_sets_the_projections_biases(tmp_path, qkv_bias: bool) -> None:
+    """``model.qkv_bias`` (default true) from the composed config to every attention of
+    both model shapes: false leaves q, k and v without biases (as the FoX and PaTH
+    authors' layers), the output projection keeps its own."""
+    from omegaconf import OmegaConf
+
+    from posenc.config import validate
+    from posenc.model import DecoderLM, EncoderDecoder
+    from tests.conftest import compose_run
+
+    overrides = [] if qkv_bias else ["model.qkv_bias=false"]
+    cfg = compose_run(tmp_path, *overrides)
+    validate(cfg)
+    sizes = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "compile"}
+    assert sizes["qkv_bias"] is qkv_bias
+    lm = DecoderLM(vocab_size=11, encoder="fox", **sizes)
+    mt = EncoderDecoder(src_vocab_size=11, tgt_vocab_size=11, encoder="rope", **sizes)
+    for model in (lm, mt):
+        attns = [m for m in model.modules() if isinstance(m, Attention)]
+        assert attns
+        for attn in attns:
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                assert (proj.bias is not None) is qkv_bias
+            assert attn.out_proj.bias is not None
+    assert sum(p.numel() for p in lm.parameters()) == sum(
+        p.numel()
+        for p in DecoderLM(vocab_size=11, encoder="fox", **{**sizes, "qkv_bias": True}).parameters()
+    ) - (0 if qkv_bias else 3 * sizes["d_model"] * sizes["n_layers"])
+
+
+def test_qkv_bias_must_be_a_bool(tmp_path) -> None:
+    from posenc.config import ConfigError
+    from posenc.train import train
+    from tests.conftest import compose_run
+
+    with pytest.raises(ConfigError) as err:
+        train(compose_run(tmp_path, "model.qkv_bias=maybe"))
+    assert str(err.value).splitlines()[1:] == ["  model.qkv_bias='maybe': must be true or false"]

@@ -71,6 +71,10 @@ CASES += [
     # PaTH with FoX's gate (PaTH-FoX), and with neither convolution nor low-rank w
     ("path+forget_gate", {"forget_gate": True}),
     ("path+plain_w", {"conv_size": 0, "w_rank": None}),
+    # stick-breaking's earlier remainder; FoX with spread gate biases, and its Pro block
+    ("stickbreak+value", {"remainder": "value"}),
+    ("fox+spread", {"bias_init": "spread"}),
+    ("fox+pro", {"pro": True}),
 ]
 IDS = [c[0] for c in CASES]
 

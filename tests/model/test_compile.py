@@ -61,6 +61,8 @@ def test_encoder_decoder_traces_as_one_graph(name: str, t: int) -> None:
 #: Non-default conventions (#24), traced as the YAML defaults are above.
 CONVENTIONS = {
     "deberta_p2c_paper": ("deberta", {"p2c_row": "paper"}),
+    "stickbreak_value": ("stickbreak", {"remainder": "value"}),
+    "fox_pro": ("fox", {"pro": True}),
     "rope_yarn_code": (
         "rope",
         {"scaling": "yarn", "scaling_factor": 4.0, "original_length": 64, "fraction": 0.5},
@@ -195,6 +197,7 @@ def test_inductor_training_matches_eager() -> None:
 STEP_CASES = {name: (name, {}) for name in ENCODER_YAMLS}
 STEP_CASES["shaw_no_value"] = ("shaw", {"value": False})
 STEP_CASES["path_forget_gate"] = ("path", {"forget_gate": True})
+STEP_CASES["fox_pro"] = ("fox", {"pro": True})
 STEP_CASES["rope_dynamic_ntk"] = (
     "rope",
     {"scaling": "dynamic_ntk", "scaling_factor": 2.0, "original_length": 16},

@@ -109,7 +109,11 @@ def test_eval_only_of_an_mt_checkpoint_under_task_lm_is_refused(tmp_path: Path) 
 
 @pytest.mark.parametrize(
     ("encoder", "key", "old"),
-    [("sinusoidal", "amplitude", 1.0), ("deberta", "far_keys", "last_bucket")],
+    [
+        ("sinusoidal", "amplitude", 1.0),
+        ("deberta", "far_keys", "last_bucket"),
+        ("stickbreak", "remainder", "value"),
+    ],
 )
 def test_checkpoints_from_before_a_changed_default_name_the_old_value(
     tmp_path: Path, encoder: str, key: str, old: object
@@ -133,6 +137,29 @@ def test_checkpoints_from_before_a_changed_default_name_the_old_value(
         checkpoints.check_config("x.ckpt", ckpt, cfg, resume=False)
     cfg.encoder[key] = old
     assert checkpoints.check_config("x.ckpt", ckpt, cfg, resume=False) == {}
+
+
+def test_checkpoints_from_before_keys_that_kept_the_old_behaviour_are_taken(
+    tmp_path: Path,
+) -> None:
+    """FoX's bias_init, decay times and pro, and model.qkv_bias came with defaults that
+    do what older runs did: a checkpoint without them fits the default config."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_run(tmp_path, "encoder=fox")
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    saved.pop("hydra", None)
+    for key in ("bias_init", "decay_time_min", "decay_time_max", "pro"):
+        saved["encoder"].pop(key)
+    saved["model"].pop("qkv_bias")
+    assert (
+        checkpoints.check_config("x.ckpt", {"posenc": {"config": saved}}, cfg, resume=False) == {}
+    )
+    cfg.encoder.pro = True
+    with pytest.raises(
+        CheckpointError, match=re.escape("encoder.pro: checkpoint '<unset>', config True")
+    ):
+        checkpoints.check_config("x.ckpt", {"posenc": {"config": saved}}, cfg, resume=False)
 
 
 def test_eval_only_records_the_checkpoints_training_settings(trained: Path, tmp_path: Path) -> None:
