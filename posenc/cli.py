@@ -1,11 +1,14 @@
 """What ``run.py`` does with a composed config: one job, or one job of a sweep.
 
 In a multirun (``-m``) a failing job writes ``<run dir>/error.json`` and the sweep goes
-on with the next job; a single run raises as usual (non-zero exit).
+on with the next job; a single run raises as usual (non-zero exit). SIGTERM and SIGINT
+(Ctrl-C) stop a run or a sweep alike: progress saved, the command that continues it
+printed, exit status 128 + the signal's number.
 """
 
 import contextlib
 import difflib
+import json
 import logging
 import multiprocessing
 import os
@@ -17,7 +20,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import cast
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -36,7 +41,13 @@ from posenc import stop, tuned
 from posenc.config import ConfigError, validate
 from posenc.errors import RunDirError, UserError
 from posenc.train import train
-from posenc.training.rundir import write_json_atomic
+from posenc.training.rundir import (
+    space_for_error_record,
+    write_failure,
+    write_into_reserve,
+    write_text_atomic,
+)
+from posenc.training.summary import sweep_resume_command
 
 log = logging.getLogger("posenc.run")
 
@@ -129,8 +140,12 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
     return found
 
 
-def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path:
-    """Write ``error.json`` (type, message, traceback, overrides, choices) atomically.
+def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path | None:
+    """Write ``error.json`` (type, message, traceback, overrides, choices) atomically; a
+    failed write (:func:`~posenc.training.rundir.write_failure`: "no space left on
+    device: <file>") is named in its ``write_failure``. On a full disk the record goes
+    into the space the job held back (:func:`~posenc.training.rundir.space_for_error_record`).
+    Never raises: a record that cannot be written at all is said in one log line.
 
     Args:
         err: The exception the job raised.
@@ -138,29 +153,37 @@ def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path:
         seed: The job's ``seed``.
 
     Returns:
-        The path written (the job log instead if ``run_dir`` holds another run's results).
+        The path written (the job log instead if ``run_dir`` holds another run's results),
+        or None if nothing could be written.
     """
     hc = HydraConfig.get()
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "error.json"
     if isinstance(err, RunDirError) or (run_dir / "metrics.json").exists():
         # Another run's results are here (e.g. two sweeps started in the same second):
         # an error.json next to them would mislabel that run, so only the log says it.
         return run_dir / "run.log"
-    write_json_atomic(
-        path,
-        {
-            "error_type": type(err).__name__,
-            "message": str(err),
-            "traceback": "".join(traceback.format_exception(err)),
-            "overrides": list(hc.overrides.task),
-            # The report groups failures by these, like finished runs.
-            "task": hc.runtime.choices.get("task"),
-            "encoder": hc.runtime.choices.get("encoder"),
-            "seed": seed,
-            "job_num": cast(DictConfig, hc.job).get("num"),  # a DictConfig, typed JobConf
-        },
-    )
+    record = {
+        "error_type": type(err).__name__,
+        "message": str(err),
+        "write_failure": write_failure(err),
+        "traceback": "".join(traceback.format_exception(err)),
+        "overrides": list(hc.overrides.task),
+        # The report groups failures by these, like finished runs.
+        "task": hc.runtime.choices.get("task"),
+        "encoder": hc.runtime.choices.get("encoder"),
+        "seed": seed,
+        "job_num": cast(DictConfig, hc.job).get("num"),  # a DictConfig, typed JobConf
+    }
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(record, indent=2, default=str))
+    except OSError as full:
+        try:
+            write_into_reserve(path, record)
+        except OSError:
+            why = write_failure(full) or full.strerror or str(full)
+            log.error("could not record this job's failure in %s (%s): %s", path, why, err)
+            return None
     return path
 
 
@@ -210,15 +233,22 @@ def check_ddp_in_multirun(cfg: DictConfig) -> None:
         )
 
 
+#: The signals that stop a run or a sweep the same way (save, say how to continue).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def exit_status(by: str | None = None) -> int:
+    """128 + the number of the signal named ``by`` (default: the one that stopped this
+    process, :func:`posenc.stop.stopped_by`), as a shell reports a process a signal
+    ended: 143 after SIGTERM, 130 after SIGINT (Ctrl-C)."""
+    return 128 + signal.Signals[by or stop.stopped_by()]
+
+
 class Terminated(SystemExit):
-    """SIGTERM arrived outside training (data loading, evaluation, decoding)."""
+    """SIGTERM or SIGINT arrived outside training (data loading, evaluation, decoding)."""
 
     def __init__(self) -> None:
-        super().__init__(TERMINATED)
-
-
-#: Exit status after SIGTERM, as a shell reports a process ended by it (128 + 15).
-TERMINATED = 128 + signal.SIGTERM
+        super().__init__(exit_status())
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -229,13 +259,35 @@ def _on_sigterm(signum: int, frame: object) -> None:
         raise Terminated()
 
 
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    """SIGINT (Ctrl-C): stop as on SIGTERM, through whatever handles SIGTERM now
+    (Lightning's handler during training, which stops between two steps and saves
+    ``last.ckpt``; :func:`_on_sigterm` otherwise), with SIGINT named as the cause. Python's
+    KeyboardInterrupt would instead end training with exit status 1 and nothing saved."""
+    stop.request_stop("SIGINT")
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler):
+        handler(signal.SIGTERM, frame)
+
+
+def _handle_stop_signals() -> None:
+    """SIGTERM and SIGINT stop this run (:func:`_on_sigterm`, :func:`_on_sigint`). A SIGINT
+    ignored from the start (a command a script started with ``&``) stays ignored, as
+    Python itself leaves it."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
 def _in_pool_worker() -> bool:
     """This process is a worker of the ``local_parallel`` (joblib) launcher's pool."""
     return "joblib" in str(HydraConfig.get().launcher.get("_target_", ""))
 
 
-def _say_stopped() -> None:
-    """Say where this run stopped and how to continue it."""
+def _say_stopped(by: str | None = None) -> None:
+    """Say where this run stopped (by the signal named ``by``; default: the one that
+    stopped this process) and how to continue it."""
+    by = by or stop.stopped_by()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     last = run_dir / "checkpoints" / "last.ckpt"
     overrides = " ".join(
@@ -245,37 +297,27 @@ def _say_stopped() -> None:
     )
     if last.exists():
         print(
-            f"stopped by SIGTERM; progress is saved in {last}. Continue with:\n  python "
+            f"stopped by {by}; progress is saved in {last}. Continue with:\n  python "
             f"run.py {overrides} hydra.run.dir={run_dir} resume=true",
             file=sys.stderr,
         )
     else:
-        print(f"stopped by SIGTERM before any checkpoint was saved in {run_dir}", file=sys.stderr)
+        print(f"stopped by {by} before any checkpoint was saved in {run_dir}", file=sys.stderr)
 
 
 def _terminated(cfg: DictConfig) -> None:
-    """Say where the run stopped and how to continue it, then exit with status 143."""
+    """Say where the run stopped and how to continue it, then exit with status 143 (SIGTERM)
+    or 130 (SIGINT)."""
+    for signum in STOP_SIGNALS:  # a second Ctrl-C while this is said: no traceback
+        signal.signal(signum, signal.SIG_IGN)
     _say_stopped()
-    sys.exit(TERMINATED)
+    sys.exit(exit_status())
 
 
-def sweep_resume_command(sweep_dir: Path, argv: list[str]) -> str:
-    """The command that continues a stopped sweep: the same overrides in the same sweep
-    directory with ``resume=true`` (finished jobs are skipped, stopped ones continue from
-    their ``last.ckpt``, jobs that never started run).
-
-    Args:
-        sweep_dir: The sweep's directory.
-        argv: The sweep's command line (``sys.argv``).
-    """
-    args = [a for a in argv[1:] if not a.startswith(("hydra.sweep.dir=", "resume="))]
-    return " ".join(["python", argv[0], *args, f"hydra.sweep.dir={sweep_dir}", "resume=true"])
-
-
-def _say_sweep_stopped(sweep_dir: Path) -> None:
+def _say_sweep_stopped(sweep_dir: Path, by: str) -> None:
     done = sum(1 for _ in sweep_dir.glob("*/metrics.json"))
     print(
-        f"sweep stopped by SIGTERM ({done} jobs finished) in {sweep_dir}. Continue the "
+        f"sweep stopped by {by} ({done} jobs finished) in {sweep_dir}. Continue the "
         f"sweep with:\n  {sweep_resume_command(sweep_dir, sys.argv)}",
         file=sys.stderr,
         flush=True,
@@ -458,15 +500,17 @@ def _job_problems(loader: ConfigLoader, config: DictConfig, job: list[str]) -> l
 
 
 class SweepSignals(Callback):
-    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): SIGTERM to a
-    ``local_parallel`` sweep stops it as it stops a single run.
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): SIGTERM or SIGINT
+    (Ctrl-C) to a ``local_parallel`` sweep stops it as it stops a single run.
 
     That launcher runs the jobs in a pool of worker processes and nothing of posenc runs
-    in the sweep's own process, which would end at once and leave its workers training
-    on. Here the sweep's process passes SIGTERM on to its workers (each stops its job
-    between two steps, saves ``last.ckpt`` and says how to continue it, then ends), waits
-    for them, prints the command that continues the whole sweep and exits with 143.
-    The basic launcher runs jobs in the sweep's process: :func:`run_job` handles it.
+    in the sweep's own process, which would end at once (on SIGINT with joblib's
+    KeyboardInterrupt traceback) and leave its workers training on. Here the sweep's
+    process passes the signal on to its workers (each stops its job between two steps,
+    saves ``last.ckpt`` and says how to continue it, then ends), waits for them, prints
+    the command that continues the whole sweep and exits with 143 (SIGTERM) or 130
+    (SIGINT). The basic launcher runs jobs in the sweep's process: :func:`run_job`
+    handles it.
 
     Args:
         grace_s: How long to wait for the workers to end before exiting anyway.
@@ -482,12 +526,16 @@ class SweepSignals(Callback):
         main = os.getpid()
 
         def stop_sweep(signum: int, frame: object) -> None:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM while waiting
+            for each in STOP_SIGNALS:  # a second signal (Ctrl-C again) while waiting
+                signal.signal(each, signal.SIG_IGN)
+            by = signal.Signals(signum).name
             # The pool's workers; its resource trackers end by themselves with this process.
+            # Ctrl-C reached them already (the terminal signals the whole process group);
+            # passed on too, so that `kill -INT <sweep>` stops them as well.
             workers = [p for p in _children(main) if "resource_tracker" not in _command_line(p)]
             for pid in workers:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
+                    os.kill(pid, signum)
             deadline = time.monotonic() + self.grace_s
             while any(_alive(p) for p in workers) and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -498,14 +546,16 @@ class SweepSignals(Callback):
             if left:
                 print(
                     f"workers {', '.join(map(str, left))} did not end within "
-                    f"{self.grace_s:.0f} s of SIGTERM",
+                    f"{self.grace_s:.0f} s of {by}",
                     file=sys.stderr,
                 )
-            _say_sweep_stopped(sweep_dir)
+            _say_sweep_stopped(sweep_dir, by)
             sys.stdout.flush()
-            sys.exit(TERMINATED)
+            sys.exit(exit_status(by))
 
         signal.signal(signal.SIGTERM, stop_sweep)
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, stop_sweep)
 
 
 def run_job(cfg: DictConfig) -> None:
@@ -514,9 +564,11 @@ def run_job(cfg: DictConfig) -> None:
     A single run with bad input (:class:`~posenc.errors.UserError`) prints the message
     alone, without a traceback, and exits with status 2. A job of a local multirun runs
     in a process of its own (:func:`_isolated`), so a job killed from outside (the
-    out-of-memory killer, ``kill -9``) is recorded and the sweep goes on.
+    out-of-memory killer, ``kill -9``) is recorded and the sweep goes on; it holds disk
+    space back for its ``error.json`` while it runs. SIGTERM and SIGINT stop a run or a
+    sweep: progress saved, the command that continues it printed, exit 143 or 130.
     """
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    _handle_stop_signals()
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         try:
             train(cfg)
@@ -528,32 +580,38 @@ def run_job(cfg: DictConfig) -> None:
         except (SIGTERMException, Terminated, stop.StopRequested):
             _terminated(cfg)
         return
-    if _isolate():
-        _isolated(cfg)
-    else:
-        _sweep_job(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.get("resume") and (run_dir / "metrics.json").exists():
+        # A stopped sweep resumed: this job's results stay as they are.
+        log.info("job %s finished already (metrics.json): skipped", run_dir.name)
+        return
+    stopped_by = None  # a job in this process (_sweep_job) ends the sweep itself
+    with space_for_error_record(run_dir):
+        if _isolate():
+            stopped_by = _isolated(cfg)
+        else:
+            _sweep_job(cfg)
+    if stopped_by is not None:
+        _end_sweep(stopped_by)
 
 
 def _sweep_job(cfg: DictConfig) -> None:
-    """One multirun job in this process: a failure is recorded in ``error.json``; with
-    ``resume=true`` a job that has finished already is skipped (a stopped sweep resumed)."""
+    """One multirun job in this process: a failure is recorded in ``error.json``."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if cfg.get("resume") and (run_dir / "metrics.json").exists():
-        log.info("job %s finished already (metrics.json): skipped", run_dir.name)
-        return
     try:
         check_ddp_in_multirun(cfg)
         train(cfg)
     except (SIGTERMException, Terminated, stop.StopRequested):
-        _terminated(cfg)  # the scheduler stops the sweep: the other jobs end too
+        _terminated(cfg)  # the scheduler (or Ctrl-C) stops the sweep: the other jobs end too
     except Exception as err:
-        # One bad job must not end the sweep. Exception, not BaseException: Ctrl-C
-        # (KeyboardInterrupt) still stops the whole sweep.
+        # One bad job must not end the sweep. Exception, not BaseException: a stop
+        # (Terminated, a SystemExit) still ends the whole sweep.
         path = record_failure(err, run_dir, cfg.get("seed"))
+        where = f"recorded in {path}" if path else "not recorded"
         if isinstance(err, UserError):  # bad input: the message says it all
-            log.error("job refused: %s (recorded in %s)", err, path)
+            log.error("job refused: %s (%s)", err, where)
         else:
-            log.exception("job failed (%s: %s); details in %s", type(err).__name__, err, path)
+            log.exception("job failed (%s: %s); %s", type(err).__name__, err, where)
 
 
 class JobKilled(Exception):
@@ -567,32 +625,58 @@ def _isolate() -> bool:
     return "submitit" not in target and "fork" in multiprocessing.get_all_start_methods()
 
 
-def _isolated(cfg: DictConfig) -> None:
-    """Run :func:`_sweep_job` in a forked process and wait for it. A SIGTERM to this
-    process is passed on (the job saves ``last.ckpt``) and ends the sweep with 143; a job
-    killed by a signal is recorded in its ``error.json`` and the sweep goes on."""
+def _end_sweep(by: str) -> None:
+    """A job was stopped by the signal named ``by``: end this process (143 or 130)."""
+    if _in_pool_worker():
+        # End the worker now: the pool would catch SystemExit and hand it the next job.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_status(by))
+    _say_sweep_stopped(Path(str(HydraConfig.get().sweep.dir)), by)
+    sys.exit(exit_status(by))
+
+
+def _pass_on(pid: int) -> Callable[[int, FrameType | None], None]:
+    """A signal handler that passes the signal on to process ``pid``."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it has ended meanwhile
+            os.kill(pid, signum)
+
+    return handler
+
+
+def _isolated(cfg: DictConfig) -> str | None:
+    """Run :func:`_sweep_job` in a forked process and wait for it. SIGTERM or SIGINT to
+    this process is passed on (the job saves ``last.ckpt``); a job killed by another
+    signal is recorded in its ``error.json`` and the sweep goes on.
+
+    Returns:
+        The name of the signal that stopped the job (the sweep ends), or None.
+    """
     proc = multiprocessing.get_context("fork").Process(target=_sweep_job, args=(cfg,))
     proc.start()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.terminate())
+    assert proc.pid is not None  # started
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s, was in previous.items():
+        if was is not signal.SIG_IGN:
+            signal.signal(s, _pass_on(proc.pid))
     try:
         proc.join()
     finally:
-        # Between two jobs a pool worker just ends on SIGTERM (SweepSignals waits for it).
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if _in_pool_worker() else previous)
+        # Between two jobs a pool worker just ends on the signal (SweepSignals waits for it).
+        for s, was in previous.items():
+            keep = was is signal.SIG_IGN or not _in_pool_worker()
+            signal.signal(s, was if keep else signal.SIG_DFL)
     code = proc.exitcode
     assert code is not None  # join() returned: the process has ended
-    if code in (TERMINATED, -signal.SIGTERM):
-        if code == -signal.SIGTERM:  # ended before it could say so itself
-            _say_stopped()
-        if _in_pool_worker():
-            # End the worker now: the pool would catch SystemExit and hand it the next job.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(TERMINATED)
-        _say_sweep_stopped(Path(str(HydraConfig.get().sweep.dir)))
-        sys.exit(TERMINATED)
+    for s in STOP_SIGNALS:
+        if code in (128 + s, -s):
+            if code < 0:  # ended before it could say so itself
+                _say_stopped(s.name)
+            return s.name
     if code == 0:
-        return
+        return None
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     how = (
         f"killed by {signal.Signals(-code).name}" if code < 0 else f"ended with exit status {code}"
@@ -600,4 +684,6 @@ def _isolated(cfg: DictConfig) -> None:
     hint = " (SIGKILL: often the out-of-memory killer)" if code == -signal.SIGKILL else ""
     err = JobKilled(f"the job's process was {how}{hint} before it recorded a result")
     path = record_failure(err, run_dir, cfg.get("seed"))
-    log.error("job %s: %s; recorded in %s; the sweep goes on", run_dir.name, err, path)
+    where = f"recorded in {path}" if path else "not recorded"
+    log.error("job %s: %s; %s; the sweep goes on", run_dir.name, err, where)
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import itertools
 import json
 import os
@@ -25,7 +26,9 @@ from torch import Tensor
 from posenc import cli as run
 from posenc.config import validate
 from posenc.encoders.none import NoPositions
+from posenc.errors import CheckpointError
 from posenc.report import build_report
+from posenc.training.rundir import space_for_error_record
 from tests.conftest import ENCODER_YAMLS, ROOT, VARIANT_YAMLS
 
 
@@ -370,6 +373,60 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _start_sweep_and_wait(out: Path, cache: Path, *overrides: str, ckpts: int) -> subprocess.Popen:
+    """A tiny two-job sweep (``encoder=none,rope``, 300 steps, a checkpoint every step)
+    in its own process group, as a terminal starts it, once ``ckpts`` jobs have saved."""
+    from tests.conftest import TINY
+
+    tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check"))]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "run.py",
+            "-m",
+            *overrides,
+            *tiny,
+            "encoder=none,rope",
+            "trainer.max_steps=300",
+            "trainer.val_check_interval=300",
+            "checkpoint_every_n_steps=1",
+            f"hydra.sweep.dir={out}",
+            f"paths.cache_dir={cache}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 240
+    while len(list(out.glob("*/checkpoints/last.ckpt"))) < ckpts and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    return proc
+
+
+def _family(pid: int) -> list[int]:
+    """``pid``'s children and grandchildren (a sweep's workers and their jobs)."""
+    family = list(_children(pid))
+    return family + [g for c in family for g in _children(c)]
+
+
+def _none_outlives(family: list[int]) -> None:
+    # (the pool's resource tracker ends on its own once the sweep's process has gone)
+    deadline = time.monotonic() + 10
+    while [p for p in family if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in family if _alive(p)], "processes outlived the sweep"
+
+
+def _resume_command(err: str) -> list[str]:
+    """The command a stopped sweep printed to continue it, to run as printed."""
+    resume = err.split("Continue the sweep with:\n", 1)[1].splitlines()[0].split()
+    assert resume[:2] == ["python", "run.py"] and resume[-1] == "resume=true", resume
+    return [sys.executable, *resume[1:]]
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 def test_sigterm_to_a_parallel_sweep_stops_its_jobs_and_says_how_to_resume(tmp_path: Path) -> None:
     """SIGTERM to a ``local_parallel`` sweep: both running jobs save ``last.ckpt`` and
@@ -378,49 +435,17 @@ def test_sigterm_to_a_parallel_sweep_stops_its_jobs_and_says_how_to_resume(tmp_p
     and run once more skips them (#38: the jobs ran on as
     orphans and wrote metrics.json after the sweep had "ended")."""
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
-    from tests.conftest import TINY
-
-    tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check"))]
     out = tmp_path / "multirun"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "run.py",
-            "-m",
-            "hydra/launcher=local_parallel",
-            *tiny,
-            "encoder=none,rope",
-            "trainer.max_steps=300",
-            "trainer.val_check_interval=300",
-            "checkpoint_every_n_steps=1",
-            f"hydra.sweep.dir={out}",
-            f"paths.cache_dir={tmp_path / 'cache'}",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 240
-    while len(list(out.glob("*/checkpoints/last.ckpt"))) < 2 and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    family = [c for c in _children(proc.pid)]
-    family += [g for c in family for g in _children(c)]
+    proc = _start_sweep_and_wait(out, tmp_path / "cache", "hydra/launcher=local_parallel", ckpts=2)
+    family = _family(proc.pid)
     os.kill(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 143, err[-3000:]
-    # (the pool's resource tracker ends on its own once the sweep's process has gone)
-    deadline = time.monotonic() + 10
-    while [p for p in family if _alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in family if _alive(p)], "processes outlived the sweep"
+    _none_outlives(family)
     assert err.count("stopped by SIGTERM; progress is saved in") == 2, err[-3000:]
     assert not list(out.glob("*/metrics.json"))
-    resume = err.split("Continue the sweep with:\n", 1)[1].splitlines()[0].split()
-    assert resume[:2] == ["python", "run.py"] and resume[-1] == "resume=true", resume
     # As printed, with checkpoints less often (a setting a resumed run may change).
-    resume = [sys.executable, *resume[1:], "checkpoint_every_n_steps=1000"]
+    resume = [*_resume_command(err), "checkpoint_every_n_steps=1000"]
     again = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(list(out.glob("*/metrics.json"))) == 2
@@ -433,6 +458,40 @@ def test_sigterm_to_a_parallel_sweep_stops_its_jobs_and_says_how_to_resume(tmp_p
     said = skipped.stdout + skipped.stderr
     assert said.count("finished already (metrics.json): skipped") == 2, said[-3000:]
     assert {p: p.read_bytes() for p in out.glob("*/metrics.json")} == before
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize(("launcher", "running"), [("local_parallel", 2), ("basic", 1)])
+def test_ctrl_c_to_a_sweep_stops_it_as_sigterm_does_with_exit_130(
+    tmp_path: Path, launcher: str, running: int
+) -> None:
+    """SIGINT to a sweep's process group, as Ctrl-C in a terminal sends it: each running
+    job saves ``last.ckpt`` and says how to continue it, no process outlives the sweep,
+    which exits 130 printing the command that continues it, without a traceback (joblib's
+    KeyboardInterrupt traceback and exit status 1 before, with no resume command)."""
+    if launcher == "local_parallel":
+        pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        pytest.skip("SIGINT is ignored here, and so in the sweep this test starts")
+    out = tmp_path / "multirun"
+    proc = _start_sweep_and_wait(
+        out, tmp_path / "cache", f"hydra/launcher={launcher}", ckpts=running
+    )
+    family = _family(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    said, err = proc.communicate(timeout=300)
+    said += err
+    assert proc.returncode == 130, said[-3000:]
+    _none_outlives(family)
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said[-3000:]
+    assert err.count("stopped by SIGINT; progress is saved in") == running, err[-3000:]
+    assert "sweep stopped by SIGINT (0 jobs finished)" in err, err[-3000:]
+    resume = _resume_command(err)
+    assert f"hydra/launcher={launcher}" in resume and f"hydra.sweep.dir={out}" in resume
+    assert not list(out.glob("*/metrics.json")) and not list(out.glob("*/.error.json*"))
+    for ckpt in out.glob("*/checkpoints/last.ckpt"):
+        log = (ckpt.parent.parent / "run.log").read_text()
+        assert "SIGINT at step" in log and f"saved {ckpt}" in log, log
 
 
 @pytest.mark.parametrize("preset", ["mt_length", "algo_content"])
@@ -483,6 +542,130 @@ def run_sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[st
         text=True,
         timeout=300,
     )
+
+
+# ------------------------------------------------------------------------------ on a full disk
+def _fill_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on a new file is created but nothing fits in it (ENOSPC), as on a full disk."""
+
+    def write_text(self: Path, *args: object, **kwargs: object) -> int:
+        self.touch()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+
+
+def _checkpoint_error(path: Path) -> CheckpointError:
+    """The error a job raises when its checkpoint finds the disk full."""
+    try:
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        except OSError as full:
+            raise CheckpointError(f"could not write checkpoint {path}: full") from full
+    except CheckpointError as err:
+        return err
+
+
+def test_a_full_disk_is_named_in_error_json_written_into_the_space_held_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(The job's error.json failed with an OSError traceback, an empty .tmp file stayed,
+    and the sweep recorded "JobKilled: ... exit status 1".)"""
+    ckpt = tmp_path / "checkpoints" / "best.ckpt"
+    with multirun_config("encoder=rope", "seed=0,1"), space_for_error_record(tmp_path):
+        _fill_disk(monkeypatch)
+        path = run.record_failure(_checkpoint_error(ckpt), tmp_path, 1)
+    assert path == tmp_path / "error.json"
+    assert os.listdir(tmp_path) == ["error.json"]
+    record = json.loads(path.read_text())
+    assert record["error_type"] == "CheckpointError"
+    assert record["write_failure"] == f"no space left on device: {ckpt}"
+    assert (record["encoder"], record["seed"]) == ("rope", 1)
+    assert "OSError: [Errno 28] No space left on device" in record["traceback"]
+
+
+def test_a_failure_that_cannot_be_recorded_is_one_log_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A disk full before the job held any space back: no error.json, no exception (the
+    job's process ended on it before), no temporary file; the log says why."""
+    with multirun_config("encoder=rope", "seed=0,1"):
+        _fill_disk(monkeypatch)
+        assert run.record_failure(_checkpoint_error(tmp_path / "last.ckpt"), tmp_path, 0) is None
+    assert os.listdir(tmp_path) == []
+    assert (
+        f"could not record this job's failure in {tmp_path / 'error.json'} (no space left on "
+        f"device: {tmp_path}/.error.json.tmp" in caplog.text
+    )
+
+
+FULL_DISK = """
+import errno, os, pathlib, runpy, sys
+import torch
+full = []
+def _enospc(path):
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+def save(obj, f, *args, **kwargs):  # the disk fills up during the first checkpoint
+    full.append(f)
+    raise _enospc(f)
+write_text = pathlib.Path.write_text
+def write_text_when_full(self, *args, **kwargs):
+    if full:  # a new file is created, then nothing fits in it
+        self.touch()
+        raise _enospc(self)
+    return write_text(self, *args, **kwargs)
+torch.save = save
+pathlib.Path.write_text = write_text_when_full
+sys.argv[0] = "run.py"
+sys.path.insert(0, os.getcwd())  # this checkout's posenc, as `python run.py` imports it
+runpy.run_path("run.py", run_name="__main__")
+"""
+
+
+def test_a_sweep_on_a_full_disk_records_each_job_as_no_space_left(tmp_path: Path) -> None:
+    """``python run.py -m encoder=rope seed=0,1`` whose disk fills up at the first
+    checkpoint (torch.save and every later new file fail with ENOSPC, in a wrapper that
+    then runs run.py): each job's error.json names the checkpoint error and "no space left
+    on device", no traceback, no JobKilled, no temporary file; the sweep's summary counts
+    the jobs by that cause and prints the command that continues the sweep."""
+    from tests.conftest import TINY
+
+    wrapper = tmp_path / "full_disk.py"
+    wrapper.write_text(FULL_DISK)
+    out = tmp_path / "multirun"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(wrapper),
+            "-m",
+            *TINY,
+            "encoder=rope",
+            "seed=0,1",
+            f"hydra.sweep.dir={out}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-3000:]
+    assert "Traceback" not in said and "JobKilled" not in said, said[-3000:]
+    for job in ("0_lm_rope_seed0", "1_lm_rope_seed1"):
+        folder = out / job
+        record = json.loads((folder / "error.json").read_text())
+        assert record["error_type"] == "CheckpointError", record
+        assert record["write_failure"].startswith(
+            f"no space left on device: {folder / 'checkpoints'}/"
+        ), record
+        assert not [p.name for p in folder.rglob(".*") if p.is_file()], "temporary files left"
+    assert "sweep finished: 0 of 2 jobs have results, 2 failed" in proc.stdout
+    assert (
+        "2 of the failed jobs could not write their files: no space left on device. Make "
+        "room (or fix the folder), then continue the sweep with:\n  python run.py -m "
+    ) in proc.stdout, proc.stdout
+    assert f"hydra.sweep.dir={out} resume=true" in proc.stdout
 
 
 def test_sweep_jobs_are_the_jobs_hydra_launches_in_its_order() -> None:

@@ -22,6 +22,7 @@ config before a run uses them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -37,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posenc.errors import CheckpointError
 from posenc.training import digests
+from posenc.training.rundir import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +161,29 @@ def _read_manifest(folder: Path) -> dict[str, list[str]]:
 
 
 def _write_manifest(folder: Path, manifest: dict[str, list[str]]) -> None:
-    tmp = folder / f".{MANIFEST}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(tmp, folder / MANIFEST)
+    write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+
+
+#: Free bytes below which a write cut short is taken for a full disk.
+FULL_DISK_BYTES = 1 << 20
+
+
+def _as_os_error(err: OSError | RuntimeError, path: Path) -> OSError | RuntimeError:
+    """torch reports a full disk as a ``RuntimeError`` ("unexpected pos ..."): while the
+    cut-short file still takes its space, a disk with (almost) nothing left is the cause,
+    named as the ``OSError`` it is (ENOSPC, with the file), so that a sweep's record says
+    "no space left on device"; any other failure as it came."""
+    if not (isinstance(err, RuntimeError) and "unexpected pos" in str(err)):
+        return err
+    try:
+        fs = os.statvfs(path.parent)
+    except OSError:
+        return err
+    if fs.f_bavail * fs.f_frsize >= FULL_DISK_BYTES:
+        return err  # room left: a file-size limit
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    full.__cause__ = err
+    return full
 
 
 def _write_failure(err: OSError | RuntimeError) -> str:
@@ -197,13 +219,14 @@ def save_atomic(checkpoint: dict[str, Any], path: Path) -> None:
         # torch.save reports a failed write as RuntimeError ("unexpected pos 397184 vs
         # 397072" on a full disk or past a file-size limit, "open file failed with
         # strerror: ..."), the rest of the write as OSError.
+        cause = _as_os_error(err, path)  # before the cut-short file gives its space back
         with contextlib.suppress(OSError):  # the folder itself may be the problem
             tmp.unlink(missing_ok=True)
         raise CheckpointError(
-            f"could not write checkpoint {path}: {_write_failure(err)}. The run stops here "
-            f"so that no result is lost silently; free disk space or make "
+            f"could not write checkpoint {path}: {_write_failure(cause)}. The run stops "
+            f"here so that no result is lost silently; free disk space or make "
             f"{path.parent} writable, then continue with resume=true."
-        ) from err
+        ) from cause
 
 
 def verify(path: str | os.PathLike[str]) -> Path:

@@ -1,11 +1,15 @@
 """A run's directory: the guard against writing over another run, the job record, the
-checkpoint a resumed run continues from, atomic result files."""
+checkpoint a resumed run continues from, atomic result files, and disk space held back so
+that a sweep job's failure can be recorded on a full disk."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +18,116 @@ from omegaconf import DictConfig, OmegaConf
 from posenc.errors import RunDirError
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON through a temporary file and ``os.replace``: never a half-written file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` through a temporary file and ``os.replace``: never a half-written
+    file, and no temporary file left behind when the write fails (a full disk).
+
+    Raises:
+        OSError: The file could not be written; ``path`` is as it was.
+    """
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):  # gone once replaced; the folder may be the problem
+            tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON as :func:`write_text_atomic` does."""
+    write_text_atomic(path, json.dumps(data, indent=2, default=str))
+
+
+#: What a failed write is called in ``error.json`` and the sweep's summary, by errno.
+WRITE_FAILURES = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EIO: "input/output error",
+}
+
+
+def write_failure(err: BaseException) -> str | None:
+    """``"no space left on device: <file>"`` when ``err``, or an error it came from, is a
+    write that failed for a reason in :data:`WRITE_FAILURES`; None otherwise."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in WRITE_FAILURES:
+            return WRITE_FAILURES[seen.errno] + (f": {seen.filename}" if seen.filename else "")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+#: The file in a sweep job's directory that holds disk space back for its ``error.json``.
+RESERVE = ".error.json.reserved"
+#: How much: an error record with a long traceback fits (:func:`write_into_reserve`).
+RESERVE_BYTES = 64 * 1024
+
+
+@contextlib.contextmanager
+def space_for_error_record(run_dir: Path) -> Iterator[None]:
+    """Hold :data:`RESERVE_BYTES` of disk in ``run_dir`` while a sweep job runs, so that
+    its failure can still be recorded (:func:`write_into_reserve`) when the disk fills up
+    under it; the space is given back on leaving. A disk already too full to hold it back
+    holds nothing back."""
+    path = run_dir / RESERVE
+    try:
+        _allocate(path, RESERVE_BYTES)
+    except OSError:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+
+
+def _allocate(path: Path, size: int) -> None:
+    """A file of ``size`` bytes whose blocks the file system has given it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as err:  # a file system without fallocate: write the bytes
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            _write_all(fd, bytes(size))
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def write_into_reserve(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` in the space :func:`space_for_error_record` held
+    back beside it: the bytes go into blocks the file already has, the file is cut to
+    their length and renamed to ``path``, so nothing needs a new block of a full disk.
+    A traceback too long for the space keeps its end (where the error is).
+
+    Raises:
+        OSError: No space is held back here, or writing into it failed.
+    """
+    text = json.dumps(data, indent=2, default=str).encode()
+    if len(text) > RESERVE_BYTES and "traceback" in data:
+        keep = max(0, len(str(data["traceback"])) - (len(text) - RESERVE_BYTES) - 64)
+        data = {**data, "traceback": "...\n" + str(data["traceback"])[-keep:]}
+        text = json.dumps(data, indent=2, default=str).encode()
+    reserve = path.parent / RESERVE
+    fd = os.open(reserve, os.O_WRONLY)
+    try:
+        _write_all(fd, text)
+        os.ftruncate(fd, len(text))
+    finally:
+        os.close(fd)
+    os.replace(reserve, path)
 
 
 def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
@@ -107,9 +216,7 @@ def record_job(cfg: DictConfig, run_dir: Path) -> None:
         "overrides.yaml": hc.overrides.task,
     }
     for name, node in files.items():
-        tmp = record / f".{name}.tmp{os.getpid()}"
-        tmp.write_text(OmegaConf.to_yaml(node), encoding="utf-8")
-        os.replace(tmp, record / name)
+        write_text_atomic(record / name, OmegaConf.to_yaml(node))
     root = logging.getLogger()
     path = str(run_dir / f"{hc.job.name}.log")
     if not any(getattr(h, "baseFilename", None) == path for h in root.handlers):

@@ -1,9 +1,12 @@
 """What a finished run prints to the terminal: its main numbers as a small table, where
-its results are, and how to look at them."""
+its results are, and how to look at them; what a sweep prints when it ends or stops."""
 
 from __future__ import annotations
 
+import json
 import math
+import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -130,9 +133,34 @@ def checkpoint_lines(folder: Path) -> list[str]:
     return [line]
 
 
+def sweep_resume_command(sweep_dir: Path, argv: list[str]) -> str:
+    """The command that continues a stopped sweep: the same overrides in the same sweep
+    directory with ``resume=true`` (finished jobs are skipped, stopped ones continue from
+    their ``last.ckpt``, jobs that never started run).
+
+    Args:
+        sweep_dir: The sweep's directory.
+        argv: The sweep's command line (``sys.argv``).
+    """
+    args = [a for a in argv[1:] if not a.startswith(("hydra.sweep.dir=", "resume="))]
+    return " ".join(["python", argv[0], *args, f"hydra.sweep.dir={sweep_dir}", "resume=true"])
+
+
+def _write_failure(job_dir: Path) -> str | None:
+    """What a failed write was (``"no space left on device"``), from the job's
+    ``error.json``, or None."""
+    try:
+        found = json.loads((job_dir / "error.json").read_text()).get("write_failure")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(found).partition(": ")[0] if found else None
+
+
 class SweepSummary(Callback):
     """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): when a multirun ends,
-    say how many jobs finished or failed and print the command that makes its report."""
+    say how many jobs finished or failed and print the command that makes its report; jobs
+    that failed because a file could not be written (a full disk) are counted by cause,
+    with the command that continues the sweep once that is mended."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         root = Path(str(config.hydra.sweep.dir))
@@ -142,11 +170,19 @@ class SweepSummary(Callback):
             else []
         )
         done = sum((d / "metrics.json").exists() for d in jobs)
-        failed = sum(
-            (d / "error.json").exists() and not (d / "metrics.json").exists() for d in jobs
-        )
+        failed = [
+            d for d in jobs if (d / "error.json").exists() and not (d / "metrics.json").exists()
+        ]
         print(
-            f"sweep finished: {done} of {len(jobs)} jobs have results, {failed} failed "
+            f"sweep finished: {done} of {len(jobs)} jobs have results, {len(failed)} failed "
             f"(error.json), in {root}\nreport: python -m posenc.report {root}",
             flush=True,
         )
+        causes = Counter(c for c in map(_write_failure, failed) if c)
+        for cause, n in causes.items():
+            print(
+                f"{n} of the failed jobs could not write their files: {cause}. Make room (or "
+                f"fix the folder), then continue the sweep with:\n  "
+                f"{sweep_resume_command(root, sys.argv)}",
+                flush=True,
+            )

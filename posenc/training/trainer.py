@@ -21,6 +21,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
 
+from posenc import stop
 from posenc.errors import CheckpointError
 from posenc.schema import Group, Run, untyped
 from posenc.training import checkpoints, gate
@@ -78,12 +79,12 @@ class RunState(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        # SIGTERM (a scheduler's preemption or time limit): Lightning stops between two
-        # steps; keep the progress up to here for resume=true.
+        # SIGTERM (a scheduler's preemption or time limit; Ctrl-C is passed on as one):
+        # Lightning stops between two steps; keep the progress up to here for resume=true.
         if isinstance(exception, SIGTERMException) and trainer.training:
             path = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
             trainer.save_checkpoint(path, weights_only=False)
-            log.warning("SIGTERM at step %d: saved %s", trainer.global_step, path)
+            log.warning("%s at step %d: saved %s", stop.stopped_by(), trainer.global_step, path)
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

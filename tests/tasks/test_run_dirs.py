@@ -3,16 +3,27 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from posenc.errors import RunDirError
+from posenc.errors import CheckpointError, RunDirError
 from posenc.train import train
-from posenc.training.rundir import RUN_FILES
+from posenc.training.rundir import (
+    RESERVE,
+    RESERVE_BYTES,
+    RUN_FILES,
+    space_for_error_record,
+    write_failure,
+    write_into_reserve,
+    write_json_atomic,
+)
 from tests.conftest import ROOT, TINY, compose_run
 
 
@@ -150,3 +161,63 @@ def test_keys_that_must_be_set_are_known_keys() -> None:
         "encodr: no such key or config group; did you mean encoder?",
         "seeed: no such key or config group; did you mean seed?",
     ]
+
+
+# ---- writes on a full disk ---------------------------------------------------------------------
+def _disk_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on a new file is created but nothing fits in it (ENOSPC), as on a full disk."""
+
+    def write_text(self: Path, *args: object, **kwargs: object) -> int:
+        self.touch()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+
+
+def test_a_write_that_fails_on_a_full_disk_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(An empty ``.error.json.tmp<pid>`` stayed in each job folder of a sweep on a full disk.)"""
+    (tmp_path / "error.json").write_text("{}")  # what was there stays as it was
+    _disk_full(monkeypatch)
+    with pytest.raises(OSError, match="No space left on device"):
+        write_json_atomic(tmp_path / "error.json", {"message": "x"})
+    assert os.listdir(tmp_path) == ["error.json"]
+    assert (tmp_path / "error.json").read_bytes() == b"{}"
+
+
+def test_the_space_held_back_takes_the_error_record_when_the_disk_is_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep job holds RESERVE_BYTES of disk back; on a full disk its error record is
+    written into those blocks (a too-long traceback keeps its end), the file renamed to
+    error.json, nothing else left; a job that needed none gives the space back."""
+    with space_for_error_record(tmp_path):
+        held = tmp_path / RESERVE
+        assert held.stat().st_size == RESERVE_BYTES
+        assert held.stat().st_blocks * 512 >= RESERVE_BYTES  # blocks given, not a sparse file
+    assert os.listdir(tmp_path) == []
+
+    traceback = "Traceback (most recent call last):\n" + "  frame\n" * 20_000 + "OSError: full\n"
+    record = {"error_type": "CheckpointError", "message": "m", "traceback": traceback}
+    with space_for_error_record(tmp_path):
+        _disk_full(monkeypatch)
+        write_into_reserve(tmp_path / "error.json", record)
+    assert os.listdir(tmp_path) == ["error.json"]
+    assert (tmp_path / "error.json").stat().st_size <= RESERVE_BYTES
+    written = json.loads((tmp_path / "error.json").read_text())
+    assert written["message"] == "m" and written["traceback"].endswith("  frame\nOSError: full\n")
+    assert len(written["traceback"]) < len(traceback)
+
+
+def test_write_failure_names_the_cause_and_the_file() -> None:
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/a/checkpoints/last.ckpt")
+    try:
+        try:
+            raise full
+        except OSError as err:
+            raise CheckpointError("could not write checkpoint") from err
+    except CheckpointError as err:
+        assert write_failure(err) == "no space left on device: /runs/a/checkpoints/last.ckpt"
+    assert write_failure(RuntimeError("a bug")) is None
+    assert write_failure(OSError(errno.EDQUOT, "Disk quota exceeded")) == "disk quota exceeded"

@@ -22,6 +22,7 @@ import torch
 from posenc.errors import CacheError, CheckpointError
 from posenc.train import train
 from posenc.training import checkpoints, digests
+from posenc.training.rundir import write_failure
 from posenc.training.trainer import command_line_keys
 from tests.conftest import ROOT, TINY, command_line, compose_run
 
@@ -335,27 +336,34 @@ def _command(run_dir: Path, cache: Path, *extra: str) -> list[str]:
     ]
 
 
+def _start_and_wait_for_training(run_dir: Path, cache: Path) -> subprocess.Popen:
+    """:func:`_command` started in a process group of its own (as a terminal starts a
+    job), once training has begun: its first validation wrote best.ckpt (step 100)."""
+    proc = subprocess.Popen(
+        _command(run_dir, cache),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 240
+    while (
+        not (run_dir / "checkpoints" / "best.ckpt").exists()
+        and proc.poll() is None
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.02)
+    return proc
+
+
 def test_sigterm_saves_last_ckpt_exits_143_and_resumes_exactly(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     subprocess.run(_command(whole, cache), cwd=ROOT, check=True, capture_output=True, timeout=300)
     expected = json.loads((whole / "metrics.json").read_text())
 
-    proc = subprocess.Popen(
-        _command(stopped, cache),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    # Training has started once its first validation is in TensorBoard (step 100).
-    deadline = time.monotonic() + 240
-    while (
-        not (stopped / "checkpoints" / "best.ckpt").exists()
-        and proc.poll() is None
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.02)
+    proc = _start_and_wait_for_training(stopped, cache)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-2000:]
@@ -371,6 +379,37 @@ def test_sigterm_saves_last_ckpt_exits_143_and_resumes_exactly(tmp_path: Path) -
     assert resumed["metrics"] == pytest.approx(expected["metrics"], rel=1e-6)
     names = sorted(p.name for p in (stopped / "checkpoints").iterdir())
     assert names == ["best.ckpt", "checksums.json", "last.ckpt"], names
+
+
+def test_ctrl_c_saves_last_ckpt_exits_130_and_prints_the_resume_command(tmp_path: Path) -> None:
+    """SIGINT to the run's process group, as Ctrl-C in a terminal sends it: handled as
+    SIGTERM (``last.ckpt`` saved between two steps, the command that continues the run
+    printed, no traceback), exit status 130; the printed command finishes the run from
+    that checkpoint. (Lightning turned the KeyboardInterrupt into exit status 1 with
+    nothing saved.)"""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        pytest.skip("SIGINT is ignored here, and so in the run this test starts")
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    proc = _start_and_wait_for_training(run_dir, cache)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    step = torch.load(last, weights_only=False)["global_step"]
+    assert 100 <= step < 300, step
+    assert not (run_dir / "metrics.json").exists()
+    said = err.split(f"stopped by SIGINT; progress is saved in {last}. Continue with:\n", 1)
+    assert len(said) == 2, err[-2000:]
+    resume = said[1].splitlines()[0].split()
+    assert resume[:2] == ["python", "run.py"] and resume[-2:] == [
+        f"hydra.run.dir={run_dir}",
+        "resume=true",
+    ], resume
+    subprocess.run([sys.executable, *resume[1:]], cwd=ROOT, check=True, capture_output=True)
+    assert json.loads((run_dir / "metrics.json").read_text())["train_steps"] == 300
+    log = (run_dir / "run.log").read_text()
+    assert f"SIGINT at step {step}: saved {last}" in log and f"continuing from {last}" in log
 
 
 def test_a_finished_run_resumed_keeps_its_validation_metrics(tmp_path: Path) -> None:
@@ -430,6 +469,30 @@ def test_a_write_torch_reports_as_runtime_error_names_the_file(
     cause = "the file was cut short" if "pos" in message else "cannot create the file"
     with pytest.raises(CheckpointError, match=f"could not write checkpoint {path}: {cause}"):
         checkpoints.save_atomic({"state_dict": {}}, path)
+    assert list(path.parent.iterdir()) == []
+
+
+def test_a_write_cut_short_on_a_full_disk_is_named_no_space_left_on_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch reports a full disk as RuntimeError ("unexpected pos"): with (almost) no room
+    left on the folder's disk, the cause is named as the ENOSPC it is, with the file, so a
+    sweep's error.json says "no space left on device" (it said "cut short", which a
+    file-size limit does too)."""
+
+    def failing(obj: object, f: str, *args: object, **kwargs: object) -> None:
+        Path(f).write_bytes(b"x" * 1000)
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 9 vs 7")
+
+    full = os.statvfs_result((4096, 4096, 1000, 0, 0, 100, 0, 0, 0, 255))  # f_bavail=0
+    monkeypatch.setattr(checkpoints.torch, "save", failing)
+    monkeypatch.setattr(checkpoints.os, "statvfs", lambda folder: full)
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(
+        CheckpointError, match=f"could not write checkpoint {path}: No space left on device"
+    ) as caught:
+        checkpoints.save_atomic({"state_dict": {}}, path)
+    assert write_failure(caught.value) == f"no space left on device: {path}"
     assert list(path.parent.iterdir()) == []
 
 
