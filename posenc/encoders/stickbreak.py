@@ -133,10 +133,6 @@ class StickBreaking(CausalOnly):
         self, *, d_model: int, n_heads: int, n_layers: int, attend_current: bool = False
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
-        if not isinstance(attend_current, bool):
-            raise ValueError(
-                f"stickbreak: attend_current must be true or false, got {attend_current!r}"
-            )
         self.attend_current = attend_current
 
     def causal_hooks(self, *, layer: int) -> AttentionPositional:
