@@ -39,6 +39,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from posenc import stop, tuned
 from posenc.config import ConfigError, validate
+from posenc.data.algo_problems import problem_default
 from posenc.errors import RunDirError, UserError
 from posenc.train import train
 from posenc.training.rundir import (
@@ -59,7 +60,14 @@ RUN_ID = f"{os.getpid() % 0x10000:04x}{secrets.token_hex(2)}"
 
 def register_resolvers() -> None:
     """``${posenc_uid:}`` and ``${posenc_preset:...}`` in ``conf/config.yaml``'s run and
-    sweep directories."""
+    sweep directories; ``${posenc_problem:<key>}`` in ``conf/task/algo.yaml``: the chosen
+    ``task.problem``'s own default of a key, so ``task.problem=count`` alone brings
+    counting's sizes (a value given on the command line or in a preset replaces it)."""
+    if not OmegaConf.has_resolver("posenc_problem"):
+        OmegaConf.register_new_resolver(
+            "posenc_problem",
+            lambda key, _root_: problem_default(_root_.task.get("problem"), key),
+        )
     if not OmegaConf.has_resolver("posenc_uid"):
         OmegaConf.register_new_resolver("posenc_uid", lambda: RUN_ID, use_cache=True)
     if not OmegaConf.has_resolver("posenc_preset"):

@@ -16,7 +16,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from posenc import schema
 from posenc.data.algo import PROBLEMS
 from posenc.data.algo_problems import check as check_problem
 from posenc.data.algo_problems import grid_sizes
+from posenc.data.sources import missing_test
 from posenc.encoders.base import AttnKind
 from posenc.errors import UserError
 from posenc.schema import finite, integer
@@ -87,7 +88,7 @@ def validate(cfg: DictConfig, machine: bool = True) -> None:
     groups += [("paths.cache_dir", lambda c: cache_dir(c.paths.cache_dir))] if machine else []
     if name in schema.TASKS:
         groups += [("task", partial(_task, machine=machine)), ("task.learned", _gate)]
-        groups += [("tokenizer", _tokenizer)] if name != "algo" else []
+        groups += [("tokenizer", _tokenizer), ("data", _data)] if name != "algo" else []
     else:
         problems.append(
             f"task.name={name!r}: allowed lm, mt, algo (choose with task=lm, task=mt or task=algo)"
@@ -136,8 +137,10 @@ def _unknown_keys(cfg: DictConfig) -> list[str]:
     else:
         allowed = _params(cls.__init__, ("d_model", "n_heads", "n_layers"))
         out += schema.unknown("encoder.", list(cfg.encoder), allowed + ["_target_", "_partial_"])
+        out += schema.parameter_problems(cfg.encoder, cls.__init__, "encoder.")
     allowed = _params(pl.Trainer.__init__) + ["_target_"]
-    return out + schema.unknown("trainer.", list(cfg.trainer), allowed)
+    out += schema.unknown("trainer.", list(cfg.trainer), allowed)
+    return out + schema.parameter_problems(cfg.trainer, pl.Trainer.__init__, "trainer.")
 
 
 def _run_keys(cfg: DictConfig) -> list[str]:
@@ -175,6 +178,59 @@ def _model(cfg: DictConfig) -> list[str]:
 
 def _tokenizer(cfg: DictConfig) -> list[str]:
     return schema.problems(cfg.tokenizer, schema.Tokenizer, "tokenizer.")
+
+
+def _data(cfg: DictConfig) -> list[str]:
+    """The splits the task evaluates must be in the data: a test split is refused here,
+    before anything is read, where the source's arguments leave it out (own files
+    without a test file, a test fraction of 0)."""
+    source = cfg.data.get("source")
+    missing = missing_test(source) if OmegaConf.is_dict(source) else None
+    return missing_splits(cfg, ("train", "val"), *missing) if missing else []
+
+
+def missing_splits(cfg: Any, available: Collection[str], why: str, fix: str) -> list[str]:
+    """A line for each split the task evaluates (``task.eval.splits`` of an LM,
+    ``task.eval_split`` of a translation) that is not ``available``: the key, the data,
+    ``why`` it lacks the split, ``fix`` (how to give one), or evaluating the rest.
+
+    Args:
+        cfg: The run config (``task=lm`` or ``task=mt``).
+        available: The splits the data has.
+        why: Why it has no more (e.g. "no test file: data.source.test=null").
+        fix: How to give it the split (e.g. "give one with data.source.test=<file>").
+    """
+    data = f"data={cfg.data.get('name')}"
+    if cfg.task.name == "mt":
+        split = cfg.task.eval_split
+        if split in available:
+            return []
+        return [
+            f"task.eval_split={split!r}: {data} has no {split} split ({why}); {fix}, or "
+            f"set task.eval_split=val"
+        ]
+    splits = list(cfg.task.eval.splits)
+    left = [s for s in splits if s in available] or ["val"]
+    return [
+        f"task.eval.splits contains {s!r}: {data} has no {s} split ({why}); {fix}, or "
+        f"set task.eval.splits=[{','.join(left)}]"
+        for s in splits
+        if s not in available
+    ]
+
+
+def check_splits(cfg: Any, available: Collection[str]) -> None:
+    """Refuse evaluating a split the loaded data lacks (a source that only says so once
+    read: a hub dataset, a source of your own); run once the data is loaded, before
+    training.
+
+    Raises:
+        ConfigError: One line per missing split, naming the key and the fix.
+    """
+    given = ", ".join(s for s in ("train", "val", "test") if s in available)
+    problems = missing_splits(cfg, available, f"the source gave {given}", "give it one")
+    if problems:
+        raise ConfigError(problem_message(problems), problems)
 
 
 def _gate(cfg: DictConfig) -> list[str]:

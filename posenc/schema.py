@@ -4,7 +4,9 @@ task, ``task.optim``, ``task.eval``, ``task.eval.passkey``, ``task.decode``,
 
 A field declares a key once: its type, its rule (with the one-line message a wrong value
 gets) and a default, used only where a composed config lacks the key (the YAML files
-under ``conf/`` are the documented defaults, and set every key of their groups).
+under ``conf/`` are the documented defaults, and set every key of their groups). A field
+typed ``bool`` takes true or false and nothing else, whatever its rule, and so does every
+``bool`` parameter of a class an instantiated group builds (:func:`boolean`).
 :func:`problems` walks a composed ``DictConfig`` against a group and lists every unknown
 key (with a did-you-mean) and every value its rule refuses; :func:`typed` turns a
 checked config into the typed :class:`Run` a job reads (``Run[LMTask]`` for the LM job). The groups
@@ -21,14 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from posenc.data.algo import GRIDS, PROBLEMS, SHAPES, Options, longest_sequence
+from posenc.data.algo_problems import problem_default
 from posenc.data.buckets import check_edges
 from posenc.data.tokenizers import TOKENIZER_KINDS
 from posenc.encoders.rope import SCALINGS
@@ -85,6 +89,46 @@ def rule(
         return [] if ok else [f"{key}={value!r}: {says or message}{hint}"]
 
     return check
+
+
+#: Annotations of a boolean that may be null, as a string (``from __future__ import
+#: annotations``) reads once spaces are dropped.
+_NULLABLE_BOOL = {"bool|None", "None|bool", "Optional[bool]", "typing.Optional[bool]"}
+
+
+def nullable_bool(annotation: Any) -> bool | None:
+    """Whether a boolean's annotation admits null: False for ``bool``, True for
+    ``bool | None``, None when the annotation is not a boolean's (``int | bool`` and the
+    like take more than true or false, so they are not)."""
+    if isinstance(annotation, str):
+        text = annotation.replace(" ", "")
+        return False if text == "bool" else (True if text in _NULLABLE_BOOL else None)
+    if annotation is bool:
+        return False
+    return True if set(get_args(annotation)) == {bool, type(None)} else None
+
+
+def boolean(key: str, annotation: Any, value: Any) -> list[str]:
+    """``key=value: must be true or false`` when ``annotation`` is a boolean's and
+    ``value`` is not one (null passes where the annotation admits it). YAML and Hydra read
+    only ``true`` and ``false`` as booleans: ``maybe``, ``flase``, ``1`` or a quoted
+    ``'true'`` would otherwise be truthy and silently switch an option on."""
+    nullable = nullable_bool(annotation)
+    if nullable is None:
+        return []
+    return rule("bool", " (or null)" if nullable else "", optional=nullable)(key, value)
+
+
+def parameter_problems(node: Any, fn: Callable[..., Any], prefix: str) -> list[str]:
+    """The boolean parameters of ``fn`` (a class an instantiated group builds: an
+    encoder, Lightning's ``Trainer``) whose value in ``node`` is not true or false."""
+    params = inspect.signature(fn).parameters.values()
+    return [
+        p
+        for q in params
+        if q.name in node
+        for p in boolean(prefix + q.name, q.annotation, node[q.name])
+    ]
 
 
 def items(
@@ -195,7 +239,7 @@ class Gate(Group):
 
     metric: str = key("val/loss")
     threshold: float = key(0.0, "finite")
-    stop: bool = key(False, "bool")
+    stop: bool = key(False)
 
 
 GATE = "must be null (no gate) or {metric, threshold, stop}, e.g. " + (
@@ -227,7 +271,7 @@ class Passkey(Group):
     samples: int = key(20, "int>0")
     key_len: int = key(5, "int>0")
     seed: int = key(0, "int>=0")
-    measure_unlearned: bool = key(False, "bool")
+    measure_unlearned: bool = key(False)
 
 
 def _extension_methods(key: str, value: Any) -> list[str]:
@@ -257,7 +301,7 @@ class LMEval(Group):
     protocols: list[str] = key(["nonoverlap"], items("[nonoverlap]", ("nonoverlap", "sliding")))
     sliding_stride: int | None = key(None, "int>0", optional=True)
     max_tokens: int | None = key(None, "int>0", optional=True)
-    skip_unsupported: bool = key(True, "bool")
+    skip_unsupported: bool = key(True)
     context_extension: list[str] = key([], _extension_methods)
     extension_factor: float | str = key(
         "auto",
@@ -326,7 +370,7 @@ class Decode(Group):
     length_penalty: float = key(0.6, "num>=0")
     max_len_a: float = key(1.2, "num>=0")
     max_len_b: int = key(10, "int>=0")
-    use_cache: bool = key(True, "bool")
+    use_cache: bool = key(True)
 
 
 MONITORS = {"val/loss": "min", "val/nll": "min", "val/ppl": "min", "val/bleu": "max"}
@@ -342,7 +386,7 @@ class MTTask(Group):
     max_train_src_len: int | None = key(None, "int>0", optional=True)
     length_buckets: list[int] = key([0, 10, 20, 30, 1000], _buckets)
     label_smoothing: float = key(0.1, "[0,1)", says="must be in [0, 1)")
-    share_embeddings: bool = key(True, "bool")
+    share_embeddings: bool = key(True)
     val_bleu_sentences: int = key(200, "int>=0")
     monitor: str = key("val/loss", tuple(MONITORS))
     monitor_mode: str = key("min")
@@ -361,6 +405,12 @@ def _train_lengths(key: str, value: Any) -> list[str]:
     return [f"{key}={list(value)}: must be [lo, hi] with integers 1 <= lo <= hi, e.g. {key}=[1,16]"]
 
 
+def _generic(name: str) -> Any:
+    """``task.<name>``'s value for a problem without one of its own
+    (:data:`posenc.data.algo_problems.DEFAULTS`, the one home of those numbers)."""
+    return problem_default(None, f"task.{name}")
+
+
 @dataclass(frozen=True)
 class AlgoTask(Group):
     """``task`` for ``task=algo``: a generated algorithmic problem."""
@@ -373,16 +423,18 @@ class AlgoTask(Group):
         says="allowed decoder (decoder-only: prompt, separator, answer) or encdec "
         "(encoder-decoder: prompt -> answer)",
     )
-    train_lengths: list[int] = key([1, 8], _train_lengths)
+    train_lengths: list[int] = key(_generic("train_lengths"), _train_lengths)
     test_multiple: float = key(
-        3, "finite>=1", " (test sizes go up to test_multiple * the largest training size)"
+        _generic("test_multiple"),
+        "finite>=1",
+        " (test sizes go up to test_multiple * the largest training size)",
     )
     test_sizes: str = key(
         "auto", ("auto", *GRIDS), says=f"allowed auto (the problem's own), {', '.join(GRIDS)}"
     )
-    bucket_width: int = key(4, "int>0")
+    bucket_width: int = key(_generic("bucket_width"), "int>0")
     symbols: int = key(
-        16,
+        _generic("symbols"),
         lambda k, v: (
             []
             if integer(v) and 2 <= v <= 26
@@ -392,13 +444,13 @@ class AlgoTask(Group):
             ]
         ),
     )
-    reverse_digits: bool = key(False, "bool")
-    data_tokens: int = key(16, "int>0")
-    lm_loss: bool = key(False, "bool")
+    reverse_digits: bool = key(_generic("reverse_digits"))
+    data_tokens: int = key(_generic("data_tokens"), "int>0")
+    lm_loss: bool = key(False)
     batch_size: int = key(64, "int>0")
     eval_batch_size: int = key(128, "int>0")
-    val_per_size: int = key(16, "int>0")
-    test_per_size: int = key(24, "int>0")
+    val_per_size: int = key(_generic("val_per_size"), "int>0")
+    test_per_size: int = key(_generic("test_per_size"), "int>0")
     learned: Gate | None = group(Gate, GATE, optional=True)
     optim: Optim = group(Optim)
 
@@ -425,20 +477,20 @@ class Model(Group):
     n_heads: int = key(4, "int>0")
     d_ff: int | None = key(None, "int>0", optional=True)
     dropout: float = key(0.0, "[0,1)")
-    embed_scale: bool = key(False, "bool")
+    embed_scale: bool = key(False)
     random_positions: int | None = key(
         None,
         "int>0",
         " (the range positions are drawn from in training) or null (off)",
         optional=True,
     )
-    compile: bool = key(False, "bool")
+    compile: bool = key(False)
     score_budget_mib: float = key(8, "num>=0", " (MiB; 0: no query blocking)")
     qkv_bias: bool = key(True, "bool")
     # an encoder-decoder's: blocks of each stack (n_layers when null), one embedding table
     n_enc_layers: int | None = key(None, "int>0", optional=True)
     n_dec_layers: int | None = key(None, "int>0", optional=True)
-    share_embeddings: bool = key(True, "bool")
+    share_embeddings: bool = key(True)
 
 
 #: Model keys only a translation model reads.
@@ -471,8 +523,8 @@ class Run(Group, Generic[T]):
         " (CPU threads per process) or null (torch's default: one per core)",
         optional=True,
     )
-    eval_only: bool = key(False, "bool")
-    resume: bool = key(False, "bool")
+    eval_only: bool = key(False)
+    resume: bool = key(False)
     ckpt_path: str | None = key(None)
     init_from: str | None = key(None)
     checkpoint_every_n_steps: int = key(250, "int>0")
@@ -539,6 +591,7 @@ def problems(
                 continue
             out += problems(value, sub, f"{prefix}{f.name}.")
         elif "check" in f.metadata:
+            out += boolean(f"{prefix}{f.name}", f.type, value)  # a field typed bool
             out += f.metadata["check"](f"{prefix}{f.name}", value)
     return out
 

@@ -83,7 +83,7 @@ PRESET = "smoke"
 #: own-data and generation commands, and a sweep with its report from an empty folder.
 FAST = {
     ("README.md", "python run.py encoder=rope task=lm"),
-    ("README.md", "python run.py encoder=rope data=text_files"),
+    ("README.md", "python run.py data=text_files"),
     ("README.md", "python -m posenc.generate"),
     ("docs/reproducing.md", "python run.py -m sweep=<preset>"),
     ("docs/reproducing.md", "python -m posenc.report outputs/multirun/<date>"),

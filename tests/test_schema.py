@@ -4,6 +4,7 @@ key by key; the typed groups cover every key the YAML files set; a job gets a ty
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,8 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from posenc import schema
-from posenc.config import validate
-from tests.conftest import ROOT, compose_config, compose_run
+from posenc.config import ConfigError, validate
+from tests.conftest import ENCODER_YAMLS, ROOT, compose_config, compose_run, encoder_class
 
 TASKS = [
     ("task=lm",),
@@ -91,3 +92,66 @@ def test_the_job_receives_the_typed_run(tmp_path: Path, monkeypatch: pytest.Monk
     train(compose_run(tmp_path))
     assert len(seen) == 1 and isinstance(seen[0], schema.Run)
     assert isinstance(seen[0].task, schema.LMTask) and isinstance(seen[0].task.seq_len, int)
+
+
+#: (encoder, option): every boolean option of every encoder a YAML file builds.
+BOOLEAN_OPTIONS = [
+    pytest.param(name, p.name, id=f"{name}.{p.name}")
+    for name in ENCODER_YAMLS
+    for p in inspect.signature(encoder_class(name).__init__).parameters.values()
+    if schema.nullable_bool(p.annotation) is False
+]
+
+
+def test_the_encoders_have_boolean_options() -> None:
+    found = {tuple(p.values) for p in BOOLEAN_OPTIONS}
+    assert {("fox", "rope"), ("path", "forget_gate"), ("stickbreak", "attend_current")} <= found
+
+
+@pytest.mark.parametrize(("encoder", "option"), BOOLEAN_OPTIONS)
+def test_every_boolean_option_of_every_encoder_takes_only_true_or_false(
+    tmp_path: Path, encoder: str, option: str
+) -> None:
+    """YAML reads only true and false as booleans; any other value (a typo, yes, 1, a
+    quoted 'true') would be truthy and switch the option on without a word."""
+    cfg = compose_run(tmp_path, f"encoder={encoder}")
+    for value in ("maybe", "flase", 1, "true"):
+        cfg.encoder[option] = value
+        with pytest.raises(ConfigError) as err:
+            validate(cfg, machine=False)
+        assert err.value.problems == [f"encoder.{option}={value!r}: must be true or false"]
+    cfg.encoder[option] = not cfg.encoder[option]
+    validate(cfg, machine=False)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "nullable"),
+    [
+        (bool, False),
+        ("bool", False),
+        (bool | None, True),
+        ("bool | None", True),
+        ("Optional[bool]", True),
+        (int | bool, None),
+        ("int", None),
+        ("Literal['warn'] | bool | None", None),
+    ],
+)
+def test_which_annotations_are_booleans(annotation: Any, nullable: bool | None) -> None:
+    assert schema.nullable_bool(annotation) is nullable
+
+
+def test_a_field_typed_bool_needs_no_rule_of_its_own() -> None:
+    """The type declares it: every bool field of every group refuses a non-boolean."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Flags(schema.Group):
+        on: bool = schema.key(False)
+        maybe_on: bool | None = schema.key(None)
+
+    node = OmegaConf.create({"on": "flase", "maybe_on": None})
+    assert schema.problems(node, Flags, "g.") == ["g.on='flase': must be true or false"]
+    node = OmegaConf.create({"on": True, "maybe_on": "yes"})
+    assert schema.problems(node, Flags, "g.") == [
+        "g.maybe_on='yes': must be true or false (or null)"
+    ]

@@ -5,15 +5,17 @@ stream key. The datasets, batches and data module are in :mod:`posenc.data.algo`
 
 from __future__ import annotations
 
+import copy
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
 from posenc.data import algo_content as content
 
 __all__ = [
+    "DEFAULTS",
     "GRIDS",
     "PROBLEMS",
     "AlgoVocab",
@@ -22,6 +24,7 @@ __all__ = [
     "buckets",
     "instance",
     "longest_sequence",
+    "problem_default",
     "size_buckets",
     "grid_sizes",
 ]
@@ -102,6 +105,21 @@ def _modarith(rng: random.Random, n: int, o: Options) -> Instance:
     return expr, [str(eval("".join(expr)) % 5)]
 
 
+#: The keys a problem may give a default of its own (``${posenc_problem:<key>}`` in
+#: ``conf/task/algo.yaml``), and their values for a problem that gives none.
+DEFAULTS: dict[str, Any] = {
+    "task.train_lengths": [1, 8],
+    "task.test_multiple": 3,
+    "task.bucket_width": 4,
+    "task.symbols": 16,
+    "task.reverse_digits": False,
+    "task.data_tokens": 16,
+    "task.val_per_size": 16,
+    "task.test_per_size": 24,
+    "trainer.max_steps": 500,
+    "trainer.val_check_interval": 250,
+}
+
 #: Test grids (``task.test_sizes``): every valid size from the smallest up to the largest
 #: test size, or the largest training size and its doublings (``hi, 2 hi, 4 hi, ...``).
 GRIDS = ("every", "doubling")
@@ -129,6 +147,8 @@ class Problem:
         grid: The test grid (:data:`GRIDS`) when ``task.test_sizes=auto``.
         metrics: The test metrics of its tables (:data:`posenc.tasks.algo_job.METRICS`).
         paper: Where the problem comes from, for ``metrics.json`` and the docs.
+        defaults: Its own values of keys of :data:`DEFAULTS` (the sizes this CPU fits),
+            taken wherever the command line and the presets leave those keys unset.
     """
 
     name: str
@@ -145,6 +165,7 @@ class Problem:
     grid: str = "every"
     metrics: tuple[str, ...] = ("seq_acc", "acc")
     paper: str = ""
+    defaults: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def shapes(self) -> tuple[str, ...]:
@@ -178,7 +199,9 @@ def _flipflop(rng: random.Random, n: int, o: Options) -> Instance:
     return content.flipflop(rng, n, content.FLIPFLOP_IGNORE[o.variant])
 
 
-def _state(group: str) -> Problem:
+def _state(group: str, sizes: list[int], steps: tuple[int, int]) -> Problem:
+    """State tracking over ``group``, trained on words of ``sizes`` elements for
+    ``steps`` (the cap, and the steps between validations) by default."""
     size = len(content.GROUPS[group])
     return Problem(
         f"state_{group}",
@@ -188,6 +211,13 @@ def _state(group: str) -> Problem:
         lambda n, o: (n, 0),
         tagged=True,
         paper="Merrill et al. 2024, The Illusion of State in State-Space Models",
+        defaults={
+            "task.train_lengths": sizes,
+            "task.test_multiple": 4,
+            "task.val_per_size": 64,
+            "trainer.max_steps": steps[0],
+            "trainer.val_check_interval": steps[1],
+        },
     )
 
 
@@ -207,6 +237,12 @@ CONTENT = (
         grid="doubling",
         metrics=("read_err",),
         paper="Liu et al. 2023, Exposing Attention Glitches with Flip-Flop Language Modeling",
+        defaults={
+            "task.train_lengths": [32, 32],
+            "task.test_multiple": 8,  # T, 2T, 4T, 8T (the doubling grid)
+            "task.val_per_size": 256,  # one training size: 256 validation strings
+            "task.test_per_size": 250,  # strings per length and split
+        },
     ),
     Problem(
         "selective_copy",
@@ -217,6 +253,12 @@ CONTENT = (
         min_size=lambda o: o.data_tokens,
         letters=True,
         paper="Gu and Dao 2023, Mamba, section 3.1",
+        defaults={
+            "task.data_tokens": 4,
+            "task.symbols": 8,
+            "task.train_lengths": [4, 16],
+            "task.bucket_width": 8,
+        },
     ),
     Problem(
         "count",
@@ -234,9 +276,15 @@ CONTENT = (
         lambda n, o: (4 * n + 2, 1),
         letters=True,
         paper="Golovneva et al. 2024, Contextual Position Encoding, section 4",
+        defaults={
+            "task.symbols": 3,  # variables a, b, c (the authors' generator's --nvars 3)
+            "task.train_lengths": [1, 32],
+            "trainer.max_steps": 800,
+            "trainer.val_check_interval": 400,
+        },
     ),
-    _state("s3"),
-    _state("a5"),
+    _state("s3", sizes=[1, 4], steps=(3000, 500)),
+    _state("a5", sizes=[1, 2], steps=(5000, 1000)),
 )
 
 #: ``task.problem`` -> :class:`Problem`.
@@ -271,6 +319,9 @@ PROBLEMS: dict[str, Problem] = {
             lambda k: [*DIGITS, "+"],
             _addition,
             lambda n, o: (2 * n + 1, n + 1),
+            # least-significant digit first: the carry is written after the digits it
+            # depends on
+            defaults={"task.reverse_digits": True},
         ),
         Problem("parity", "bits", lambda k: ["0", "1"], _parity, lambda n, o: (n, 1)),
         Problem(
@@ -283,6 +334,20 @@ PROBLEMS: dict[str, Problem] = {
         *CONTENT,
     )
 }
+
+
+def problem_default(problem: Any, key: str) -> Any:
+    """The value of ``key`` (a key of :data:`DEFAULTS`) for the problem named ``problem``:
+    its own default, else the generic one (for an unknown name too: the config check
+    refuses that name, with the names allowed).
+
+    Raises:
+        KeyError: ``key`` is not a key of :data:`DEFAULTS`.
+    """
+    if key not in DEFAULTS:
+        raise KeyError(f"{key!r} has no problem default; keys with one: {', '.join(DEFAULTS)}")
+    own = PROBLEMS[problem].defaults if isinstance(problem, str) and problem in PROBLEMS else {}
+    return copy.deepcopy(own.get(key, DEFAULTS[key]))
 
 
 class AlgoVocab:

@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from posenc.data.passkey import PasskeyFormat, seeded
-from posenc.data.sources import SPLITS
+from posenc.data.sources import REQUIRED, SPLITS
 from posenc.data.tokenizers import Tokenizer, build_tokenizer
 from posenc.errors import DataError
 
@@ -460,12 +460,14 @@ class LMDataModule(pl.LightningDataModule):
         if self._tokens is not None:
             return
         texts = self.source()
-        missing = [s for s in SPLITS if not isinstance(texts.get(s), str)]
+        missing = [s for s in REQUIRED if not isinstance(texts.get(s), str)]
         if missing:
             raise ValueError(
                 f"the data source returned no text for splits {missing}; it must return a dict "
-                f"with string values for {list(SPLITS)}, got keys {sorted(texts)}."
+                f"with string values for {list(REQUIRED)} (and 'test' if the data has one), "
+                f"got keys {sorted(texts)}."
             )
+        texts = {s: texts[s] for s in SPLITS if isinstance(texts.get(s), str)}
         if not texts["train"].strip():
             raise DataError(
                 f"the train split holds only whitespace ({len(texts['train'])} characters): "
@@ -474,13 +476,7 @@ class LMDataModule(pl.LightningDataModule):
         tok = build_tokenizer(
             self.tokenizer_kind, [texts["train"]], self.cache_dir, **self.tokenizer_settings
         )
-        tokens: dict[str, torch.Tensor] = {}
-        for split in SPLITS:
-            # Sources return the very same string when test doubles as val; encode it once.
-            twin = next((s for s in tokens if texts[s] is texts[split]), None)
-            tokens[split] = (
-                tokens[twin] if twin else torch.tensor(tok.encode(texts[split]), dtype=torch.long)
-            )
+        tokens = {s: torch.tensor(tok.encode(text), dtype=torch.long) for s, text in texts.items()}
         n_train = tokens["train"].numel()
         if n_train < self.seq_len + 1:
             raise DataError(
@@ -488,7 +484,7 @@ class LMDataModule(pl.LightningDataModule):
                 f"{self.seq_len + 1}; lower task.seq_len or use more training text."
             )
         # Fail before training, not hours later at evaluation time.
-        for split in ("val", "test"):
+        for split in [s for s in ("val", "test") if s in tokens]:
             for L in sorted({self.seq_len, *self.eval_lengths}):
                 self._check_fits(split, tokens[split].numel(), L)
         self._tokenizer = tok
@@ -529,6 +525,11 @@ class LMDataModule(pl.LightningDataModule):
         """Vocabulary size of :attr:`tokenizer` (after :meth:`setup`)."""
         return self.tokenizer.vocab_size
 
+    @property
+    def splits(self) -> tuple[str, ...]:
+        """The splits the data has (after :meth:`setup`): train, val, and test if given."""
+        return tuple(self._require_setup())
+
     def lm_split_tokens(self, split: str) -> torch.Tensor:
         """The whole token stream of a split.
 
@@ -539,12 +540,12 @@ class LMDataModule(pl.LightningDataModule):
             Int64 tensor of shape ``(n_tokens,)``.
 
         Raises:
-            ValueError: Unknown split.
+            ValueError: Unknown split, or one the data does not have.
             RuntimeError: :meth:`setup` was not called.
         """
         tokens = self._require_setup()
         if split not in tokens:
-            raise ValueError(f"unknown split {split!r}; choose one of {list(SPLITS)}.")
+            raise ValueError(f"unknown split {split!r}; this data has {list(tokens)}.")
         return tokens[split]
 
     # ------------------------------------------------------------------------- loaders

@@ -393,6 +393,13 @@ class MTDataModule(pl.LightningDataModule):
         return self._datasets[split]
 
     @property
+    def splits(self) -> tuple[str, ...]:
+        """The splits the corpus has (after :meth:`setup`): train, val, and test if given."""
+        if self._tokenizer is None:
+            raise RuntimeError("MTDataModule is not set up yet; call dm.setup() first.")
+        return tuple(s for s in SPLITS if s in self._datasets)
+
+    @property
     def tokenizer(self) -> Tokenizer:
         """The joint source/target tokenizer (available after :meth:`setup`)."""
         if self._tokenizer is None:

@@ -1,10 +1,13 @@
 """Where the data comes from: text for language modeling, parallel corpora for translation.
 
-A text source returns ``{"train": str, "val": str, "test": str}``: one string per split,
-which :class:`posenc.data.lm.LMDataModule` tokenizes into a single token stream. A parallel
+A text source returns ``{"train": str, "val": str, "test": str}`` (``"test"`` only where
+the data has a test part): one string per split, which
+:class:`posenc.data.lm.LMDataModule` tokenizes into a single token stream. A parallel
 source (:func:`multi30k`, :func:`parallel_files`, :func:`hf_translation`, or any callable
 alike) returns ``{split: (sources, targets)}`` with splits ``"train"``, ``"val"`` and
-optionally ``"test"``, which :class:`posenc.data.mt.MTDataModule` tokenizes.
+optionally ``"test"``, which :class:`posenc.data.mt.MTDataModule` tokenizes. No source
+stands one split in for another: a run that evaluates a split the data lacks is refused
+(:func:`missing_test` tells from the config, before anything is read).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +23,11 @@ from posenc.data.download import data_dir, fetch, read_text
 from posenc.errors import DataError, DataFileNotFound
 
 __all__ = [
+    "REQUIRED",
     "SPLITS",
     "ParallelCorpus",
     "hf_translation",
+    "missing_test",
     "multi30k",
     "parallel_files",
     "text_files",
@@ -30,6 +36,8 @@ __all__ = [
 ]
 
 SPLITS = ("train", "val", "test")
+#: The splits every source gives (training, and validation during it).
+REQUIRED = ("train", "val")
 
 
 def tinyshakespeare(
@@ -42,11 +50,10 @@ def tinyshakespeare(
         root: Data folder from the configuration; ``POSENC_DATA_DIR`` overrides it (see
             :func:`posenc.data.download.data_dir`). The file is downloaded if missing.
         splits: Fractions (train, val, test) of the characters; must sum to 1. A test fraction
-            of 0 reproduces nanoGPT's 90/10 setting, which has no test split: then ``"test"``
-            is the validation text, so test metrics equal validation metrics.
+            of 0 reproduces nanoGPT's 90/10 setting, which has no test split.
 
     Returns:
-        ``{"train", "val", "test"}`` -> text.
+        ``{"train", "val", "test"}`` -> text; no ``"test"`` for a test fraction of 0.
 
     Raises:
         DataError: ``splits`` does not have 3 non-negative entries summing to 1, or gives
@@ -75,7 +82,7 @@ def tinyshakespeare(
         )
     out = {"train": text[:train_end], "val": text[train_end:val_end], "test": text[val_end:]}
     if fractions[2] == 0:
-        out["test"] = out["val"]
+        del out["test"]
     return out
 
 
@@ -89,17 +96,17 @@ def text_files(
     Args:
         train: Training text file.
         val: Validation text file.
-        test: Test text file; ``None`` reuses the validation text as test text.
+        test: Test text file; ``None``: the data has no test split.
 
     Returns:
-        ``{"train", "val", "test"}`` -> text.
+        ``{"train", "val", "test"}`` -> text (no ``"test"`` without a test file).
 
     Raises:
         DataFileNotFound: A path does not exist or is a directory (the message names the
             split and path).
         DataError: A file is empty, only whitespace, corrupt gzip or not UTF-8.
     """
-    paths = {"train": train, "val": val, "test": test if test is not None else val}
+    paths = {"train": train, "val": val} | ({"test": test} if test is not None else {})
     for key, p in paths.items():
         path = Path(p).expanduser()
         if not path.is_file():
@@ -117,6 +124,63 @@ def text_files(
                 f"data.source.{key} a file with text."
             )
     return texts
+
+
+@dataclass(frozen=True)
+class OptionalTest:
+    """A source whose arguments may leave the test split out.
+
+    Attributes:
+        given: Whether its arguments (``data.source``) give a test split.
+        absent: What leaves it out, for the message.
+        give: The arguments that give one.
+    """
+
+    given: Callable[[Mapping[str, Any]], bool]
+    absent: str
+    give: str
+
+
+def _test_fraction(args: Mapping[str, Any]) -> float:
+    try:
+        return float(args.get("splits", (0.9, 0.05, 0.05))[2])
+    except (TypeError, ValueError, IndexError, KeyError):
+        return 1.0  # malformed: tinyshakespeare refuses it itself, naming the value
+
+
+#: The sources of this module whose test split is optional, by name.
+OPTIONAL_TEST = {
+    "text_files": OptionalTest(
+        lambda a: a.get("test") is not None,
+        "no test file: data.source.test=null",
+        "data.source.test=<file>",
+    ),
+    "parallel_files": OptionalTest(
+        lambda a: a.get("test_src") is not None or a.get("test_tgt") is not None,
+        "no test files: data.source.test_src and test_tgt are null",
+        "data.source.test_src=<file> data.source.test_tgt=<file>",
+    ),
+    "tinyshakespeare": OptionalTest(
+        lambda a: _test_fraction(a) > 0,
+        "a test fraction of 0 in data.source.splits",
+        "a test fraction, e.g. data.source.splits=[0.9,0.05,0.05]",
+    ),
+}
+
+
+def missing_test(source: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Why the source a config describes gives no test split, and how to give it one;
+    None when it gives one or only loading it can tell (a hub dataset, a source of your
+    own).
+
+    Args:
+        source: ``data.source``: the source's ``_target_`` and arguments.
+    """
+    module, _, name = str(source.get("_target_", "")).rpartition(".")
+    optional = OPTIONAL_TEST.get(name) if module == __name__ else None
+    if optional is None or optional.given(source):
+        return None
+    return optional.absent, f"give one with {optional.give}"
 
 
 def _join_wikitext(rows: Sequence[str]) -> str:

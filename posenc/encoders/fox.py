@@ -257,8 +257,6 @@ class FoX(CausalOnly):
                 f"data-dependent forget gate)"
             )
         _check_init(gate, bias_init, decay_time_min, decay_time_max)
-        if not isinstance(pro, bool):
-            raise ValueError(f"fox: pro must be true or false, got {pro!r}")
         self.gate = gate
         self.pro = pro
         self.start_bias = (

@@ -299,8 +299,6 @@ class PaTH(CausalOnly):
                 f"path: conv_size must be an integer >= 0 (0: no convolution), got "
                 f"{conv_size!r}; the authors use 3"
             )
-        if not isinstance(forget_gate, bool):
-            raise ValueError(f"path: forget_gate must be true or false, got {forget_gate!r}")
         self.w_rank, self.conv_size, self.forget_gate = w_rank, conv_size, forget_gate
 
     def causal_hooks(self, *, layer: int) -> AttentionPositional:

@@ -190,10 +190,6 @@ class StickBreaking(CausalOnly):
         remainder: str = "head_bias",
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
-        if not isinstance(attend_current, bool):
-            raise ValueError(
-                f"stickbreak: attend_current must be true or false, got {attend_current!r}"
-            )
         if remainder not in REMAINDERS:
             raise ValueError(
                 f"stickbreak: unknown remainder {remainder!r}; allowed: {', '.join(REMAINDERS)} "

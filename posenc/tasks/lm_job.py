@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc import schema
-from posenc.config import check_lm_batch, check_passkey
+from posenc.config import check_lm_batch, check_passkey, check_splits
 from posenc.data.lm import LMDataModule
 from posenc.data.samplers import ShardSampler
 from posenc.data.tokenizers import fingerprints, to_payload
@@ -108,12 +108,13 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
     """Language modeling: fit, then perplexity at every evaluation length and protocol."""
     dm = lm_datamodule(cfg)
     dm.setup("fit")
+    check_splits(cfg, dm.splits)
     check_lm_batch(cfg, dm.lm_split_tokens("train").numel(), dm.vocab_size)
     if schema.passkey_lengths(cfg.task) or cfg.task.get("passkey_mix", 0):
         check_passkey(
             cfg,
             lm_passkey.passkey_format(cfg, dm).min_length(),
-            {s: dm.lm_split_tokens(s).numel() for s in ("train", "val", "test")},
+            {s: dm.lm_split_tokens(s).numel() for s in dm.splits},
         )
     tokenizer = fingerprints(dm.tokenizer)
     task = lm_task(cfg, dm.vocab_size, tokenizer)

@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc import schema
+from posenc.config import check_splits
 from posenc.data.mt import MTDataModule, restore_order
 from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
@@ -83,14 +84,8 @@ def run(cfg: Run[schema.MTTask], run_dir: Path) -> dict[str, Any]:
     """Translation: fit, then decode ``task.eval_split`` and score it."""
     dm = mt_datamodule(cfg)
     dm.setup("fit")
+    check_splits(cfg, dm.splits)  # now, not after training
     split = cfg.task.eval_split
-    try:
-        dm.sources(split)  # fail now, not after training, if the corpus lacks this split
-    except ValueError as err:
-        raise ValueError(
-            f"task.eval_split={split!r}: {err} Give the corpus a {split} split (e.g. "
-            f"data.source.test_src/test_tgt) or set task.eval_split=val."
-        ) from err
     tokenizer = fingerprints(dm.tokenizer)
     task = mt_task(cfg, dm, tokenizer)
     throughput = Throughput(key="tgt_in")  # target tokens (with padding) per second

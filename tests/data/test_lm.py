@@ -248,7 +248,7 @@ def test_module_accessors_and_argument_errors(shakespeare: str, tmp_path: Path) 
         seq_len=2,
         batch_size=1,
     )
-    with pytest.raises(ValueError, match=r"no text for splits \['val', 'test'\]"):
+    with pytest.raises(ValueError, match=r"no text for splits \['val'\]"):
         bad.setup()
 
 
@@ -265,9 +265,11 @@ def test_module_with_bpe_on_real_tinyshakespeare(shakespeare: str, tmp_path: Pat
     )
     dm.setup()
     assert dm.vocab_size == 300
-    # nanoGPT's 90/10 split has no test part: test is the validation stream.
-    assert torch.equal(dm.lm_split_tokens("test"), dm.lm_split_tokens("val"))
-    batch = next(iter(dm.eval_dataloaders("test")["ppl_sw@512"]))
+    # nanoGPT's 90/10 split has no test part, and none is made up
+    assert dm.splits == ("train", "val")
+    with pytest.raises(ValueError, match=r"unknown split 'test'; this data has \['train', 'val'\]"):
+        dm.lm_split_tokens("test")
+    batch = next(iter(dm.eval_dataloaders("val")["ppl_sw@512"]))
     assert batch["input"].shape == (2, 512) and int(batch["input"].max()) < 300
 
 
@@ -280,7 +282,7 @@ def test_tinyshakespeare_splits(shakespeare: str) -> None:
     n = len(shakespeare)
     assert len(parts["train"]) == int(n * 0.9) and len(parts["val"]) == int(n * 0.95) - int(n * 0.9)
     nano = tinyshakespeare(splits=(0.9, 0.1, 0.0))
-    assert nano["train"] + nano["val"] == shakespeare and nano["test"] == nano["val"]
+    assert nano["train"] + nano["val"] == shakespeare and "test" not in nano
     with pytest.raises(ValueError, match=r"must sum to 1, got \(0.9, 0.2, 0.0\)"):
         tinyshakespeare(splits=(0.9, 0.2, 0.0))
     with pytest.raises(ValueError, match="3 non-negative fractions"):
@@ -291,7 +293,7 @@ def test_text_files_plain_and_gz(tmp_path: Path) -> None:
     (tmp_path / "train.txt").write_text("hello\nworld\n")
     (tmp_path / "val.txt.gz").write_bytes(gzip.compress("välid\n".encode()))
     out = text_files(tmp_path / "train.txt", tmp_path / "val.txt.gz")
-    assert out == {"train": "hello\nworld\n", "val": "välid\n", "test": "välid\n"}
+    assert out == {"train": "hello\nworld\n", "val": "välid\n"}  # no test file, no test split
     with pytest.raises(FileNotFoundError, match=r"'test' file '.*nope\.txt' does not exist"):
         text_files(tmp_path / "train.txt", tmp_path / "val.txt.gz", str(tmp_path / "nope.txt"))
 

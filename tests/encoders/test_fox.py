@@ -281,7 +281,7 @@ def test_cached_decoding_equals_the_full_pass(settings: dict) -> None:
             "fox: unknown bias_init 'foo'; allowed: zero, spread (zero is the authors' "
             "full-gate start, spread their decay times over heads)",
         ),
-        ("encoder.pro=maybe", "fox: pro must be true or false, got 'maybe'"),
+        ("encoder.pro=maybe", "encoder.pro='maybe': must be true or false"),
         (
             "encoder.gate=fixed encoder.bias_init=spread",
             "fox: bias_init=spread sets a learned gate's bias, and gate=fixed has none (its "

@@ -298,8 +298,6 @@ def test_bad_settings_and_bidirectional_attention_are_refused_with_the_reason() 
         build("path", d_model=8, n_heads=2, n_layers=1, w_rank=0)
     with pytest.raises(ValueError, match="path: conv_size must be an integer >= 0"):
         build("path", d_model=8, n_heads=2, n_layers=1, conv_size=-1)
-    with pytest.raises(ValueError, match="path: forget_gate must be true or false"):
-        build("path", d_model=8, n_heads=2, n_layers=1, forget_gate="yes")
     enc = build("path", d_model=8, n_heads=2, n_layers=1)
     with pytest.raises(ValueError, match="path is causal only: bidirectional"):
         enc.for_attention(layer=0, kind=AttnKind.BIDIRECTIONAL)

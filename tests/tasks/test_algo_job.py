@@ -15,10 +15,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from posenc.config import ConfigError, validate
 from posenc.data.algo import EOS, PROBLEMS, AlgoVocab, collate_eval, collate_tagged, instance
+from posenc.data.algo_problems import DEFAULTS, problem_default
 from posenc.tasks.algo import AlgoTask, score, until_eos
 from posenc.tasks.algo_job import bucket_metrics, by_size
 from posenc.train import train
-from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS, ROOT
+from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS, ROOT, compose_config
 
 OPTIM = {
     "lr": 1e-3,
@@ -431,3 +432,45 @@ def test_causal_only_encoders_refuse_the_encoder_decoder_shape(tmp_path: Path) -
     assert causal, "expected at least one causal-only encoder (xpos)"
     with pytest.raises(ConfigError, match="encoder:"):
         validate(_compose(tmp_path, f"encoder={causal[0]}", "task.shape=encdec"))
+
+
+def _resolved(cfg: DictConfig, *groups: str) -> dict:
+    return {g: OmegaConf.to_container(cfg[g], resolve=True) for g in groups}
+
+
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_a_problem_chosen_alone_brings_its_own_defaults(tmp_path: Path, problem: str) -> None:
+    """task.problem=<p> alone runs at the problem's own sizes and steps: the same task and
+    trainer as its preset, experiment=algo_<p>, which names the problem and nothing else."""
+    cfg = compose_config(tmp_path, "task=algo", f"task.problem={problem}")
+    validate(cfg, machine=False)  # e.g. selective_copy's sizes hold its 4 data tokens
+    for key in DEFAULTS:
+        assert OmegaConf.select(cfg, key) == problem_default(problem, key), key
+    preset = compose_config(tmp_path, f"experiment=algo_{problem}")
+    assert _resolved(cfg, "task", "trainer") == _resolved(preset, "task", "trainer")
+
+
+def test_the_problems_own_numbers_and_what_the_user_sets_wins(tmp_path: Path) -> None:
+    cfg = compose_config(tmp_path, "task=algo", "task.problem=selective_copy")
+    t = cfg.task
+    assert (t.train_lengths, t.data_tokens, t.symbols, t.bucket_width) == ([4, 16], 4, 8, 8)
+    cfg = compose_config(tmp_path, "task=algo", "task.problem=state_a5")
+    assert (cfg.task.train_lengths, cfg.task.test_multiple, cfg.trainer.max_steps) == (
+        [1, 2],
+        4,
+        5000,
+    )
+    assert compose_config(tmp_path, "task=algo", "task.problem=addition").task.reverse_digits
+    given = compose_config(
+        tmp_path,
+        "task=algo",
+        "task.problem=count",
+        "task.train_lengths=[2,6]",
+        "trainer.max_steps=9",
+    )
+    assert (given.task.train_lengths, given.trainer.max_steps) == ([2, 6], 9)
+    assert given.task.symbols == 3  # the keys not given stay the problem's
+    gpu = compose_config(tmp_path, "experiment=algo_count_gpu")  # a preset's values win too
+    assert (gpu.task.train_lengths, gpu.trainer.max_steps, gpu.task.symbols) == ([3, 512], 10000, 3)
+    plain = compose_config(tmp_path, "task=algo")
+    assert (plain.task.train_lengths, plain.trainer.max_steps) == ([1, 8], 500)

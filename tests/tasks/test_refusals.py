@@ -30,6 +30,12 @@ from posenc.training.optim import configure_adamw, warmup_cosine, warmup_inverse
 from tests.conftest import ROOT, compose_run
 from tests.decoding.test_encdec import BOS, EOS, PAD, _batch, _model
 
+#: Own parallel files, train and validation only.
+PARALLEL = (
+    "task=mt data=parallel_files data.source.train_src=a data.source.train_tgt=b "
+    "data.source.val_src=c data.source.val_tgt=d"
+)
+
 #: (overrides, the refusal line it must give); task=lm unless the overrides say otherwise.
 REFUSED = [
     # point 8: values that train wrongly
@@ -94,6 +100,34 @@ REFUSED = [
         "task.eval.multipliers=[0.01]",
         r"task.eval.multipliers contains 0.01: 0.01 \* task.seq_len=16 is below one token",
     ),
+    # a non-boolean for a boolean option switched it on; one rule for every encoder's
+    ("encoder=fox encoder.rope=maybe", r"^encoder.rope='maybe': must be true or false$"),
+    ("encoder=fox encoder.rope=flase", r"^encoder.rope='flase': must be true or false$"),
+    ("encoder=fox encoder.rope=1", r"^encoder.rope=1: must be true or false$"),
+    ("encoder=fox encoder.rope='true'", r"^encoder.rope='true': must be true or false$"),
+    (
+        "trainer.enable_progress_bar=yes",
+        r"enable_progress_bar='yes': must be true or false \(or null",
+    ),
+    # a split the data lacks: refused before anything is read, never stood in for by another
+    (
+        "data=text_files data.source.train=a.txt data.source.val=b.txt",
+        r"^task.eval.splits contains 'test': data=text_files has no test split \(no test file: "
+        r"data.source.test=null\); give one with data.source.test=<file>, or set "
+        r"task.eval.splits=\[val\]$",
+    ),
+    (
+        "data.source.splits=[0.9,0.1,0.0] task.eval.splits=[val,test]",
+        r"^task.eval.splits contains 'test': data=tinyshakespeare has no test split \(a test "
+        r"fraction of 0 in data.source.splits\); give one with a test fraction, e.g. "
+        r"data.source.splits=\[0.9,0.05,0.05\], or set task.eval.splits=\[val\]$",
+    ),
+    (
+        PARALLEL,
+        r"^task.eval_split='test': data=parallel_files has no test split \(no test files: "
+        r"data.source.test_src and test_tgt are null\); give one with "
+        r"data.source.test_src=<file> data.source.test_tgt=<file>, or set task.eval_split=val$",
+    ),
 ]
 
 #: Allowed edge values: they must pass the same checks.
@@ -109,6 +143,11 @@ ACCEPTED = [
     "task.optim.betas=[0,0.999]",
     "trainer.val_check_interval=00:00:10:00",
     "trainer.val_check_interval=0.5 trainer.check_val_every_n_epoch=1",
+    "encoder=fox encoder.rope=true trainer.enable_progress_bar=null",
+    "data=text_files data.source.train=a.txt data.source.val=b.txt task.eval.splits=[val]",
+    "data=text_files data.source.train=a.txt data.source.val=b.txt data.source.test=c.txt",
+    f"{PARALLEL} task.eval_split=val",
+    "experiment=baby_gpt",
 ]
 
 
@@ -333,6 +372,7 @@ def test_whitespace_only_text_file_is_refused_naming_the_file(tmp_path: Path, sp
         "data=text_files",
         f"data.source.train={files['train']}",
         f"data.source.val={files['val']}",
+        "task.eval.splits=[val]",
     )
     with pytest.raises(ValueError, match=f"the '{split}' file '{blank}' holds only whitespace"):
         train(cfg)

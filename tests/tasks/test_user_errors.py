@@ -6,6 +6,7 @@ built); three real ``run.py`` processes show the whole path to the terminal."""
 from __future__ import annotations
 
 import gzip
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +35,10 @@ def _files(tmp_path: Path, **files: bytes | None) -> dict[str, Path]:
 
 
 def _text_files(tmp_path: Path, train: bytes | None, val: bytes = TEXT.encode()) -> list[str]:
-    f = _files(tmp_path, train_txt=train, val_txt=val)
+    f = _files(tmp_path, train_txt=train, val_txt=val, test_txt=TEXT.encode())
     return [
         "data=text_files",
-        f"data.source.train={f['train_txt']}",
-        f"data.source.val={f['val_txt']}",
+        *[f"data.source.{s}={f[f'{s}_txt']}" for s in ("train", "val", "test")],
     ]
 
 
@@ -70,6 +70,7 @@ def test_a_missing_file_and_a_corrupt_gzip_are_user_errors(tmp_path: Path) -> No
                 "data=text_files",
                 f"data.source.train={tmp_path}/nope.txt",
                 f"data.source.val={tmp_path}/nope.txt",
+                f"data.source.test={tmp_path}/nope.txt",
             )
         )
     cut = tmp_path / "cut.gz"
@@ -77,7 +78,11 @@ def test_a_missing_file_and_a_corrupt_gzip_are_user_errors(tmp_path: Path) -> No
     with pytest.raises(UserError, match=r"cut\.gz is not a complete gzip file"):
         train(
             compose_run(
-                tmp_path, "data=text_files", f"data.source.train={cut}", f"data.source.val={cut}"
+                tmp_path,
+                "data=text_files",
+                f"data.source.train={cut}",
+                f"data.source.val={cut}",
+                "task.eval.splits=[val]",
             )
         )
 
@@ -142,7 +147,56 @@ def test_parallel_files_of_unequal_length_are_a_user_error(tmp_path: Path) -> No
         match=r"parallel files differ in line count: .*src\.txt has "
         r"10 lines but .*tgt\.txt has 9",
     ):
-        train(compose_mt(tmp_path / "run", tmp_path / "cache", "data=parallel_files", *files))
+        train(
+            compose_mt(
+                tmp_path / "run",
+                tmp_path / "cache",
+                "data=parallel_files",
+                *files,
+                "task.eval_split=val",
+            )
+        )
+
+
+def own_text(**_: object) -> dict[str, str]:
+    """A text source of one's own without a test split: only loading it tells (the
+    arguments of the source it stands in for are ignored)."""
+    return {"train": TEXT * 4, "val": TEXT}
+
+
+def own_pairs(**_: object) -> dict[str, tuple[list[str], list[str]]]:
+    """A parallel source of one's own without a test split (Shakespeare's lines to
+    themselves: enough text for the tokenizer)."""
+    data = Path(os.environ["POSENC_DATA_DIR"]) / "tinyshakespeare" / "input.txt"
+    lines = [line for line in data.read_text().splitlines()[:3000] if line]
+    return {"train": (lines, lines), "val": (lines[:8], lines[:8])}
+
+
+def _own_source(name: str) -> list[str]:
+    return [f"data.source._target_={__name__}.{name}", "data.name=mine"]
+
+
+def test_a_split_the_loaded_data_lacks_is_refused_before_training(tmp_path: Path) -> None:
+    """The test split is never stood in for by another; a source that says what it has
+    only once read is checked as soon as it is, before any training."""
+    with pytest.raises(UserError) as err:
+        train(compose_run(tmp_path, *_own_source("own_text")))
+    assert str(err.value).splitlines()[1:] == [
+        "  task.eval.splits contains 'test': data=mine has no test split (the source gave "
+        "train, val); give it one, or set task.eval.splits=[val]"
+    ]
+    run = tmp_path / "run"
+    assert not (run / "checkpoints").exists() and not (run / "metrics.json").exists()
+    mt = _own_source("own_pairs")
+    with pytest.raises(UserError) as err:
+        train(compose_mt(run, tmp_path / "cache", *mt))
+    assert str(err.value).splitlines()[1:] == [
+        "  task.eval_split='test': data=mine has no test split (the source gave train, val); "
+        "give it one, or set task.eval_split=val"
+    ]
+    assert not (run / "checkpoints").exists() and not (run / "metrics.json").exists()
+    metrics = train(compose_mt(run, tmp_path / "cache", *mt, "task.eval_split=val"))["metrics"]
+    assert "val/bleu" in metrics and not any(k.startswith("test/bleu") for k in metrics)
 
 
 def test_a_data_file_with_another_checksum_is_a_user_error(
@@ -178,7 +232,13 @@ def _one_line(out: subprocess.CompletedProcess[str]) -> str:
 
 def test_a_missing_data_file_reaches_the_terminal_as_one_line(tmp_path: Path) -> None:
     line = _one_line(
-        _run(tmp_path, "data=text_files", "data.source.train=a.txt", "data.source.val=a.txt")
+        _run(
+            tmp_path,
+            "data=text_files",
+            "data.source.train=a.txt",
+            "data.source.val=a.txt",
+            "data.source.test=a.txt",
+        )
     )
     assert line == (
         "error: text_files: the 'train' file 'a.txt' does not exist; fix "
