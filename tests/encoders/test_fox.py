@@ -278,18 +278,18 @@ def test_cached_decoding_equals_the_full_pass(settings: dict) -> None:
     [
         (
             "encoder.bias_init=foo",
-            "fox: unknown bias_init 'foo'; allowed: zero, spread (zero is the authors' "
+            "encoder: fox: unknown bias_init 'foo'; allowed: zero, spread (zero is the authors' "
             "full-gate start, spread their decay times over heads)",
         ),
         ("encoder.pro=maybe", "encoder.pro='maybe': must be true or false"),
         (
             "encoder.gate=fixed encoder.bias_init=spread",
-            "fox: bias_init=spread sets a learned gate's bias, and gate=fixed has none (its "
+            "encoder: fox: bias_init=spread sets a learned gate's bias, and gate=fixed has none (its "
             "gates are ALiBi's slopes); use gate=full or gate=bias_only with bias_init=spread",
         ),
         (
             "encoder.decay_time_min=0",
-            "fox: decay_time_min=0, decay_time_max=128: need finite numbers with 0 < "
+            "encoder: fox: decay_time_min=0, decay_time_max=128: need finite numbers with 0 < "
             "decay_time_min <= decay_time_max (tokens), e.g. 2 and 128",
         ),
     ],
@@ -301,5 +301,5 @@ def test_bad_values_are_refused_in_one_line(tmp_path, override: str, line: str) 
 
     with pytest.raises(ConfigError) as err:
         train(compose_run(tmp_path, "encoder=fox", *override.split()))
-    assert str(err.value).splitlines()[1:] == [f"  encoder: {line}"]
+    assert str(err.value).splitlines()[1:] == [f"  {line}"]
     assert not (tmp_path / "run").exists()
