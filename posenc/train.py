@@ -24,14 +24,18 @@ from posenc.training.trainer import command_line_keys, quiet_third_party
 #: task name -> module with ``run(cfg, run_dir) -> dict`` (imported on demand).
 log = logging.getLogger(__name__)
 
+_ABSENT = object()
+
 TASKS = {"lm": "posenc.tasks.lm_job", "mt": "posenc.tasks.mt_job", "algo": "posenc.tasks.algo_job"}
 
 
 def checkpoint_model(cfg: DictConfig, saved: dict[str, Any], given: set[str]) -> dict[str, Any]:
     """The model sizes and encoder options an ``eval_only`` run takes from its checkpoint's
-    config: every ``model.*`` and ``encoder.*`` value the command line did not set (the
-    encoder itself, its ``_target_``, stays the one chosen: another is refused later, and
-    speed-only settings such as ``model.compile`` stay this run's).
+    config: every ``model.*`` and ``encoder.*`` value the command line did not set, and
+    each such key added since the checkpoint was written at the value its run had
+    (:data:`~posenc.training.checkpoints.ADDED_LATER`). The encoder itself, its
+    ``_target_``, stays the one chosen (another is refused later), and speed-only settings
+    such as ``model.compile`` stay this run's.
 
     Args:
         cfg: This run's config.
@@ -51,6 +55,15 @@ def checkpoint_model(cfg: DictConfig, saved: dict[str, Any], given: set[str]) ->
         if k.startswith(("model.", "encoder."))
         and k != "encoder._target_"
         and not k.startswith(checkpoints.RUNTIME_ONLY)
+    }
+    # Keys added since the checkpoint was written: the value its run had, not today's default.
+    flat |= {
+        k: v
+        for k, v in checkpoints.ADDED_LATER.items()
+        if saved
+        and k.startswith(("model.", "encoder."))
+        and k not in flat
+        and OmegaConf.select(cfg, k, default=_ABSENT) is not _ABSENT
     }
     if flat and saved.get("encoder", {}).get("_target_") != cfg.encoder.get("_target_"):
         flat = {k: v for k, v in flat.items() if k.startswith("model.")}  # refused later

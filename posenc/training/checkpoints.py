@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from hydra.utils import get_object
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
@@ -116,6 +118,45 @@ ADDED_LATER = {
     "encoder.pro": False,
     "model.qkv_bias": True,
 }
+
+def added_later(saved: dict[str, Any], group: str, accepts: Any) -> dict[str, Any]:
+    """The :data:`ADDED_LATER` keys of ``group`` (``"encoder"``, ``"model"``) that a
+    checkpoint's ``saved`` group lacks and ``accepts`` takes, at the value the old run had
+    (so today's default never rebuilds an older model differently).
+
+    Args:
+        saved: The checkpoint's ``encoder`` or ``model`` group.
+        group: Its name.
+        accepts: A callable (the encoder's class) whose keyword parameters are the keys
+            that apply, or None for every key of the group.
+
+    Returns:
+        ``{key within the group: value}``.
+    """
+    names = set(inspect.signature(accepts).parameters) if accepts is not None else None
+    return {
+        name: value
+        for key, value in ADDED_LATER.items()
+        if key.startswith(f"{group}.")
+        and (name := key.removeprefix(f"{group}.")) not in saved
+        and (names is None or name in names)
+    }
+
+
+def as_trained(hparams: dict[str, Any]) -> dict[str, Any]:
+    """An older checkpoint's ``encoder`` and ``model`` hyperparameters with each key added
+    since (:func:`added_later`) set as the run had it: what ``load_from_checkpoint`` must be
+    given to rebuild that model (empty when nothing is missing)."""
+    out: dict[str, Any] = {}
+    encoder, model = hparams.get("encoder"), hparams.get("model")
+    if isinstance(encoder, dict) and isinstance(name := encoder.get("_target_"), str):
+        target = get_object(MOVED.get(name, name))
+        if missing := added_later(encoder, "encoder", target):
+            out["encoder"] = {**encoder, **missing}
+    if isinstance(model, dict) and (missing := added_later(model, "model", None)):
+        out["model"] = {**model, **missing}
+    return out
+
 
 #: Functions that moved since checkpoints were first written, old path -> new: a
 #: checkpoint's ``_target_`` naming the old path names the same function (#37 moved the

@@ -302,7 +302,13 @@ def load_for_eval(
         ckpt = checkpoints.load(str(cfg.ckpt_path))
     if tokenizer is not None:
         checkpoints.check_tokenizer(str(cfg.ckpt_path), ckpt, tokenizer)
-    task = task_cls.load_from_checkpoint(str(cfg.ckpt_path), map_location="cpu")
+    # An older checkpoint's hyperparameters lack the keys added since: rebuild its model
+    # as it ran, never with today's defaults.
+    task = task_cls.load_from_checkpoint(
+        str(cfg.ckpt_path),
+        map_location="cpu",
+        **checkpoints.as_trained(ckpt.get("hyper_parameters") or {}),
+    )
     if task.hparams["vocab_size"] != vocab_size:
         raise ValueError(
             f"checkpoint {cfg.ckpt_path} has vocab_size={task.hparams['vocab_size']} but the "

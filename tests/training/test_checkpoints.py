@@ -163,6 +163,35 @@ def test_checkpoints_from_before_keys_that_kept_the_old_behaviour_are_taken(
         checkpoints.check_config("x.ckpt", {"posenc": {"config": saved}}, cfg, resume=False)
 
 
+def test_a_checkpoint_from_before_a_changed_default_is_rebuilt_as_it_ran(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stick-breaking checkpoint written before ``encoder.remainder`` existed (config
+    and hyperparameters without it: it ran as ``value``) is evaluated under today's
+    ``head_bias`` default with nothing retyped, to the same numbers as its own run, and
+    ``posenc.generate`` reads it: its model is rebuilt as it ran, not with the new default
+    (whose extra parameters the file lacks)."""
+    train(compose_run(tmp_path / "a", "encoder=stickbreak", "encoder.remainder=value",
+                      "task.eval.multipliers=[1]"))  # fmt: skip
+    ran = tmp_path / "a" / "run"
+    old = tmp_path / "old.ckpt"
+    ckpt = torch.load(ran / "checkpoints" / "best.ckpt", weights_only=True)
+    del ckpt["posenc"]["config"]["encoder"]["remainder"]
+    del ckpt["hyper_parameters"]["encoder"]["remainder"]
+    torch.save(digests.seal(ckpt), old)
+    with command_line(tmp_path / "b", *NO_SIZES, "encoder=stickbreak", "eval_only=true",
+                      f"ckpt_path={old}", "task.eval.multipliers=[1]") as cfg:  # fmt: skip
+        assert cfg.encoder.remainder == "head_bias"
+        out = train(cfg)
+    first = json.loads((ran / "metrics.json").read_text())
+    assert out["config"]["encoder"]["remainder"] == "value"
+    assert out["metrics"]["test/ppl@16"] == pytest.approx(first["metrics"]["test/ppl@16"], rel=1e-9)
+    from posenc import generate
+
+    assert generate.main([str(old), "--temperature", "0", "--tokens", "5"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_eval_only_records_the_checkpoints_training_settings(trained: Path, tmp_path: Path) -> None:
     """A training setting given with eval_only has no effect: metrics.json keeps the
     checkpoint's value (and the run says so)."""
