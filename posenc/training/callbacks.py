@@ -110,10 +110,12 @@ class StepProgressBar(RichProgressBar):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        # The step count (a resumed run starts where it stopped), not the batch index.
+        # Lightning's own hook counts batches; this one the steps (a resumed run starts
+        # where it stopped), and draws once a step.
+        if not self.is_disabled and self.train_progress_bar_id is None:
+            self._initialize_train_progress_bar_id()  # a run resumed mid-epoch
+        self._update_metrics(trainer, pl_module)
         self._update(self.train_progress_bar_id, trainer.global_step)
-        self.refresh()
 
 
 class PlainProgress(pl.Callback):

@@ -31,6 +31,18 @@ SHOWN = 3
 #: Checkpoints without digests already noted: a run loads one several times (config
 #: check, model, resume), and one note says it.
 _noted: set[str] = set()
+#: Files whose digests matched, as (path, size, mtime): a run loads one checkpoint up to
+#: three times (config check, model, Lightning's restore) and hashes it once.
+_checked: set[tuple[str, int, int]] = set()
+
+
+def _stamp(path: str | os.PathLike[str]) -> tuple[str, int, int] | None:
+    """The file's identity for :data:`_checked` (None if it cannot be read)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns
 
 
 def _tensors(tree: Any, name: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -101,7 +113,12 @@ def check(path: str | os.PathLike[str], checkpoint: Mapping[str, Any]) -> None:
     Raises:
         CheckpointError: The file and what does not match.
     """
+    stamp = _stamp(path)
+    if stamp is not None and stamp in _checked:
+        return
     problem = mismatches(checkpoint)
+    if problem == "" and stamp is not None:
+        _checked.add(stamp)
     if problem is None and str(path) not in _noted:
         _noted.add(str(path))
         log.warning("%s predates posenc's tensor digests: its tensors are loaded unchecked", path)

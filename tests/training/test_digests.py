@@ -76,3 +76,24 @@ def test_many_mismatches_name_three_and_count_the_rest() -> None:
 
 def test_a_checkpoint_without_digests_has_none() -> None:
     assert digests.mismatches(_checkpoint()) is None
+
+
+def test_a_file_is_hashed_once_until_it_changes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A run loads one checkpoint several times (config check, model, restore): its
+    tensors are hashed once; a file written again is hashed again, and its damage found."""
+    path = tmp_path / "a.ckpt"
+    sealed = digests.seal(_checkpoint())
+    torch.save(sealed, path)
+    calls = []
+    real = digests.digests
+    monkeypatch.setattr(digests, "digests", lambda c: calls.append(1) or real(c))
+    for _ in range(3):
+        digests.check(path, torch.load(path, weights_only=True))
+    assert len(calls) == 1
+    sealed["state_dict"]["w"].add_(1)
+    torch.save(sealed, path)
+    import os
+
+    os.utime(path, ns=(1, 1))  # another mtime even where the clock is coarse
+    with pytest.raises(CheckpointError, match="state_dict.w does not match"):
+        digests.check(path, torch.load(path, weights_only=True))
