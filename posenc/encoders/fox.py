@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -202,7 +203,13 @@ class _FoxAttention(AttentionPositional):
         return (q, k) if self.rotate is None else self.rotate.transform_qk(q, k, ctx)
 
     def transform_kv(
-        self, x: Tensor, k: Tensor, v: Tensor, *, key_valid: Tensor | None, cache=None
+        self,
+        x: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        key_valid: Tensor | None,
+        cache: Any | None,
     ) -> tuple[Tensor, Tensor]:
         if self.pro is None:
             return k, v
