@@ -284,8 +284,9 @@ def test_cached_decoding_equals_the_full_pass(settings: dict) -> None:
         ("encoder.pro=maybe", "encoder.pro='maybe': must be true or false"),
         (
             "encoder.gate=fixed encoder.bias_init=spread",
-            "encoder: fox: bias_init=spread sets a learned gate's bias, and gate=fixed has none (its "
-            "gates are ALiBi's slopes); use gate=full or gate=bias_only with bias_init=spread",
+            "encoder: fox: bias_init=spread sets a learned gate's bias, and gate=fixed has none "
+            "(its gates are ALiBi's slopes); use gate=full or gate=bias_only with "
+            "bias_init=spread",
         ),
         (
             "encoder.decay_time_min=0",
