@@ -100,12 +100,22 @@ def missing_launcher(overrides: list[str]) -> list[str]:
     return found
 
 
+#: Hydra's flags that print (a config, help, information) instead of running a job.
+PRINT_ONLY_FLAGS = ("--cfg", "-c", "--info", "--help", "-h", "--hydra-help")
+
+
+def prints_only(args: list[str]) -> bool:
+    """Whether the command line only prints (``--cfg job``, ``--help``, ``--info=config``)."""
+    return any(a.partition("=")[0] in PRINT_ONLY_FLAGS for a in args)
+
+
 def resume_without_folder(
     args: list[str], config_dir: Path, outputs: Path = Path("outputs")
 ) -> list[str]:
     """``resume=true`` without the folder to resume (``hydra.run.dir``, or
     ``hydra.sweep.dir`` for a sweep) would start afresh in a new folder: refuse, naming
-    the newest folder of this command's kind that could be resumed.
+    the newest folder of this command's kind that could be resumed. A command that only
+    prints (:data:`PRINT_ONLY_FLAGS`) starts nothing, so nothing is refused.
 
     Args:
         args: The command line (``-m`` included).
@@ -113,6 +123,8 @@ def resume_without_folder(
         outputs: Where run folders are made (``conf/config.yaml``: ``outputs/`` below
             the working directory).
     """
+    if prints_only(args):
+        return []
     given = dict(a.lstrip("+").partition("=")[::2] for a in args if "=" in a)
     if given.get("resume", "").lower() != "true" or given.get("ckpt_path", "null") != "null":
         return []  # a ckpt_path names what to continue from

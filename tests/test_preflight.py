@@ -93,6 +93,34 @@ def test_resume_without_its_folder_names_the_newest_run_to_resume(tmp_path: Path
     assert check("-m", "resume=true", f"hydra.sweep.dir={sweep}") == []
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--cfg", "job"],
+        ["-c", "all"],
+        ["--info"],
+        ["--info=config"],
+        ["--help"],
+        ["-h"],
+        ["--hydra-help"],
+    ],
+)
+def test_resume_is_not_refused_where_hydra_only_prints(tmp_path: Path, flags: list[str]) -> None:
+    """``--cfg job``, ``--help`` and the like print and start nothing: no folder needed."""
+    outputs = tmp_path / "outputs"
+    assert preflight.resume_without_folder(["resume=true"], CONF, outputs) != []
+    assert preflight.resume_without_folder(["resume=true", *flags], CONF, outputs) == []
+    sweep = ["-m", "sweep=lr_tune", "resume=true", *flags]
+    assert preflight.resume_without_folder(sweep, CONF, outputs) == []
+
+
+def test_run_py_prints_the_config_of_a_resume_without_its_folder(tmp_path: Path) -> None:
+    proc = run_py(tmp_path, "resume=true", "--cfg", "job")
+    assert proc.returncode == 0, proc.stderr
+    assert "resume: true" in proc.stdout
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_run_py_refuses_resume_without_its_folder_and_starts_nothing(tmp_path: Path) -> None:
     run = _run_dir(tmp_path / "outputs", "2026-01-02_10-00-00_seed0_bbbb")
     proc = run_py(tmp_path, "resume=true")

@@ -178,15 +178,26 @@ def test_sweep_presets(preset: str, tmp_path: Path) -> None:
             )
 
 
+#: Variants that set an encoder option (name: encoder, the options it sets).
+OPTION_VARIANTS = {"stickbreak_value": ("stickbreak", {"remainder": "value"})}
+
+
 def test_every_encoder_is_a_variant_and_rand_variants_randomize() -> None:
     """conf/variant/<encoder>.yaml selects that encoder and nothing else; <e>_rand.yaml
-    selects e and trains it on randomized positions."""
+    selects e and trains it on randomized positions; an option variant selects its
+    encoder with those options, which a plain variant leaves at their defaults."""
     assert set(ENCODER_YAMLS) <= set(VARIANT_YAMLS)
     for name in VARIANT_YAMLS:
         cfg = compose_hydra(f"+variant={name}")
-        base = name.removesuffix("_rand")
+        base, options = OPTION_VARIANTS.get(name, (name.removesuffix("_rand"), {}))
         assert cfg.hydra.runtime.choices.encoder == base
         assert (cfg.model.random_positions is not None) == name.endswith("_rand"), name
+        plain = compose_hydra(f"encoder={base}").encoder
+        assert {k: cfg.encoder[k] for k in options} == options, name
+        assert {k: v for k, v in cfg.encoder.items() if k not in options} == {
+            k: v for k, v in plain.items() if k not in options
+        }, name
+    assert compose_hydra("+variant=stickbreak").encoder.remainder == "head_bias"
 
 
 def test_ddp_is_refused_inside_a_local_multirun() -> None:

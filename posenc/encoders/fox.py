@@ -40,6 +40,8 @@ Initial bias (``bias_init``, for the ``full`` and ``bias_only`` gates):
   ``b_h = -log(exp(1 / T_h) - 1)``, so that ``log sigmoid(b_h) = -1 / T_h``: head h
   starts forgetting a factor e every ``T_h`` tokens. (The authors' code takes both bounds
   as required settings; posenc's defaults are 2 and 128, the LM's training length.)
+  With the ``full`` gate this start is posenc's own combination: the authors'
+  ``ForgettingAttentionLayer`` refuses ``fgate_bias_init`` for its full gate.
 
 ``pro=true`` adds the Pro block around the gate (:mod:`posenc.encoders.fox_pro`: key and
 value shift, QK-norm, output normalisation and gate), the paper's "FoX (Pro)".
@@ -57,6 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +87,8 @@ def spread_bias(n_heads: int, decay_time_min: float, decay_time_max: float) -> T
     """``(H,)`` float64 biases whose gates ``sigmoid(b_h) = exp(-1 / T_h)`` have decay
     times ``T_h`` log-spaced from ``decay_time_min`` to ``decay_time_max`` (the authors'
     ``fgate_bias_init``, ``ForgettingAttentionLayer`` in zhixuan-lin/forgetting-transformer,
-    ``modeling_forgetting_transformer.py``)."""
+    ``modeling_forgetting_transformer.py``, for its fixed and bias-only gates; that layer
+    refuses it with the full gate, where posenc allows it as its own combination)."""
     log_t = torch.linspace(
         math.log(decay_time_min), math.log(decay_time_max), n_heads, dtype=torch.float64
     )
@@ -202,7 +206,13 @@ class _FoxAttention(AttentionPositional):
         return (q, k) if self.rotate is None else self.rotate.transform_qk(q, k, ctx)
 
     def transform_kv(
-        self, x: Tensor, k: Tensor, v: Tensor, *, key_valid: Tensor | None, cache=None
+        self,
+        x: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        key_valid: Tensor | None,
+        cache: Any | None,
     ) -> tuple[Tensor, Tensor]:
         if self.pro is None:
             return k, v
@@ -221,7 +231,8 @@ class FoX(CausalOnly):
             (ALiBi's slopes as constant gates).
         rope: Also rotate q and k with RoPE (base 10000, interleaved pairs).
         bias_init: ``zero`` (the authors' full-gate start) or ``spread`` (decay times
-            spread over the heads); ``full`` and ``bias_only`` gates.
+            spread over the heads, the authors' start for the bias-only gate; with the
+            ``full`` gate posenc's own combination); ``full`` and ``bias_only`` gates.
         decay_time_min: Shortest decay time of ``spread`` (tokens, > 0).
         decay_time_max: Longest decay time of ``spread`` (>= ``decay_time_min``).
         pro: The Pro block (:mod:`posenc.encoders.fox_pro`).
@@ -284,7 +295,8 @@ class FoX(CausalOnly):
 
 def _check_init(gate: str, bias_init: str, t_min: float, t_max: float) -> None:
     """Refuse an unknown ``bias_init``, ``spread`` where there is no bias to set, and
-    decay times that are not ``0 < t_min <= t_max``.
+    decay times that are not ``0 < t_min <= t_max``. ``spread`` with the ``full`` gate
+    stays allowed, though the authors' layer asserts against it: a start of posenc's own.
 
     Raises:
         ValueError: One line naming the value and what is allowed.

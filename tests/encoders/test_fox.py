@@ -285,7 +285,8 @@ def test_cached_decoding_equals_the_full_pass(settings: dict) -> None:
         (
             "encoder.gate=fixed encoder.bias_init=spread",
             "encoder: fox: bias_init=spread sets a learned gate's bias, and gate=fixed has none "
-            "(its gates are ALiBi's slopes); use gate=full or gate=bias_only with bias_init=spread",
+            "(its gates are ALiBi's slopes); use gate=full or gate=bias_only with "
+            "bias_init=spread",
         ),
         (
             "encoder.decay_time_min=0",
