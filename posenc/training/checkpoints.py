@@ -119,6 +119,7 @@ ADDED_LATER = {
     "model.qkv_bias": True,
 }
 
+
 def added_later(saved: dict[str, Any], group: str, accepts: Any) -> dict[str, Any]:
     """The :data:`ADDED_LATER` keys of ``group`` (``"encoder"``, ``"model"``) that a
     checkpoint's ``saved`` group lacks and ``accepts`` takes, at the value the old run had
