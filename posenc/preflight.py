@@ -53,6 +53,26 @@ def group_options(config_dir: Path, group: str) -> list[str]:
     return sorted(str(p.relative_to(folder).with_suffix("")) for p in folder.rglob("*.yaml"))
 
 
+def search_dirs(overrides: list[str]) -> list[Path] | None:
+    """The config folders ``hydra.searchpath=[file://...]`` adds (their options count
+    too); None when it names one that cannot be listed here (``pkg://``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    found: list[Path] = []
+    for o in overrides:
+        if not o.startswith(("hydra.searchpath=", "+hydra.searchpath=", "++hydra.searchpath=")):
+            continue
+        try:
+            value = OverridesParser.create().parse_overrides([o])[0].value()
+        except Exception:  # Hydra says why itself
+            return None
+        for entry in value if isinstance(value, list) else [value]:
+            if not str(entry).startswith("file://"):
+                return None
+            found.append(Path(str(entry).removeprefix("file://")))
+    return found
+
+
 def unknown_options(overrides: list[str], config_dir: Path) -> list[str]:
     """``encoder=rpoe``: an option that no file of its group holds, with the nearest one
     (Hydra says "Could not find" over several lines of search path, without one).
@@ -64,12 +84,16 @@ def unknown_options(overrides: list[str], config_dir: Path) -> list[str]:
     Returns:
         One line per unknown option (empty if none).
     """
-    groups = {p.name for p in config_dir.iterdir() if p.is_dir() and p.name != "hydra"}
+    extra = search_dirs(overrides)
+    if extra is None:
+        return []  # Hydra checks what it can find
+    dirs = [config_dir, *(d for d in extra if d.is_dir())]
+    groups = {p.name for d in dirs for p in d.iterdir() if p.is_dir() and p.name != "hydra"}
     found = []
     for o in _parsed(overrides):
         if o.key_or_group not in groups:
             continue
-        options = group_options(config_dir, o.key_or_group)
+        options = sorted({n for d in dirs for n in group_options(d, o.key_or_group)})
         for value in _choices(o):
             if value in options:
                 continue

@@ -32,6 +32,20 @@ def test_an_unknown_group_option_gets_the_nearest_one() -> None:
     ]
 
 
+def test_options_of_a_search_path_folder_count(tmp_path: Path) -> None:
+    """``hydra.searchpath=[file://<dir>]`` adds that folder's options (a test's or a
+    user's own encoder); a search path that cannot be listed leaves the check to Hydra."""
+    (tmp_path / "encoder").mkdir()
+    (tmp_path / "encoder" / "mine.yaml").write_text("_target_: x.Y\n")
+    path = f"hydra.searchpath=[file://{tmp_path}]"
+    assert preflight.unknown_options(["encoder=mine,rope", path], CONF) == []
+    assert preflight.unknown_options(["encoder=mien", path], CONF) == [
+        f"encoder=mien: no such option; did you mean encoder=mine? allowed: "
+        f"{', '.join(sorted([*preflight.group_options(CONF, 'encoder'), 'mine']))}"
+    ]
+    assert preflight.unknown_options(["encoder=mine", "hydra.searchpath=[pkg://x]"], CONF) == []
+
+
 def test_run_py_says_an_unknown_option_in_one_line(tmp_path: Path) -> None:
     proc = run_py(tmp_path, "encoder=rpoe")
     assert proc.returncode == 2
