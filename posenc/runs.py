@@ -147,6 +147,8 @@ class Row:
     Attributes:
         n: Runs with a finite value that count (see :meth:`Run.counts`).
         skipped: Runs holding NaN there (a length the encoder cannot run).
+        not_finite: Runs holding an infinite value there (a result that overflowed: never
+            averaged, and never called skipped).
         values: Those n finite values.
         ci95: Half-width of the 95% confidence interval of the mean (None for n < 2).
         dropped: Runs left out because they did not learn the task (past training only).
@@ -167,6 +169,7 @@ class Row:
     dropped: int = 0
     mark: str = ""
     p: float | None = None
+    not_finite: int = 0
 
 
 # ----------------------------------------------------------------------------- sort keys
@@ -243,6 +246,11 @@ def finite_values(values: Iterable[Any]) -> tuple[list[float], int]:
         else:
             skipped += 1
     return finite, skipped
+
+
+def infinite(values: Iterable[Any]) -> int:
+    """How many of ``values`` are infinite (an overflowed result, not a skipped length)."""
+    return sum(1 for v in values if (x := as_float(v)) is not None and math.isinf(x))
 
 
 def summarize(values: Iterable[Any]) -> tuple[float | None, float | None, int, int]:

@@ -121,6 +121,24 @@ def test_means_and_sample_stds_by_hand(sweep: Path) -> None:
     assert len(rep.runs) == 6
 
 
+def test_an_infinite_result_is_not_finite_never_skipped(tmp_path: Path) -> None:
+    """A run whose ppl overflowed (inf, a damaged or diverged model) is counted and shown
+    as not finite, not as a length the encoder cannot run."""
+    root = tmp_path / "sweep"
+    for seed, ppl in enumerate([10.0, float("inf")]):
+        write_run(root / f"{seed}_lm_rope", "lm", "rope", seed,
+                  {"test/ppl@16": ppl, "test/ppl@64": float("inf"), "val/loss": 2.0},
+                  **LM_EXTRA)  # fmt: skip
+    rep = build_report(root, tensorboard=False)
+    rows = {r.metric: r for r in rep.rows}
+    assert (rows["test/ppl@16"].n, rows["test/ppl@16"].skipped) == (1, 0)
+    assert rows["test/ppl@16"].not_finite == 1
+    assert (rows["test/ppl@64"].mean, rows["test/ppl@64"].skipped) == (None, 0)
+    md = (root / "report" / "report.md").read_text()
+    assert "not finite (2)" in md
+    assert "skipped (2)" not in md
+
+
 def test_nan_is_skipped_not_averaged(sweep: Path) -> None:
     build_report(sweep)
     rows = read_csv(sweep / "report" / "report.csv")

@@ -40,6 +40,7 @@ from posenc.runs import (
     as_float,
     encoder_key,
     finite_values,
+    infinite,
     metric_key,
     split_extension,
     summarize,
@@ -195,6 +196,7 @@ def aggregate(runs: Sequence[Run]) -> list[Row]:
             present = [r.data["metrics"][name] for r in having if r.counts(name)]
             mean, std, n, skipped = summarize(present)
             values, _ = finite_values(present)
+            overflowed = infinite(present)
             rows.append(
                 Row(
                     task,
@@ -203,11 +205,12 @@ def aggregate(runs: Sequence[Run]) -> list[Row]:
                     mean,
                     std,
                     n,
-                    skipped,
+                    skipped - overflowed,
                     cost,
                     values,
                     ci95(values),
                     dropped=len(having) - len(present),
+                    not_finite=overflowed,
                 )
             )
     mark_rows(rows)
@@ -322,6 +325,7 @@ def _cell(r: Row, n_runs: int, one_run_each: bool = False) -> str:
     of the table has one run, which its caption says once, not every cell."""
     if r.mean is None:
         why = [f"skipped ({r.skipped})"] if r.skipped else []
+        why += [f"not finite ({r.not_finite})"] if r.not_finite else []
         why += [f"not learned ({r.dropped} left out)"] if r.dropped else []
         return "; ".join(why)
     text = fmt(r.mean) + ("" if r.ci95 is None else f" ± {fmt(r.ci95, 2)}")
@@ -384,7 +388,8 @@ def markdown(
         f"{sum(f.status != 'failed' for f in failures)} missing or unreadable. "
         f"Tables: mean ± 95% confidence interval over seeds, ties with the best in bold; "
         f"`All metrics`: mean, sample std (n-1), CI, n; skipped = NaN (a length the "
-        f"encoder cannot run). Generated {datetime.now():%Y-%m-%d %H:%M}.",
+        f"encoder cannot run); not finite = an infinite result, never averaged. "
+        f"Generated {datetime.now():%Y-%m-%d %H:%M}.",
         "",
     ]
     by_group = groups(runs)
@@ -424,6 +429,7 @@ def markdown(
                 "ci95",
                 "n",
                 "skipped",
+                "not finite",
                 "not learned",
                 "mark",
                 "p vs best",
@@ -437,6 +443,7 @@ def markdown(
                     fmt(r.ci95, 4),
                     r.n,
                     r.skipped,
+                    r.not_finite,
                     r.dropped,
                     r.mark,
                     fmt(r.p, 3),
