@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from posenc.data.passkey import PasskeyFormat, seeded
 from posenc.data.sources import REQUIRED, SPLITS
-from posenc.data.tokenizers import Tokenizer, build_tokenizer
+from posenc.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_settings
 from posenc.errors import DataError
 
 __all__ = [
@@ -419,7 +419,7 @@ class LMDataModule(pl.LightningDataModule):
             )
         self.source = source
         self.tokenizer_kind: str = settings.pop("kind")
-        self.tokenizer_settings = settings
+        self.tokenizer_settings = tokenizer_settings(self.tokenizer_kind, settings)
         self.cache_dir = Path(cache_dir).expanduser()
         self.seq_len = _positive_int("seq_len", seq_len)
         self.batch_size = _positive_int("batch_size", batch_size)

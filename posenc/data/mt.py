@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from posenc.data.buckets import bucket_of, check_edges
 from posenc.data.samplers import TokenBucketSampler
 from posenc.data.sources import SPLITS, ParallelCorpus
-from posenc.data.tokenizers import Tokenizer, build_tokenizer
+from posenc.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_settings
 from posenc.errors import DataError
 
 __all__ = [
@@ -292,7 +292,10 @@ class MTDataModule(pl.LightningDataModule):
             return
         raw = _check_corpus(self.source())
         train_src, train_tgt = raw["train"]
-        settings = {k: v for k, v in self.tokenizer_cfg.items() if k != "kind"}
+        settings = tokenizer_settings(
+            self.tokenizer_cfg["kind"],
+            {k: v for k, v in self.tokenizer_cfg.items() if k != "kind"},
+        )
         tok = build_tokenizer(
             self.tokenizer_cfg["kind"], [*train_src, *train_tgt], self.cache_dir, **settings
         )

@@ -388,6 +388,15 @@ _SP_DEFAULTS: dict[str, Any] = {
 }
 
 
+def tokenizer_settings(kind: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings a tokenizer of ``kind`` is built with from a config's: a character
+    tokenizer's vocabulary is its text's characters, so the ``vocab_size`` that a task's
+    preset sets for SentencePiece (``task=mt``) is dropped for ``kind=char``."""
+    if kind == "char":
+        return {k: v for k, v in settings.items() if k != "vocab_size"}
+    return dict(settings)
+
+
 def build_tokenizer(
     kind: str, texts: Sequence[str], cache_dir: str | os.PathLike[str], **settings: Any
 ) -> Tokenizer:

@@ -198,3 +198,12 @@ def test_sentencepiece_fingerprint_ignores_where_it_was_trained(
     assert fingerprint(other) != fingerprint(a)
     chars = CharTokenizer.from_texts([small_train])
     assert fingerprints(chars) == (fingerprint(chars),)
+
+
+def test_a_char_tokenizer_drops_the_vocab_size_a_task_preset_sets() -> None:
+    """``task=mt tokenizer=char``: the MT preset's SentencePiece ``vocab_size`` does not
+    reach the character tokenizer (it raised a traceback); other kinds keep it."""
+    from posenc.data.tokenizers import tokenizer_settings
+
+    assert tokenizer_settings("char", {"vocab_size": 8000}) == {}
+    assert tokenizer_settings("bpe", {"vocab_size": 8000}) == {"vocab_size": 8000}
