@@ -61,16 +61,10 @@ def write_failure(err: BaseException) -> str | None:
     return None
 
 
-#: How much disk a sweep job holds back for its ``error.json``: an error record with a
-#: long traceback fits (:func:`write_into_reserve`).
+#: The file in a sweep job's directory that holds disk space back for its ``error.json``.
+RESERVE = ".error.json.reserved"
+#: How much: an error record with a long traceback fits (:func:`write_into_reserve`).
 RESERVE_BYTES = 64 * 1024
-
-
-def reserve_path(run_dir: Path) -> Path:
-    """The file in ``run_dir`` that holds disk space back for this process's
-    ``error.json``; named by the process id, so two processes in one job folder (a
-    rerun beside a job still running) never truncate or remove each other's."""
-    return run_dir / f".error.json.{os.getpid()}.reserved"
 
 
 @contextlib.contextmanager
@@ -79,7 +73,7 @@ def space_for_error_record(run_dir: Path) -> Iterator[None]:
     its failure can still be recorded (:func:`write_into_reserve`) when the disk fills up
     under it; the space is given back on leaving. A disk already too full to hold it back
     holds nothing back."""
-    path = reserve_path(run_dir)
+    path = run_dir / RESERVE
     try:
         _allocate(path, RESERVE_BYTES)
     except OSError:
@@ -114,9 +108,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def write_into_reserve(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as JSON to ``path`` in the space :func:`space_for_error_record` held
-    back beside it for this process: the bytes go into blocks the file already has, the
-    file is cut to their length and renamed to ``path``, so nothing needs a new block of a
-    full disk.
+    back beside it: the bytes go into blocks the file already has, the file is cut to
+    their length and renamed to ``path``, so nothing needs a new block of a full disk.
     A traceback too long for the space keeps its end (where the error is).
 
     Raises:
@@ -127,7 +120,7 @@ def write_into_reserve(path: Path, data: dict[str, Any]) -> None:
         keep = max(0, len(str(data["traceback"])) - (len(text) - RESERVE_BYTES) - 64)
         data = {**data, "traceback": "...\n" + str(data["traceback"])[-keep:]}
         text = json.dumps(data, indent=2, default=str).encode()
-    reserve = reserve_path(path.parent)
+    reserve = path.parent / RESERVE
     fd = os.open(reserve, os.O_WRONLY)
     try:
         _write_all(fd, text)

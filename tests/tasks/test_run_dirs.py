@@ -16,9 +16,9 @@ import pytest
 from posenc.errors import CheckpointError, RunDirError
 from posenc.train import train
 from posenc.training.rundir import (
+    RESERVE,
     RESERVE_BYTES,
     RUN_FILES,
-    reserve_path,
     space_for_error_record,
     write_failure,
     write_into_reserve,
@@ -193,8 +193,7 @@ def test_the_space_held_back_takes_the_error_record_when_the_disk_is_full(
     written into those blocks (a too-long traceback keeps its end), the file renamed to
     error.json, nothing else left; a job that needed none gives the space back."""
     with space_for_error_record(tmp_path):
-        held = reserve_path(tmp_path)
-        assert held.name == f".error.json.{os.getpid()}.reserved"
+        held = tmp_path / RESERVE
         assert held.stat().st_size == RESERVE_BYTES
         assert held.stat().st_blocks * 512 >= RESERVE_BYTES  # blocks given, not a sparse file
     assert os.listdir(tmp_path) == []
@@ -209,27 +208,6 @@ def test_the_space_held_back_takes_the_error_record_when_the_disk_is_full(
     written = json.loads((tmp_path / "error.json").read_text())
     assert written["message"] == "m" and written["traceback"].endswith("  frame\nOSError: full\n")
     assert len(written["traceback"]) < len(traceback)
-
-
-def test_two_processes_in_one_job_folder_keep_their_own_reserve(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A second process in the same folder (a rerun beside a running job) holds and gives
-    back its own space; the first's stays and still takes its error record."""
-    monkeypatch.setattr(os, "getpid", lambda: 111)
-    with space_for_error_record(tmp_path):
-        monkeypatch.setattr(os, "getpid", lambda: 222)
-        with space_for_error_record(tmp_path):
-            assert sorted(os.listdir(tmp_path)) == [
-                ".error.json.111.reserved",
-                ".error.json.222.reserved",
-            ]
-        assert os.listdir(tmp_path) == [".error.json.111.reserved"]
-        assert (tmp_path / ".error.json.111.reserved").stat().st_size == RESERVE_BYTES
-        monkeypatch.setattr(os, "getpid", lambda: 111)
-        write_into_reserve(tmp_path / "error.json", {"message": "m"})
-    assert os.listdir(tmp_path) == ["error.json"]
-    assert json.loads((tmp_path / "error.json").read_text()) == {"message": "m"}
 
 
 def test_write_failure_names_the_cause_and_the_file() -> None:
