@@ -486,7 +486,7 @@ class Model(Group):
     )
     compile: bool = key(False)
     score_budget_mib: float = key(8, "num>=0", " (MiB; 0: no query blocking)")
-    qkv_bias: bool = key(True, "bool")
+    qkv_bias: bool = key(True)
     # an encoder-decoder's: blocks of each stack (n_layers when null), one embedding table
     n_enc_layers: int | None = key(None, "int>0", optional=True)
     n_dec_layers: int | None = key(None, "int>0", optional=True)
@@ -529,7 +529,7 @@ class Run(Group, Generic[T]):
     init_from: str | None = key(None)
     checkpoint_every_n_steps: int = key(250, "int>0")
     tuned: Any = key(None)
-    tuned_allow_partial: bool = key(False, "bool")
+    tuned_allow_partial: bool = key(False)
     task: T = cast(Any, None)  # LMTask, MTTask or AlgoTask: a job's Run[LMTask] says which
     model: Model = field(default_factory=Model)
     tokenizer: Any = None
