@@ -3,30 +3,58 @@ the task's job (fit, then evaluate beyond the training length)."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posenc import tuned
+from posenc import schema, tuned
 from posenc.config import validate
 from posenc.errors import CheckpointError
-from posenc.schema import typed
+from posenc.schema import Run, typed
+from posenc.tasks import algo_job, lm_job, mt_job
 from posenc.training import checkpoints
 from posenc.training.rundir import guard_run_dir, record_job, resume_checkpoint
 from posenc.training.trainer import command_line_keys, quiet_third_party
 
-#: task name -> module with ``run(cfg, run_dir) -> dict`` (imported on demand).
 log = logging.getLogger(__name__)
 
 _ABSENT = object()
 
-TASKS = {"lm": "posenc.tasks.lm_job", "mt": "posenc.tasks.mt_job", "algo": "posenc.tasks.algo_job"}
+T = TypeVar("T", bound=schema.Group)
+
+
+@dataclass(frozen=True)
+class Job(Generic[T]):
+    """One task's job, as ``train`` runs it.
+
+    Attributes:
+        name: The task's name, ``task.name`` (``task=<name>`` on the command line).
+        task: The typed ``task`` group the job reads (:data:`posenc.schema.TASKS`).
+        run: Fits and evaluates: ``run(cfg, run_dir)`` returns the contents of
+            ``metrics.json``.
+    """
+
+    name: str
+    task: type[T]
+    run: Callable[[Run[T], Path], dict[str, Any]]
+
+
+#: task name -> its job.
+JOBS: dict[str, Job[Any]] = {
+    job.name: job
+    for job in (
+        Job("lm", schema.LMTask, lm_job.run),
+        Job("mt", schema.MTTask, mt_job.run),
+        Job("algo", schema.AlgoTask, algo_job.run),
+    )
+}
 
 
 def checkpoint_model(cfg: DictConfig, saved: dict[str, Any], given: set[str]) -> dict[str, Any]:
@@ -185,6 +213,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("threads"):
         torch.set_num_threads(cfg.threads)
     pl.seed_everything(cfg.seed, workers=True)
-    if cfg.task.name not in TASKS:
-        raise ValueError(f"task.name={cfg.task.name!r}: allowed {', '.join(TASKS)}")
-    return importlib.import_module(TASKS[cfg.task.name]).run(typed(cfg), run_dir)
+    if cfg.task.name not in JOBS:
+        raise ValueError(f"task.name={cfg.task.name!r}: allowed {', '.join(JOBS)}")
+    return JOBS[cfg.task.name].run(typed(cfg), run_dir)
