@@ -19,5 +19,5 @@ __all__ = [
 ]
 
 for _mod in pkgutil.iter_modules(__path__):
-    if _mod.name not in ("base", "registry", "offsets"):
+    if _mod.name not in ("base", "registry", "offsets", "softmax"):
         importlib.import_module(f"{__name__}.{_mod.name}")

@@ -30,9 +30,13 @@ from posenc.encoders.base import (
     AttnKind,
     PositionalEncoder,
     ScoreMod,
+    Slot,
 )
 from posenc.encoders.offsets import pair_distance
 from posenc.encoders.registry import register
+
+# What prepare leaves for the hooks: the heads' slopes, (H,) float32.
+SLOPES: Slot[Tensor] = Slot("slopes")
 
 
 def _power_of_two_slopes(n: int) -> list[float]:
@@ -70,7 +74,7 @@ class _AlibiAttention(AttentionPositional):
     score_term = True
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
-        slopes = ctx.extra["slopes"]  # (H,) float32
+        slopes = ctx[SLOPES]  # (H,) float32
         # Integer distances become float32 (exact up to 2^24) and the product is
         # rounded once to q's dtype, never an already-rounded bf16 distance.
         dist = ctx.rel().abs().to(torch.float32)  # (B|1, T, S)
@@ -78,7 +82,7 @@ class _AlibiAttention(AttentionPositional):
         return bias.to(q.dtype)
 
     def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod:
-        slopes, dist = ctx.extra["slopes"], pair_distance(ctx)
+        slopes, dist = ctx[SLOPES], pair_distance(ctx)
         return lambda score, b, h, i, j: score - slopes[h] * dist(b, i, j).abs()
 
 
@@ -98,7 +102,7 @@ class ALiBi(PositionalEncoder):
 
     def prepare(self, ctx: AttentionContext) -> None:
         if ctx.kind is not AttnKind.CROSS:
-            ctx.put("slopes", self.slopes)
+            ctx.put(SLOPES, self.slopes)
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         return AttentionPositional() if kind is AttnKind.CROSS else _AlibiAttention()

@@ -52,7 +52,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,29 @@ class AttnKind(str, Enum):
     CAUSAL = "causal"  # decoder self-attention
     BIDIRECTIONAL = "bidirectional"  # encoder self-attention
     CROSS = "cross"  # decoder queries over encoder keys
+
+
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class Slot(Generic[V]):
+    """The typed name of a value one hook leaves for another: in the context (a table
+    ``prepare`` builds, a gate ``with_input`` computes) or in a layer's decoding cache (a
+    running total). A scheme declares its slots once, at module level, so a misspelt name
+    fails at import and a type checker sees each value's type.
+
+    Attributes:
+        name: The entry's name, unique within one context or layer cache.
+        query_dim: The value's query axis, along which a block of queries cuts it; None
+            when it has none.
+        key_dim: The value's key axis, along which a block's visible keys (or a cache's
+            slots) cut it; None when it has none.
+    """
+
+    name: str
+    query_dim: int | None = None
+    key_dim: int | None = None
 
 
 @dataclass
@@ -95,12 +118,13 @@ class AttentionContext:
             being empty slots that no query sees; a scheme whose transform depends on the
             length of the pass (dynamic NTK) reads it instead of the key count. None: every
             key is real.
-        extra: Scheme-specific shared tensors (tables, gather indices), put there by
-            :meth:`PositionalEncoder.prepare`.
+        extra: Scheme-specific shared values (tables, gather indices, gates) by
+            :class:`Slot` name, put there by :meth:`PositionalEncoder.prepare` or
+            :meth:`AttentionPositional.with_input` (:meth:`put`) and read as
+            ``ctx[slot]``.
         query_dims: For each entry of ``extra`` indexed by query, the dim that is, so
             attention can cut the context into blocks of queries (see
-            :meth:`slice_queries`); an entry indexed by query that is not listed here
-            would reach every block whole. :meth:`put` fills it.
+            :meth:`slice_queries`); :meth:`put` fills it from the slot.
         key_dims: The same for entries indexed by key (see :meth:`slice_keys`).
         memo: Per-forward results a layer computes once and reuses for every block of
             queries (see :meth:`once`). Slices of a context share it.
@@ -126,16 +150,33 @@ class AttentionContext:
     key_valid: Tensor | None = None
     shift: int | Tensor | None = None
 
-    def put(
-        self, name: str, value: Any, *, query_dim: int | None = None, key_dim: int | None = None
-    ) -> None:
-        """Store a shared entry; ``query_dim``/``key_dim`` name its query or key axis, so
-        blocks of queries (and their visible keys) get the matching slice."""
-        self.extra[name] = value
-        if query_dim is not None:
-            self.query_dims[name] = query_dim
-        if key_dim is not None:
-            self.key_dims[name] = key_dim
+    def put(self, slot: Slot[V], value: V) -> None:
+        """Store a shared entry; the slot's query or key axis, if any, is where blocks of
+        queries (and their visible keys) cut it."""
+        self.extra[slot.name] = value
+        if slot.query_dim is not None:
+            self.query_dims[slot.name] = slot.query_dim
+        if slot.key_dim is not None:
+            self.key_dims[slot.name] = slot.key_dim
+
+    def __getitem__(self, slot: Slot[V]) -> V:
+        """The entry put under ``slot`` (KeyError if none was)."""
+        return cast(V, self.extra[slot.name])
+
+    def get(self, slot: Slot[V]) -> V | None:
+        """The entry put under ``slot``, or None."""
+        return cast(V | None, self.extra.get(slot.name))
+
+    def grown(self) -> AttentionContext:
+        """A copy whose entries can be added to without touching this context's (the
+        tensors themselves are shared): what :meth:`AttentionPositional.with_input`
+        returns."""
+        return replace(
+            self,
+            extra=dict(self.extra),
+            query_dims=dict(self.query_dims),
+            key_dims=dict(self.key_dims),
+        )
 
     def slice_queries(self, start: int, stop: int) -> AttentionContext:
         """The context of queries ``start:stop`` only (keys unchanged)."""

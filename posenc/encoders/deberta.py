@@ -58,6 +58,7 @@ from posenc.encoders.base import (
     PositionalEncoder,
     ScoreMod,
     ScoreParts,
+    Slot,
     dense_parts,
     normal_linears,
 )
@@ -69,6 +70,17 @@ from posenc.encoders.offsets import (
     window_parts,
 )
 from posenc.encoders.registry import register
+
+# What prepare leaves for the hooks: the shared table, the rows of the distances lo..
+# (c2p's, p2c's), their flat ends and the far keys' rows.
+TABLE: Slot[Tensor] = Slot("table")
+LO: Slot[int] = Slot("lo")
+ROWS: Slot[Tensor] = Slot("rows")
+ROWS_P2C: Slot[Tensor] = Slot("p2c_rows")
+FLAT: Slot[tuple[int, int]] = Slot("flat")
+P2C_FLAT: Slot[tuple[int, int]] = Slot("p2c_flat")
+C2P_END: Slot[Tensor] = Slot("c2p_end")
+P2C_END: Slot[Tensor] = Slot("p2c_end")
 
 #: p2c's table row: the authors' code (row of i - j) or the paper's eq. 4 (row of j - i).
 P2C_ROWS = ("code", "paper")
@@ -250,30 +262,32 @@ class _DebertaAttention(AttentionPositional):
 
     def _project(self, w: nn.Linear, ctx: AttentionContext, dtype: torch.dtype) -> Tensor:
         """``(H, P, D)``: the shared table through ``w``, once per layer and forward."""
-        table = ctx.extra["table"]
+        table = ctx[TABLE]
         return ctx.once(
             w,
             str(dtype),
             lambda: w(table.to(dtype)).unflatten(-1, (self.n_heads, -1)).transpose(0, 1),
         )
 
-    def _shifted(self, w: nn.Linear, ctx: AttentionContext, dtype: torch.dtype, end: str) -> Tensor:
-        """``(H, P, D)``: :meth:`_project` minus its row ``ctx.extra[end]`` (the far
+    def _shifted(
+        self, w: nn.Linear, ctx: AttentionContext, dtype: torch.dtype, end: Slot[Tensor]
+    ) -> Tensor:
+        """``(H, P, D)``: :meth:`_project` minus its row ``ctx[end]`` (the far
         keys' row), once per layer and forward."""
-        row = ctx.extra[end]
+        row = ctx[end]
 
         def make() -> Tensor:
             proj = self._project(w, ctx, dtype)
             return proj - proj.index_select(1, row)
 
-        return ctx.once(w, f"{dtype} - {end}", make)
+        return ctx.once(w, f"{dtype} - {end.name}", make)
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         if self.w_qr is None:
             return q, k
         # (q_i + Q^r[end]) . k_j: the content score plus p2c's far-key value (the
         # score's scale multiplies both, as it does p2c in score_parts).
-        end = self._project(self.w_qr, ctx, q.dtype).index_select(1, ctx.extra["p2c_end"])
+        end = self._project(self.w_qr, ctx, q.dtype).index_select(1, ctx[P2C_END])
         return q + end, k  # end: (H, 1, D)
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
@@ -284,7 +298,7 @@ class _DebertaAttention(AttentionPositional):
         # Both terms are products with q or k: scale those, not the (B, H, T, S) sum.
         scale = self.scale(q.shape[-1])
         q, k = q * scale, k * scale
-        many_keys = k.shape[-2] > self.view_keys_per_row * ctx.extra["table"].shape[0]
+        many_keys = k.shape[-2] > self.view_keys_per_row * ctx[TABLE].shape[0]
         many_queries = q.shape[-2] >= self.view_min_queries
         if ctx.starts is not None and many_keys and many_queries:
             parts = self._by_view(q, k, ctx)
@@ -297,14 +311,13 @@ class _DebertaAttention(AttentionPositional):
         """c2p read from ``(B, H, T, P)`` query-by-row scores, p2c from ``(B, H, S, P)``
         key-by-row scores, both shifted as in :meth:`score_parts`."""
         scale = self.scale(q.shape[-1])
-        x = ctx.extra
-        rows, p2c_rows, lo, dist = x["rows"], x["p2c_rows"], x["lo"], pair_distance(ctx)
+        rows, p2c_rows, lo, dist = ctx[ROWS], ctx[ROWS_P2C], ctx[LO], pair_distance(ctx)
         c2p = p2c = None
         if self.w_kr is not None:
-            kr = self._shifted(self.w_kr, ctx, q.dtype, "c2p_end")
+            kr = self._shifted(self.w_kr, ctx, q.dtype, C2P_END)
             c2p = (q * scale) @ kr.transpose(-1, -2)  # (B, H, T, P)
         if self.w_qr is not None:
-            qr = self._shifted(self.w_qr, ctx, k.dtype, "p2c_end")
+            qr = self._shifted(self.w_qr, ctx, k.dtype, P2C_END)
             p2c = (k * scale) @ qr.transpose(-1, -2)  # (B, H, S, P)
         last = rows.shape[0] - 1
 
@@ -325,14 +338,13 @@ class _DebertaAttention(AttentionPositional):
         value per query or per key, expanded, and only the window between them is
         scored per offset. The p2c window comes in key chunks, each added onto its own
         columns."""
-        x = ctx.extra
-        rows, lo = x["rows"], x["lo"]
+        rows, lo = ctx[ROWS], ctx[LO]
         if self.w_kr is None:
             return None
         # c2p: q_i . K^r[rows[d - lo]] for distance d = i - j = -n. Lookup entries up to
         # flat[0] share a row (d small: n large), so do those from flat[1] (n small).
         assert ctx.starts is not None  # score_parts calls this for consecutive positions only
-        (a, b), (q0, k0), t = x["flat"], ctx.starts, q.shape[-2]
+        (a, b), (q0, k0), t = ctx[FLAT], ctx.starts, q.shape[-2]
         # Causal with keys up to the queries (lo <= 0): a lookup's flat run at one end is
         # the masked distances (< 0; distance 0 has a row of its own), at the other the
         # far keys' row, which the shift below makes 0, so by_rows pads both with 0.
@@ -343,30 +355,30 @@ class _DebertaAttention(AttentionPositional):
         if first < 0 or last >= rows.shape[0]:
             return None
         # K^r - K^r[rows[b]]: the far keys' row value is 0 (the row is shifted by it).
-        kr = self._shifted(self.w_kr, ctx, q.dtype, "c2p_end")  # (H, P, D)
+        kr = self._shifted(self.w_kr, ctx, q.dtype, C2P_END)  # (H, P, D)
         parts = window_parts(
             ctx,
             w,
             left=None,
-            table=by_rows(q, kr, rows, first, last, x["flat"], reverse=True, zero_ends=causal),
+            table=by_rows(q, kr, rows, first, last, ctx[FLAT], reverse=True, zero_ends=causal),
             right=q @ kr.index_select(1, rows[a : a + 1]).transpose(-1, -2),  # (B, H, T, 1)
         )
         if parts is None or self.w_qr is None:
             return parts
         # p2c: k_j . Q^r[p2c_rows[d - lo]], d = i - j again; constant (per key) where the
         # lookup is flat, so the same split with p2c_rows's ends.
-        (a, b) = x["p2c_flat"]
+        (a, b) = ctx[P2C_FLAT]
         w = offset_window(ctx, -(lo + b), -(lo + a))
         # Q^r - Q^r[end]: the far keys (columns before w.left) get 0; transform_qk has
         # put k_j . Q^r[end] into the content score of every column.
-        qr = self._shifted(self.w_qr, ctx, k.dtype, "p2c_end")  # (H, P, D)
+        qr = self._shifted(self.w_qr, ctx, k.dtype, P2C_END)  # (H, P, D)
 
         def per_key(keys: Tensor, row: Tensor) -> Tensor:  # (B, H, T, n): one value per key
             col = keys @ qr.index_select(1, row).transpose(-1, -2)  # (B, H, n, 1)
             return col.transpose(-1, -2).expand(*col.shape[:-2], t, col.shape[-2])
 
         if w.right < k.shape[-2]:
-            parts.append((per_key(k[..., w.right :, :], x["p2c_rows"][a : a + 1]), w.right))
+            parts.append((per_key(k[..., w.right :, :], ctx[ROWS_P2C][a : a + 1]), w.right))
         # In the window, rows are keys and columns queries, offset i - j = d. A key meets
         # only T distances, so keys go in chunks of cT, each against its own (c + 1)T - 1
         # distances (all of them for every key would cost S x (T + S)).
@@ -380,7 +392,7 @@ class _DebertaAttention(AttentionPositional):
                 return None
             kc = k[..., c0:c1, :]
             per_d = by_rows(
-                kc, qr, x["p2c_rows"], d_lo - lo, d_hi - lo, x["p2c_flat"], zero_ends=causal
+                kc, qr, ctx[ROWS_P2C], d_lo - lo, d_hi - lo, ctx[P2C_FLAT], zero_ends=causal
             )
             part = offset_view(per_d, row0=k0 + c0, col0=q0, lo=d_lo, cols=t)
             if part is None:
@@ -389,22 +401,21 @@ class _DebertaAttention(AttentionPositional):
         return parts
 
     def _by_gather(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor | None:
-        x = ctx.extra
-        rows, lo = x["rows"], x["lo"]
+        rows, lo = ctx[ROWS], ctx[LO]
         rel = ctx.rel() - lo  # (B|1, T, S): i - j, offset into the rows lookup
         bias = None
         if self.w_kr is not None:  # content-to-position: q_i . K^r[delta(i, j)]
             # shifted as in the view path, so both paths give the same term
-            kr = self._shifted(self.w_kr, ctx, q.dtype, "c2p_end")
+            kr = self._shifted(self.w_kr, ctx, q.dtype, C2P_END)
             per_row = q @ kr.transpose(-1, -2)  # (B, H, T, P)
             bias = gather_rel(per_row, rows[rel])
         if self.w_qr is not None:  # position-to-content: k_j . Q^r[delta(i, j) or (j, i)]
             # shifted by the row transform_qk moved into the content score
-            qr = self._shifted(self.w_qr, ctx, k.dtype, "p2c_end")
+            qr = self._shifted(self.w_qr, ctx, k.dtype, P2C_END)
             per_row = k @ qr.transpose(-1, -2)  # (B, H, S, P)
             # p2c_rows holds the row of each distance i - j (code) or of j - i (paper),
             # read key-major: index (B|1, S, T).
-            p2c_rows = x["p2c_rows"][rel.transpose(-1, -2)]
+            p2c_rows = ctx[ROWS_P2C][rel.transpose(-1, -2)]
             p2c = gather_rel(per_row, p2c_rows).transpose(-1, -2)  # (B, H, T, S)
             bias = p2c if bias is None else bias + p2c
         return bias
@@ -514,21 +525,17 @@ class DebertaRelative(PositionalEncoder):
         p2c_rows = rows if self.p2c_row == "code" else self.row(-dist)
         # Beyond the largest distance told apart, rows repeat: score those ends once.
         flat = flat_ends(lo, hi, self.saturation, causal)
-        for name, value in (
-            ("table", self.table),
-            ("lo", lo),
-            ("rows", rows),
-            ("p2c_rows", p2c_rows),
-            # (flat_ends is symmetric in the sign of d, so it holds for both p2c lookups)
-            ("flat", flat),
-            ("p2c_flat", flat),
-        ):
-            ctx.put(name, value)
+        ctx.put(TABLE, self.table)
+        ctx.put(LO, lo)
+        ctx.put(ROWS, rows)
+        ctx.put(ROWS_P2C, p2c_rows)
+        ctx.put(FLAT, flat)
+        ctx.put(P2C_FLAT, flat)  # flat_ends is symmetric in the sign of d: both p2c lookups
         # The far keys' rows (a query's farthest keys), as tensors: their c2p value
         # is dropped from each query row and their p2c value moved into q (module
         # docstring).
-        ctx.put("c2p_end", rows[flat[1] : flat[1] + 1])  # (1,): a row index for index_select
-        ctx.put("p2c_end", p2c_rows[flat[1] : flat[1] + 1])
+        ctx.put(C2P_END, rows[flat[1] : flat[1] + 1])  # (1,): a row index for index_select
+        ctx.put(P2C_END, p2c_rows[flat[1] : flat[1] + 1])
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

@@ -53,9 +53,13 @@ from posenc.encoders.base import (
     AttnKind,
     PositionalEncoder,
     ScoreMod,
+    Slot,
 )
 from posenc.encoders.offsets import index_positions, toeplitz
 from posenc.encoders.registry import register
+
+# What prepare leaves for the hooks: the function every layer shares (one per stack).
+SHARED: Slot[FireFunction] = Slot("fire")
 
 
 class _FireArgs(TypedDict):
@@ -253,7 +257,7 @@ class _FireAttention(AttentionPositional):
         self.fire = fire
 
     def _fire(self, ctx: AttentionContext) -> FireFunction:
-        return self.fire if self.fire is not None else ctx.extra["fire"]
+        return self.fire if self.fire is not None else ctx[SHARED]
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
         return self._fire(ctx)(ctx)
@@ -313,7 +317,7 @@ class Fire(PositionalEncoder):
 
     def prepare(self, ctx: AttentionContext) -> None:
         if ctx.kind is not AttnKind.CROSS and self.fire is not None:
-            ctx.put("fire", self.fire)
+            ctx.put(SHARED, self.fire)
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

@@ -58,7 +58,6 @@ Causal attention only: the sum runs from the key to the query.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -71,12 +70,17 @@ from posenc.encoders.base import (
     AttentionPositional,
     CausalOnly,
     ScoreMod,
+    Slot,
     normal_linears,
 )
 from posenc.encoders.fox_pro import FoxPro
 from posenc.encoders.offsets import pair_distance
 from posenc.encoders.registry import register
 from posenc.encoders.rope import RoPE, _RotateQK
+
+# What with_input leaves for the score term: the cumulative log gates G, (B, H, T) and (B, H, S).
+GATE_Q: Slot[Tensor] = Slot("fox_q", query_dim=2)
+GATE_K: Slot[Tensor] = Slot("fox_k", key_dim=2)
 
 GATES = ("full", "bias_only", "fixed")
 #: Initial gate biases (module docstring).
@@ -175,19 +179,14 @@ class _FoxAttention(AttentionPositional):
             g = g + total
             total.copy_(g[..., -1:])
             g_keys = cache.extend("fox_keys", g)  # (B, H, S): G_j of every slot
-        out = replace(
-            ctx,
-            extra=dict(ctx.extra),
-            query_dims=dict(ctx.query_dims),
-            key_dims=dict(ctx.key_dims),
-        )
-        out.put("fox_q", g, query_dim=2)
-        out.put("fox_k", g_keys, key_dim=2)
+        out = ctx.grown()
+        out.put(GATE_Q, g)
+        out.put(GATE_K, g_keys)
         return out
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
         if self.gate == "full":
-            g_q, g_k = ctx.extra["fox_q"], ctx.extra["fox_k"]
+            g_q, g_k = ctx[GATE_Q], ctx[GATE_K]
             return (g_q[..., :, None] - g_k[..., None, :]).to(q.dtype)  # (B, H, T, S)
         # (i - j) log f_h as ALiBi builds -m_h |i - j|: float32 distances, one rounding
         dist = ctx.rel().to(torch.float32)  # (B|1, T, S)
@@ -195,7 +194,7 @@ class _FoxAttention(AttentionPositional):
 
     def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod:
         if self.gate == "full":
-            g_q, g_k = ctx.extra["fox_q"], ctx.extra["fox_k"]
+            g_q, g_k = ctx[GATE_Q], ctx[GATE_K]
             return lambda score, b, h, i, j: score + g_q[b, h, i] - g_k[b, h, j]
         log_f, dist = self.log_decay(), pair_distance(ctx)
         return lambda score, b, h, i, j: score + log_f[h] * dist(b, i, j)

@@ -57,15 +57,28 @@ Causal attention only: the product runs from a key to the query after it.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly, normal_linears
+from posenc.encoders.base import (
+    AttentionContext,
+    AttentionPositional,
+    CausalOnly,
+    Slot,
+    normal_linears,
+)
 from posenc.encoders.registry import register
+from posenc.encoders.softmax import softmax_values
+
+# What with_input leaves for attend: the reflections w (B, H, T, D), their strengths beta
+# (B, H, T), and with a gate its cumulative log sums, as fox.py.
+W: Slot[Tensor] = Slot("path_w", query_dim=2)
+BETA: Slot[Tensor] = Slot("path_beta", query_dim=2)
+GATE_Q: Slot[Tensor] = Slot("path_gate_q", query_dim=2)
+GATE_K: Slot[Tensor] = Slot("path_gate_k", key_dim=2)
 
 #: The authors' ``l2_norm`` epsilon (inside the square root).
 L2_EPS = 1e-6
@@ -193,11 +206,9 @@ class _PaTH(AttentionPositional):
         beta = 2.0 * torch.sigmoid(self.beta_proj(x).to(acc)).transpose(1, 2)  # (B, H, T)
         if valid is not None:
             beta = beta.masked_fill(~valid[:, None, :], 0.0)
-        out = replace(
-            ctx, extra=dict(ctx.extra), query_dims=dict(ctx.query_dims), key_dims=dict(ctx.key_dims)
-        )
-        out.put("path_w", w, query_dim=2)
-        out.put("path_beta", beta, query_dim=2)
+        out = ctx.grown()
+        out.put(W, w)
+        out.put(BETA, beta)
         if self.gate_proj is not None:  # FoX's gate, as fox.py accumulates it
             log_f = F.logsigmoid(self.gate_proj(x).to(acc)).transpose(1, 2)  # (B, H, T)
             if valid is not None:
@@ -212,8 +223,8 @@ class _PaTH(AttentionPositional):
                 g = g + total
                 total.copy_(g[..., -1:])
                 g_keys = cache.extend("path_gate_keys", g)  # (B, H, S)
-            out.put("path_gate_q", g, query_dim=2)
-            out.put("path_gate_k", g_keys, key_dim=2)
+            out.put(GATE_Q, g)
+            out.put(GATE_K, g_keys)
         return out
 
     def attend(
@@ -239,19 +250,15 @@ class _PaTH(AttentionPositional):
                 cache.put("path_keys", buf)
             keys = buf.index_copy(2, cache.at, keys.index_select(2, cache.at))
         before = ctx.key_offsets() < 0  # (T, S)
-        z, rewritten = path_scores(
-            q.to(acc), keys, ctx.extra["path_w"], ctx.extra["path_beta"], before
-        )
+        z, rewritten = path_scores(q.to(acc), keys, ctx[W], ctx[BETA], before)
         if buf is not None:
             buf.copy_(rewritten)  # in place: a compiled step stays one graph
         if self.gate_proj is not None:  # inside the scale, as the authors' kernels
-            z = z + ctx.extra["path_gate_q"][..., :, None] - ctx.extra["path_gate_k"][..., None, :]
+            z = z + ctx[GATE_Q][..., :, None] - ctx[GATE_K][..., None, :]
         visible = ctx.visible()  # (B|1, 1, T, S)
-        logits = (z * self.scale(q.shape[-1])).masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(logits, -1).nan_to_num(0.0)  # a query seeing no key: zeros
-        if p_drop > 0.0:
-            probs = F.dropout(probs, p_drop)
-        return (probs @ v.to(acc)).to(v.dtype)
+        logits = z * self.scale(q.shape[-1])
+        out, _, _ = softmax_values(logits, v, visible=visible, dtype=acc, dropout=p_drop)
+        return out
 
 
 @register("path")

@@ -61,7 +61,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, PositionalEncoder
+from posenc.encoders.base import (
+    AttentionContext,
+    AttentionPositional,
+    AttnKind,
+    PositionalEncoder,
+    Slot,
+)
 from posenc.encoders.registry import register
 
 LAYOUTS = ("interleaved", "half")
@@ -107,6 +113,18 @@ def rope_factors(cos: Tensor, sin: Tensor, layout: str) -> Tensor:
 #: The position axis of :func:`rope_factors` per layout (for cutting blocks of queries).
 FACTOR_T_DIM = {"interleaved": -2, "half": -3}
 
+# What prepare leaves for the hooks: the layout, the ``(cos, sin)`` tables of the queries
+# and keys with their :func:`rope_factors` (per layout: their position axis differs),
+# and YaRN's multiplier of the unrotated dims when it scales the whole score.
+LAYOUT: Slot[str] = Slot("layout")
+Q_COS: Slot[Tensor] = Slot("q_cos", query_dim=-2)
+Q_SIN: Slot[Tensor] = Slot("q_sin", query_dim=-2)
+K_COS: Slot[Tensor] = Slot("k_cos", key_dim=-2)
+K_SIN: Slot[Tensor] = Slot("k_sin", key_dim=-2)
+Q_ROT = {layout: Slot[Tensor]("q_rot", query_dim=dim) for layout, dim in FACTOR_T_DIM.items()}
+K_ROT = {layout: Slot[Tensor]("k_rot", key_dim=dim) for layout, dim in FACTOR_T_DIM.items()}
+PASS_SCALE: Slot[float] = Slot("pass_scale")
+
 
 def put_rotation_tables(
     ctx: AttentionContext,
@@ -120,14 +138,22 @@ def put_rotation_tables(
     same = k is None
     if k is None:
         k = q
-    ctx.put("layout", layout)
-    for name, value in (("cos", q[0]), ("sin", q[1])):
-        ctx.put(f"q_{name}", value, query_dim=-2)
-    for name, value in (("cos", k[0]), ("sin", k[1])):
-        ctx.put(f"k_{name}", value, key_dim=-2)
+    ctx.put(LAYOUT, layout)
+    ctx.put(Q_COS, q[0])
+    ctx.put(Q_SIN, q[1])
+    ctx.put(K_COS, k[0])
+    ctx.put(K_SIN, k[1])
     q_rot = rope_factors(*q, layout)
-    ctx.put("q_rot", q_rot, query_dim=FACTOR_T_DIM[layout])
-    ctx.put("k_rot", q_rot if same else rope_factors(*k, layout), key_dim=FACTOR_T_DIM[layout])
+    ctx.put(Q_ROT[layout], q_rot)
+    ctx.put(K_ROT[layout], q_rot if same else rope_factors(*k, layout))
+
+
+def rotate_qk(q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+    """``q`` and ``k`` rotated by the tables :func:`put_rotation_tables` left in ``ctx``."""
+    layout = ctx[LAYOUT]
+    q = apply_rope(q, ctx[Q_COS], ctx[Q_SIN], layout, factors=ctx.get(Q_ROT[layout]))
+    k = apply_rope(k, ctx[K_COS], ctx[K_SIN], layout, factors=ctx.get(K_ROT[layout]))
+    return q, k
 
 
 def apply_rope(
@@ -334,13 +360,10 @@ class _RotateQK(AttentionPositional):
     """Per-layer hook: rotate q and k with the stack's per-forward tables."""
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        x = ctx.extra
-        layout = x["layout"]
-        q = apply_rope(q, x["q_cos"], x["q_sin"], layout, factors=x.get("q_rot"))
-        k = apply_rope(k, x["k_cos"], x["k_sin"], layout, factors=x.get("k_rot"))
-        tail = ctx.extra.get("pass_scale")
+        q, k = rotate_qk(q, k, ctx)
+        tail = ctx.get(PASS_SCALE)
         if tail is not None:  # YaRN's whole-score temperature (yarn_temper=score): unrotated dims
-            rot = 2 * ctx.extra["q_cos"].shape[-1]
+            rot = 2 * ctx[Q_COS].shape[-1]
             q = torch.cat((q[..., :rot], q[..., rot:] * tail), dim=-1)
             k = torch.cat((k[..., :rot], k[..., rot:] * tail), dim=-1)
         return q, k
@@ -524,7 +547,7 @@ class RoPE(PositionalEncoder):
         k_tables = None if same else self.tables(ctx.k_pos, theta=theta)
         put_rotation_tables(ctx, self.layout, q_tables, k_tables)
         if theta[1] != 1.0 and self.rot_dim < self.head_dim and self.scaling.yarn_temper == "score":
-            ctx.put("pass_scale", theta[1])
+            ctx.put(PASS_SCALE, theta[1])
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         return AttentionPositional() if kind is AttnKind.CROSS else _RotateQK()

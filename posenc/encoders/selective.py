@@ -36,6 +36,7 @@ from torch import Tensor
 
 from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly
 from posenc.encoders.registry import register
+from posenc.encoders.softmax import softmax_values
 
 
 def selection(z0: Tensor, visible: Tensor, before: Tensor, first: Tensor) -> Tensor:
@@ -89,11 +90,9 @@ class _Selective(AttentionPositional):
                 cache.put("selective_acc", total)
             masked = masked + total[:, None, :]
             total.add_(g.sum(-2))
-        logits = (z - masked[:, None]).masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(logits, -1).nan_to_num(0.0)  # a query seeing no key: zeros
-        if p_drop > 0.0:
-            probs = F.dropout(probs, p_drop)
-        return (probs @ v.to(acc)).to(v.dtype)
+        logits = z - masked[:, None]
+        out, _, _ = softmax_values(logits, v, visible=visible, dtype=acc, dropout=p_drop)
+        return out
 
 
 @register("selective")

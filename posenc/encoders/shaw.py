@@ -31,6 +31,7 @@ from posenc.encoders.base import (
     PositionalEncoder,
     ScoreMod,
     ScoreParts,
+    Slot,
     dense_parts,
 )
 from posenc.encoders.offsets import (
@@ -41,6 +42,11 @@ from posenc.encoders.offsets import (
     window_parts,
 )
 from posenc.encoders.registry import register
+
+# What prepare leaves for the hooks: the clipping distance and the shared tables.
+CLIP: Slot[int] = Slot("clip")
+KEY_TABLE: Slot[Tensor] = Slot("key_table")
+VALUE_TABLE: Slot[Tensor | None] = Slot("value_table")
 
 
 def _table(k: int, dim: int) -> nn.Parameter:
@@ -103,12 +109,12 @@ class _ShawAttention(AttentionPositional):
     def _tables(self, ctx: AttentionContext) -> tuple[Tensor, Tensor | None]:
         if self.key_table is not None:
             return self.key_table, self.value_table
-        return ctx.extra["key_table"], ctx.extra.get("value_table")
+        return ctx[KEY_TABLE], ctx.get(VALUE_TABLE)
 
     @staticmethod
     def _slot(ctx: AttentionContext) -> Tensor:
         """Row of each (query, key) pair, ``clip(j - i, -K, K) + K``: ``(B|1, T, S)``."""
-        k = ctx.extra["clip"]
+        k = ctx[CLIP]
         return ctx.rel().neg_().clamp_(-k, k).add_(k)
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
@@ -119,7 +125,7 @@ class _ShawAttention(AttentionPositional):
         scale = self.scale(q.shape[-1])
         per_slot = (q @ key_table.to(q.dtype).T) * scale  # (B, H, T, 2K+1), scaled while small
         if ctx.starts is not None:  # per offset, read as a strided view: no gather
-            clip = ctx.extra["clip"]
+            clip = ctx[CLIP]
             w = offset_window(ctx, -clip, clip)  # beyond +-K a row's score is constant
             parts = window_parts(
                 ctx,
@@ -135,7 +141,7 @@ class _ShawAttention(AttentionPositional):
     def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod:
         """The key term (the value term needs the probabilities: explicit path)."""
         key_table, _ = self._tables(ctx)
-        clip, dist = ctx.extra["clip"], pair_distance(ctx)
+        clip, dist = ctx[CLIP], pair_distance(ctx)
         per_slot = (q @ key_table.to(q.dtype).T) * self.scale(q.shape[-1])  # (B, H, T, 2K+1)
 
         def mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
@@ -152,7 +158,7 @@ class _ShawAttention(AttentionPositional):
             # The window's probabilities laid out by offset (the inverse of the score's
             # view; its rows never overlap), summed per row; the constant ends add their
             # columns' total to the first and last row.
-            clip = ctx.extra["clip"]
+            clip = ctx[CLIP]
             w = offset_window(ctx, -clip, clip)
             mass = probs.new_zeros(b, h, t, w.n_hi - w.n_lo + 1)  # (B, H, T, L)
             (q0, k0) = ctx.starts
@@ -207,10 +213,10 @@ class ShawRelative(PositionalEncoder):
     def prepare(self, ctx: AttentionContext) -> None:
         if ctx.kind is AttnKind.CROSS:
             return
-        ctx.put("clip", self.max_distance)
+        ctx.put(CLIP, self.max_distance)
         if not self.per_layer:
-            ctx.put("key_table", self.key_table)
-            ctx.put("value_table", self.value_table)
+            ctx.put(KEY_TABLE, self.key_table)
+            ctx.put(VALUE_TABLE, self.value_table)
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

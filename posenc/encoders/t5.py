@@ -41,9 +41,15 @@ from posenc.encoders.base import (
     AttnKind,
     PositionalEncoder,
     ScoreMod,
+    Slot,
 )
 from posenc.encoders.offsets import pair_distance, toeplitz
 from posenc.encoders.registry import register
+
+# What prepare leaves for the hooks: bucket of each distance, its bound, the shared table.
+BUCKETS: Slot[Tensor] = Slot("buckets")
+MAX_DISTANCE: Slot[int] = Slot("max_distance")
+TABLE: Slot[Tensor] = Slot("table")
 
 
 def _log_bucket_starts(exact: int, n_log: int, max_distance: int) -> list[int]:
@@ -141,13 +147,13 @@ class _T5Attention(AttentionPositional):
 
     def table(self, ctx: AttentionContext) -> Tensor:
         """The ``(R, H)`` bias table this layer reads."""
-        return ctx.extra["table"] if self.bias_table is None else self.bias_table.weight
+        return ctx[TABLE] if self.bias_table is None else self.bias_table.weight
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
-        m = ctx.extra["max_distance"]
+        m = ctx[MAX_DISTANCE]
         # Row of the bucket lookup: n = j - i = -rel, clipped to [-M, M] (every |n| >= M
         # is in the last bucket of its direction anyway), shifted to [0, 2M].
-        per_row = self.table(ctx).to(q.dtype).T[:, ctx.extra["buckets"]]  # (H, 2M+1)
+        per_row = self.table(ctx).to(q.dtype).T[:, ctx[BUCKETS]]  # (H, 2M+1)
         if ctx.starts is not None:  # consecutive positions: one row per offset, a view
             n_lo, n_hi = ctx.offset_range()
             n = torch.arange(n_lo, n_hi + 1, device=q.device).clamp_(-m, m).add_(m)
@@ -158,8 +164,8 @@ class _T5Attention(AttentionPositional):
         return per_row[:, row].transpose(0, 1)  # (B|1, H, T, S)
 
     def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod:
-        m, dist = ctx.extra["max_distance"], pair_distance(ctx)
-        per_row = self.table(ctx).to(q.dtype).T[:, ctx.extra["buckets"]]  # (H, 2M+1)
+        m, dist = ctx[MAX_DISTANCE], pair_distance(ctx)
+        per_row = self.table(ctx).to(q.dtype).T[:, ctx[BUCKETS]]  # (H, 2M+1)
         return lambda score, b, h, i, j: score + per_row[h, (-dist(b, i, j)).clamp(-m, m) + m]
 
 
@@ -176,6 +182,10 @@ class T5Bias(PositionalEncoder):
     Raises:
         ValueError: Bad ``num_buckets`` or ``max_distance``.
     """
+
+    #: Bucket of every n in [-M, M] for each kind of self-attention (buffers).
+    buckets_bidirectional: Tensor
+    buckets_causal: Tensor
 
     relative = True
 
@@ -208,10 +218,10 @@ class T5Bias(PositionalEncoder):
         if ctx.kind is AttnKind.CROSS:
             return
         causal = ctx.kind is AttnKind.CAUSAL
-        ctx.put("buckets", self.buckets_causal if causal else self.buckets_bidirectional)
-        ctx.put("max_distance", self.max_distance)
+        ctx.put(BUCKETS, self.buckets_causal if causal else self.buckets_bidirectional)
+        ctx.put(MAX_DISTANCE, self.max_distance)
         if self.bias_table is not None:
-            ctx.put("table", self.bias_table.weight)
+            ctx.put(TABLE, self.bias_table.weight)
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

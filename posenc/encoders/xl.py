@@ -29,11 +29,18 @@ from posenc.encoders.base import (
     AttnKind,
     PositionalEncoder,
     ScoreMod,
+    Slot,
     normal_linears,
 )
 from posenc.encoders.offsets import gather_rel, offset_view, pair_distance
 from posenc.encoders.registry import register
 from posenc.encoders.sinusoidal import sinusoid
+
+# What prepare leaves for the hooks: sinusoids R of the distances lo.., the global u and v.
+R: Slot[Tensor] = Slot("R")
+LO: Slot[int] = Slot("lo")
+U: Slot[Tensor] = Slot("u")
+V: Slot[Tensor] = Slot("v")
 
 
 class _XLAttention(AttentionPositional):
@@ -51,15 +58,14 @@ class _XLAttention(AttentionPositional):
         self.w_r = nn.Linear(d_model, d_model, bias=False)  # per-layer W_{k,R}
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
-        x = ctx.extra
         # (L, H*D), row m for distance lo + m; once per layer, not per block of queries
-        r = ctx.once(self, "r", lambda: self.w_r(x["R"].to(q.dtype)))
+        r = ctx.once(self, "r", lambda: self.w_r(ctx[R].to(q.dtype)))
         # (q + v) * scale: scaling the (B, H, T, D) factor, not the (B, H, T, S) term.
-        qv = (q + x["v"][:, None].to(q.dtype)) * self.scale(q.shape[-1])
+        qv = (q + ctx[V][:, None].to(q.dtype)) * self.scale(q.shape[-1])
         if ctx.starts is not None:  # consecutive positions: a Toeplitz view, no gather
             n_lo, n_hi = ctx.offset_range()  # offsets n = j - i, i.e. distances -n
-            first = -n_hi - x["lo"]  # row of the smallest distance needed
-            if first >= 0 and -n_lo - x["lo"] < r.shape[0]:
+            first = -n_hi - ctx[LO]  # row of the smallest distance needed
+            if first >= 0 and -n_lo - ctx[LO] < r.shape[0]:
                 r_n = r.narrow(0, first, n_hi - n_lo + 1).flip(0)  # rows for n_lo..n_hi
                 r_n = r_n.unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, L, D)
                 per_n = qv @ r_n.transpose(-1, -2)  # (B, H, T, L)
@@ -72,15 +78,14 @@ class _XLAttention(AttentionPositional):
         rel = ctx.rel()  # (B|1, T, S), i - j
         if ctx.kind is AttnKind.CAUSAL:
             rel = rel.clamp_(min=0)  # later keys are masked; the table starts at <= 0
-        return gather_rel(per_dist, rel.sub_(x["lo"]))
+        return gather_rel(per_dist, rel.sub_(ctx[LO]))
 
     def score_mod(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> ScoreMod:
-        x = ctx.extra
-        r = ctx.once(self, "r", lambda: self.w_r(x["R"].to(q.dtype)))  # (L, H*D)
+        r = ctx.once(self, "r", lambda: self.w_r(ctx[R].to(q.dtype)))  # (L, H*D)
         r = r.unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, L, D)
-        qv = (q + x["v"][:, None].to(q.dtype)) * self.scale(q.shape[-1])
+        qv = (q + ctx[V][:, None].to(q.dtype)) * self.scale(q.shape[-1])
         per_dist = qv @ r.transpose(-1, -2)  # (B, H, T, L): distances lo, lo + 1, ...
-        lo, last, dist = x["lo"], r.shape[1] - 1, pair_distance(ctx)
+        lo, last, dist = ctx[LO], r.shape[1] - 1, pair_distance(ctx)
 
         def mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
             # clamped: masked pairs (causal keys after the query) may fall off the table
@@ -89,7 +94,7 @@ class _XLAttention(AttentionPositional):
         return mod
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        return q + ctx.extra["u"][:, None].to(q.dtype), k  # (H, 1, D) over (B, H, T, D)
+        return q + ctx[U][:, None].to(q.dtype), k  # (H, 1, D) over (B, H, T, D)
 
 
 @register("xl")
@@ -120,9 +125,10 @@ class TransformerXL(PositionalEncoder):
             # beyond -1 (which the strided view needs, see offset_range).
             lo, hi = max(lo, -1), max(hi, 0)
         dist = torch.arange(lo, hi + 1, device=ctx.q_pos.device)
-        ctx.put("R", sinusoid(dist, self.d_model, base=self.base))
-        for name, value in (("lo", lo), ("u", self.u), ("v", self.v)):
-            ctx.put(name, value)
+        ctx.put(R, sinusoid(dist, self.d_model, base=self.base))
+        ctx.put(LO, lo)
+        ctx.put(U, self.u)
+        ctx.put(V, self.v)
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly
 from posenc.encoders.registry import register
-from posenc.encoders.rope import LAYOUTS, apply_rope, put_rotation_tables, rope_frequencies
+from posenc.encoders.rope import LAYOUTS, put_rotation_tables, rope_frequencies, rotate_qk
 
 
 def xpos_zeta(rot_dim: int, gamma: float = 0.4, device=None) -> Tensor:
@@ -51,11 +51,7 @@ class _ScaledRotateQK(AttentionPositional):
     """Per-layer hook: rotate and scale q and k with the stack's per-forward tables."""
 
     def transform_qk(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        x = ctx.extra
-        layout = x["layout"]
-        q = apply_rope(q, x["q_cos"], x["q_sin"], layout, factors=x["q_rot"])
-        k = apply_rope(k, x["k_cos"], x["k_sin"], layout, factors=x["k_rot"])
-        return q, k
+        return rotate_qk(q, k, ctx)
 
 
 @register("xpos")

@@ -43,6 +43,7 @@ from posenc.encoders.base import (
     ScoreParts,
     dense_parts,
 )
+from posenc.encoders.softmax import softmax_values
 from posenc.model.scored import scored_attention
 
 #: The explicit softmax with its written-out backward (True) or plain autograd (False).
@@ -119,11 +120,8 @@ def plain_attention(
         scores = scores.masked_fill(j > i + causal_shift, float("-inf"))
     if key_valid is not None:
         scores = scores.masked_fill(~key_valid[:, None, None, :], float("-inf"))
-    acc = torch.promote_types(q.dtype, torch.float32)
-    probs = torch.softmax(scores, -1, dtype=acc).to(q.dtype).nan_to_num(0.0)  # empty rows: 0
-    if dropout > 0.0:
-        probs = F.dropout(probs, dropout)
-    return probs @ v, probs
+    out, used, _ = softmax_values(scores, v, dtype=q.dtype, dropout=dropout)
+    return out, used
 
 
 def fused_bias_kernel(q: Tensor) -> bool:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from posenc.encoders.base import ScoreParts
+from posenc.encoders.softmax import softmax_values
 
 
 def dropout_keep(probs: Tensor, p: float) -> Tensor:
@@ -158,15 +159,16 @@ def _forward(
     b, h, t, d = q.shape
     s = k.shape[-2]
     q3, k3 = q.reshape(b * h, t, d), k.reshape(b * h, s, d)  # copies when strided, once
-    scores = _scores(q3, k3, (b, h), parts, scale, causal_shift, key_valid)
-    # Half-precision scores are softmaxed in float32; float32/float64 in their own.
-    acc = torch.promote_types(q.dtype, torch.float32)
-    probs = torch.softmax(scores, -1, dtype=acc).to(q.dtype)
-    del scores
-    if _may_have_empty_rows(causal_shift, key_valid):
-        probs.nan_to_num_(0.0)  # a query with no key gets no attention, not NaN
-    used = probs if keep is None else probs * keep / (1.0 - p_drop)
-    return used @ v, used, probs, q3, k3
+    # The scores are handed over, not kept: freed once softmaxed (the memory peak).
+    out, used, probs = softmax_values(
+        _scores(q3, k3, (b, h), parts, scale, causal_shift, key_valid),
+        v,
+        dtype=q.dtype,
+        dropout=p_drop,
+        keep=keep,
+        empty_rows=_may_have_empty_rows(causal_shift, key_valid),
+    )
+    return out, used, probs, q3, k3
 
 
 def _may_have_empty_rows(causal_shift: int | None, key_valid: Tensor | None) -> bool:
