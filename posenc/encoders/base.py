@@ -479,6 +479,16 @@ class AttentionPositional(nn.Module):
         raise NotImplementedError(f"{type(self).__name__}.attend")
 
 
+class Constrained(nn.Module):
+    """Parameters that live in a set an optimizer step can leave (KERPLE's r > 0): the
+    training loop calls :meth:`project_` right after every optimizer step, so every
+    forward pass, validation and checkpoint sees values inside the set."""
+
+    def project_(self) -> None:
+        """Bring the parameters back into their set, in place."""
+        raise NotImplementedError
+
+
 class PositionalEncoder(nn.Module):
     """One per stack. Subclasses take keyword arguments ``d_model``, ``n_heads``,
     ``n_layers`` (filled in by the model builder) plus their own settings."""

@@ -49,6 +49,27 @@ length; each keeps the scores relative and, at s = 1, is exactly plain RoPE:
   it tempers: ``rotated`` (default, the code: only the rotated dims' cos/sin carry it) or
   ``score`` (the paper's whole-score temperature: the unrotated dims are multiplied by
   mscale too). Defaults follow the code since checkpoints and their configs assume it.
+* ``llama3``: Llama 3.1's frequency scaling (Meta 2024; Hugging Face transformers'
+  ``_compute_llama3_parameters``): with wavelength ``lambda_i = 2 pi / theta_i``, pairs with
+  ``lambda_i > L / low_freq_factor`` are interpolated (``theta_i / s``), pairs with
+  ``lambda_i < L / high_freq_factor`` are left alone, and in between
+  ``theta'_i = (1 - g) theta_i / s + g theta_i`` with
+  ``g = (L / lambda_i - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+  Llama 3.1 uses s = 8, factors 1 and 4, L = 8192.
+* ``longrope`` (Ding et al. 2024, "LongRoPE"; Phi-3's ``su`` scaling): a searched factor per
+  pair, ``theta'_i = theta_i / lambda_i``, with the ``long_factor`` list for passes whose keys
+  reach beyond L and the ``short_factor`` list otherwise (so, like ``dynamic_ntk``, the
+  frequencies follow the pass), and ``attention_factor`` on the cos/sin tables
+  (default ``sqrt(1 + ln s / ln L)`` for s > 1, else 1). The lists come from the
+  authors' search for a given model; posenc takes them as given. Training-time only: an
+  evaluation-time extension (``task.eval.context_extension``) has no lists to search.
+
+Proportional RoPE, p-RoPE (Barbero et al. 2025, "Round and Round We Go! What makes Rotary
+Positional Encodings useful?", ICLR; Gemma's ``rope_proportion``): ``p < 1`` keeps the
+``floor(p R / 2)`` highest frequencies ``theta_i = base^(-2i/R)`` and sets the others to 0,
+so those pairs are not rotated and carry no position. Unlike ``fraction`` (GPT-NeoX's
+partial rotation, whose frequencies are spread over the rotated dims only), the kept
+frequencies are those of the full rotation.
 """
 
 from __future__ import annotations
@@ -72,9 +93,14 @@ from posenc.encoders.registry import register
 
 LAYOUTS = ("interleaved", "half")
 #: Context-extension methods (``scaling``); see the module docstring.
-SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
+SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
+#: Context-extension methods set at build time only: their settings come from a search
+#: for a trained model, not from the evaluation length (module docstring).
+TRAINED_SCALINGS = ("longrope",)
 #: Methods that need the original (training) length L.
-NEEDS_LENGTH = ("dynamic_ntk", "yarn")
+NEEDS_LENGTH = ("dynamic_ntk", "yarn", "llama3", "longrope")
+#: Methods whose frequencies follow the length of the pass.
+PASS_SCALINGS = ("dynamic_ntk", "longrope")
 #: YaRN's ramp between alpha and beta: the authors' code (per pair index) or the paper (in r).
 YARN_RAMPS = ("code", "paper")
 #: What YaRN's temperature tempers with partial rotation: the rotated dims (code) or the score.
@@ -218,11 +244,17 @@ class Scaling:
         yarn_beta: Ramp end of ``yarn``; 32 in the paper.
         yarn_ramp: ``code`` or ``paper`` (:data:`YARN_RAMPS`, module docstring).
         yarn_temper: ``rotated`` or ``score`` (:data:`YARN_TEMPERS`, module docstring).
+        low_freq_factor: ``llama3``: pairs with a wavelength above L / this are interpolated.
+        high_freq_factor: ``llama3``: pairs with a wavelength below L / this are kept.
+        long_factor: ``longrope``: one factor per pair for passes longer than L.
+        short_factor: ``longrope``: one factor per pair otherwise.
+        attention_factor: ``longrope``: the cos/sin multiplier; None: the paper's default.
 
     Raises:
         ValueError: Unknown method, factor < 1, a missing or bad original length, a
-            ramp with ``not 0 < yarn_alpha < yarn_beta``, or an unknown ``yarn_ramp`` or
-            ``yarn_temper``.
+            ramp with ``not 0 < yarn_alpha < yarn_beta``, an unknown ``yarn_ramp`` or
+            ``yarn_temper``, ``not 0 < low_freq_factor < high_freq_factor``, or
+            ``longrope`` without both factor lists of positive numbers.
     """
 
     method: str = "none"
@@ -232,12 +264,16 @@ class Scaling:
     yarn_beta: float = 32.0
     yarn_ramp: str = "code"
     yarn_temper: str = "rotated"
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    long_factor: tuple[float, ...] | None = None
+    short_factor: tuple[float, ...] | None = None
+    attention_factor: float | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in SCALINGS:
-            raise ValueError(
-                f"rope: unknown scaling {self.method!r}; allowed: {', '.join(SCALINGS)}"
-            )
+        if self.method not in SCALINGS + TRAINED_SCALINGS:
+            names = ", ".join(SCALINGS + TRAINED_SCALINGS)
+            raise ValueError(f"rope: unknown scaling {self.method!r}; allowed: {names}")
         f = self.factor
         if isinstance(f, bool) or not isinstance(f, int | float) or not math.isfinite(f) or f < 1:
             raise ValueError(
@@ -263,6 +299,37 @@ class Scaling:
         ):
             if value not in allowed:
                 raise ValueError(f"rope: unknown {key} {value!r}; allowed: {', '.join(allowed)}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"rope: need 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.low_freq_factor}, {self.high_freq_factor}"
+            )
+        for name in ("long_factor", "short_factor"):
+            listed = getattr(self, name)
+            if listed is None:
+                if self.method == "longrope":
+                    raise ValueError(
+                        f"rope: scaling=longrope needs {name}, one factor per rotated pair "
+                        f"(e.g. encoder.{name}=[1.0,1.5,...]; LongRoPE's search gives them)"
+                    )
+                continue
+            given = tuple(listed)
+            if not given or not all(finite_positive(v) for v in given):
+                raise ValueError(f"rope: {name} must be a list of positive numbers, got {given}")
+            object.__setattr__(self, name, tuple(float(v) for v in given))
+        a = self.attention_factor
+        if a is not None and not finite_positive(a):
+            raise ValueError(f"rope: attention_factor must be a positive number or null, got {a!r}")
+
+
+def finite_positive(value: object) -> bool:
+    """A finite int or float > 0, not a bool."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 def ntk_base(base: float, factor: float, rot_dim: int) -> float:
@@ -320,6 +387,40 @@ def yarn_pair_ramp(
     return 1.0 - ((i - low) / span).clamp(0.0, 1.0)
 
 
+def llama3_frequencies(theta: Tensor, scaling: Scaling) -> Tensor:
+    """Llama 3.1's ``theta'`` (module docstring) from the plain ``theta`` ``(R/2,)``, float32."""
+    t, s, length = theta.double(), scaling.factor, scaling.original_length
+    assert length is not None  # Scaling.__post_init__: llama3 needs it (NEEDS_LENGTH)
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    ratio = length * t / (2 * math.pi)  # L / wavelength: wavelengths per original context
+    g = ((ratio - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short waves
+    return ((1.0 - g) * t / s + g * t).float()
+
+
+def longrope_mscale(scaling: Scaling) -> float:
+    """LongRoPE's cos/sin multiplier: ``attention_factor``, else ``sqrt(1 + ln s / ln L)``
+    for s > 1 and 1 otherwise (Ding et al. 2024; as Hugging Face transformers)."""
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    s, length = scaling.factor, scaling.original_length
+    assert length is not None  # Scaling.__post_init__: longrope needs it (NEEDS_LENGTH)
+    return 1.0 if s <= 1.0 else math.sqrt(1.0 + math.log(s) / math.log(length))
+
+
+def longrope_frequencies(rot_dim: int, base: float, scaling: Scaling, length: Tensor) -> Tensor:
+    """LongRoPE's ``theta_i / lambda_i`` for a pass whose keys reach ``length`` (a 0-d or
+    ``(B,)`` tensor, so no host read): the long factors past L, the short ones otherwise;
+    ``(R/2,)`` or ``(B, R/2)`` float32."""
+    assert scaling.long_factor is not None and scaling.short_factor is not None
+    theta = rope_frequencies(rot_dim, base, device=length.device).double()
+    factors = torch.tensor(
+        (scaling.short_factor, scaling.long_factor), dtype=torch.float64, device=length.device
+    )
+    assert scaling.original_length is not None  # Scaling.__post_init__: NEEDS_LENGTH
+    longer = (length > scaling.original_length).long()
+    return (theta / factors[longer]).float()
+
+
 def scaled_frequencies(
     rot_dim: int, base: float, scaling: Scaling, device=None
 ) -> tuple[Tensor, float]:
@@ -353,6 +454,8 @@ def scaled_frequencies(
         else:
             gamma = yarn_ramp(length * t / (2 * math.pi), alpha, beta)
         return ((1.0 - gamma) * t / s + gamma * t).float(), yarn_mscale(s)
+    if method == "llama3":
+        return llama3_frequencies(theta, scaling), 1.0
     raise ValueError(f"rope: scaling {method!r} has no static frequencies; resolve it first")
 
 
@@ -392,10 +495,17 @@ class RoPE(PositionalEncoder):
             ``paper`` (linear in wavelengths per L, eq. 17-18).
         yarn_temper: With ``fraction < 1``, ``rotated`` (default, the code: the temperature
             scales the rotated dims only) or ``score`` (the paper: the whole score).
+        p: p-RoPE's share of the frequencies kept, the highest; the others are 0 (module
+            docstring). 1: plain RoPE.
+        low_freq_factor: ``llama3``'s low-frequency factor (1 in Llama 3.1).
+        high_freq_factor: ``llama3``'s high-frequency factor (4 in Llama 3.1).
+        long_factor: ``longrope``'s per-pair factors past L (R/2 numbers).
+        short_factor: ``longrope``'s per-pair factors up to L (R/2 numbers).
+        attention_factor: ``longrope``'s cos/sin multiplier; null: ``sqrt(1 + ln s / ln L)``.
 
     Raises:
-        ValueError: Odd rotated dimension, fraction outside (0, 1], unknown layout, or a
-            bad scaling setting (see :class:`Scaling`).
+        ValueError: Odd rotated dimension, fraction or p outside (0, 1], p keeping no
+            pair, unknown layout, or a bad scaling setting (see :class:`Scaling`).
     """
 
     relative = True
@@ -418,6 +528,12 @@ class RoPE(PositionalEncoder):
         yarn_beta: float = 32.0,
         yarn_ramp: str = "code",
         yarn_temper: str = "rotated",
+        p: float = 1.0,
+        low_freq_factor: float = 1.0,
+        high_freq_factor: float = 4.0,
+        long_factor: list[float] | None = None,
+        short_factor: list[float] | None = None,
+        attention_factor: float | None = None,
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if layout not in LAYOUTS:
@@ -433,6 +549,18 @@ class RoPE(PositionalEncoder):
                 f"{rot:g} must be an even integer; change fraction or d_model/n_heads"
             )
         self.rot_dim = int(rot)
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
+            raise ValueError(
+                f"rope: p must be in (0, 1] (the share of frequencies kept), got {p!r}"
+            )
+        # Gemma's rope_proportion: int(p * R // 2) pairs keep their frequency.
+        self.kept_pairs = int(p * self.rot_dim // 2)
+        if self.kept_pairs < 1:
+            raise ValueError(
+                f"rope: p={p} keeps no frequency of {self.rot_dim // 2} pairs; raise p to at "
+                f"least {2 / self.rot_dim:g} or use encoder=none"
+            )
+        self.p = float(p)
         self.base = float(base)
         self.layout = layout
         self.scaling = Scaling(
@@ -443,13 +571,25 @@ class RoPE(PositionalEncoder):
             yarn_beta,
             yarn_ramp=yarn_ramp,
             yarn_temper=yarn_temper,
+            low_freq_factor=low_freq_factor,
+            high_freq_factor=high_freq_factor,
+            long_factor=None if long_factor is None else tuple(long_factor),
+            short_factor=None if short_factor is None else tuple(short_factor),
+            attention_factor=attention_factor,
         )
+        for key in ("long_factor", "short_factor"):
+            factors = getattr(self.scaling, key)
+            if factors is not None and len(factors) != self.rot_dim // 2:
+                raise ValueError(
+                    f"rope: {key} has {len(factors)} numbers; it needs one per rotated pair, "
+                    f"{self.rot_dim // 2} (head_dim * fraction / 2)"
+                )
 
     @property
     def pass_dependent(self) -> bool:
         """Dynamic NTK's base follows the length of the pass, so every hidden state past
         the first layer does too: a cached step runs the whole prefix again (exact)."""
-        return self.scaling.method == "dynamic_ntk"
+        return self.scaling.method in PASS_SCALINGS
 
     def set_scaling(
         self,
@@ -494,16 +634,28 @@ class RoPE(PositionalEncoder):
 
     def frequencies(self, length: int | Tensor, device=None) -> tuple[Tensor, float]:
         """``theta'`` ``(R/2,)`` float32 and the cos/sin multiplier of the current scaling
-        for a pass whose keys reach ``length`` (only ``dynamic_ntk`` reads it)."""
+        for a pass whose keys reach ``length`` (only :data:`PASS_SCALINGS` read it), with
+        p-RoPE's dropped frequencies at 0."""
         sc = self.scaling
-        if sc.method != "dynamic_ntk":
-            return scaled_frequencies(self.rot_dim, self.base, sc, device=device)
-        length = torch.as_tensor(length, device=device)
-        assert sc.original_length is not None  # Scaling.__post_init__: NEEDS_LENGTH
-        freq = dynamic_ntk_frequencies(
-            self.rot_dim, self.base, sc.factor, sc.original_length, length
-        )
-        return freq, 1.0
+        mscale = 1.0
+        if sc.method == "dynamic_ntk":
+            assert sc.original_length is not None  # Scaling.__post_init__: NEEDS_LENGTH
+            length = torch.as_tensor(length, device=device)
+            freq = dynamic_ntk_frequencies(
+                self.rot_dim, self.base, sc.factor, sc.original_length, length
+            )
+        elif sc.method == "longrope":
+            length = torch.as_tensor(length, device=device)
+            freq, mscale = (
+                longrope_frequencies(self.rot_dim, self.base, sc, length),
+                longrope_mscale(sc),
+            )
+        else:
+            freq, mscale = scaled_frequencies(self.rot_dim, self.base, sc, device=device)
+        if self.kept_pairs < self.rot_dim // 2:  # p-RoPE: the lowest frequencies carry no position
+            dropped = torch.arange(self.rot_dim // 2, device=freq.device) >= self.kept_pairs
+            freq = freq.masked_fill(dropped, 0.0)
+        return freq, mscale
 
     def tables(
         self, positions: Tensor, length: int | Tensor | None = None, *, theta=None
@@ -541,7 +693,7 @@ class RoPE(PositionalEncoder):
         else:
             length = ctx.k_pos.amax(-1) + 1 if ctx.k_pos.numel() else 0
         theta = self.frequencies(length, ctx.q_pos.device)
-        ctx.stable_keys = self.scaling.method != "dynamic_ntk"  # s' follows the length
+        ctx.stable_keys = self.scaling.method not in PASS_SCALINGS  # theta' follows the length
         q_tables = self.tables(ctx.q_pos, theta=theta)
         same = ctx.k_pos is ctx.q_pos
         k_tables = None if same else self.tables(ctx.k_pos, theta=theta)

@@ -53,6 +53,9 @@ EXTENSION_DOC = {
     "yarn": "ppl+yarn@L: YaRN (Peng et al. 2023 sec. 3.4), NTK-by-parts frequencies and "
     "attention temperature sqrt(1/t) = 0.1 ln(s) + 1; ramp and temperature as "
     "encoder.yarn_ramp / encoder.yarn_temper say (default: the authors' code)",
+    "llama3": "ppl+llama3@L: Llama 3.1's frequency scaling, pairs with wavelength > "
+    "L/low_freq_factor interpolated by s, < L/high_freq_factor kept, blended in between "
+    "(encoder.low_freq_factor / encoder.high_freq_factor, default 1 and 4)",
 }
 
 

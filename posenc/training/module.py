@@ -9,6 +9,7 @@ import pytorch_lightning as pl
 from hydra.utils import instantiate
 from torch import nn
 
+from posenc.encoders.base import Constrained
 from posenc.model import count_parameters
 from posenc.training.optim import configure_adamw
 
@@ -44,6 +45,14 @@ class TaskModule(pl.LightningModule, Generic[Net]):
         if model.get("compile"):
             self.model.compile()
         self.n_params = count_parameters(self.model)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """The step, then every :class:`~posenc.encoders.base.Constrained` parameter set
+        projected back, before anything (validation, a checkpoint) reads the values."""
+        super().optimizer_step(*args, **kwargs)
+        for module in self.model.modules():
+            if isinstance(module, Constrained):
+                module.project_()
 
     def configure_optimizers(self) -> Any:
         return configure_adamw(self, self.hparams["optim"], self.hparams["max_steps"])

@@ -17,6 +17,7 @@ from posenc.encoders.rope import RoPE, scaled_frequencies
 from tests.conftest import identity_attention
 
 transformers = pytest.importorskip("transformers")
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.deberta_v2 import modeling_deberta_v2  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
@@ -155,3 +156,87 @@ def test_deberta_defaults_match_transformers(
             other = attn(x, other_enc.context(pos, pos, kind))
             gap = (other - want).abs().max()
             assert gap > 1e-3 if differs else gap < 1e-5, (p2c_row, far_keys, float(gap))
+
+
+def llama_config(head_dim: int, base: float, rope: dict, max_positions: int):
+    """A LlamaConfig with the scaling ``rope`` (Hugging Face's names), in the installed
+    version's spelling (``rope_parameters`` from 5.0, ``rope_scaling`` before)."""
+    sizes = dict(
+        hidden_size=2 * head_dim,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+    )
+    if MAJOR >= 5:
+        return modeling_llama.LlamaConfig(**sizes, rope_parameters={"rope_theta": base, **rope})
+    return modeling_llama.LlamaConfig(**sizes, rope_theta=base, rope_scaling=rope)
+
+
+@pytest.mark.parametrize(("head_dim", "original", "base"), [(16, 64, 1e4), (64, 256, 5e5)])
+def test_llama3_matches_transformers(head_dim: int, original: int, base: float) -> None:
+    """Llama 3.1's frequency scaling (factor 8, 1 and 4) against ROPE_INIT_FUNCTIONS."""
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original,
+    }
+    want, scale = ROPE_INIT_FUNCTIONS["llama3"](llama_config(head_dim, base, rope, 8 * original))
+    enc = RoPE(
+        d_model=2 * head_dim,
+        n_heads=2,
+        n_layers=1,
+        base=base,
+        layout="half",
+        scaling="llama3",
+        scaling_factor=8.0,
+        original_length=original,
+    )
+    freq, mscale = enc.frequencies(8 * original)
+    torch.testing.assert_close(freq, want.float(), rtol=1e-6, atol=0)
+    assert mscale == scale == 1.0
+
+
+@pytest.mark.parametrize("length", [100, 300])
+def test_longrope_matches_transformers(length: int) -> None:
+    """Phi-3-style LongRoPE: the short factors up to the original length, the long ones
+    past it (transformers picks them by seq_len), and the default attention factor."""
+    head_dim, original = 16, 128
+    short = [1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.4, 3.0]
+    long = [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 16.0]
+    rope = {
+        "rope_type": "longrope",
+        "factor": 4.0,
+        "short_factor": short,
+        "long_factor": long,
+        "original_max_position_embeddings": original,
+    }
+    config = llama_config(head_dim, 1e4, rope, 4 * original)
+    want, scale = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=length)
+    enc = RoPE(
+        d_model=2 * head_dim,
+        n_heads=2,
+        n_layers=1,
+        layout="half",
+        scaling="longrope",
+        scaling_factor=4.0,
+        original_length=original,
+        short_factor=short,
+        long_factor=long,
+    )
+    freq, mscale = enc.frequencies(length)
+    torch.testing.assert_close(freq, want.float(), rtol=1e-6, atol=0)
+    assert mscale == pytest.approx(scale, rel=1e-12)
+
+
+@pytest.mark.skipif(
+    "proportional" not in ROPE_INIT_FUNCTIONS, reason="proportional RoPE: transformers 5"
+)
+@pytest.mark.parametrize(("head_dim", "p"), [(16, 0.5), (64, 0.25), (32, 0.75)])
+def test_p_rope_matches_transformers_proportional(head_dim: int, p: float) -> None:
+    """p-RoPE against Gemma's proportional RoPE: the same kept pairs, zeros after them."""
+    rope = {"rope_type": "proportional", "partial_rotary_factor": p}
+    want, _ = ROPE_INIT_FUNCTIONS["proportional"](llama_config(head_dim, 1e4, rope, 512))
+    enc = RoPE(d_model=2 * head_dim, n_heads=2, n_layers=1, layout="half", p=p)
+    torch.testing.assert_close(enc.frequencies(512)[0], want.float(), rtol=1e-6, atol=0)

@@ -324,8 +324,17 @@ def test_yarn_ramp_settings_survive_a_switch_and_a_cast() -> None:
 def test_only_rope_declares_scaling_methods() -> None:
     from posenc.encoders.registry import get
 
-    assert set(RoPE.scaling_methods) == {"linear", "ntk", "dynamic_ntk", "yarn"}
+    assert set(RoPE.scaling_methods) == {"linear", "ntk", "dynamic_ntk", "yarn", "llama3"}
     assert getattr(get("sinusoidal"), "scaling_methods", ()) == ()
+
+
+LONGROPE = dict(
+    scaling="longrope",
+    scaling_factor=4.0,
+    original_length=L,
+    short_factor=[1.0, 1.25, 1.5, 2.0],
+    long_factor=[1.0, 2.0, 4.0, 8.0],
+)
 
 
 # ----------------------------------------------------------------------- errors
@@ -334,8 +343,37 @@ def test_only_rope_declares_scaling_methods() -> None:
     [
         (
             dict(scaling="rope2"),
-            "unknown scaling 'rope2'; allowed: none, linear, ntk, dynamic_ntk, yarn",
+            "unknown scaling 'rope2'; allowed: none, linear, ntk, dynamic_ntk, yarn, llama3, "
+            "longrope",
         ),
+        (dict(scaling="llama3", scaling_factor=8.0), "scaling=llama3 needs original_length"),
+        (
+            dict(low_freq_factor=4.0, high_freq_factor=1.0),
+            "need 0 < low_freq_factor < high_freq_factor, got 4.0, 1.0",
+        ),
+        (
+            dict(LONGROPE, long_factor=None),
+            "scaling=longrope needs long_factor, one factor per rotated pair",
+        ),
+        (
+            dict(
+                scaling="longrope", original_length=L, long_factor=[1.0] * 4, short_factor=[1.0] * 3
+            ),
+            "short_factor has 3 numbers; it needs one per rotated pair, 4",
+        ),
+        (
+            dict(
+                scaling="longrope",
+                original_length=L,
+                long_factor=[1.0, 0.0, 1.0, 1.0],
+                short_factor=[1.0] * 4,
+            ),
+            "long_factor must be a list of positive numbers",
+        ),
+        (dict(attention_factor=-1.0), "attention_factor must be a positive number or null"),
+        (dict(p=0.0), "p must be in \\(0, 1\\]"),
+        (dict(p=1.5), "p must be in \\(0, 1\\]"),
+        (dict(p=0.2), "p=0.2 keeps no frequency of 4 pairs; raise p to at least 0.25"),
         (dict(scaling="linear", scaling_factor=0.5), "scaling_factor must be a number >= 1"),
         (dict(scaling="yarn", scaling_factor=2.0), "scaling=yarn needs original_length"),
         (dict(scaling="dynamic_ntk"), "scaling=dynamic_ntk needs original_length"),
@@ -346,7 +384,8 @@ def test_only_rope_declares_scaling_methods() -> None:
     ],
 )
 def test_bad_scaling_settings_are_clear_errors(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", "\\(")):
+    pattern = message if "\\(" in message else message.replace("(", "\\(")
+    with pytest.raises(ValueError, match=pattern):
         rope(**kwargs)
 
 
@@ -362,3 +401,75 @@ def test_rope_frequencies_unchanged() -> None:
     # setting of scaled_frequencies is exactly rope_frequencies.
     theta, mscale = scaled_frequencies(8, 500.0, Scaling())
     assert torch.equal(theta, rope_frequencies(8, 500.0)) and mscale == 1.0
+
+
+# ----------------------------------------------------------------------- llama3, longrope, p
+def test_llama3_frequencies_by_hand() -> None:
+    """Llama 3.1's three regimes, computed here from the formula: with L = 64, factors 1
+    and 4 and base 10000 over 16 rotated dims, the wavelengths 2 pi / theta_i are 6.3, 19.9,
+    62.8, 199, ...: pair 0 (< L/4) is kept, pairs 1 and 2 (between L/4 and L) are blended,
+    pairs 3.. (> L) are divided by s."""
+    s, base, R, length = 8.0, 10000.0, 16, 64
+    theta = [base ** (-2 * i / R) for i in range(R // 2)]
+    want = []
+    for t in theta:
+        wave = 2 * math.pi / t
+        if wave < length / 4:
+            want.append(t)
+        elif wave > length / 1:
+            want.append(t / s)
+        else:
+            g = (length / wave - 1) / (4 - 1)
+            want.append((1 - g) * t / s + g * t)
+    enc = rope(d_model=32, base=base, scaling="llama3", scaling_factor=s, original_length=length)
+    freq, mscale = enc.frequencies(4 * length)
+    assert mscale == 1.0
+    torch.testing.assert_close(freq, torch.tensor(want, dtype=torch.float32), rtol=1e-7, atol=0)
+    ratio = freq.double() / torch.tensor(theta, dtype=torch.float64)
+    assert ratio[0] == 1.0 and (ratio[3:] - 1 / s).abs().max() < 1e-7
+    assert all(1 / s < r < 1 for r in ratio[1:3])  # the blend lies strictly between
+
+
+@pytest.mark.parametrize("length", [L, L + 1, 4 * L])
+def test_longrope_factors_follow_the_pass(length: int) -> None:
+    """Short factors while the keys stay within L, long ones past it; the cos/sin tables
+    carry sqrt(1 + ln s / ln L) (attention_factor overrides it)."""
+    enc = rope(**LONGROPE)
+    factors = LONGROPE["long_factor" if length > L else "short_factor"]
+    theta = rope_frequencies(8, 10000.0).double()
+    freq, mscale = enc.frequencies(length)
+    torch.testing.assert_close(
+        freq, (theta / torch.tensor(factors).double()).float(), rtol=0, atol=0
+    )
+    assert mscale == pytest.approx(math.sqrt(1 + math.log(4.0) / math.log(L)), rel=1e-15)
+    assert rope(**LONGROPE, attention_factor=1.25).frequencies(length)[1] == 1.25
+    cos, _ = enc.tables(torch.arange(length)[None])
+    assert cos[0, 0, 0, 0] == pytest.approx(mscale)  # position 0: cos = 1 times the factor
+
+
+def test_p_rope_keeps_the_highest_frequencies() -> None:
+    """p = 0.5 over 8 pairs keeps theta_0..theta_3 of the full rotation (base^(-2i/16)), the
+    others are 0: their dims pass through unrotated at every position, and the scores stay
+    relative. fraction = 0.5 (GPT-NeoX) is another map: its 4 pairs span base^(-2i/8)."""
+    enc = rope(d_model=32, p=0.5)  # head_dim 16: 8 pairs
+    freq, _ = enc.frequencies(8)
+    full = rope_frequencies(16, 10000.0)
+    assert torch.equal(freq[:4], full[:4]) and torch.equal(freq[4:], torch.zeros(4))
+    assert not torch.allclose(freq[:4], rope(d_model=32, fraction=0.5).frequencies(8)[0])
+    n = 3 * L
+    x = torch.randn(1, 2, n, 16)
+    rq, rk = qk(enc, x, x, torch.arange(n)[None])
+    kept = [d for i in range(4) for d in (2 * i, 2 * i + 1)]  # interleaved pairs 0..3
+    assert torch.equal(rq[..., 8:], x[..., 8:]) and not torch.allclose(rq[..., kept], x[..., kept])
+    q = torch.randn(1, 2, 1, 16).expand(1, 2, n, 16)
+    rq, rk = qk(enc, q, q, torch.arange(n)[None])
+    scores = (rq.double() @ rk.double().transpose(-1, -2))[0]
+    for d in (0, 3, 20):
+        diag = scores.diagonal(offset=d, dim1=-2, dim2=-1)
+        torch.testing.assert_close(diag, diag[:, :1].expand_as(diag), atol=1e-4, rtol=1e-4)
+
+
+def test_p_one_is_exactly_plain_rope() -> None:
+    pos = torch.arange(2 * L)[None]
+    for a, b in zip(rope().tables(pos), rope(p=1.0).tables(pos), strict=True):
+        assert torch.equal(a, b)

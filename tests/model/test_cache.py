@@ -54,6 +54,7 @@ ROPE_SCALINGS = {
     "ntk": {"scaling": "ntk", "scaling_factor": 2.0},
     "dynamic_ntk": {"scaling": "dynamic_ntk", "scaling_factor": 2.0, "original_length": L},
     "yarn": {"scaling": "yarn", "scaling_factor": 4.0, "original_length": L},
+    "llama3": {"scaling": "llama3", "scaling_factor": 4.0, "original_length": L},
 }
 CASES = [(n, SETTINGS.get(n, {})) for n in ENCODER_YAMLS]
 CASES += [(f"rope+{m}", kw) for m, kw in ROPE_SCALINGS.items()]
@@ -73,6 +74,19 @@ CASES += [
     ("path+plain_w", {"conv_size": 0, "w_rank": None}),
     # stick-breaking's earlier remainder; FoX with spread gate biases, and its Pro block
     ("stickbreak+value", {"remainder": "value"}),
+    # p-RoPE; LongRoPE, whose factor lists switch when the keys pass L (head_dim 8: 4 pairs),
+    # so a cached step past L must see every key under the long factors
+    ("rope+p", {"p": 0.5}),
+    (
+        "rope+longrope",
+        {
+            "scaling": "longrope",
+            "scaling_factor": 4.0,
+            "original_length": L,
+            "short_factor": [1.0, 1.2, 1.5, 2.0],
+            "long_factor": [1.0, 2.0, 4.0, 8.0],
+        },
+    ),
     ("fox+spread", {"bias_init": "spread"}),
     ("fox+pro", {"pro": True}),
 ]
