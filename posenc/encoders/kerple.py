@@ -37,6 +37,7 @@ from posenc.encoders.base import (
     Constrained,
     PositionalEncoder,
     ScoreMod,
+    Slot,
 )
 from posenc.encoders.offsets import pair_distance
 from posenc.encoders.registry import register
@@ -82,6 +83,10 @@ class KerpleParameters(Constrained):
         return -r1 * d.pow(r2)
 
 
+#: What prepare leaves for the hooks: the stack's shared kernel.
+KERNEL: Slot[KerpleParameters] = Slot("kerple")
+
+
 class _KerpleAttention(AttentionPositional):
     """Per-layer hook: the stack's kernel, or this layer's own."""
 
@@ -92,7 +97,7 @@ class _KerpleAttention(AttentionPositional):
         self.own = own
 
     def params(self, ctx: AttentionContext) -> KerpleParameters:
-        return ctx.extra["kerple"] if self.own is None else self.own
+        return ctx[KERNEL] if self.own is None else self.own
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
         # float32 distances (exact to 2^24) and kernel, rounded once to q's dtype
@@ -140,7 +145,7 @@ class Kerple(PositionalEncoder):
 
     def prepare(self, ctx: AttentionContext) -> None:
         if ctx.kind is not AttnKind.CROSS and self.kernel is not None:
-            ctx.put("kerple", self.kernel)
+            ctx.put(KERNEL, self.kernel)
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:
         if kind is AttnKind.CROSS:
