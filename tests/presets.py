@@ -1,6 +1,7 @@
 """Every preset of ``conf/`` composed: each task, experiment, sweep (with its grid's first
-values) and encoder. ``snapshot()`` records what each gives; ``tests/presets.json`` holds that record, so a change to where a default
-lives cannot change what a run gets (``python -m tests.presets`` rewrites it)."""
+values) and encoder. ``snapshot()`` records what each gives; ``tests/presets.json`` holds
+that record, so a change to where a default lives cannot change what a run gets
+(``python -m tests.presets`` rewrites it)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def presets() -> dict[str, list[str]]:
     for enc in _options("encoder"):
         out[f"encoder={enc}"] = [f"encoder={enc}"]
     for name in _options("experiment"):
-        out[f"experiment={name}"] = [f"experiment={name}"]
+        # a translation preset that does not choose its task itself: task=mt
+        task = ["task=mt"] if name == "mt_train_short" else []
+        out[f"experiment={name}"] = [*task, f"experiment={name}"]
     for name in _options("sweep"):
         out[f"sweep={name}"] = _sweep_grid(name)
     return out
@@ -53,6 +56,13 @@ def composed(overrides: list[str]) -> DictConfig:
     with open_dict(cfg):
         cfg.pop("hydra", None)
     return cfg
+
+
+def composed_once(overrides: list[str]) -> DictConfig:
+    """:func:`composed` outside Hydra (a test's)."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return composed(overrides)
 
 
 def record(cfg: DictConfig) -> dict[str, Any]:
