@@ -74,7 +74,7 @@ def label(cfg: Run[schema.AlgoTask]) -> str:
     """The encoder's name in results: ``rope``, or ``rope_rand`` when trained on
     randomized positions (``model.random_positions``)."""
     name = group_choice(cfg, "encoder")
-    return f"{name}_rand" if cfg.model.get("random_positions") else name
+    return f"{name}_rand" if cfg.model.random_positions else name
 
 
 def datamodule(cfg: Run[schema.AlgoTask]) -> AlgoDataModule:
@@ -92,9 +92,9 @@ def datamodule(cfg: Run[schema.AlgoTask]) -> AlgoDataModule:
         val_per_size=t.val_per_size,
         test_per_size=t.test_per_size,
         seed=cfg.seed,
-        data_tokens=t.get("data_tokens", 16),
-        test_grid=t.get("test_sizes", "auto"),
-        lm_loss=t.get("lm_loss", False),
+        data_tokens=t.data_tokens,
+        test_grid=t.test_sizes,
+        lm_loss=t.lm_loss,
     )
 
 

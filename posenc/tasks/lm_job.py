@@ -71,9 +71,9 @@ def lm_datamodule(cfg: Run[schema.LMTask]) -> LMDataModule:
         eval_lengths=schema.eval_lengths(cfg.task),
         eval_max_tokens=t.eval.max_tokens,
         seed=cfg.seed,
-        passkey_mix=float(t.get("passkey_mix", 0.0)),
+        passkey_mix=float(t.passkey_mix),
         passkey_key_len=int(t.eval.passkey.key_len),
-        passkey_answer_weight=float(t.get("passkey_answer_weight", 1.0)),
+        passkey_answer_weight=float(t.passkey_answer_weight),
     )
 
 
@@ -85,7 +85,7 @@ def lm_task(
     if cfg.eval_only:  # config validation guarantees ckpt_path
         task = load_for_eval(LMTask, cfg, vocab_size, tokenizer)
         trained = task.hparams["seq_len"]
-        if cfg.task.eval.get("context_extension") and trained != cfg.task.seq_len:
+        if cfg.task.eval.context_extension and trained != cfg.task.seq_len:
             log.warning(
                 "context extension takes task.seq_len=%d as the original length, but the "
                 "checkpoint was trained at %d; set task.seq_len=%d",
@@ -113,7 +113,7 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
     dm.setup("fit")
     check_splits(cfg, dm.splits)
     check_lm_batch(cfg, dm.lm_split_tokens("train").numel(), dm.vocab_size)
-    if schema.passkey_lengths(cfg.task) or cfg.task.get("passkey_mix", 0):
+    if schema.passkey_lengths(cfg.task) or cfg.task.passkey_mix:
         check_passkey(
             cfg,
             lm_passkey.passkey_format(cfg, dm).min_length(),
@@ -154,7 +154,7 @@ def extension_setting(cfg: Run[schema.LMTask], method: str, length: int) -> Exte
     ``task.seq_len``; ``extension_factor=auto`` gives ``s = max(1, length / seq_len)`` (and
     ``alpha = 1`` for ``dynamic_ntk``, whose ``s'`` then equals ``l / L``)."""
     seq_len = cfg.task.seq_len
-    factor = cfg.task.eval.get("extension_factor", "auto")
+    factor = cfg.task.eval.extension_factor
     if factor == "auto":
         factor = 1.0 if method == "dynamic_ntk" else max(1.0, length / seq_len)
     return Extension(method, float(factor), int(seq_len))
@@ -171,7 +171,7 @@ def eval_loaders(
     encoder = task.model.encoder
     limit, enc_name = encoder.max_length, type(encoder).__name__
     supported = encoder.scaling_methods
-    methods = [None, *cfg.task.eval.get("context_extension", [])]
+    methods = [None, *cfg.task.eval.context_extension]
     names, lengths, extensions, loaders, skipped = [], [], [], [], {}
     for split in cfg.task.eval.splits:
         for length in schema.eval_lengths(cfg.task):
@@ -245,7 +245,7 @@ def finish_lm(
         "eval_lengths": schema.eval_lengths(cfg.task),
         "protocols": {p: PROTOCOL_DOC[p] for p in cfg.task.eval.protocols},
         "context_extension": {
-            m: EXTENSION_DOC[m] for m in cfg.task.eval.get("context_extension", [])
+            m: EXTENSION_DOC[m] for m in cfg.task.eval.context_extension
         },
         # Per metric: the method, s (alpha for dynamic_ntk) and original length L used.
         "extension_settings": {

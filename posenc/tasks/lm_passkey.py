@@ -75,7 +75,7 @@ def evaluate(
     fmt = passkey_format(cfg, dm)
     model = model.to(device).eval()
     limit, enc_name = model.encoder.max_length, type(model.encoder).__name__
-    unlearned = learned is False and not p.get("measure_unlearned", False)
+    unlearned = learned is False and not p.measure_unlearned
     metrics: dict[str, float] = {}
     skipped: dict[str, str] = {}
     grids: dict[str, list[list[float]]] = {}
@@ -109,7 +109,7 @@ def evaluate(
                 length,
                 depths,
                 samples=p.samples,
-                seed=p.get("seed", 0),
+                seed=p.seed,
                 batch_size=cfg.task.eval_batch_size,
                 device=device,
                 log=partial(log.info, "%s %s", split),  # log(line): "<split> <line>"
@@ -124,7 +124,7 @@ def evaluate(
         "doc": DOC,
         "key_len": fmt.key_len,
         "samples": int(p.samples),
-        "seed": int(p.get("seed", 0)),
+        "seed": int(p.seed),
         "lengths": lengths,
         "depths": depths,
         "accuracy": grids,  # split -> [length][depth]
@@ -168,7 +168,7 @@ class PasskeyValidation(pl.Callback):
         self.stream = dm.lm_split_tokens("val")
         self.length = int(cfg.task.seq_len)
         self.depths = [float(d) for d in p.depths]
-        self.samples, self.seed = int(p.samples), int(p.get("seed", 0))
+        self.samples, self.seed = int(p.samples), int(p.seed)
         self.batch_size = int(cfg.task.eval_batch_size)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -191,6 +191,6 @@ class PasskeyValidation(pl.Callback):
 
 def validation_callbacks(cfg: Run[schema.LMTask], dm: LMDataModule) -> list[pl.Callback]:
     """:class:`PasskeyValidation` for a run trained on the passkey mix (none otherwise)."""
-    if not cfg.task.get("passkey_mix") or cfg.eval_only:
+    if not cfg.task.passkey_mix or cfg.eval_only:
         return []
     return [PasskeyValidation(cfg, dm)]

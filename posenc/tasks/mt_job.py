@@ -95,7 +95,7 @@ def run(cfg: Run[schema.MTTask], run_dir: Path) -> dict[str, Any]:
         beam_size=d.beam_size,
         length_penalty=d.length_penalty,
         max_sentences=cfg.task.eval_max_sentences,
-        use_cache=d.get("use_cache", True),
+        use_cache=d.use_cache,
     )
     loader = dm.test_dataloader() if split == "test" else dm.val_dataloader()
     trainer = fitted.trainer
