@@ -244,9 +244,7 @@ def finish_lm(
         "seq_len": cfg.task.seq_len,
         "eval_lengths": schema.eval_lengths(cfg.task),
         "protocols": {p: PROTOCOL_DOC[p] for p in cfg.task.eval.protocols},
-        "context_extension": {
-            m: EXTENSION_DOC[m] for m in cfg.task.eval.context_extension
-        },
+        "context_extension": {m: EXTENSION_DOC[m] for m in cfg.task.eval.context_extension},
         # Per metric: the method, s (alpha for dynamic_ntk) and original length L used.
         "extension_settings": {
             n: e._asdict()
