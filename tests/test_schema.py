@@ -137,11 +137,11 @@ def test_a_file_setting_a_key_the_schema_lacks_is_one_line() -> None:
 
 
 def test_the_job_receives_the_typed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import posenc.tasks.lm_job as lm_job
-    from posenc.train import train
+    from posenc.train import JOBS, Job, train
 
     seen: list[Any] = []
-    monkeypatch.setattr(lm_job, "run", lambda cfg, run_dir: seen.append(cfg) or {})
+    fake = lambda cfg, run_dir: seen.append(cfg) or {}  # noqa: E731
+    monkeypatch.setitem(JOBS, "lm", Job("lm", schema.LMTask, fake))
     train(compose_run(tmp_path))
     assert len(seen) == 1 and isinstance(seen[0], schema.Run)
     assert isinstance(seen[0].task, schema.LMTask) and isinstance(seen[0].task.seq_len, int)

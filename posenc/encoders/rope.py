@@ -698,7 +698,13 @@ class RoPE(PositionalEncoder):
         same = ctx.k_pos is ctx.q_pos
         k_tables = None if same else self.tables(ctx.k_pos, theta=theta)
         put_rotation_tables(ctx, self.layout, q_tables, k_tables)
-        if theta[1] != 1.0 and self.rot_dim < self.head_dim and self.scaling.yarn_temper == "score":
+        sc = self.scaling
+        if (
+            sc.method == "yarn"
+            and theta[1] != 1.0
+            and self.rot_dim < self.head_dim
+            and sc.yarn_temper == "score"
+        ):
             ctx.put(PASS_SCALE, theta[1])
 
     def for_attention(self, *, layer: int, kind: AttnKind) -> AttentionPositional:

@@ -44,12 +44,12 @@ def run(q, k, v, w, beta, *, pad=None, log_f=None) -> Tensor:
         shifted = torch.arange(t)[None] - torch.tensor(pad)[:, None]
         valid, pos = shifted >= 0, shifted.clamp(min=0)
     ctx = enc.context(pos, pos, AttnKind.CAUSAL)
-    ctx.put("path_w", w, query_dim=2)
-    ctx.put("path_beta", beta, query_dim=2)
+    ctx.put(path.W, w)
+    ctx.put(path.BETA, beta)
     if log_f is not None:
         g = log_f.cumsum(-1)
-        ctx.put("path_gate_q", g, query_dim=2)
-        ctx.put("path_gate_k", g, key_dim=2)
+        ctx.put(path.GATE_Q, g)
+        ctx.put(path.GATE_K, g)
     return attend(hook, q, k, v, ctx, key_valid=valid, shift=0, p_drop=0.0)
 
 
