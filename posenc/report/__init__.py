@@ -566,7 +566,7 @@ def _test_table(
     cells: dict[tuple[str, MetricName], Row] = {}
     extensions: dict[str, set[str]] = {}
     for r in task_rows:
-        if r.metric.startswith("test/"):
+        if r.metric.split_name == "test":
             plain, ext = r.metric.plain, r.metric.extension
             if ext and r.n == 0 and not r.dropped:
                 continue  # a method the encoder lacks (all skipped): no row of blanks

@@ -70,7 +70,8 @@ def _lm_lines(record: LMRecord) -> list[str]:
     splits = [k.split_name for k in m if k.length is not None]
     split = "test" if "test" in splits else (splits[0] if splits else "test")
     rows, lengths = lm_rows(m, split)
-    passkey = "; passkey: retrieval accuracy" if "passkey" in rows else ""
+    retrieval = any(k.kind == "passkey" and k.split_name == split and k.length for k in m)
+    passkey = "; passkey: retrieval accuracy" if retrieval else ""
     head = f"posenc: {record.encoder} on {record.task}, seed {record.seed}"
     return [
         f"{head}: {split} perplexity by evaluation length (trained at "
