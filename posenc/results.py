@@ -15,10 +15,9 @@ is refused with one line (:class:`~posenc.errors.RecordError`).
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -160,17 +159,18 @@ class Standing:
     learned_step: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Passkey:
-    """An LM run's passkey-retrieval grid: ``accuracy[split][length index][depth index]``."""
+    """An LM run's passkey-retrieval grid: ``accuracy[split][length index][depth index]``,
+    and the settings of its instances (:func:`posenc.tasks.lm_passkey.evaluate`)."""
 
-    lengths: list[int]
-    depths: list[float]
-    accuracy: dict[str, list[list[float]]]
     doc: str = ""
     key_len: int | None = None
     samples: int | None = None
     seed: int | None = None
+    lengths: list[int] = field(default_factory=list)
+    depths: list[float] = field(default_factory=list)
+    accuracy: dict[str, list[list[float]]] = field(default_factory=dict)
 
 
 def task_key(task: str, problem: Any = None, shape: Any = None) -> str:
@@ -460,22 +460,7 @@ _CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "skipped": (names, dict),
     "loss_by_position": (names, dict),
     "gate": (_gate, lambda g: None if g is None else {**vars(g), "metric": str(g.metric)}),
-    "passkey": (
-        _passkey,
-        lambda p: (
-            {}
-            if p is None
-            else {
-                "doc": p.doc,
-                "key_len": p.key_len,
-                "samples": p.samples,
-                "seed": p.seed,
-                "lengths": p.lengths,
-                "depths": p.depths,
-                "accuracy": p.accuracy,
-            }
-        ),
-    ),
+    "passkey": (_passkey, lambda p: {} if p is None else vars(p)),  # {}: the evaluation was off
     "by_size": (_by_size, _to_list_keys),
     "by_size_variants": (
         lambda v: {k: _by_size(b) for k, b in (v or {}).items()},
@@ -546,12 +531,6 @@ def write(path: Path, record: Record) -> None:
     write_text_atomic(path, json.dumps(to_json(record), indent=2, default=str))
 
 
-def finite(record: Record, name: MetricName) -> float | None:
-    """The metric's value when it is a finite number, else None."""
-    value = _number(record.metrics.get(name))
-    return value if value is not None and math.isfinite(value) else None
-
-
 __all__ = [
     "FILE",
     "VERSION",
@@ -566,7 +545,6 @@ __all__ = [
     "from_json",
     "names",
     "read",
-    "replace",
     "task_key",
     "to_json",
     "write",

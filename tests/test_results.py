@@ -63,7 +63,15 @@ def records() -> list[Record]:
             scored_tokens={ppl: 640},
             skipped={MetricName("test/ppl@64"): "max_len"},
             loss_by_position={ppl: [1.0, 2.0]},
-            passkey=Passkey([16], [0.0, 1.0], {"test": [[1.0, 0.5]]}, "doc", 5, 4, 0),
+            passkey=Passkey(
+                doc="doc",
+                key_len=5,
+                samples=4,
+                seed=0,
+                lengths=[16],
+                depths=[0.0, 1.0],
+                accuracy={"test": [[1.0, 0.5]]},
+            ),
         ),
         MTRecord(
             **COMMON,
@@ -290,9 +298,11 @@ def string_reads(tree: ast.AST) -> list[int]:
                 read = read or _metric_text(node.args[0])
             if read:
                 lines.append(node.lineno)
-        elif isinstance(node, ast.Compare) and any(
-            isinstance(op, ast.In | ast.NotIn) for op in node.ops
-        ) and (_key_text(node.left) or _metric_text(node.left)):
+        elif (
+            isinstance(node, ast.Compare)
+            and any(isinstance(op, ast.In | ast.NotIn) for op in node.ops)
+            and (_key_text(node.left) or _metric_text(node.left))
+        ):
             lines.append(node.lineno)
     return lines
 
