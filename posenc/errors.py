@@ -34,3 +34,9 @@ class DataFileNotFound(DataError, FileNotFoundError):
 
 class TrainingDiverged(UserError, FloatingPointError):
     """The training loss became NaN or infinite: the message gives the step and the fix."""
+
+
+class RecordError(UserError, ValueError):
+    """A run's ``metrics.json`` is not a record this posenc reads (not a result, a
+    version it does not know, a metric that is not a number). A ``ValueError`` too: the
+    sweep report lists such a run as unreadable and goes on."""

@@ -22,7 +22,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import matplotlib
 
@@ -32,7 +32,10 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
-from posenc.runs import LEARNED, NOT_LEARNED, Row, Run, split_extension, summarize
+from posenc.results import AlgoRecord, LMRecord, MetricName, MTRecord, Record
+from posenc.runs import LEARNED, NOT_LEARNED, Row, Run, summarize
+
+R = TypeVar("R", bound=Record)
 
 #: (mean, std or None) of one point.
 Point = tuple[float, float | None]
@@ -476,12 +479,27 @@ def _relabel(curves: Mapping[str, Any], labels: Mapping[str, str]) -> dict[str, 
     return out
 
 
-def _points(rows: Sequence[Row], task: str, prefix: str) -> dict[str, dict[str, Point]]:
-    """encoder -> suffix after ``prefix`` -> (mean, std), finite means only."""
-    out: dict[str, dict[str, Point]] = {}
+def _typed(run: Run, cls: type[R]) -> R:
+    """The run's record as the task's record type (an empty one if it is another task's)."""
+    return run.record if isinstance(run.record, cls) else cls()
+
+
+def _at(name: MetricName, split: str, kind: str, extension: str = "") -> bool:
+    """Whether ``name`` is ``<split>/<kind>[+<extension>]`` at some length or bucket."""
+    return (name.split_name, name.kind, name.extension) == (split, kind, extension) and bool(
+        name.where
+    )
+
+
+def _points(
+    rows: Sequence[Row], task: str, split: str, kind: str, extension: str = ""
+) -> dict[str, dict[MetricName, Point]]:
+    """encoder -> metric -> (mean, std) of ``<split>/<kind>[+<extension>]`` at each length
+    or bucket, finite means only."""
+    out: dict[str, dict[MetricName, Point]] = {}
     for r in rows:
-        if r.task == task and r.metric.startswith(prefix) and r.mean is not None:
-            out.setdefault(r.encoder, {})[r.metric[len(prefix) :]] = (r.mean, r.std)
+        if r.task == task and _at(r.metric, split, kind, extension) and r.mean is not None:
+            out.setdefault(r.encoder, {})[r.metric] = (r.mean, r.std)
     return out
 
 
@@ -492,8 +510,8 @@ def _extensions(rows: Sequence[Row], split: str, task: str = "lm") -> list[str]:
         {
             ext
             for r in rows
-            if r.task == task and r.metric.startswith(f"{split}/")
-            for ext in [split_extension(r.metric)[1]]
+            if r.task == task and r.metric.split_name == split
+            for ext in [r.metric.extension]
             if ext
         }
     )
@@ -506,8 +524,8 @@ def _length_curves(
     out: dict[str, dict[int, Point]] = {}
     for ext in ["", *extensions]:
         suffix = f"+{ext}" if ext else ""
-        for e, pts in _points(rows, task, f"{split}/{kind}{suffix}@").items():
-            curve = {int(k): v for k, v in pts.items() if k.isdigit()}
+        for e, pts in _points(rows, task, split, kind, ext).items():
+            curve = {n.length: v for n, v in pts.items() if n.length is not None}
             if curve:
                 out[f"{e}{suffix}"] = curve
     # Each encoder's methods right after it (plain curves come first, in display order).
@@ -535,10 +553,10 @@ def _lm_task_figures(
     by_group: Mapping[tuple[str, str], Sequence[Run]],
     rows: Sequence[Row],
 ) -> dict[str, Figure]:
-    train_len = _most_common([r.data.get("seq_len") for r in lm])
+    train_len = _most_common([_typed(r, LMRecord).seq_len for r in lm])
     labels = _labels(by_group, task)
     figs: dict[str, Figure] = {}
-    splits = sorted({m.split("/")[0] for r in lm for m in r.data.get("metrics", {}) if "@" in m})
+    splits = sorted({m.split_name for r in lm for m in r.record.metrics if m.where})
     for split in splits:
         panels = {}
         extensions = _extensions(rows, split, task)
@@ -554,23 +572,25 @@ def _lm_task_figures(
         for (t, encoder), rs in by_group.items():
             if t != task:
                 continue
-            for suffix in ["", *(f"+{ext}" for ext in extensions)]:
+            for ext in ["", *extensions]:
+                suffix = f"+{ext}" if ext else ""
+                loss_curves = [(r, _typed(r, LMRecord).loss_by_position) for r in rs]
                 names = {
                     n
-                    for r in rs
-                    for n in r.data.get("loss_by_position", {})
-                    if n.startswith(f"{split}/ppl{suffix}@") and r.counts(n)
+                    for r, by_name in loss_curves
+                    for n in by_name
+                    if _at(n, split, "ppl", ext) and r.counts(n)
                 }
                 if not names:
                     continue
-                longest = max(names, key=lambda n: int(n.rsplit("@", 1)[1]))
+                longest = max(names, key=lambda n: n.length or 0)
                 arrays = [
-                    r.data["loss_by_position"][longest]
-                    for r in rs
-                    if longest in r.data.get("loss_by_position", {}) and r.counts(longest)
+                    by_name[longest]
+                    for r, by_name in loss_curves
+                    if longest in by_name and r.counts(longest)
                 ]
                 label = next(iter(_relabel({f"{encoder}{suffix}": 0}, labels)))
-                label += f" (L={longest.rsplit('@', 1)[1]}, n={len(arrays)})"
+                label += f" (L={longest.where}, n={len(arrays)})"
                 by_position[label] = [sum(col) / len(col) for col in zip(*arrays, strict=False)]
         if by_position:
             figs[f"{task}_{split}_loss_by_position"] = loss_by_position(
@@ -603,32 +623,32 @@ def passkey_means(
     """
     out: dict[str, PasskeyMean] = {}
     for (task, encoder), rs in by_group.items():
-        have = [r for r in rs if split in ((r.data.get("passkey") or {}).get("accuracy") or {})]
-        have = have if task.startswith("lm") else []
+        blocks = {
+            id(r): block
+            for r in rs
+            for block in [_typed(r, LMRecord).passkey]
+            if block is not None and split in block.accuracy
+        }
+        have = [r for r in rs if id(r) in blocks] if task.startswith("lm") else []
         if not have:
             continue
         shape = _most_common(
-            [
-                (tuple(r.data["passkey"]["lengths"]), tuple(r.data["passkey"]["depths"]))
-                for r in have
-            ]
+            [(tuple(blocks[id(r)].lengths), tuple(blocks[id(r)].depths)) for r in have]
         )
         grids = [
-            r
-            for r in have
-            if (tuple(r.data["passkey"]["lengths"]), tuple(r.data["passkey"]["depths"])) == shape
+            r for r in have if (tuple(blocks[id(r)].lengths), tuple(blocks[id(r)].depths)) == shape
         ]
         lengths, depths = shape
         mean, blank = [], []
         for i, length in enumerate(lengths):
-            counted = [r for r in grids if r.counts(f"{split}/passkey@{length}")]
+            counted = [r for r in grids if r.counts(MetricName.of(split, "passkey", length))]
             blank.append("skipped" if counted else "not learned")
             row = []
             for j in range(len(depths)):
                 vals = [
                     v
                     for r in counted
-                    for v in [r.data["passkey"]["accuracy"][split][i][j]]
+                    for v in [blocks[id(r)].accuracy[split][i][j]]
                     if isinstance(v, int | float) and math.isfinite(v)
                 ]
                 row.append(sum(vals) / len(vals) if vals else math.nan)
@@ -666,20 +686,17 @@ def _mt_figures(
     figs: dict[str, Figure] = {}
     for task in sorted({r.task for r in runs if r.base_task == "mt"}):
         mt = [r for r in runs if r.task == task]
-        for split in sorted({str(r.data.get("eval_split", "test")) for r in mt}):
-            prefix = f"{split}/bleu@"
-            bars = _relabel(_points(rows, task, prefix), _labels(by_group, task))
+        for split in sorted({str(_typed(r, MTRecord).eval_split) for r in mt}):
+            points = _points(rows, task, split, "bleu")
+            by_bucket = {e: {n.where: p for n, p in pts.items()} for e, pts in points.items()}
+            bars = _relabel(by_bucket, _labels(by_group, task))
             # Every bucket gets a slot, also one no run had sentences in (no bar there).
             buckets = sorted(
-                {
-                    r.metric[len(prefix) :]
-                    for r in rows
-                    if r.task == task and r.metric.startswith(prefix)
-                },
+                {r.metric.where for r in rows if r.task == task and _at(r.metric, split, "bleu")},
                 key=_bucket_start,
             )
             if buckets:
-                train_max = _most_common([r.data.get("max_train_src_len") for r in mt])
+                train_max = _most_common([_typed(r, MTRecord).max_train_src_len for r in mt])
                 figs[f"{task}_{split}_bleu_by_length"] = bleu_by_bucket(
                     bars, buckets, train_max, f"MT {split} BLEU by source length"
                 )
@@ -743,22 +760,24 @@ def _algo_figures(by_group: Mapping[tuple[str, str], Sequence[Run]]) -> dict[str
         for (t, encoder), rs in by_group.items():
             if t != task:
                 continue
-            sizes = sorted({int(n) for r in rs for n in r.data.get("by_size", {})})
+            records = [(r, _typed(r, AlgoRecord)) for r in rs]
+            sizes = sorted({n for _, rec in records for n in rec.by_size})
             for metric, curves in panels.items():
                 curve = {}
                 for n in sizes:
                     mean, std, count, _ = summarize(
-                        r.data["by_size"].get(str(n), {}).get(metric)
-                        for r in rs
-                        if r.counts(f"test/{metric}@len{n}-{n}")
+                        rec.by_size.get(n, {}).get(metric)
+                        for r, rec in records
+                        if r.counts(rec.size_metric(metric, n))
                     )
                     if count and mean is not None:
                         curve[n] = (mean, std)
                 if curve:
                     curves[learned_label(encoder, rs)] = curve
-        trained = _most_common([tuple(r.data.get("train_lengths", ())) or None for r in runs])
-        problem = _most_common([r.data.get("problem") for r in runs])
-        shape = _most_common([r.data.get("shape") for r in runs])
+        algo = [_typed(r, AlgoRecord) for r in runs]
+        trained = _most_common([tuple(rec.train_lengths) or None for rec in algo])
+        problem = _most_common([rec.problem for rec in algo])
+        shape = _most_common([rec.shape for rec in algo])
         if any(panels.values()):
             figs[f"{task}_accuracy_vs_size"] = accuracy_vs_size(
                 {k: v for k, v in panels.items() if v},

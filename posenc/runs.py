@@ -6,47 +6,21 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_KIND_ORDER = {
-    "ppl": 0,
-    "ppl_sw": 1,
-    "passkey": 2,
-    "bleu": 0,
-    "chrf": 1,
-    "seq_acc": 0,
-    "acc": 1,
-    "loss": 2,
-}
-
+from posenc.results import MetricName, Record
 
 #: A run's standing at the learnability gate (``learned`` in ``metrics.json``).
 LEARNED, NOT_LEARNED, NO_GATE, UNKNOWN = "learned", "not learned", "no gate", "unknown"
 
 
-def task_key(task: str, problem: Any = None, shape: Any = None) -> str:
-    """``lm``, ``mt``, or ``algo_<problem>`` (``..._encdec`` for the encoder-decoder): each
-    algorithmic problem is a table of its own, and a tuned learning rate is per table."""
-    if task == "algo":
-        name = "?" if problem is None else problem
-        return f"algo_{name}_encdec" if shape == "encdec" else f"algo_{name}"
-    return task
-
-
-def _start(where: str) -> int | None:
-    """The first number of ``128`` or ``len5-8`` / ``len25+`` (None if it has none)."""
-    found = re.search(r"\d+", where)
-    return int(found.group()) if found else None
-
-
 @dataclass
 class Run:
-    """One finished job: its directory and the contents of its ``metrics.json``.
+    """One finished job: its directory and its record (:mod:`posenc.results`).
 
     Attributes:
         arm: Which learning-rate arm of its task the run belongs to (``same_lr``,
@@ -54,15 +28,13 @@ class Run:
     """
 
     dir: Path
-    data: dict[str, Any]
+    record: Record
     arm: str = ""
 
     @property
     def base_task(self) -> str:
-        """:func:`task_key` of the run."""
-        return task_key(
-            str(self.data.get("task", "?")), self.data.get("problem"), self.data.get("shape")
-        )
+        """:func:`~posenc.results.task_key` of the run."""
+        return self.record.table
 
     @property
     def task(self) -> str:
@@ -72,60 +44,34 @@ class Run:
 
     @property
     def encoder(self) -> str:
-        return str(self.data.get("encoder", "?"))
-
-    @property
-    def config(self) -> dict[str, Any]:
-        config = self.data.get("config")
-        return config if isinstance(config, dict) else {}
+        return str(self.record.encoder)
 
     @property
     def lr(self) -> float | None:
         """The peak learning rate it trained with (``task.optim.lr``)."""
-        optim = (self.config.get("task") or {}).get("optim") or {}
-        return as_float(optim.get("lr"))
+        return self.record.lr
 
     @property
     def tuned(self) -> dict[str, Any] | None:
         """Where its learning rate came from when tuned (``+tuned=...``), else None."""
-        tuned = self.config.get("tuned")
-        return tuned if isinstance(tuned, dict) else None
+        return self.record.tuned
 
     @property
     def learned(self) -> str:
         """:data:`LEARNED` or :data:`NOT_LEARNED` at its gate, :data:`NO_GATE`, or
         :data:`UNKNOWN` (a ``metrics.json`` from before the gate, or no validation)."""
-        if "learned" not in self.data:
+        record = self.record
+        if not record.gate_recorded:
             return UNKNOWN
-        if not self.data.get("gate"):
+        if record.gate is None:
             return NO_GATE
-        value = self.data["learned"]
+        value = record.learned
         return UNKNOWN if value is None else LEARNED if value else NOT_LEARNED
 
-    def beyond_training(self, metric: str) -> bool:
-        """Whether ``metric`` is measured past the training length: an LM length over
-        ``seq_len``, an algorithmic size bucket starting past the largest trained size, a
-        translation bucket starting past ``max_train_src_len``."""
-        where = metric.partition("@")[2]
-        start = _start(where) if where else None
-        if start is None:
-            return False
-        task = self.data.get("task")
-        if task == "lm":
-            limit = self.data.get("seq_len")
-        elif task == "algo":
-            trained = self.data.get("train_lengths") or [None, None]
-            limit = trained[-1]
-        elif task == "mt":
-            limit = self.data.get("max_train_src_len")
-        else:
-            limit = None
-        return isinstance(limit, int) and start > limit
-
-    def counts(self, metric: str) -> bool:
+    def counts(self, metric: MetricName) -> bool:
         """Whether its value of ``metric`` enters the report: not when the run did not
         learn its task and the metric lies past the training length."""
-        return not (self.learned == NOT_LEARNED and self.beyond_training(metric))
+        return not (self.learned == NOT_LEARNED and self.record.beyond_training(metric))
 
 
 @dataclass
@@ -158,7 +104,7 @@ class Row:
 
     task: str
     encoder: str
-    metric: str
+    metric: MetricName
     mean: float | None
     std: float | None
     n: int
@@ -173,31 +119,9 @@ class Row:
 
 
 # ----------------------------------------------------------------------------- sort keys
-def split_extension(name: str) -> tuple[str, str]:
-    """``test/ppl+yarn@64`` -> ``("test/ppl@64", "yarn")``: the metric without its RoPE
-    context-extension method, and the method (``""`` for a plain metric)."""
-    head, at, where = name.partition("@")
-    head, _, extension = head.partition("+")
-    return f"{head}{at}{where}", extension
-
-
 def metric_key(name: str) -> tuple[Any, ...]:
-    """Sort key: test before val, then kind (ppl, ppl_sw / bleu, chrf), then context-extension
-    method (plain first), then numeric length or bucket start, overall (no ``@``) first:
-    ``test/ppl@128`` < ``test/ppl@1024`` < ``test/ppl+yarn@128``."""
-    plain, extension = split_extension(name)
-    split, _, rest = plain.partition("/")
-    kind, _, where = rest.partition("@")
-    num = re.search(r"\d+", where)
-    return (
-        {"test": 0, "val": 1}.get(split, 2),
-        split,
-        _KIND_ORDER.get(kind, 9),
-        kind,
-        extension,
-        int(num.group()) if num else -1,
-        where,
-    )
+    """Sort key of a metric name (:meth:`posenc.results.MetricName.sort_key`)."""
+    return MetricName(name).sort_key()
 
 
 @functools.cache

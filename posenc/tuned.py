@@ -33,6 +33,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from posenc.config import ConfigError
+from posenc.results import task_key
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,6 @@ def write(path: Path, tasks: dict[str, dict[str, Any]], sweep: Path | Sequence[P
 
 def run_key(cfg: DictConfig) -> tuple[str, str]:
     """The task and encoder names a run has in reports (and in the tuned-lr file)."""
-    from posenc.runs import task_key
     from posenc.training.trainer import group_choice
 
     t = cfg.task

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from posenc.results import MetricName
+
 PROTOCOLS = {"nonoverlap": "ppl", "sliding": "ppl_sw"}
 
 
@@ -65,9 +67,8 @@ class TokenNLL(Metric):
 
 def metric_name(split: str, protocol: str, length: int, extension: str | None = None) -> str:
     """``test/ppl@512`` (non-overlapping windows) or ``test/ppl_sw@512`` (sliding); with a
-    RoPE context-extension method, ``test/ppl+yarn@512``."""
-    kind = PROTOCOLS[protocol] + (f"+{extension}" if extension else "")
-    return f"{split}/{kind}@{length}"
+    RoPE context-extension method, ``test/ppl+yarn@512`` (a :class:`MetricName`)."""
+    return MetricName.of(split, PROTOCOLS[protocol], length, extension or "")
 
 
 def describe_metric(name: str) -> str:
@@ -82,7 +83,5 @@ def describe_metric(name: str) -> str:
 def parse_metric(name: str) -> tuple[str, str, str, str]:
     """``test/ppl_sw+yarn@512`` -> ``("test", "ppl_sw", "yarn", "512")``; the extension is
     ``""`` for a plain run and the last part ``""`` for a name without ``@``."""
-    head, _, where = name.partition("@")
-    split, _, kind = head.partition("/")
-    base, _, extension = kind.partition("+")
-    return split, base, extension, where
+    parsed = MetricName(name)
+    return parsed.split_name, parsed.kind, parsed.extension, parsed.where

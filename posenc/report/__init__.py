@@ -28,8 +28,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
+from posenc import results
 from posenc.report.stats import BEST, TIE, ci95, lower_is_better, rank
 from posenc.report.tune import Grid, arm_note, assign_arms, grid_table, grids, write_tuned
+from posenc.results import COST_KEYS, LMRecord, MetricName, MTRecord
 from posenc.runs import (
     LEARNED,
     NO_GATE,
@@ -37,17 +39,15 @@ from posenc.runs import (
     Failure,
     Row,
     Run,
-    as_float,
     encoder_key,
     finite_values,
     infinite,
-    metric_key,
-    split_extension,
     summarize,
 )
+from posenc.runs import (
+    metric_key as metric_key,  # the sort key of metric names, for callers of the report
+)
 
-#: Compute columns: averaged over a group's runs so comparisons can be compute-matched.
-COST_KEYS = ("n_params", "tokens_per_s", "peak_memory_mb", "train_time_s")
 CSV_FIELDS = (
     "task",
     "encoder",
@@ -141,37 +141,32 @@ def collect(root: Path, exclude: Path | None = None) -> tuple[list[Run], list[Fa
             )
             continue
         try:
-            data = json.loads(source.read_text())
-            if not isinstance(data, dict) or not isinstance(data.get("metrics", {}), dict):
-                raise ValueError("not a posenc result (expected an object with 'metrics')")
-            # A skipped length is NaN or null; anything else that is not a number is a
-            # malformed result, never a "skipped" cell.
-            bad = {
-                k: v
-                for k, v in data.get("metrics", {}).items()
-                if v is not None and as_float(v) is None
-            }
-            if bad and source is metrics:
-                name, value = next(iter(bad.items()))
-                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-                raise ValueError(f"metric {name!r} is {value!r}, not a number{more}")
-        except (OSError, ValueError) as err:
+            if source is metrics:
+                runs.append(Run(d, results.read(metrics)))
+            else:
+                failures.append(_failed(d, error))
+        except (OSError, ValueError) as err:  # a RecordError is a ValueError too
             failures.append(Failure(d, "unreadable", f"{source.name}: {err}", **_hydra_record(d)))
-            continue
-        if source is metrics:
-            runs.append(Run(d, data))
-        else:
-            failures.append(
-                Failure(
-                    d,
-                    "failed",
-                    f"{data.get('error_type', 'Error')}: {data.get('message', '')}",
-                    task=str(data.get("task", "?")),
-                    encoder=str(data.get("encoder", "?")),
-                    seed=data.get("seed"),
-                )
-            )
     return runs, failures
+
+
+def _failed(d: Path, error: Path) -> Failure:
+    """A job that recorded its failure in ``error.json`` (:func:`posenc.cli` writes it).
+
+    Raises:
+        ValueError: Not JSON, or not an object.
+    """
+    data = json.loads(error.read_text())
+    if not isinstance(data, dict):
+        raise ValueError("not a posenc result (expected an object with 'metrics')")
+    return Failure(
+        d,
+        "failed",
+        f"{data.get('error_type', 'Error')}: {data.get('message', '')}",
+        task=str(data.get("task", "?")),
+        encoder=str(data.get("encoder", "?")),
+        seed=data.get("seed"),
+    )
 
 
 def groups(runs: Sequence[Run]) -> dict[tuple[str, str], list[Run]]:
@@ -189,11 +184,11 @@ def aggregate(runs: Sequence[Run]) -> list[Row]:
     out of metrics past the training length (``dropped``)."""
     rows = []
     for (task, encoder), rs in groups(runs).items():
-        cost = {k: summarize(r.data.get(k) for r in rs)[0] for k in COST_KEYS}
-        names = sorted({m for r in rs for m in r.data.get("metrics", {})}, key=metric_key)
+        cost = {k: summarize(r.record.costs()[k] for r in rs)[0] for k in COST_KEYS}
+        names = sorted({m for r in rs for m in r.record.metrics}, key=MetricName.sort_key)
         for name in names:
-            having = [r for r in rs if name in r.data.get("metrics", {})]
-            present = [r.data["metrics"][name] for r in having if r.counts(name)]
+            having = [r for r in rs if name in r.record.metrics]
+            present = [r.record.metrics[name] for r in having if r.counts(name)]
             mean, std, n, skipped = summarize(present)
             values, _ = finite_values(present)
             overflowed = infinite(present)
@@ -223,7 +218,7 @@ def mark_rows(rows: Sequence[Row]) -> None:
     as the table shows it."""
     columns: dict[tuple[str, str], list[Row]] = defaultdict(list)
     for r in rows:
-        columns[r.task, split_extension(r.metric)[0]].append(r)
+        columns[r.task, r.metric.plain].append(r)
     for (_, metric), column in columns.items():
         marks = rank({str(i): r.values for i, r in enumerate(column)}, lower_is_better(metric))
         for i, r in enumerate(column):
@@ -253,7 +248,7 @@ def config_differences(runs: Sequence[Run]) -> list[str]:
     runs are averaged together, so the report says so."""
     notes = []
     for (task, encoder), rs in groups(runs).items():
-        flat = [_flatten(r.data.get("config", {})) for r in rs]
+        flat = [_flatten(r.record.config) for r in rs]
         keys = set().union(*flat) if flat else set()
         differ = sorted(
             k
@@ -361,13 +356,19 @@ def _notes(rs: Sequence[Run]) -> list[str]:
     """Protocol descriptions quoted from the runs (LM ``protocols``, MT BLEU settings)."""
     seen: dict[str, str] = {}
     for r in rs:
-        for name, doc in (r.data.get("protocols") or {}).items():
-            seen.setdefault(name, str(doc))
-        for name, doc in (r.data.get("context_extension") or {}).items():
-            seen.setdefault(f"+{name}", str(doc))
-        for key in ("bleu_signature", "bucket_doc"):
-            if r.data.get(key):
-                seen.setdefault(key, str(r.data[key]))
+        record = r.record
+        if isinstance(record, LMRecord):
+            for name, doc in record.protocols.items():
+                seen.setdefault(name, str(doc))
+            for name, doc in record.context_extension.items():
+                seen.setdefault(f"+{name}", str(doc))
+        if isinstance(record, MTRecord):
+            for key, doc in (
+                ("bleu_signature", record.bleu_signature),
+                ("bucket_doc", record.bucket_doc),
+            ):
+                if doc:
+                    seen.setdefault(key, str(doc))
     return [f"> **{k}**: {v}  " for k, v in seen.items()]
 
 
@@ -511,9 +512,12 @@ def position_table(task_groups: dict[str, list[Run]]) -> list[str]:
     curves: dict[str, list[list[float]]] = {}
     for e, rs in task_groups.items():
         for r in rs:
-            length = r.data.get("seq_len")
-            curve = r.data.get("loss_by_position", {}).get(f"test/ppl@{length}")
-            if isinstance(length, int) and isinstance(curve, list) and len(curve) == length:
+            record = r.record
+            if not isinstance(record, LMRecord) or record.seq_len is None:
+                continue
+            length = record.seq_len
+            curve = record.loss_by_position.get(MetricName.of("test", "ppl", length))
+            if isinstance(curve, list) and len(curve) == length:
                 curves.setdefault(e, []).append([float(x) for x in curve])
     if not curves:
         return []
@@ -559,16 +563,16 @@ def _test_table(
     """Encoders as rows, test metrics as columns; each context-extension method of an
     encoder is a row of its own (``rope+yarn``) under the plain metric's column. With a
     learnability gate, a ``learned`` column (k of n runs)."""
-    cells: dict[tuple[str, str], Row] = {}
+    cells: dict[tuple[str, MetricName], Row] = {}
     extensions: dict[str, set[str]] = {}
     for r in task_rows:
-        if r.metric.startswith("test/"):
-            plain, ext = split_extension(r.metric)
+        if r.metric.split_name == "test":
+            plain, ext = r.metric.plain, r.metric.extension
             if ext and r.n == 0 and not r.dropped:
                 continue  # a method the encoder lacks (all skipped): no row of blanks
             cells[f"{r.encoder}+{ext}" if ext else r.encoder, plain] = r
             extensions.setdefault(r.encoder, set()).add(ext)
-    metrics = sorted({m for _, m in cells}, key=metric_key)
+    metrics = sorted({m for _, m in cells}, key=MetricName.sort_key)
     single = all(len(rs) == 1 for rs in task_groups.values())
     body = []
     for e, rs in task_groups.items():

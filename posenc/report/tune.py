@@ -19,14 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from posenc.report.stats import ci95
-from posenc.runs import Failure, Run, encoder_key, finite_values, task_key
+from posenc.results import MetricName, task_key
+from posenc.runs import Failure, Run, encoder_key, finite_values
 
 #: Per task (its name in metrics.json): the validation metric that chooses a rate, and
 #: whether lower is better. MT's BLEU of the validation sentences when logged, else loss.
-CRITERIA: dict[str, list[tuple[str, bool]]] = {
-    "lm": [("val/loss", True)],
-    "algo": [("val/loss", True)],
-    "mt": [("val/bleu", False), ("val/loss", True)],
+VAL_LOSS, VAL_BLEU = MetricName.of("val", "loss"), MetricName.of("val", "bleu")
+CRITERIA: dict[str, list[tuple[MetricName, bool]]] = {
+    "lm": [(VAL_LOSS, True)],
+    "algo": [(VAL_LOSS, True)],
+    "mt": [(VAL_BLEU, False), (VAL_LOSS, True)],
 }
 
 
@@ -92,7 +94,7 @@ class Grid:
     """The learning-rate grid of one task: criterion, rates, cells and choices."""
 
     task: str
-    metric: str
+    metric: MetricName
     lower: bool
     rates: list[float]
     cells: dict[str, dict[float, GridCell]]
@@ -153,7 +155,7 @@ def grids(runs: Sequence[Run], failures: Sequence[Failure] = ()) -> list[Grid]:
         metric, lower = _criterion(rs)
         cells: dict[str, dict[float, GridCell]] = {}
         for r in rs:
-            values, not_finite = finite_values([r.data.get("metrics", {}).get(metric)])
+            values, not_finite = finite_values([r.record.metrics.get(metric)])
             cell = cells.setdefault(r.encoder, {}).setdefault(r.lr, GridCell([]))  # type: ignore[arg-type]
             cell.values += values
             cell.failed += not_finite
@@ -217,12 +219,11 @@ def _config_from_overrides(failure: Failure) -> dict[str, Any] | None:
     return {str(k): v for k, v in out.items()}
 
 
-def _criterion(runs: Sequence[Run]) -> tuple[str, bool]:
+def _criterion(runs: Sequence[Run]) -> tuple[MetricName, bool]:
     """The first criterion of the task's list that every run logged."""
-    task = str(runs[0].data.get("task"))
-    options = CRITERIA.get(task, [("val/loss", True)])
+    options = CRITERIA.get(runs[0].record.task, [(VAL_LOSS, True)])
     for metric, lower in options:
-        if all(metric in r.data.get("metrics", {}) for r in runs):
+        if all(metric in r.record.metrics for r in runs):
             return metric, lower
     return options[-1]
 

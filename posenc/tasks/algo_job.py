@@ -18,6 +18,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from posenc import schema
 from posenc.data.algo import AlgoDataModule, bucket_name
 from posenc.plots import accuracy_vs_size
+from posenc.results import AlgoRecord, BySize, MetricName, names
 from posenc.schema import Run
 from posenc.tasks.algo import AlgoTask
 from posenc.training import job
@@ -141,7 +142,7 @@ def run(cfg: Run[schema.AlgoTask], run_dir: Path) -> dict[str, Any]:
 
 def by_size(
     results: dict[str, Any], sizes: list[int], kinds: tuple[str, ...] = ("seq_acc", "acc")
-) -> dict[str, dict[str, float]]:
+) -> BySize:
     """Per size: instances, ``seq_acc`` and ``acc`` and the other ``kinds`` (percent)."""
     out = {}
     for n in sizes:
@@ -149,7 +150,7 @@ def by_size(
         row: dict[str, float] = {"count": int(part["count"])}
         for kind in dict.fromkeys(("seq_acc", "acc", *kinds)):
             row[kind] = METRICS[kind](part)
-        out[str(n)] = row
+        out[n] = row
     return out
 
 
@@ -158,16 +159,15 @@ def bucket_metrics(
     ranges: list[tuple[int, int]],
     kinds: tuple[str, ...] = ("seq_acc", "acc"),
     variant: str = "",
-) -> dict[str, float]:
+) -> dict[MetricName, float | None]:
     """``test/<kind>@len<a>-<b>`` (percent) per bucket and kind (``<kind>_<variant>`` for
     a test variant): sums over the sizes of the bucket, so every instance weighs the same."""
-    metrics: dict[str, float] = {}
+    metrics: dict[MetricName, float | None] = {}
     for a, b in ranges:
         part = {k: float(v[a : b + 1].sum()) for k, v in results.items()}
         for kind in kinds:
-            metrics[f"test/{metric_name(kind, variant)}@{bucket_name((a, b))}"] = METRICS[kind](
-                part
-            )
+            name = MetricName.of("test", metric_name(kind, variant), bucket_name((a, b)))
+            metrics[name] = METRICS[kind](part)
     return metrics
 
 
@@ -184,54 +184,53 @@ def finish(
     lo, hi = (int(x) for x in t.train_lengths)
     problem = dm.problem
     ranges = dm.buckets(int(t.bucket_width))
-    metrics: dict[str, float] = {}
+    metrics: dict[MetricName, float | None] = {}
     for variant in problem.variants:
         metrics |= bucket_metrics(task.results[variant], ranges, problem.metrics, variant)
-    metrics |= fitted.val
+    metrics |= names(fitted.val)
     sizes = dm.test_sizes()
     kinds = tuple(dict.fromkeys(("seq_acc", "acc", *problem.metrics)))  # by_size's
-    fields = {
-        "task": "algo",
-        "problem": t.problem,
-        "shape": t.shape,
-        "encoder": label(cfg),
-        "encoder_class": cfg.encoder._target_.rsplit(".", 1)[-1],
-        "seed": cfg.seed,
-        "train_lengths": [lo, hi],
-        "size_means": problem.size,
-        "source": problem.paper,
-        "test_sizes": dm.grid,
-        "buckets": [bucket_name(r) for r in ranges],
-        "metric_doc": {k: METRIC_DOC[k] for k in kinds},
-        "table_metrics": [metric_name(k, v) for v in problem.variants for k in problem.metrics],
-        "metrics": metrics,
-        "by_size": by_size(task.results[""], sizes, kinds),
-        "by_size_variants": {
-            v: by_size(task.results[v], sizes, kinds) for v in problem.variants if v
-        },
-    }
+    fields = AlgoRecord(
+        problem=t.problem,
+        shape=t.shape,
+        encoder=label(cfg),
+        encoder_class=cfg.encoder._target_.rsplit(".", 1)[-1],
+        seed=cfg.seed,
+        train_lengths=[lo, hi],
+        size_means=problem.size,
+        source=problem.paper,
+        test_sizes=dm.grid,
+        buckets=[bucket_name(r) for r in ranges],
+        metric_doc={k: METRIC_DOC[k] for k in kinds},
+        table_metrics=[metric_name(k, v) for v in problem.variants for k in problem.metrics],
+        metrics=metrics,
+        by_size=by_size(task.results[""], sizes, kinds),
+        by_size_variants={v: by_size(task.results[v], sizes, kinds) for v in problem.variants if v},
+    )
     result = job.record(cfg, task, fitted, throughput, fields)
-    job.write(run_dir, fitted.trainer, result, lambda: _tensorboard(fitted.trainer, cfg, result))
-    return result
+    return job.write(
+        run_dir, fitted.trainer, result, lambda: _tensorboard(fitted.trainer, cfg, result)
+    )
 
 
-def _tensorboard(trainer: pl.Trainer, cfg: Run[schema.AlgoTask], result: dict[str, Any]) -> None:
+def _tensorboard(trainer: pl.Trainer, cfg: Run[schema.AlgoTask], result: AlgoRecord) -> None:
     logger = trainer.logger
     if not isinstance(logger, TensorBoardLogger):
         return
     # The report's figure, with this run as the one curve of each panel.
     panels = {
-        k: {result["encoder"]: {int(n): (row[k], None) for n, row in result["by_size"].items()}}
+        k: {result.encoder: {n: (row[k], None) for n, row in result.by_size.items()}}
         for k in ("seq_acc", "acc")
     }
-    title = f"{result['encoder']}: {result['problem']} ({result['shape']})"
-    figure = accuracy_vs_size(panels, tuple(result["train_lengths"]), title)
+    title = f"{result.encoder}: {result.problem} ({result.shape})"
+    lo, hi = result.train_lengths
+    figure = accuracy_vs_size(panels, (lo, hi), title)
     logger.experiment.add_figure("test/accuracy_vs_size", figure, trainer.global_step)
     hparams = {
-        "encoder": result["encoder"],
+        "encoder": result.encoder,
         "task": "algo",
-        "problem": result["problem"],
-        "shape": result["shape"],
-        "n_params": result["n_params"],
+        "problem": result.problem,
+        "shape": result.shape,
+        "n_params": result.n_params,
     }
-    log_hparams(trainer, cfg, hparams, result["metrics"])
+    log_hparams(trainer, cfg, hparams, result.metrics)

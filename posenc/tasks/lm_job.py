@@ -4,6 +4,7 @@ protocol; ``metrics.json``, figures and HParams in the run directory."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,9 @@ from posenc.config import check_lm_batch, check_passkey, check_splits
 from posenc.data.lm import LMDataModule
 from posenc.data.samplers import ShardSampler
 from posenc.data.tokenizers import fingerprints, to_payload
-from posenc.eval.lengths import PROTOCOLS, metric_name, parse_metric
+from posenc.eval.lengths import PROTOCOLS, metric_name
 from posenc.plots import loss_by_position_figure, ppl_vs_length_figure
+from posenc.results import LMRecord, MetricName, Passkey, names
 from posenc.schema import Run
 from posenc.tasks import lm_passkey
 from posenc.tasks.lm import Extension, LMTask
@@ -142,9 +144,8 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
     elif best:  # the passkey evaluation scores the best weights too
         task.load_state_dict(checkpoints.load(best)["state_dict"])
     verdict = gate.result(cfg, trainer, fitted.val)
-    retrieves = (
-        verdict["learned"] if (verdict["gate"] or {}).get("metric") == gate.PASSKEY else None
-    )
+    held = verdict.gate
+    retrieves = verdict.learned if held is not None and held.metric == gate.PASSKEY else None
     passkey = lm_passkey.evaluate(cfg, dm, task.model, trainer.strategy.root_device, retrieves)
     return finish_lm(cfg, run_dir, task, fitted, throughput, skipped, passkey)
 
@@ -225,99 +226,94 @@ def finish_lm(
         passkey: :func:`posenc.tasks.lm_passkey.evaluate`'s block, metrics and skipped.
     """
     passkey_block, passkey_metrics, passkey_skipped = passkey
-    skipped = skipped | passkey_skipped
-    metrics: dict[str, float] = {n: float("nan") for n in skipped} | passkey_metrics
-    tokens: dict[str, int] = {}
-    by_position: dict[str, list[float]] = {}
-    for name, out in task.results.items():
+    not_run = names(skipped | passkey_skipped)
+    metrics: dict[MetricName, float | None] = {n: float("nan") for n in not_run}
+    metrics |= names(passkey_metrics)
+    tokens: dict[MetricName, int] = {}
+    by_position: dict[MetricName, list[float]] = {}
+    for name, out in names(task.results).items():
         metrics[name] = float(out["ppl"])
         tokens[name] = int(out["tokens"])
-        if parse_metric(name)[1] == "ppl":  # non-overlapping windows, with or without a method
+        if name.kind == "ppl":  # non-overlapping windows, with or without a method
             by_position[name] = [round(float(x), 5) for x in out["loss_by_position"]]
-    metrics = dict(sorted(metrics.items(), key=_metric_order)) | fitted.val
+    metrics = dict(sorted(metrics.items(), key=_metric_order)) | names(fitted.val)
     encoder = cfg.encoder._target_.rsplit(".", 1)[-1]
-    fields = {
-        "task": "lm",
-        "encoder": group_choice(cfg, "encoder"),
-        "encoder_class": encoder,
-        "seed": cfg.seed,
-        "seq_len": cfg.task.seq_len,
-        "eval_lengths": schema.eval_lengths(cfg.task),
-        "protocols": {p: PROTOCOL_DOC[p] for p in cfg.task.eval.protocols},
-        "context_extension": {m: EXTENSION_DOC[m] for m in cfg.task.eval.context_extension},
+    fields = LMRecord(
+        encoder=group_choice(cfg, "encoder"),
+        encoder_class=encoder,
+        seed=cfg.seed,
+        seq_len=cfg.task.seq_len,
+        eval_lengths=schema.eval_lengths(cfg.task),
+        protocols={p: PROTOCOL_DOC[p] for p in cfg.task.eval.protocols},
+        context_extension={m: EXTENSION_DOC[m] for m in cfg.task.eval.context_extension},
         # Per metric: the method, s (alpha for dynamic_ntk) and original length L used.
-        "extension_settings": {
-            n: e._asdict()
+        extension_settings={
+            MetricName(n): e._asdict()
             for n, e in zip(task.eval_names, task.eval_extensions, strict=True)
             if e is not None
         },
-        "metrics": metrics,
-        "scored_tokens": tokens,
-        "skipped": skipped,
-        "loss_by_position": by_position,
-        "passkey": passkey_block,
-    }
+        metrics=metrics,
+        scored_tokens=tokens,
+        skipped=not_run,
+        loss_by_position=by_position,
+        passkey=Passkey(**passkey_block) if passkey_block else None,
+    )
     result = job.record(cfg, task, fitted, throughput, fields)
-    job.write(run_dir, fitted.trainer, result, lambda: _tensorboard(fitted.trainer, cfg, result))
-    return result
+    return job.write(
+        run_dir, fitted.trainer, result, lambda: _tensorboard(fitted.trainer, cfg, result)
+    )
 
 
-def _metric_order(item: tuple[str, float]) -> tuple[str, str, str, int]:
+def _metric_order(item: tuple[MetricName, float | None]) -> tuple[str, str, str, int]:
     """``test/ppl@128`` < ``test/ppl@1024`` < ``test/ppl+linear@128``: by split, protocol,
     context-extension method (plain first), then numeric length."""
-    split, kind, extension, length = parse_metric(item[0])
-    return split, kind, extension, int(length) if length.isdigit() else 0
+    name = item[0]
+    return name.split_name, name.kind, name.extension, name.length or 0
 
 
-def _tensorboard(trainer: pl.Trainer, cfg: Run[schema.LMTask], result: dict[str, Any]) -> None:
+def _tensorboard(trainer: pl.Trainer, cfg: Run[schema.LMTask], result: LMRecord) -> None:
     """Perplexity-vs-length and loss-by-position figures, and HParams linked to results."""
     logger = trainer.logger
     if not isinstance(logger, TensorBoardLogger):
         return
     writer = logger.experiment
-    seq_len = result["seq_len"]
+    seq_len = cfg.task.seq_len
     for split in cfg.task.eval.splits:
         curves: dict[str, dict[int, float]] = {}
-        for name, value in result["metrics"].items():
-            where, kind, extension, length = parse_metric(name)
-            if where == split and length.isdigit() and kind in PROTOCOLS.values():
-                label = {v: k for k, v in PROTOCOLS.items()}.get(kind, kind)
-                label += f"+{extension}" if extension else ""
-                curves.setdefault(label, {})[int(length)] = value
+        for name, value in result.metrics.items():
+            length = name.length
+            if name.split_name == split and length is not None and name.kind in PROTOCOLS.values():
+                label = {v: k for k, v in PROTOCOLS.items()}.get(name.kind, name.kind)
+                label += f"+{name.extension}" if name.extension else ""
+                curves.setdefault(label, {})[length] = math.nan if value is None else value
         if curves:
             writer.add_figure(
                 f"{split}/ppl_vs_length",
-                ppl_vs_length_figure(curves, seq_len, f"{result['encoder']}: {split} perplexity"),
+                ppl_vs_length_figure(curves, seq_len, f"{result.encoder}: {split} perplexity"),
                 trainer.global_step,
             )
         # One figure per context-extension method (plain first), one curve per length.
         by_ext: dict[str, dict[str, list[float]]] = {}
-        for name, curve in result["loss_by_position"].items():
-            where, _, extension, length = parse_metric(name)
-            if where == split:
-                by_ext.setdefault(extension, {})[f"L={length}"] = curve
+        for name, curve in result.loss_by_position.items():
+            if name.split_name == split:
+                by_ext.setdefault(name.extension, {})[f"L={name.where}"] = curve
         for extension, pos in by_ext.items():
             suffix = f"+{extension}" if extension else ""
             writer.add_figure(
                 f"{split}/loss_by_position{suffix}",
                 loss_by_position_figure(
-                    pos, seq_len, f"{result['encoder']}{suffix}: {split} loss by position"
+                    pos, seq_len, f"{result.encoder}{suffix}: {split} loss by position"
                 ),
                 trainer.global_step,
             )
-    if result["passkey"]:
+    if result.passkey is not None:
         lm_passkey.tensorboard(
-            writer,
-            result["passkey"],
-            result["metrics"],
-            result["encoder"],
-            seq_len,
-            trainer.global_step,
+            writer, result.passkey, result.metrics, result.encoder, seq_len, trainer.global_step
         )
     hparams = {
-        "encoder": result["encoder"],
+        "encoder": result.encoder,
         "task": "lm",
         "seq_len": seq_len,
-        "n_params": result["n_params"],
+        "n_params": result.n_params,
     }
-    log_hparams(trainer, cfg, hparams, result["metrics"])
+    log_hparams(trainer, cfg, hparams, result.metrics)

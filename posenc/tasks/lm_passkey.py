@@ -21,15 +21,16 @@ from posenc.data.passkey import DOC, PasskeyFormat
 from posenc.eval.passkey import evaluate_length, greedy
 from posenc.model import DecoderLM
 from posenc.plots import heatmap_figure
+from posenc.results import MetricName, Metrics, Passkey
 from posenc.schema import Run
 from posenc.training.gate import PASSKEY
 
 log = logging.getLogger(__name__)
 
 
-def metric_name(split: str, length: int) -> str:
+def metric_name(split: str, length: int) -> MetricName:
     """``test/passkey@512``: accuracy at length 512, mean over depths."""
-    return f"{split}/passkey@{length}"
+    return MetricName.of(split, "passkey", length)
 
 
 def passkey_format(cfg: Run[schema.LMTask], dm: LMDataModule) -> PasskeyFormat:
@@ -134,19 +135,25 @@ def evaluate(
 
 def tensorboard(
     writer: Any,
-    block: dict[str, Any],
-    metrics: dict[str, float],
+    block: Passkey,
+    metrics: Metrics,
     encoder: str,
     seq_len: int,
     step: int,
 ) -> None:
     """The ``<split>/passkey@L`` scalars and a length x depth heatmap per split."""
     for name, value in metrics.items():
-        if "/passkey@" in name and math.isfinite(value):
+        if (
+            name.kind == "passkey"
+            and not name.extension
+            and name.where
+            and value is not None
+            and math.isfinite(value)
+        ):
             writer.add_scalar(name, value, step)
-    for split, grid in block.get("accuracy", {}).items():
+    for split, grid in block.accuracy.items():
         fig = heatmap_figure(
-            grid, block["lengths"], block["depths"], seq_len, f"{encoder}: {split} passkey accuracy"
+            grid, block.lengths, block.depths, seq_len, f"{encoder}: {split} passkey accuracy"
         )
         writer.add_figure(f"{split}/passkey", fig, step)
 

@@ -20,6 +20,7 @@ from posenc.data.mt import MTDataModule, restore_order
 from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.plots import bleu_by_length_figure, close
+from posenc.results import MetricName, MTRecord, names
 from posenc.schema import Run
 from posenc.tasks.mt import MTTask
 from posenc.training import job
@@ -138,42 +139,42 @@ def finish_mt(
     """Score the decoded split; write metrics.json, test.hyp.txt, figure and TensorBoard."""
     split = cfg.task.eval_split
     hyps, overall, by_bucket = score(dm, split, task.test_hyps)
-    metrics = {f"{split}/bleu": overall["bleu"], f"{split}/chrf": overall["chrf"]}
-    for name, s in by_bucket.items():
-        metrics[f"{split}/bleu@{name}"] = s["bleu"]
-    for name, s in by_bucket.items():
-        metrics[f"{split}/chrf@{name}"] = s["chrf"]
+    metrics: dict[MetricName, float | None] = {
+        MetricName.of(split, kind): overall[kind] for kind in ("bleu", "chrf")
+    }
+    for kind in ("bleu", "chrf"):
+        for name, s in by_bucket.items():
+            metrics[MetricName.of(split, kind, name)] = s[kind]
     # test/loss ..., then val/bleu, val/loss ...
-    metrics |= dict(sorted((fitted.val | loss).items()))
+    metrics |= names(dict(sorted((fitted.val | loss).items())))
     d = cfg.task.decode
-    fields = {
-        "task": "mt",
-        "encoder": group_choice(cfg, "encoder"),
-        "encoder_class": cfg.encoder._target_.rsplit(".", 1)[-1],
-        "seed": cfg.seed,
-        "data": cfg.data.name,
-        "eval_split": split,
-        "n_sentences": len(hyps),
-        "metrics": metrics,
-        "buckets": {name: int(s["n"]) for name, s in by_bucket.items()},
-        "bucket_doc": "source length in tokens of the joint tokenizer; lenA-B is A <= n < B",
-        "bleu_signature": signature(),
-        "decode": {
+    fields = MTRecord(
+        encoder=group_choice(cfg, "encoder"),
+        encoder_class=cfg.encoder._target_.rsplit(".", 1)[-1],
+        seed=cfg.seed,
+        data=cfg.data.name,
+        eval_split=split,
+        n_sentences=len(hyps),
+        metrics=metrics,
+        buckets={name: int(s["n"]) for name, s in by_bucket.items()},
+        bucket_doc="source length in tokens of the joint tokenizer; lenA-B is A <= n < B",
+        bleu_signature=signature(),
+        decode={
             "beam_size": d.beam_size,
             "length_penalty": d.length_penalty,
             "length_penalty_kind": LENGTH_PENALTY_DOC,
             "max_len": f"min({d.max_len_a} * source length + {d.max_len_b}, {task.max_out_cap})",
         },
-        "max_train_src_len": cfg.task.max_train_src_len,
-        "data_stats": dm.stats,
-    }
+        max_train_src_len=cfg.task.max_train_src_len,
+        data_stats=dm.stats,
+    )
     result = job.record(
         cfg,
         task,
         fitted,
         throughput,
         fields,
-        timing={"decode_time_s": decode_time},
+        decode_time=decode_time,
         throughput_kind="target tokens incl. padding, training steps only",
     )
 
@@ -183,14 +184,13 @@ def finish_mt(
             by_bucket,
             dm.length_buckets,
             cfg.task.max_train_src_len,
-            f"{result['encoder']}: {split} BLEU",
+            f"{result.encoder}: {split} BLEU",
         )
         fig.savefig(run_dir / "bleu_by_length.png", dpi=120)
         _tensorboard(fitted.trainer, cfg, dm, result, hyps, fig)
 
     message = f"{split} BLEU {overall['bleu']:.2f} chrF {overall['chrf']:.2f}"
-    job.write(run_dir, fitted.trainer, result, files, message)
-    return result
+    return job.write(run_dir, fitted.trainer, result, files, message)
 
 
 def _write_lines_atomic(path: Path, lines: list[str]) -> None:
@@ -222,7 +222,7 @@ def _tensorboard(
     trainer: pl.Trainer,
     cfg: Run[schema.MTTask],
     dm: MTDataModule,
-    result: dict[str, Any],
+    result: MTRecord,
     hyps: list[str],
     fig: Figure,
 ) -> None:
@@ -231,7 +231,7 @@ def _tensorboard(
     if not isinstance(logger, TensorBoardLogger):
         close(fig)
         return
-    writer, step, split = logger.experiment, trainer.global_step, result["eval_split"]
+    writer, step, split = logger.experiment, trainer.global_step, result.eval_split
     writer.add_figure(f"{split}/bleu_by_source_length", fig, step)  # closes the figure
     n = len(hyps)
     writer.add_text(
@@ -246,11 +246,11 @@ def _tensorboard(
         step,
     )
     hparams = {
-        "encoder": result["encoder"],
+        "encoder": result.encoder,
         "task": "mt",
-        "data": result["data"],
-        "n_params": result["n_params"],
+        "data": result.data,
+        "n_params": result.n_params,
         "beam_size": cfg.task.decode.beam_size,
         "max_train_src_len": str(cfg.task.max_train_src_len),
     }
-    log_hparams(trainer, cfg, hparams, result["metrics"])
+    log_hparams(trainer, cfg, hparams, result.metrics)

@@ -21,9 +21,11 @@ import logging
 from typing import Any
 
 import pytorch_lightning as pl
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from posenc.schema import Gate, Group, Run, keys
+from posenc import results
+from posenc.results import MetricName, Record, Standing
+from posenc.schema import Gate, Run, keys
 
 log = logging.getLogger(__name__)
 
@@ -135,16 +137,14 @@ def callback(cfg: Run[Any] | DictConfig) -> LearnedGate | None:
     return LearnedGate(str(gate.metric), float(gate.threshold), bool(gate.get("stop", False)))
 
 
-def result(
-    cfg: Run[Any] | DictConfig, trainer: pl.Trainer, val: dict[str, float]
-) -> dict[str, Any]:
-    """The gate's fields of ``metrics.json``.
+def result(cfg: Run[Any] | DictConfig, trainer: pl.Trainer, val: dict[str, float]) -> Standing:
+    """The run's standing at its gate, for its record (:class:`posenc.results.Standing`):
 
-    - ``gate``: ``{metric, threshold, stop}``, or null for a task without one;
+    - ``gate``: ``{metric, threshold, stop}``, or None for a task without one;
     - ``learned``: whether the metric met the threshold at the run's last validation (the
-      model it ends with; under ``stop``, the validation that stopped it); null without a
+      model it ends with; under ``stop``, the validation that stopped it); None without a
       gate or without a validation (``eval_only``);
-    - ``learned_step``: the first step at which it met it (null: never). A run can have met
+    - ``learned_step``: the first step at which it met it (None: never). A run can have met
       it once and lost it by the end: ``learned`` false with a ``learned_step``.
 
     Args:
@@ -154,34 +154,29 @@ def result(
     """
     gate = cfg.task.get("learned")
     if gate is None:
-        return {"gate": None, "learned": None, "learned_step": None}
+        return Standing()
     found = [c for c in trainer.callbacks if isinstance(c, LearnedGate)]  # type: ignore[attr-defined]
     value = val.get(str(gate.metric))
     learned = None if value is None else met(str(gate.metric), value, float(gate.threshold))
-    return {
-        "gate": gate.as_dict()
-        if isinstance(gate, Group)
-        else OmegaConf.to_container(gate, resolve=True),
-        "learned": learned,
-        "learned_step": found[0].learned_step if found else None,
-    }
+    held = results.Gate(MetricName(str(gate.metric)), gate.threshold, bool(gate.get("stop", False)))
+    return Standing(held, learned, found[0].learned_step if found else None)
 
 
-def describe(result: dict[str, Any]) -> str | None:
+def describe(record: Record) -> str | None:
     """One line for a run's summary: learned or not, where, and what that means."""
-    gate = result.get("gate")
-    if not gate:
+    gate = record.gate
+    if gate is None:
         return None
-    metric, threshold = gate["metric"], gate["threshold"]
-    value = result.get("metrics", {}).get(metric)
+    metric, threshold = gate.metric, gate.threshold
+    value = record.metrics.get(metric)
     shown = "?" if value is None else f"{value:.4g}"
     sign = "<=" if metric in LOWER_IS_BETTER else ">="
-    if result.get("learned") is None:
+    if record.learned is None:
         return f"learned: unknown (no validation of {metric} in this run)"
-    if result["learned"]:
+    if record.learned:
         return (
             f"learned: yes ({metric} {shown} at the last validation; first met {sign} "
-            f"{threshold:g} at step {result.get('learned_step')})"
+            f"{threshold:g} at step {record.learned_step})"
         )
     return (
         f"learned: NO ({metric} {shown} at the last validation, not {sign} {threshold:g}); "

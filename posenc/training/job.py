@@ -2,9 +2,9 @@
 
 A task's job (``posenc/tasks/<task>_job.py``) builds its data module and
 LightningModule, then calls :func:`fit`; it tests the model :func:`fit` names
-(``Fitted.best``) its own way, collects its metrics, and hands them to :func:`record`
-(the fields every ``metrics.json`` has, after the task's own) and :func:`write` (rank
-zero writes the file, the task's TensorBoard entries and the closing summary).
+(``Fitted.best``) its own way, builds its record (:mod:`posenc.results`) and hands it to
+:func:`record` (which fills in the fields every run records) and :func:`write` (rank zero
+writes ``metrics.json``, the task's TensorBoard entries and the closing summary).
 """
 
 from __future__ import annotations
@@ -12,21 +12,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import pytorch_lightning as pl
 from omegaconf import OmegaConf
 
+from posenc import results
+from posenc.results import Record
 from posenc.schema import Run, untyped
 from posenc.training import gate
 from posenc.training.callbacks import Throughput, peak_memory_mb
-from posenc.training.rundir import write_json_atomic
 from posenc.training.summary import summary
 from posenc.training.trainer import best_checkpoint, build_trainer, run_state, save_last
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Record)
 
 
 @dataclass
@@ -79,42 +82,51 @@ def record(
     task: pl.LightningModule,
     fitted: Fitted,
     throughput: Throughput,
-    fields: dict[str, Any],
-    timing: dict[str, float] | None = None,
+    fields: R,
+    decode_time: float | None = None,
     throughput_kind: str | None = None,
-) -> dict[str, Any]:
-    """``metrics.json``: the task's ``fields`` first, then the gate's fields, the model's
-    size, the training's steps, time (and ``timing``'s other entries, in seconds),
-    throughput, peak memory and the resolved config."""
+) -> R:
+    """The run's record: the task's ``fields``, with what every run records filled in: the
+    gate's standing, the model's size, the training's steps and time (and the decoding
+    time, in seconds), throughput, peak memory and the resolved config."""
     mem, mem_kind = peak_memory_mb(task.device)
     trainer = fitted.trainer
-    return {
-        **fields,
-        **gate.result(cfg, trainer, fitted.val),  # gate, learned, learned_step
-        "n_params": task.n_params,
-        "train_steps": trainer.global_step,
-        "train_time_s": round(fitted.train_time, 2),
-        **{k: round(v, 2) for k, v in (timing or {}).items()},
-        "tokens_per_s": round(throughput.tokens_per_s, 1),
-        **({"tokens_per_s_kind": throughput_kind} if throughput_kind else {}),
-        "peak_memory_mb": round(mem, 1),
-        "peak_memory_kind": mem_kind,
-        "config": OmegaConf.to_container(untyped(cfg), resolve=True),
-    }
+    standing = gate.result(cfg, trainer, fitted.val)
+    config = cast(dict[str, Any], OmegaConf.to_container(untyped(cfg), resolve=True))
+    return replace(
+        fields,
+        gate=standing.gate,
+        learned=standing.learned,
+        learned_step=standing.learned_step,
+        n_params=cast(int, task.n_params),
+        train_steps=trainer.global_step,
+        train_time_s=round(fitted.train_time, 2),
+        decode_time_s=None if decode_time is None else round(decode_time, 2),
+        tokens_per_s=round(throughput.tokens_per_s, 1),
+        tokens_per_s_kind=throughput_kind,
+        peak_memory_mb=round(mem, 1),
+        peak_memory_kind=mem_kind,
+        config=config,
+    )
 
 
 def write(
     run_dir: Path,
     trainer: pl.Trainer,
-    result: dict[str, Any],
+    result: Record,
     files: Callable[[], None],
     message: str = "",
-) -> None:
+) -> dict[str, Any]:
     """On rank zero: ``metrics.json``, then the task's other files and TensorBoard entries
-    (``files()``), a log line and the run's closing summary."""
-    if not trainer.is_global_zero:
-        return
-    write_json_atomic(run_dir / "metrics.json", result)
-    files()
-    log.info("%smetrics written to %s", f"{message}; " if message else "", run_dir / "metrics.json")
-    print(summary(result, run_dir), flush=True)
+    (``files()``), a log line and the run's closing summary.
+
+    Returns:
+        The record as ``metrics.json`` holds it (what :func:`posenc.train.train` returns).
+    """
+    if trainer.is_global_zero:
+        path = run_dir / results.FILE
+        results.write(path, result)
+        files()
+        log.info("%smetrics written to %s", f"{message}; " if message else "", path)
+        print(summary(result, run_dir), flush=True)
+    return results.to_json(result)

@@ -16,22 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from posenc.errors import RunDirError
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` through a temporary file and ``os.replace``: never a half-written
-    file, and no temporary file left behind when the write fails (a full disk).
-
-    Raises:
-        OSError: The file could not be written; ``path`` is as it was.
-    """
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):  # gone once replaced; the folder may be the problem
-            tmp.unlink(missing_ok=True)
+from posenc.files import write_text_atomic
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from posenc.eval.lengths import parse_metric
+from posenc.results import FILE, AlgoRecord, LMRecord, MetricName, Metrics, MTRecord, Record
 from posenc.training.gate import describe
 from posenc.training.rundir import checkpoints_in
 
@@ -46,73 +46,102 @@ def _table(rows: dict[str, dict[str, float]], columns: list[str], corner: str) -
     return out
 
 
-def lm_rows(metrics: dict[str, float], split: str = "test") -> tuple[dict, list[str]]:
+def lm_rows(metrics: Metrics, split: str = "test") -> tuple[dict, list[str]]:
     """``{ppl, ppl_sw, ppl+yarn, ...: {length: value}}`` and the lengths, in order."""
     rows: dict[str, dict[str, float]] = {}
     for name, value in metrics.items():
-        where, kind, extension, length = parse_metric(name)
-        if where == split and length.isdigit():
-            rows.setdefault(kind + (f"+{extension}" if extension else ""), {})[length] = value
+        if name.split_name == split and name.length is not None:
+            label = name.kind + (f"+{name.extension}" if name.extension else "")
+            rows.setdefault(label, {})[name.where] = _value(value)
     lengths = sorted({k for r in rows.values() for k in r}, key=int)
     # The plain protocols first, then each context-extension method's, then passkey accuracy.
     order = sorted(rows, key=lambda r: (r == "passkey", r.partition("+")[2], r))
     return {r: rows[r] for r in order}, lengths
 
 
-def summary(result: dict[str, Any], run_dir: Path) -> str:
+def _value(value: float | None) -> float:
+    """A metric's value for the table (null shows as a length not run)."""
+    return math.nan if value is None else value
+
+
+def _lm_lines(record: LMRecord) -> list[str]:
+    """Perplexity (and passkey accuracy) by evaluation length."""
+    m = record.metrics
+    splits = [k.split_name for k in m if k.length is not None]
+    split = "test" if "test" in splits else (splits[0] if splits else "test")
+    rows, lengths = lm_rows(m, split)
+    retrieval = any(k.kind == "passkey" and k.split_name == split and k.length for k in m)
+    passkey = "; passkey: retrieval accuracy" if retrieval else ""
+    head = f"posenc: {record.encoder} on {record.task}, seed {record.seed}"
+    return [
+        f"{head}: {split} perplexity by evaluation length (trained at "
+        f"{record.seq_len}; ppl: non-overlapping windows, ppl_sw: sliding{passkey})",
+        *_table(rows, lengths, "length"),
+    ]
+
+
+def _algo_lines(record: AlgoRecord) -> list[str]:
+    """The problem's metrics by size bucket."""
+    lo, hi = record.train_lengths
+    kinds = record.table_metrics
+    what = "accuracy" if set(kinds) <= {"seq_acc", "acc"} else "metrics"
+    rows = {
+        k: {
+            b: _value(record.metrics.get(record.bucket_metric(k, b), math.nan))
+            for b in record.buckets
+        }
+        for k in kinds
+    }
+    return [
+        f"posenc: {record.encoder} on {record.problem} ({record.shape}), "
+        f"seed {record.seed}: test {what} (%) by instance size "
+        f"({record.size_means}; trained on {lo}..{hi})",
+        *_table(rows, record.buckets, "size"),
+    ]
+
+
+def _mt_lines(record: Record) -> list[str]:
+    """BLEU and chrF overall and by source-length bucket (a record of another task: its
+    test scores, if any)."""
+    split = record.eval_split if isinstance(record, MTRecord) else "test"
+    m = record.metrics
+    head = f"posenc: {record.encoder} on {record.task}, seed {record.seed}"
+    lines = [f"{head}: {split} scores"]
+    overall = {
+        k: _value(m[name]) for k in ("bleu", "chrf") if (name := MetricName.of(split, k)) in m
+    }
+    lines.append(
+        "  "
+        + "  ".join(f"{k.upper() if k == 'bleu' else 'chrF'} {_fmt(v)}" for k, v in overall.items())
+    )
+    buckets: dict[str, dict[str, float]] = {}
+    for name, value in m.items():
+        if name.split_name == split and name.kind in ("bleu", "chrf") and name.where:
+            buckets.setdefault(name.kind, {})[name.where] = _value(value)
+    if buckets:
+        columns = list(next(iter(buckets.values())))
+        lines.append("  by source length (tokens):")
+        lines += _table(buckets, columns, "bucket")
+    return lines
+
+
+def summary(record: Record, run_dir: Path) -> str:
     """The lines a run prints when it ends (``metrics.json``'s contents, shortened)."""
-    m = result["metrics"]
-    head = f"posenc: {result['encoder']} on {result['task']}, seed {result['seed']}"
-    lines = []
-    if result["task"] == "lm":
-        splits = [parse_metric(k)[0] for k in m if parse_metric(k)[3].isdigit()]
-        split = "test" if "test" in splits else (splits[0] if splits else "test")
-        rows, lengths = lm_rows(m, split)
-        passkey = "; passkey: retrieval accuracy" if "passkey" in rows else ""
-        lines.append(
-            f"{head}: {split} perplexity by evaluation length (trained at "
-            f"{result['seq_len']}; ppl: non-overlapping windows, ppl_sw: sliding{passkey})"
-        )
-        lines += _table(rows, lengths, "length")
-    elif result["task"] == "algo":
-        lo, hi = result["train_lengths"]
-        kinds = result.get("table_metrics", ["seq_acc", "acc"])  # older results: these two
-        what = "accuracy" if set(kinds) <= {"seq_acc", "acc"} else "metrics"
-        lines.append(
-            f"posenc: {result['encoder']} on {result['problem']} ({result['shape']}), "
-            f"seed {result['seed']}: test {what} (%) by instance size "
-            f"({result['size_means']}; trained on {lo}..{hi})"
-        )
-        rows = {k: {b: m.get(f"test/{k}@{b}", math.nan) for b in result["buckets"]} for k in kinds}
-        lines += _table(rows, result["buckets"], "size")
+    if isinstance(record, LMRecord):
+        lines = _lm_lines(record)
+    elif isinstance(record, AlgoRecord):
+        lines = _algo_lines(record)
     else:
-        lines.append(f"{head}: {result.get('eval_split', 'test')} scores")
-        split = result.get("eval_split", "test")
-        overall = {k: m[f"{split}/{k}"] for k in ("bleu", "chrf") if f"{split}/{k}" in m}
-        lines.append(
-            "  "
-            + "  ".join(
-                f"{k.upper() if k == 'bleu' else 'chrF'} {_fmt(v)}" for k, v in overall.items()
-            )
-        )
-        buckets: dict[str, dict[str, float]] = {}
-        for name, value in m.items():
-            where, kind, _, bucket = parse_metric(name)
-            if where == split and kind in ("bleu", "chrf") and bucket:
-                buckets.setdefault(kind, {})[bucket] = value
-        if buckets:
-            columns = list(next(iter(buckets.values())))
-            lines.append("  by source length (tokens):")
-            lines += _table(buckets, columns, "bucket")
-    val = [f"{k} {_fmt(v)}" for k, v in m.items() if k.startswith("val/") and "@" not in k]
+        lines = _mt_lines(record)
+    val = [f"{k} {_fmt(_value(v))}" for k, v in record.validation().items()]
     if val:
         lines.append("  last validation: " + ", ".join(val))
-    learned = describe(result)
+    learned = describe(record)
     if learned:
         lines.append(f"  {learned}")
     lines += [
         f"run directory: {run_dir}",
-        f"all numbers:   {run_dir / 'metrics.json'}",
+        f"all numbers:   {run_dir / FILE}",
         *checkpoint_lines(run_dir / "checkpoints"),
         f"curves:        tensorboard --logdir {run_dir / 'tb'}",
     ]

@@ -7,7 +7,7 @@ import logging
 import math
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -23,6 +23,7 @@ from torch import nn
 
 from posenc import stop
 from posenc.errors import CheckpointError
+from posenc.results import MetricName
 from posenc.schema import Group, Run, untyped
 from posenc.training import checkpoints, gate
 from posenc.training.callbacks import PlainProgress, StepProgressBar, Throughput
@@ -266,13 +267,16 @@ def config_hparams(cfg: Run[Any]) -> dict[str, Any]:
 
 
 def log_hparams(
-    trainer: pl.Trainer, cfg: Run[Any], hparams: dict[str, Any], metrics: dict[str, float]
+    trainer: pl.Trainer,
+    cfg: Run[Any],
+    hparams: dict[str, Any],
+    metrics: Mapping[MetricName, float | None],
 ) -> None:
     """HParams (the task's ``hparams`` and :func:`config_hparams`) linked to the final
     metrics, so runs compare in TensorBoard's HParams tab."""
     if isinstance(trainer.logger, TensorBoardLogger):
         # Under hp/: the same names as the logged curves would add a point at step 0.
-        finite = {f"hp/{k}": v for k, v in metrics.items() if math.isfinite(v)}
+        finite = {f"hp/{k}": v for k, v in metrics.items() if v is not None and math.isfinite(v)}
         trainer.logger.log_hyperparams(hparams | config_hparams(cfg), finite)
         trainer.logger.finalize("success")
 

@@ -23,6 +23,7 @@ from posenc.data.tokenizers import CharTokenizer
 from posenc.eval.lengths import parse_metric
 from posenc.eval.passkey import correct, evaluate_length, greedy
 from posenc.plots import passkey_means
+from posenc.results import from_json, names
 from posenc.runs import Run
 from posenc.tasks.lm_passkey import metric_name
 from posenc.training.summary import lm_rows
@@ -311,12 +312,14 @@ def test_metric_names() -> None:
     assert metric_name("test", 512) == "test/passkey@512"
     assert parse_metric("test/passkey@512") == ("test", "passkey", "", "512")
     rows, lengths = lm_rows(
-        {
-            "test/ppl@64": 5.0,
-            "test/passkey@64": 0.5,
-            "test/passkey@128": 0.25,
-            "test/ppl_sw@64": 4.0,
-        }
+        names(
+            {
+                "test/ppl@64": 5.0,
+                "test/passkey@64": 0.5,
+                "test/passkey@128": 0.25,
+                "test/ppl_sw@64": 4.0,
+            }
+        )
     )
     assert list(rows) == ["ppl", "ppl_sw", "passkey"] and lengths == ["64", "128"]
     assert rows["passkey"] == {"64": 0.5, "128": 0.25}
@@ -387,14 +390,14 @@ def test_report_means_grids_over_seeds() -> None:
         b = block | {"accuracy": {"test": grid}}
         if lengths:
             b["lengths"] = lengths
-        return Run(Path(f"r{seed}"), {"task": "lm", "encoder": "rope", "passkey": b})
+        return Run(Path(f"r{seed}"), from_json({"task": "lm", "encoder": "rope", "passkey": b}))
 
     rope = [
         run(0, [[1.0, 0.5], [0.0, nan]]),
         run(1, [[0.5, 0.5], [0.5, nan]]),
         run(2, [[0.0, 0.0], [0.0, 0.0]], lengths=[64, 256]),
     ]  # another grid: left out
-    none = [Run(Path("n"), {"task": "lm", "encoder": "none", "passkey": {}})]
+    none = [Run(Path("n"), from_json({"task": "lm", "encoder": "none", "passkey": {}}))]
     means = passkey_means({("lm", "rope"): rope, ("lm", "none"): none}, "test")
     lengths, depths, grid, n, blank = means["rope"]
     assert (lengths, depths, n, blank) == ([64, 128], [0.0, 1.0], 2, ["skipped"] * 2)

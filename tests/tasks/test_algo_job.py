@@ -179,7 +179,7 @@ def test_flipflop_read_error_rate_on_hand_made_strings() -> None:
     assert math.isnan(s["test/read_err_sparse@len4-6"])  # no reads there: NaN, never 0
     assert int(task.results["dense"]["count"].sum()) == 0
     per = by_size(main, [6], ("read_err",))
-    assert per["6"] == {"count": 2, "seq_acc": 50.0, "acc": 50.0, "read_err": 50.0}
+    assert per[6] == {"count": 2, "seq_acc": 50.0, "acc": 50.0, "read_err": 50.0}
 
 
 def test_buckets_sum_instances_of_their_sizes() -> None:
@@ -196,8 +196,8 @@ def test_buckets_sum_instances_of_their_sizes() -> None:
     assert m["test/seq_acc@len3-4"] == 100 and m["test/acc@len3-4"] == 100
     assert math.isnan(m["test/seq_acc@len5-5"])  # no instances: NaN, never 0
     per = by_size(results, [1, 2, 3])
-    assert per["1"] == {"count": 2, "seq_acc": 50.0, "acc": 50.0}
-    assert per["2"]["seq_acc"] == 0 and per["2"]["acc"] == 50.0
+    assert per[1] == {"count": 2, "seq_acc": 50.0, "acc": 50.0}
+    assert per[2]["seq_acc"] == 0 and per[2]["acc"] == 50.0
 
 
 def _compose(tmp_path: Path, *overrides: str) -> DictConfig:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posenc.results import from_json
 from posenc.train import train
 from posenc.training.summary import summary
 from tests.conftest import ROOT, compose_run
@@ -33,7 +34,7 @@ def test_lm_summary_is_a_table_of_the_metrics(tmp_path: Path) -> None:
             "val/ppl": 5.0,
         },
     }
-    lines = summary(result, tmp_path).splitlines()
+    lines = summary(from_json(result), tmp_path).splitlines()
     assert lines[0].startswith("posenc: rope on lm, seed 1: test perplexity")
     assert [line.split() for line in lines[1:5]] == [
         ["length", "16", "64"],
@@ -60,7 +61,7 @@ def test_mt_summary_has_the_overall_scores_and_the_buckets(tmp_path: Path) -> No
             "test/chrf@len10+": 50.0,
         },
     }
-    text = summary(result, tmp_path)
+    text = summary(from_json(result), tmp_path)
     assert "  BLEU 31.23  chrF 55.00" in text
     assert [line.split() for line in text.splitlines()[3:6]] == [
         ["bucket", "len0-10", "len10+"],
@@ -109,10 +110,10 @@ def test_the_summary_says_when_a_run_left_no_best_checkpoint(tmp_path: Path) -> 
     """A run shorter than its validation interval has last.ckpt only: the summary says
     so, where commands that name best.ckpt would fail; an evaluation has none."""
     result = {"task": "lm", "encoder": "rope", "seed": 0, "seq_len": 16, "metrics": {}}
-    assert "checkpoints:" not in summary(result, tmp_path)  # eval_only: no checkpoints
+    assert "checkpoints:" not in summary(from_json(result), tmp_path)  # eval_only: no checkpoints
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")
-    lines = summary(result, tmp_path).splitlines()
+    lines = summary(from_json(result), tmp_path).splitlines()
     assert lines[-2] == (
         f"checkpoints:   {tmp_path / 'checkpoints'}: last.ckpt (no best.ckpt: no validation "
         f"ran during training; use last.ckpt)"
@@ -172,5 +173,5 @@ def test_an_overflowed_result_shows_as_inf_not_as_a_gap(tmp_path: Path) -> None:
         "seq_len": 16,
         "metrics": {"test/ppl@16": float("inf"), "test/ppl@32": float("nan")},
     }
-    lines = summary(result, tmp_path).splitlines()
+    lines = summary(from_json(result), tmp_path).splitlines()
     assert lines[2].split() == ["ppl", "inf", "-"]
