@@ -25,20 +25,9 @@ MAJOR = int(transformers.__version__.split(".")[0])
 
 
 def llama_yarn_config(*, head_dim: int, base: float, factor: float, original: int, fraction: float):
-    """A LlamaConfig with YaRN scaling, in the spelling of the installed version."""
+    """A LlamaConfig with YaRN scaling over ``fraction`` of each head's dims."""
     rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
-    sizes = dict(
-        hidden_size=2 * head_dim,
-        num_attention_heads=2,
-        head_dim=head_dim,
-        max_position_embeddings=int(factor * original),
-    )
-    if MAJOR >= 5:
-        rope |= {"rope_theta": base, "partial_rotary_factor": fraction}
-        return modeling_llama.LlamaConfig(**sizes, rope_parameters=rope)
-    return modeling_llama.LlamaConfig(
-        **sizes, rope_theta=base, rope_scaling=rope, partial_rotary_factor=fraction
-    )
+    return llama_config(head_dim, base, rope, int(factor * original), fraction=fraction)
 
 
 @pytest.mark.parametrize(
@@ -158,9 +147,12 @@ def test_deberta_defaults_match_transformers(
             assert gap > 1e-3 if differs else gap < 1e-5, (p2c_row, far_keys, float(gap))
 
 
-def llama_config(head_dim: int, base: float, rope: dict, max_positions: int):
-    """A LlamaConfig with the scaling ``rope`` (Hugging Face's names), in the installed
-    version's spelling (``rope_parameters`` from 5.0, ``rope_scaling`` before)."""
+def llama_config(
+    head_dim: int, base: float, rope: dict, max_positions: int, *, fraction: float = 1.0
+):
+    """A LlamaConfig with the scaling ``rope`` (Hugging Face's names) over ``fraction`` of each
+    head's dims, in the installed version's spelling (``rope_parameters`` from 5.0,
+    ``rope_scaling`` and top-level keys before)."""
     sizes = dict(
         hidden_size=2 * head_dim,
         num_attention_heads=2,
@@ -168,8 +160,11 @@ def llama_config(head_dim: int, base: float, rope: dict, max_positions: int):
         max_position_embeddings=max_positions,
     )
     if MAJOR >= 5:
-        return modeling_llama.LlamaConfig(**sizes, rope_parameters={"rope_theta": base, **rope})
-    return modeling_llama.LlamaConfig(**sizes, rope_theta=base, rope_scaling=rope)
+        rope = {**rope, "rope_theta": base, "partial_rotary_factor": fraction}
+        return modeling_llama.LlamaConfig(**sizes, rope_parameters=rope)
+    return modeling_llama.LlamaConfig(
+        **sizes, rope_theta=base, rope_scaling=rope, partial_rotary_factor=fraction
+    )
 
 
 @pytest.mark.parametrize(("head_dim", "original", "base"), [(16, 64, 1e4), (64, 256, 5e5)])
@@ -236,7 +231,7 @@ def test_longrope_matches_transformers(length: int) -> None:
 @pytest.mark.parametrize(("head_dim", "p"), [(16, 0.5), (64, 0.25), (32, 0.75)])
 def test_p_rope_matches_transformers_proportional(head_dim: int, p: float) -> None:
     """p-RoPE against Gemma's proportional RoPE: the same kept pairs, zeros after them."""
-    rope = {"rope_type": "proportional", "partial_rotary_factor": p}
-    want, _ = ROPE_INIT_FUNCTIONS["proportional"](llama_config(head_dim, 1e4, rope, 512))
+    config = llama_config(head_dim, 1e4, {"rope_type": "proportional"}, 512, fraction=p)
+    want, _ = ROPE_INIT_FUNCTIONS["proportional"](config)
     enc = RoPE(d_model=2 * head_dim, n_heads=2, n_layers=1, layout="half", p=p)
     torch.testing.assert_close(enc.frequencies(512)[0], want.float(), rtol=1e-6, atol=0)
