@@ -43,6 +43,7 @@ from posenc.data.algo_problems import problem_default
 from posenc.errors import RunDirError, UserError
 from posenc.train import train
 from posenc.training.rundir import (
+    release_error_space,
     space_for_error_record,
     write_failure,
     write_into_reserve,
@@ -654,6 +655,19 @@ def _pass_on(pid: int) -> Callable[[int, FrameType | None], None]:
     return handler
 
 
+def _end_worker(run_dir: Path) -> Callable[[int, FrameType | None], None]:
+    """A signal handler that ends this pool worker at once (status 128 + the signal's
+    number) after giving back the space held in ``run_dir`` for an error record."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        release_error_space(run_dir)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    return handler
+
+
 def _isolated(cfg: DictConfig) -> str | None:
     """Run :func:`_sweep_job` in a forked process and wait for it. SIGTERM or SIGINT to
     this process is passed on (the job saves ``last.ckpt``); a job killed by another
@@ -672,10 +686,13 @@ def _isolated(cfg: DictConfig) -> str | None:
     try:
         proc.join()
     finally:
-        # Between two jobs a pool worker just ends on the signal (SweepSignals waits for it).
+        # From here a pool worker ends on the signal (SweepSignals waits for it), giving
+        # back the job's held space first: the sweep passes the signal on again, and it
+        # may arrive before `space_for_error_record` has left.
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
         for s, was in previous.items():
             keep = was is signal.SIG_IGN or not _in_pool_worker()
-            signal.signal(s, was if keep else signal.SIG_DFL)
+            signal.signal(s, was if keep else _end_worker(run_dir))
     code = proc.exitcode
     assert code is not None  # join() returned: the process has ended
     for s in STOP_SIGNALS:
@@ -685,7 +702,6 @@ def _isolated(cfg: DictConfig) -> str | None:
             return s.name
     if code == 0:
         return None
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     how = (
         f"killed by {signal.Signals(-code).name}" if code < 0 else f"ended with exit status {code}"
     )

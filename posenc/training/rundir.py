@@ -67,8 +67,14 @@ def space_for_error_record(run_dir: Path) -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            path.unlink(missing_ok=True)
+        release_error_space(run_dir)
+
+
+def release_error_space(run_dir: Path) -> None:
+    """Give back the space :func:`space_for_error_record` holds in ``run_dir`` (none
+    held: nothing to do)."""
+    with contextlib.suppress(OSError):
+        (run_dir / RESERVE).unlink(missing_ok=True)
 
 
 def _allocate(path: Path, size: int) -> None:
