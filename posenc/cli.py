@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import cast
+from typing import NoReturn, cast
 
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -384,6 +384,19 @@ def _children(pid: int) -> list[int]:
     return [int(a) for a, b in (line.split() for line in out.splitlines()) if int(b) == pid]
 
 
+def _jobs_of(workers: list[int]) -> list[int]:
+    """The living processes below the pool's ``workers`` (their jobs and what those
+    started)."""
+    found: list[int] = []
+    below = [c for w in workers for c in _children(w)]
+    while below:
+        pid = below.pop()
+        if _alive(pid):
+            found.append(pid)
+            below.extend(_children(pid))
+    return found
+
+
 def _command_line(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -545,9 +558,9 @@ class SweepSignals(Callback):
     in the sweep's own process, which would end at once (on SIGINT with joblib's
     KeyboardInterrupt traceback) and leave its workers training on. Here the sweep's
     process passes the signal on to its workers (each stops its job between two steps,
-    saves ``last.ckpt`` and says how to continue it, then ends), waits for them, prints
-    the command that continues the whole sweep and exits with 143 (SIGTERM) or 130
-    (SIGINT). The basic launcher runs jobs in the sweep's process: :func:`run_job`
+    saves ``last.ckpt`` and says how to continue it), waits for every job to end, ends
+    the workers, prints the command that continues the whole sweep and exits with 143
+    (SIGTERM) or 130 (SIGINT). The basic launcher runs jobs in the sweep's process: :func:`run_job`
     handles it.
 
     Args:
@@ -574,19 +587,24 @@ class SweepSignals(Callback):
             for pid in workers:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signum)
+            # Each worker passes the signal on to its job, waits for it to save and end,
+            # then stays (_await_sweep_end): a worker that ended would make the pool kill
+            # the others, and their jobs with them, perhaps in the middle of saving.
             deadline = time.monotonic() + self.grace_s
-            while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            while (jobs := _jobs_of(workers)) and time.monotonic() < deadline:
                 time.sleep(0.2)
-                for pid in workers:  # reap them: a zombie child still answers kill(pid, 0)
-                    with contextlib.suppress(ChildProcessError):
-                        os.waitpid(pid, os.WNOHANG)
-            left = [p for p in workers if _alive(p)]
-            if left:
+            if jobs:
                 print(
-                    f"workers {', '.join(map(str, left))} did not end within "
+                    f"jobs {', '.join(map(str, jobs))} did not end within "
                     f"{self.grace_s:.0f} s of {by}",
                     file=sys.stderr,
                 )
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for pid in workers:  # reap them: no zombie is left behind
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
             _say_sweep_stopped(sweep_dir, by)
             sys.stdout.flush()
             sys.exit(exit_status(by))
@@ -666,10 +684,8 @@ def _isolate() -> bool:
 def _end_sweep(by: str) -> None:
     """A job was stopped by the signal named ``by``: end this process (143 or 130)."""
     if _in_pool_worker():
-        # End the worker now: the pool would catch SystemExit and hand it the next job.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_status(by))
+        # Not SystemExit: the pool would catch it and hand this worker the next job.
+        _await_sweep_end(exit_status(by))
     _say_sweep_stopped(Path(str(HydraConfig.get().sweep.dir)), by)
     sys.exit(exit_status(by))
 
@@ -678,6 +694,7 @@ def _pass_on(pid: int) -> Callable[[int, FrameType | None], None]:
     """A signal handler that passes the signal on to process ``pid``."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        stop.request_stop(signal.Signals(signum).name)
         with contextlib.suppress(ProcessLookupError):  # it has ended meanwhile
             os.kill(pid, signum)
 
@@ -685,16 +702,31 @@ def _pass_on(pid: int) -> Callable[[int, FrameType | None], None]:
 
 
 def _end_worker(run_dir: Path) -> Callable[[int, FrameType | None], None]:
-    """A signal handler that ends this pool worker at once (status 128 + the signal's
-    number) after giving back the space held in ``run_dir`` for an error record."""
+    """A signal handler for a pool worker without a job: give back the space held in
+    ``run_dir`` for an error record (the job that has just ended may not have yet), then
+    :func:`_await_sweep_end`."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         release_error_space(run_dir)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(128 + signum)
+        _await_sweep_end(128 + signum)
 
     return handler
+
+
+def _await_sweep_end(status: int) -> NoReturn:
+    """In a pool worker whose job has ended on a stop signal: take no other job and stay
+    until the sweep's process (:class:`SweepSignals`) ends this worker, once every job of
+    the sweep has ended; exit with ``status`` if that process has gone. A worker ending
+    by itself would make the pool (loky) kill the other workers and their jobs at once,
+    perhaps in the middle of saving their checkpoints."""
+    for each in STOP_SIGNALS:
+        signal.signal(each, signal.SIG_IGN)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sweep = os.getppid()
+    while os.getppid() == sweep:
+        time.sleep(0.2)
+    os._exit(status)
 
 
 def _isolated(cfg: DictConfig) -> str | None:
@@ -729,8 +761,8 @@ def _isolated(cfg: DictConfig) -> str | None:
             if code < 0:  # ended before it could say so itself
                 _say_stopped(s.name)
             return s.name
-    if code == 0:
-        return None
+    if code == 0:  # finished; a signal that came as it did still ends the sweep
+        return stop.stopped_by() if stop.stop_requested() else None
     how = (
         f"killed by {signal.Signals(-code).name}" if code < 0 else f"ended with exit status {code}"
     )
