@@ -25,11 +25,13 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn, cast
 
+from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_loader import ConfigLoader
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
@@ -37,8 +39,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from posenc import stop, tuned
-from posenc.config import ConfigError, validate
+from posenc import schema, stop, tuned
+from posenc.config import UNKNOWN, ConfigError, unknown_key, validate
 from posenc.data.algo_problems import problem_default
 from posenc.errors import RunDirError, UserError
 from posenc.train import train
@@ -63,7 +65,9 @@ def register_resolvers() -> None:
     """``${posenc_uid:}`` and ``${posenc_preset:...}`` in ``conf/config.yaml``'s run and
     sweep directories; ``${posenc_problem:<key>}`` in ``conf/task/algo.yaml``: the chosen
     ``task.problem``'s own default of a key, so ``task.problem=count`` alone brings
-    counting's sizes (a value given on the command line or in a preset replaces it)."""
+    counting's sizes (a value given on the command line or in a preset replaces it);
+    and the schema ``conf/`` extends (:func:`posenc.schema.register`)."""
+    schema.register()
     if not OmegaConf.has_resolver("posenc_problem"):
         OmegaConf.register_new_resolver(
             "posenc_problem",
@@ -93,8 +97,6 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
     Returns:
         One message per misspelled key (empty if none).
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import OverrideType
 
     try:
@@ -110,19 +112,20 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
             value = next(iter(o.sweep_iterator())) if o.is_sweep_override() else o.value()
             choices.append(f"{o.key_or_group}={value}")
     try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            cfg = compose("config", overrides=choices, return_hydra_config=True)
-            # A sweep preset's own grid (hydra.sweeper.params, e.g. sweep=mt_length sets
-            # task=mt): its first value of each group the command line leaves open.
-            given = {c.partition("=")[0] for c in choices}
-            params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
-            more = [
-                f"{k}={str(v).split(',')[0].strip()}"
-                for k, v in params.items()
-                if k in groups and k not in given
-            ]
-            if more:
-                cfg = compose("config", overrides=[*choices, *more])
+        cfg = _compose(config_dir, choices)
+        # A sweep preset's own grid (hydra.sweeper.params, e.g. sweep=mt_length sets
+        # task=mt): its first value of each group the command line leaves open.
+        given = {c.partition("=")[0] for c in choices}
+        params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+        more = [
+            f"{k}={str(v).split(',')[0].strip()}"
+            for k, v in params.items()
+            if k in groups and k not in given
+        ]
+        if more:
+            cfg = _compose(config_dir, [*choices, *more])
+    except ConfigCompositionException as err:  # a key the schema lacks, in a file
+        return composition_problems(err, config_dir, choices)
     except Exception:
         return []
     found = []
@@ -147,6 +150,32 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
         hint = f"did you mean {parent}.{close[0]}?" if close else f"{parent} has {', '.join(keys)}"
         found.append(f"{key}: no such key; {hint}")
     return found
+
+
+def _compose(config_dir: Path, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=True)
+
+
+def composition_problems(
+    err: ConfigCompositionException, config_dir: Path, overrides: list[str]
+) -> list[str]:
+    """One line for a config file that sets a key its group's schema lacks (Hydra says
+    so over several lines, without the fix); nothing for another error (Hydra says it)."""
+    # Hydra keeps the error's words only: "In '<file>': ConfigKeyError ... full_key: <key>"
+    found = re.match(r"In '([^']+)': ConfigKeyError", str(err))
+    full_key = re.search(r"full_key: (\S+)", str(err))
+    if not found or not full_key:
+        return []
+    key = full_key.group(1)
+    source = config_dir / f"{found.group(1)}.yaml"
+    loaded = OmegaConf.load(source) if source.is_file() else OmegaConf.create()
+    value = OmegaConf.select(loaded, key, default=UNKNOWN)  # a `# @package _global_` file
+    if value is UNKNOWN:
+        value = OmegaConf.select(loaded, key.partition(".")[2], default=UNKNOWN)
+    # the config without that file's key names the group's keys and the task
+    cfg = _compose(config_dir, [o for o in overrides if o.startswith("task=")])
+    return [f"{unknown_key(cfg, key, value)} (in conf/{found.group(1)}.yaml)"]
 
 
 def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path | None:

@@ -57,6 +57,8 @@ _DURATION = re.compile(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}")
 #: Options that only the translation task reads (task.* and model.*).
 MT_TASK_KEYS = tuple(k for k in schema.keys(schema.MTTask) if k not in schema.keys(schema.LMTask))
 MT_MODEL_KEYS = schema.MT_MODEL_KEYS
+#: A value not known (a key named by an error that does not give it).
+UNKNOWN = object()
 
 
 def validate(cfg: DictConfig, machine: bool = True) -> None:
@@ -141,6 +143,20 @@ def _unknown_keys(cfg: DictConfig) -> list[str]:
     allowed = _params(pl.Trainer.__init__) + ["_target_"]
     out += schema.unknown("trainer.", list(cfg.trainer), allowed)
     return out + schema.parameter_problems(cfg.trainer, pl.Trainer.__init__, "trainer.")
+
+
+def unknown_key(cfg: Any, key: str, value: Any = UNKNOWN) -> str:
+    """The line that refuses ``key`` (dotted, with its ``value`` where known), which the
+    composed ``cfg`` has no place for: a translation option under ``task=lm`` says so,
+    any other key gets its group's keys and the nearest one."""
+    parent, _, leaf = key.rpartition(".")
+    given = "" if value is UNKNOWN else f"={value!r}"
+    mt_only = {f"task.{k}" for k in MT_TASK_KEYS} | {f"model.{k}" for k in MT_MODEL_KEYS}
+    if key in mt_only and cfg.task.name == "lm":
+        return f"{key}{given}: a translation option, but task.name=lm; remove it or run task=mt"
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    allowed = [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []  # noqa: SIM118
+    return schema.unknown(f"{parent}." if parent else "", [leaf], allowed)[0]
 
 
 def _run_keys(cfg: DictConfig) -> list[str]:
@@ -268,8 +284,7 @@ def _task(cfg: DictConfig, machine: bool = True) -> list[str]:
     out = schema.problems(t, schema.TASKS[name], "task.", skip=skip)
     if name == "lm":
         out += [
-            f"{k}={OmegaConf.select(cfg, k)!r}: a translation option, but task.name=lm; "
-            "remove it or run task=mt"
+            unknown_key(cfg, k, OmegaConf.select(cfg, k))
             for k in [f"task.{k}" for k in skip if k in t]
             + [f"model.{k}" for k in MT_MODEL_KEYS if k in cfg.model]
         ]

@@ -3,8 +3,9 @@ task, ``task.optim``, ``task.eval``, ``task.eval.passkey``, ``task.decode``,
 ``task.learned``, ``tokenizer``) and one for the run itself.
 
 A field declares a key once: its type, its rule (with the one-line message a wrong value
-gets) and a default, used only where a composed config lacks the key (the YAML files
-under ``conf/`` are the documented defaults, and set every key of their groups). A field
+gets) and its default, the only one (:func:`register` hands each task's and each model's
+group to Hydra's ConfigStore, and ``conf/task/*.yaml`` and ``conf/model/*.yaml`` extend
+them, setting no value of their own; other presets set only what they change). A field
 typed ``bool`` takes true or false and nothing else, whatever its rule, and so does every
 ``bool`` parameter of a class an instantiated group builds (:func:`boolean`).
 :func:`problems` walks a composed ``DictConfig`` against a group and lists every unknown
@@ -13,10 +14,10 @@ checked config into the typed :class:`Run` a job reads (``Run[LMTask]`` for the 
 Hydra instantiates (``encoder``, ``trainer``, ``data``) stay mappings: their keys are the
 parameters of the classes they build.
 
-Validation walks the composed config rather than typing it inside Hydra's composition
-(a ConfigStore schema): OmegaConf would refuse a wrong type there with its own
-multi-line error, one problem at a time, where posenc lists every problem of a command
-in one message before anything is written.
+The schema Hydra composes with types every value ``Any`` (:func:`loose`): composition
+refuses a key a file sets that the group lacks, but converts no value, so ``yes`` or
+``"128"`` reach posenc's own rules, which list every problem of a command in one message
+before anything is written.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Generic, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -160,18 +162,36 @@ def key(default: Any, check: str | tuple[str, ...] | Check = "", hint: str = "",
     return field(default=default, metadata=meta)
 
 
-def group(cls: type[Group], says: str = "must be a mapping", optional: bool = False) -> Any:
-    """A nested group; ``says``: the message when the value is not a mapping."""
+def group(
+    cls: type[Group], says: str = "must be a mapping", optional: bool = False, **defaults: Any
+) -> Any:
+    """A nested group; ``says``: the message when the value is not a mapping. Its default:
+    ``cls`` with ``defaults`` (the task's own, e.g. its optimiser), or None when
+    ``optional`` and none are given."""
     meta = {"group": cls, "says": says, "optional": optional}
-    if optional:
+    if optional and not defaults:
         return field(default=None, metadata=meta)
-    return field(default_factory=cls, metadata=meta)
+    return field(default_factory=lambda: cls(**defaults), metadata=meta)
+
+
+def preset(cls: type[G], name: str, **defaults: Any) -> type[G]:
+    """``cls`` with other defaults (a model preset's sizes): the same keys and rules."""
+    own = dataclasses.fields(cast(Any, cls))
+    changed = [
+        (f.name, f.type, field(default=defaults[f.name], metadata=f.metadata))
+        for f in own
+        if f.name in defaults
+    ]
+    return cast(type[G], dataclasses.make_dataclass(name, changed, bases=(cls,), frozen=True))
 
 
 # --- the groups ---
 
 #: Learning-rate schedules (:func:`posenc.training.optim.configure_adamw`).
 SCHEDULES = ("cosine", "inverse_sqrt")
+
+
+G = TypeVar("G", bound="Group")
 
 
 class Group:
@@ -182,6 +202,8 @@ class Group:
     internal: tuple[str, ...] = ()
     #: True: keys the fields do not name are kept, not refused (options of a library).
     open: bool = False
+    #: Keys whose default is the chosen problem's own (``${posenc_problem:task.<key>}``).
+    per_problem: tuple[str, ...] = ()
 
     def get(self, name: str, default: Any = None) -> Any:
         return getattr(self, name, default)
@@ -213,8 +235,8 @@ class Optim(Group):
         [0.9, 0.99],
         lambda k, v: [] if _betas(v) else [f"{k}={v!r}: {BETAS}"],
     )
-    weight_decay: float = key(0.0, "finite>=0", " (0: no decay)")
-    warmup_steps: int = key(0, "int>=0", " (0: no warmup)")
+    weight_decay: float = key(0.1, "finite>=0", " (0: no decay)")
+    warmup_steps: int = key(100, "int>=0", " (0: no warmup)")
     schedule: str = key("cosine", SCHEDULES)
     min_lr_ratio: float = key(
         0.1, "finite[0,1]", " (the cosine schedule ends at lr * min_lr_ratio)"
@@ -298,9 +320,11 @@ class LMEval(Group):
             "must be positive numbers (evaluation length = multiplier * task.seq_len)",
         ),
     )
-    protocols: list[str] = key(["nonoverlap"], items("[nonoverlap]", ("nonoverlap", "sliding")))
+    protocols: list[str] = key(
+        ["nonoverlap", "sliding"], items("[nonoverlap]", ("nonoverlap", "sliding"))
+    )
     sliding_stride: int | None = key(None, "int>0", optional=True)
-    max_tokens: int | None = key(None, "int>0", optional=True)
+    max_tokens: int | None = key(32768, "int>0", optional=True)
     skip_unsupported: bool = key(True)
     context_extension: list[str] = key([], _extension_methods)
     extension_factor: float | str = key(
@@ -336,7 +360,7 @@ class LMTask(Group):
         " (the fraction of training windows replaced by passkey sequences; 0: off)",
     )
     passkey_answer_weight: float = key(
-        1.0, "num>0", " (the loss weight of a training passkey answer's key tokens; 1: as text)"
+        100.0, "num>0", " (the loss weight of a training passkey answer's key tokens; 1: as text)"
     )
     learned: Gate | None = group(Gate, GATE, optional=True)
 
@@ -388,13 +412,15 @@ class MTTask(Group):
     label_smoothing: float = key(0.1, "[0,1)", says="must be in [0, 1)")
     share_embeddings: bool = key(True)
     val_bleu_sentences: int = key(200, "int>=0")
-    monitor: str = key("val/loss", tuple(MONITORS))
-    monitor_mode: str = key("min")
+    monitor: str = key("val/bleu", tuple(MONITORS))
+    monitor_mode: str = key("max")
     eval_split: str = key("test", ("test", "val"))
     eval_max_sentences: int | None = key(None, "int>0", optional=True)
     samples: int = key(8, "int>=0")
     learned: Gate | None = group(Gate, GATE, optional=True)
-    optim: Optim = group(Optim)
+    optim: Optim = group(
+        Optim, betas=[0.9, 0.98], weight_decay=1e-4, warmup_steps=200, schedule="inverse_sqrt"
+    )
     decode: Decode = group(Decode)
 
 
@@ -415,6 +441,16 @@ def _generic(name: str) -> Any:
 class AlgoTask(Group):
     """``task`` for ``task=algo``: a generated algorithmic problem."""
 
+    per_problem = (
+        "train_lengths",
+        "test_multiple",
+        "bucket_width",
+        "symbols",
+        "reverse_digits",
+        "data_tokens",
+        "val_per_size",
+        "test_per_size",
+    )
     name: str = key("algo")
     problem: str = key("copy", tuple(PROBLEMS))
     shape: str = key(
@@ -451,8 +487,10 @@ class AlgoTask(Group):
     eval_batch_size: int = key(128, "int>0")
     val_per_size: int = key(_generic("val_per_size"), "int>0")
     test_per_size: int = key(_generic("test_per_size"), "int>0")
-    learned: Gate | None = group(Gate, GATE, optional=True)
-    optim: Optim = group(Optim)
+    learned: Gate | None = group(
+        Gate, GATE, optional=True, metric="val/seq_acc", threshold=95.0, stop=True
+    )
+    optim: Optim = group(Optim, lr=3e-3, betas=[0.9, 0.98], weight_decay=0.0, warmup_steps=50)
 
     def options(self) -> Options:
         """The instance options (:class:`posenc.data.algo.Options`)."""
@@ -475,7 +513,7 @@ class Model(Group):
     n_layers: int = key(4, "int>0")
     d_model: int = key(128, "int>0")
     n_heads: int = key(4, "int>0")
-    d_ff: int | None = key(None, "int>0", optional=True)
+    d_ff: int | None = key(512, "int>0", optional=True)
     dropout: float = key(0.0, "[0,1)")
     embed_scale: bool = key(False)
     random_positions: int | None = key(
@@ -562,6 +600,22 @@ def keys(cls: type[Group]) -> list[str]:
     return [f.name for f in dataclasses.fields(cast(Any, cls)) if f.name not in cls.internal]
 
 
+#: Each task's model (``conf/model/<task>.yaml``): the LM's sizes are :class:`Model`'s.
+MODELS: dict[str, type[Model]] = {
+    "lm": Model,
+    "mt": preset(
+        Model, "MTModel", n_layers=3, d_model=256, d_ff=1024, dropout=0.1, embed_scale=True
+    ),
+    "algo": preset(Model, "AlgoModel", n_layers=2, d_model=64, d_ff=256),
+}
+#: The model keys each task's model takes (the others are refused).
+MODEL_KEYS = {
+    "lm": tuple(k for k in keys(Model) if k not in (*MT_MODEL_KEYS, "share_embeddings")),
+    "mt": tuple(k for k in keys(Model) if k != "share_embeddings"),  # task.share_embeddings
+}
+MODEL_KEYS["algo"] = MODEL_KEYS["lm"]
+
+
 def problems(
     node: Any,
     cls: type[Group],
@@ -629,7 +683,7 @@ def typed(cfg: DictConfig) -> Run[Any]:
             Run,
             cfg,
             task=build(task, cfg.task),
-            model=build(Model, cfg.model),
+            model=build(MODELS[cfg.task.name], cfg.model),
             tokenizer=cfg.get("tokenizer"),
             encoder=cfg.encoder,
             trainer=cfg.trainer,
@@ -638,3 +692,53 @@ def typed(cfg: DictConfig) -> Run[Any]:
             raw=cfg,
         ),
     )
+
+
+# --- the schema Hydra composes with ---
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def loose(cls: type[Group], name: str, drop: tuple[str, ...] = (), base: Any = None) -> type:
+    """The structured config Hydra composes a group with: ``cls``'s keys (less ``drop``)
+    and defaults (``base``'s values, an instance of ``cls``, where given), every value
+    typed ``Any``. Composition then refuses a key the group lacks, and leaves each value
+    as written (OmegaConf would read ``yes`` as true and ``"128"`` as 128, and posenc's
+    rules could no longer refuse them); :func:`problems` checks the values."""
+    fields: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(cast(Any, cls)):
+        if f.name in cls.internal or f.name in drop:
+            continue
+        default = getattr(base, f.name) if base is not None else _default(f)
+        sub = f.metadata.get("group")
+        if sub is not None:
+            # a value that is not a mapping reaches the group's own message
+            inner = loose(sub, f"{name}_{f.name}", base=default)
+            made = field(default=None) if default is None else field(default_factory=inner)
+            fields.append((f.name, Any, made))
+        elif f.name in cls.per_problem:  # resolved when the problem is known
+            fields.append((f.name, Any, field(default=f"${{posenc_problem:task.{f.name}}}")))
+        elif isinstance(default, list):
+            fields.append((f.name, Any, field(default_factory=partial(list, default))))
+        else:
+            fields.append((f.name, Any, field(default=default)))
+    return dataclasses.make_dataclass(name, fields)
+
+
+def register() -> None:
+    """Register each task's and each model's schema in Hydra's ConfigStore, as the
+    ``schema/task`` and ``schema/model`` options ``conf/task/*.yaml`` and
+    ``conf/model/*.yaml`` extend: the dataclasses are the one home of every default."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for name, task in TASKS.items():
+        store.store(group="schema/task", name=name, node=loose(task, f"{task.__name__}Schema"))
+    for name, model in MODELS.items():
+        drop = tuple(k for k in keys(model) if k not in MODEL_KEYS[name])
+        node = loose(model, f"{name.capitalize()}ModelSchema", drop)
+        store.store(group="schema/model", name=name, node=node)

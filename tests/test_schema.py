@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from omegaconf import OmegaConf, open_dict
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from posenc import schema
+from posenc.cli import misspelled_keys
 from posenc.config import ConfigError, validate
+from posenc.data.algo_problems import problem_default
+from tests import presets
 from tests.conftest import ENCODER_YAMLS, ROOT, compose_config, compose_run, encoder_class
 
 TASKS = [
@@ -51,36 +56,84 @@ def test_the_typed_run_holds_exactly_the_composed_values(
 
 
 def test_a_missing_key_takes_the_declared_default_and_is_not_listed(tmp_path: Path) -> None:
-    cfg = compose_run(tmp_path)
-    with open_dict(cfg):
-        del cfg.task.eval["skip_unsupported"]
-    run = schema.typed(cfg)
-    assert run.task.eval.skip_unsupported is True  # the field's default
-    assert "skip_unsupported" not in run.task.eval and "splits" in run.task.eval
-    assert "skip_unsupported" not in run.task.eval.as_dict()
+    # a config composed elsewhere (an old run's record), without the schema's keys
+    task = OmegaConf.create(OmegaConf.to_container(compose_run(tmp_path).task, resolve=True))
+    del task.eval["skip_unsupported"]
+    built = schema.build(schema.LMTask, task)
+    assert built.eval.skip_unsupported is True  # the field's default
+    assert "skip_unsupported" not in built.eval and "splits" in built.eval
+    assert "skip_unsupported" not in built.eval.as_dict()
 
 
-def _yaml_keys(group: str) -> set[str]:
-    """Keys the YAML files of a config group set at the top of that group."""
-    root = ROOT / "conf" / group
-    keys: set[str] = set()
-    for path in root.glob("*.yaml"):
-        node = OmegaConf.to_container(OmegaConf.load(path))
-        if isinstance(node, dict):
-            keys |= {str(k) for k in node if k != "defaults"}
-    return keys
-
-
-def test_every_model_key_of_the_yaml_files_is_declared() -> None:
-    assert _yaml_keys("model") <= set(schema.keys(schema.Model))
+def _plain_defaults(cls: type[schema.Group], only: tuple[str, ...] | None = None) -> Any:
+    """What a group of ``cls`` holds where nothing sets a key: its fields' defaults."""
+    made = cls()
+    names = only or tuple(schema.keys(cls))
+    return {
+        k: _plain(v) if not isinstance(v, schema.Group) else _plain_defaults(type(v))
+        for k in names
+        for v in [made[k]]
+    }
 
 
 @pytest.mark.parametrize("task", ["lm", "mt", "algo"])
-def test_every_task_key_of_the_yaml_files_is_declared(task: str) -> None:
-    node = OmegaConf.load(ROOT / "conf" / "task" / f"{task}.yaml")
-    declared = schema.TASKS[task]
-    assert set(node.task) <= set(schema.keys(declared)), set(node.task) - set(schema.keys(declared))
-    assert set(node.task.optim) == set(schema.keys(schema.Optim))
+def test_every_default_has_one_home(task: str) -> None:
+    """The dataclasses are the only home of a task's and a model's defaults: composing
+    ``task=<task>`` gives them, and the task's and model's YAML files set no value."""
+    cfg = presets.composed_once([f"task={task}"])
+    composed = OmegaConf.to_container(cfg.task, resolve=True)
+    assert isinstance(composed, dict)
+    declared = _plain(schema.TASKS[task]())
+    if task == "algo":
+        declared["learned"] = _plain(declared["learned"])
+        for k in schema.AlgoTask.per_problem:  # the copy problem's own (algo_problems.py)
+            declared[k] = problem_default("copy", f"task.{k}")
+    mismatches = {k: (composed.get(k), v) for k, v in declared.items() if composed.get(k) != v}
+    assert mismatches == {}
+    model = schema.MODELS[task]
+    expected = {k: getattr(model(), k) for k in schema.MODEL_KEYS[task]}
+    assert OmegaConf.to_container(cfg.model, resolve=True) == expected
+    for path in (ROOT / "conf" / "task" / f"{task}.yaml", ROOT / "conf" / "model" / f"{task}.yaml"):
+        node = OmegaConf.load(path)
+        assert not node.get("task") and set(node) <= {"defaults", "trainer", "tokenizer"}, path
+
+
+@pytest.mark.parametrize("name", list(presets.presets()))
+def test_every_preset_composes_the_values_it_always_did(name: str) -> None:
+    """Moving a default to its one home changed nothing a run gets (tests/presets.json:
+    every preset as composed before the move)."""
+    expected = json.loads(presets.SNAPSHOT.read_text())[name]
+    assert presets.record(presets.composed_once(presets.presets()[name])) == expected
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.compile=yes", "model.compile='yes': must be true or false"),
+        ("task.seq_len='128'", "task.seq_len='128': must be a positive integer"),
+        ("task.optim.lr='1e-3'", "task.optim.lr='1e-3': must be a positive number"),
+        ("task.eval.passkey.samples='20'", "task.eval.passkey.samples='20': must be a positive"),
+    ],
+)
+def test_the_schema_hydra_composes_with_converts_no_value(
+    tmp_path: Path, override: str, message: str
+) -> None:
+    """Composition takes a value as written (the schema's types are loose), so posenc's
+    own rule refuses it, with its own line."""
+    with pytest.raises(ConfigError) as err:
+        validate(compose_run(tmp_path, override))
+    assert message in str(err.value)
+
+
+def test_a_file_setting_a_key_the_schema_lacks_is_one_line() -> None:
+    """A preset with a key its task's schema lacks fails at composition; run.py says so
+    in one line, with the file (conf/experiment/mt_train_short.yaml is translation's)."""
+    with pytest.raises(ConfigCompositionException, match="max_train_src_len' not in"):
+        presets.composed_once(["experiment=mt_train_short"])
+    assert misspelled_keys(["experiment=mt_train_short"], ROOT / "conf") == [
+        "task.max_train_src_len=14: a translation option, but task.name=lm; remove it or "
+        "run task=mt (in conf/experiment/mt_train_short.yaml)"
+    ]
 
 
 def test_the_job_receives_the_typed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -198,7 +198,7 @@ def test_mt_options_with_the_lm_task_are_refused(tmp_path: Path) -> None:
             "config",
             overrides=[
                 "task=lm",
-                "experiment=mt_train_short",
+                "+task.max_train_src_len=14",
                 f"paths.output_dir={tmp_path}",
                 f"paths.cache_dir={tmp_path}",
             ],
