@@ -48,6 +48,8 @@ SETTINGS = {
     "t5": {"num_buckets": 8, "max_distance": 12},
     "deberta": {"max_distance": 6, "bucket_size": 4},
     "xpos": {"scale_base": 16.0},
+    # two members, each with its own context entries (T5's tables, RoPE's angles)
+    "mix": {"layers": [{"name": "t5", "num_buckets": 8, "max_distance": 12}, "rope"]},
 }
 ROPE_SCALINGS = {
     "linear": {"scaling": "linear", "scaling_factor": 2.0},
@@ -56,6 +58,7 @@ ROPE_SCALINGS = {
     "yarn": {"scaling": "yarn", "scaling_factor": 4.0, "original_length": L},
     "llama3": {"scaling": "llama3", "scaling_factor": 4.0, "original_length": L},
 }
+DEBERTA, DYNAMIC = SETTINGS["deberta"], ROPE_SCALINGS["dynamic_ntk"]
 CASES = [(n, SETTINGS.get(n, {})) for n in ENCODER_YAMLS]
 CASES += [(f"rope+{m}", kw) for m, kw in ROPE_SCALINGS.items()]
 # The non-default conventions (#24): DeBERTa's p2c at the paper's row; YaRN partial rotation
@@ -89,6 +92,16 @@ CASES += [
     ),
     ("fox+spread", {"bias_init": "spread"}),
     ("fox+pro", {"pro": True}),
+    # mixes: a pass-dependent layer beside a plain one, two RoPE bases, a token-reading
+    # layer (FoX's gates) beside RoPE; head splits with a score term, a value term and a
+    # content scale of their own (DeBERTa's), and a pass-dependent group
+    ("mix+dynamic_ntk", {"layers": [{"name": "rope", **ROPE_SCALINGS["dynamic_ntk"]}, "none"]}),
+    ("mix+bases", {"layers": ["rope", {"name": "rope", "base": 100.0}]}),
+    ("mix+fox", {"layers": ["fox", "rope"]}),
+    ("mix+heads", {"layers": None, "heads": ["rope", {"name": "t5", **SETTINGS["t5"]}]}),
+    ("mix+heads_shaw", {"layers": None, "heads": [{"name": "shaw", **SETTINGS["shaw"]}, "none"]}),
+    ("mix+heads_deberta", {"layers": None, "heads": ["rope", {"name": "deberta", **DEBERTA}]}),
+    ("mix+heads_ntk", {"layers": None, "heads": [{"name": "rope", **DYNAMIC}, "alibi"]}),
 ]
 IDS = [c[0] for c in CASES]
 
