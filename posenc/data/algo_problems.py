@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from posenc.data import algo_chomsky as chomsky
 from posenc.data import algo_content as content
 
 __all__ = [
+    "CHOMSKY",
+    "CONTENT",
     "DEFAULTS",
     "GRIDS",
     "PROBLEMS",
@@ -347,53 +350,157 @@ CONTENT = (
     ),
 )
 
-#: ``task.problem`` -> :class:`Problem`.
-PROBLEMS: dict[str, Problem] = {
-    p.name: p
-    for p in (
-        Problem(
-            "copy", "symbols to copy", _letter_alphabet, _copy, lambda n, o: (n, n), letters=True
-        ),
-        Problem(
-            "reverse",
-            "symbols to reverse",
-            _letter_alphabet,
-            _reverse,
-            lambda n, o: (n, n),
-            letters=True,
-        ),
-        Problem(
-            "duplicate",
-            "symbols to write twice",
-            _letter_alphabet,
-            _duplicate,
-            lambda n, o: (n, 2 * n),
-            letters=True,
-        ),
-        Problem(
-            "sort", "symbols to sort", _letter_alphabet, _sort, lambda n, o: (n, n), letters=True
-        ),
-        Problem(
-            "addition",
-            "digits per operand",
-            lambda o: [*DIGITS, "+"],
-            _addition,
-            lambda n, o: (2 * n + 1, n + 1),
-            # least-significant digit first: the carry is written after the digits it
-            # depends on
-            defaults={"task.reverse_digits": True},
-        ),
-        Problem("parity", "bits", lambda o: ["0", "1"], _parity, lambda n, o: (n, 1)),
-        Problem(
-            "modarith",
-            "operands in 0..4 of + - * (mod 5)",
-            lambda o: ["0", "1", "2", "3", "4", "+", "-", "*"],
-            _modarith,
-            lambda n, o: (2 * n - 1, 1),
-        ),
-        *CONTENT,
+#: The problems that index positions.
+CLASSIC = (
+    Problem("copy", "symbols to copy", _letter_alphabet, _copy, lambda n, o: (n, n), letters=True),
+    Problem(
+        "reverse",
+        "symbols to reverse",
+        _letter_alphabet,
+        _reverse,
+        lambda n, o: (n, n),
+        letters=True,
+    ),
+    Problem(
+        "duplicate",
+        "symbols to write twice",
+        _letter_alphabet,
+        _duplicate,
+        lambda n, o: (n, 2 * n),
+        letters=True,
+    ),
+    Problem("sort", "symbols to sort", _letter_alphabet, _sort, lambda n, o: (n, n), letters=True),
+    Problem(
+        "addition",
+        "digits per operand",
+        lambda o: [*DIGITS, "+"],
+        _addition,
+        lambda n, o: (2 * n + 1, n + 1),
+        # least-significant digit first: the carry is written after the digits it
+        # depends on
+        defaults={"task.reverse_digits": True},
+    ),
+    Problem("parity", "bits", lambda o: ["0", "1"], _parity, lambda n, o: (n, 1)),
+    Problem(
+        "modarith",
+        "operands in 0..4 of + - * (mod 5)",
+        lambda o: ["0", "1", "2", "3", "4", "+", "-", "*"],
+        _modarith,
+        lambda n, o: (2 * n - 1, 1),
+    ),
+)
+
+CHOMSKY_PAPER = "Deletang et al. 2023, Neural Networks and the Chomsky Hierarchy"
+
+
+def _alias(of: str, name: str, defaults: Mapping[str, Any]) -> Problem:
+    """A Chomsky-hierarchy task that is posenc's problem ``of`` in the authors' format,
+    under the authors' name, with its own ``defaults`` (their alphabet's size)."""
+    (problem,) = [p for p in CLASSIC if p.name == of]
+    return dataclasses.replace(problem, name=name, paper=CHOMSKY_PAPER, defaults=defaults)
+
+
+def _chomsky(
+    name: str,
+    size: str,
+    alphabet: list[str],
+    make: Callable[[random.Random, int], Instance],
+    answer: Callable[[int], int],
+) -> Problem:
+    """A Chomsky-hierarchy task over a fixed ``alphabet``: the input takes ``n`` symbols,
+    the answer at most ``answer(n)``."""
+    return Problem(
+        name,
+        size,
+        lambda o: alphabet,
+        lambda rng, n, o: make(rng, n),
+        lambda n, o: (n, answer(n)),
+        paper=CHOMSKY_PAPER,
     )
-}
+
+
+_BITS = ["0", "1"]
+_RESIDUES = [str(r) for r in range(chomsky.MODULUS)]
+
+#: The tasks of Deletang et al. 2023 (:mod:`.algo_chomsky`), named as in the authors'
+#: repository; the size is their input length.
+CHOMSKY = (
+    # regular
+    _chomsky("even_pairs", "bits", _BITS, chomsky.even_pairs, lambda n: 1),
+    _alias("parity", "parity_check", {}),
+    _chomsky(
+        "cycle_navigation",
+        "moves (left, stay, right)",
+        [*chomsky.CYCLE, *_RESIDUES],
+        chomsky.cycle_navigation,
+        lambda n: 1,
+    ),
+    Problem(
+        "modular_arithmetic",
+        "tokens, operands and operators (an even size writes one fewer)",
+        lambda o: [*_RESIDUES, "+", "-", "*"],
+        lambda rng, n, o: _modarith(rng, (n + 1) // 2, o),
+        lambda n, o: (2 * ((n + 1) // 2) - 1, 1),
+        paper=CHOMSKY_PAPER,
+    ),
+    # deterministic context-free
+    _chomsky(
+        "stack_manipulation",
+        "tokens (stack bits, then actions)",
+        [*_BITS, *chomsky.STACK_ACTIONS],
+        chomsky.stack_manipulation,
+        lambda n: n,
+    ),
+    _alias("reverse", "reverse_string", {"task.symbols": 2}),
+    _chomsky(
+        "modular_arithmetic_brackets",
+        "characters",
+        chomsky.BRACKET_SYMBOLS[:-2],
+        chomsky.modular_arithmetic_brackets,
+        lambda n: 1,
+    ),
+    _chomsky(
+        "solve_equation", "characters", chomsky.BRACKET_SYMBOLS, chomsky.solve_equation, lambda n: 1
+    ),
+    # context-sensitive
+    _alias("duplicate", "duplicate_string", {"task.symbols": 2}),
+    _chomsky(
+        "missing_duplicate_string",
+        "tokens (a bit string twice, one bit missing)",
+        [*_BITS, chomsky.MISSING, chomsky.PADDING],
+        chomsky.missing_duplicate_string,
+        lambda n: 1,
+    ),
+    Problem(
+        "odds_first",
+        "symbols",
+        _letter_alphabet,
+        lambda rng, n, o: chomsky.odds_first(rng, n, LETTERS[: o.symbols]),
+        lambda n, o: (n, n),
+        letters=True,
+        paper=CHOMSKY_PAPER,
+        defaults={"task.symbols": 2},
+    ),
+    _chomsky(
+        "binary_addition",
+        "tokens (two little-endian numbers and +)",
+        [*_BITS, "+"],
+        chomsky.binary_addition,
+        lambda n: n,
+    ),
+    _chomsky(
+        "binary_multiplication",
+        "tokens (two little-endian numbers and *)",
+        [*_BITS, "*"],
+        chomsky.binary_multiplication,
+        lambda n: n - 1,
+    ),
+    _chomsky("compute_sqrt", "bits", _BITS, chomsky.compute_sqrt, lambda n: -(-n // 2)),
+    _alias("sort", "bucket_sort", {"task.symbols": 5}),
+)
+
+#: ``task.problem`` -> :class:`Problem`.
+PROBLEMS: dict[str, Problem] = {p.name: p for p in (*CLASSIC, *CONTENT, *CHOMSKY)}
 
 
 def problem_default(problem: Any, key: str) -> Any:

@@ -246,6 +246,9 @@ def _compose(tmp_path: Path, *overrides: str) -> DictConfig:
             "task.reverse_digits=true",
         ],
         ["encoder=t5", "task.shape=encdec", "task.problem=sort"],
+        # the Chomsky-hierarchy tasks: answers that may be empty (only the EOS), a class
+        ["encoder=rope", "task.problem=stack_manipulation"],
+        ["encoder=t5", "task.shape=encdec", "task.problem=even_pairs"],
     ],
 )
 def test_whole_run(tmp_path: Path, overrides: list[str], capsys: pytest.CaptureFixture) -> None:
@@ -413,6 +416,14 @@ def test_bad_values_are_refused_before_training(
     with pytest.raises(ConfigError, match="invalid config") as err:
         validate(_compose(tmp_path, f"+{override}" if "lenghts" in override else override))
     assert message in str(err.value)
+
+
+def test_an_unknown_problem_is_refused_with_every_problem_allowed(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(_compose(tmp_path, "task.problem=even_pair"))
+    (line,) = [x for x in str(err.value).splitlines() if "task.problem=" in x]
+    assert line.split("allowed ", 1)[1].startswith(", ".join(PROBLEMS))  # mqar, bucket_sort...
+    assert {"mqar", "even_pairs", "binary_addition", "bucket_sort"} <= set(PROBLEMS)
 
 
 @pytest.mark.parametrize(
