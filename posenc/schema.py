@@ -479,8 +479,8 @@ class AlgoTask(Group):
             []
             if integer(v) and 2 <= v <= 26
             else [
-                f"{k}={v!r}: must be an integer in 2..26 (letters of the copy, reverse, duplicate "
-                "and sort problems)"
+                f"{k}={v!r}: must be an integer in 2..26 (letters of the problems that draw "
+                "letters, e.g. copy, reverse_string; variables of count)"
             ]
         ),
     )
