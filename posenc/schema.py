@@ -448,6 +448,10 @@ class AlgoTask(Group):
         "symbols",
         "reverse_digits",
         "data_tokens",
+        "pairs",
+        "queries",
+        "key_vocab",
+        "value_vocab",
         "val_per_size",
         "test_per_size",
     )
@@ -475,13 +479,17 @@ class AlgoTask(Group):
             []
             if integer(v) and 2 <= v <= 26
             else [
-                f"{k}={v!r}: must be an integer in 2..26 (letters of the copy, reverse, duplicate "
-                "and sort problems)"
+                f"{k}={v!r}: must be an integer in 2..26 (letters of the problems that draw "
+                "letters, e.g. copy, reverse_string; variables of count)"
             ]
         ),
     )
     reverse_digits: bool = key(_generic("reverse_digits"))
     data_tokens: int = key(_generic("data_tokens"), "int>0")
+    pairs: int = key(_generic("pairs"), "int>0")
+    queries: int = key(_generic("queries"), "int>0")
+    key_vocab: int = key(_generic("key_vocab"), "int>0")
+    value_vocab: int = key(_generic("value_vocab"), "int>0")
     lm_loss: bool = key(False)
     batch_size: int = key(64, "int>0")
     eval_batch_size: int = key(128, "int>0")
@@ -495,7 +503,13 @@ class AlgoTask(Group):
     def options(self) -> Options:
         """The instance options (:class:`posenc.data.algo.Options`)."""
         return Options(
-            symbols=self.symbols, reverse_digits=self.reverse_digits, data_tokens=self.data_tokens
+            symbols=self.symbols,
+            reverse_digits=self.reverse_digits,
+            data_tokens=self.data_tokens,
+            pairs=self.pairs,
+            queries=self.queries,
+            key_vocab=self.key_vocab,
+            value_vocab=self.value_vocab,
         )
 
     def longest(self, size: int) -> int:

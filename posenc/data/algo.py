@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, TypedDict
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -84,14 +84,6 @@ __all__ = [
 ]
 
 
-class _InstanceOptions(TypedDict):
-    """The keyword options of :func:`instance` that a task sets."""
-
-    symbols: int
-    reverse_digits: bool
-    data_tokens: int
-
-
 Example = tuple[list[int], list[int], int]  # (prompt or token ids, answer or label ids, size)
 Collate = Callable[[Sequence[Example]], dict[str, Any]]
 
@@ -106,9 +98,7 @@ class AlgoSet(Dataset):
         sizes: The size of each item.
         keys: The stream key of each item.
         variants: The variant of each item (default: the training distribution's).
-        symbols: ``task.symbols``.
-        reverse_digits: ``task.reverse_digits``.
-        data_tokens: ``task.data_tokens``.
+        options: The instance options (``task.symbols`` ...).
     """
 
     def __init__(
@@ -119,27 +109,21 @@ class AlgoSet(Dataset):
         keys: Sequence[str],
         variants: Sequence[str] | None = None,
         *,
-        symbols: int,
-        reverse_digits: bool,
-        data_tokens: int = 16,
+        options: Options,
     ) -> None:
         variants = [""] * len(sizes) if variants is None else list(variants)
         if not len(sizes) == len(keys) == len(variants):
             raise ValueError(f"{len(sizes)} sizes, {len(keys)} keys, {len(variants)} variants")
         self.problem, self.vocab = problem, vocab
         self.sizes, self.keys, self.variants = list(sizes), list(keys), variants
-        self.options: _InstanceOptions = {
-            "symbols": symbols,
-            "reverse_digits": reverse_digits,
-            "data_tokens": data_tokens,
-        }
+        self.options = options
 
     def __len__(self) -> int:
         return len(self.sizes)
 
     def __getitem__(self, i: int) -> Example:
         prompt, answer = instance(
-            self.problem, self.sizes[i], self.keys[i], variant=self.variants[i], **self.options
+            self.problem, self.sizes[i], self.keys[i], self.options, variant=self.variants[i]
         )
         return self.vocab.encode(prompt), self.vocab.encode(answer), self.sizes[i]
 
@@ -155,9 +139,9 @@ class TrainingStream(AlgoSet):
         sizes: Sequence[int],
         count: int,
         seed: int,
-        **options: Any,
+        options: Options,
     ) -> None:
-        super().__init__(problem, vocab, [], [], **options)
+        super().__init__(problem, vocab, [], [], options=options)
         if not sizes:
             raise ValueError(f"problem {problem.name}: no valid training size")
         self.train_sizes, self.count, self.seed = list(sizes), count, seed
@@ -167,7 +151,7 @@ class TrainingStream(AlgoSet):
 
     def __getitem__(self, i: int) -> Example:
         n = training_size(self.seed, i, self.train_sizes)
-        prompt, answer = instance(self.problem, n, f"train:{self.seed}:{i}", **self.options)
+        prompt, answer = instance(self.problem, n, f"train:{self.seed}:{i}", self.options)
         return self.vocab.encode(prompt), self.vocab.encode(answer), n
 
 
@@ -178,7 +162,8 @@ def evaluation_set(
     sizes: Sequence[int],
     per_size: int,
     variants: Sequence[str] = ("",),
-    **options: Any,
+    *,
+    options: Options,
 ) -> AlgoSet:
     """``per_size`` instances of every size and variant, keyed by ``split`` only (the same
     for every seed and encoder)."""
@@ -189,7 +174,7 @@ def evaluation_set(
         [n for _, n, _ in grid],
         [f"{split}:{i}" for _, _, i in grid],
         [v for v, _, _ in grid],
-        **options,
+        options=options,
     )
 
 
@@ -378,15 +363,14 @@ class AlgoDataModule(pl.LightningDataModule):
         shape: ``decoder`` or ``encdec`` (how batches are laid out).
         train_lengths: ``[lo, hi]`` training sizes.
         top: The largest test size.
-        symbols: Letters of the sequence problems, variables of ``count``.
-        reverse_digits: Addition with digits least-significant first.
+        options: The instance options (``task.symbols``, ``task.pairs`` ...:
+            :class:`Options`).
         batch_size: Training instances per step.
         eval_batch_size: Evaluation instances per batch.
         steps: Training steps (the stream's length).
         val_per_size: Validation instances per training size.
         test_per_size: Test instances per size and variant.
         seed: The training stream's seed.
-        data_tokens: Data tokens of ``selective_copy``.
         test_grid: Test sizes (:data:`GRIDS`), or ``auto`` for the problem's own.
         lm_loss: Train a tagged problem that is a language (flip-flop) on every next token,
             not only on its labels.
@@ -399,38 +383,28 @@ class AlgoDataModule(pl.LightningDataModule):
         shape: str,
         train_lengths: Sequence[int],
         top: int,
-        symbols: int,
-        reverse_digits: bool,
+        options: Options,
         batch_size: int,
         eval_batch_size: int,
         steps: int,
         val_per_size: int,
         test_per_size: int,
         seed: int,
-        data_tokens: int = 16,
         test_grid: str = "auto",
         lm_loss: bool = False,
     ) -> None:
         super().__init__()
         self.problem = PROBLEMS[problem]
-        self.vocab = AlgoVocab(self.problem, symbols)
+        self.options = options
+        self.vocab = AlgoVocab(self.problem, options)
         self.shape = shape
         self.lo, self.hi = (int(x) for x in train_lengths)
         self.top = int(top)
-        self.options: _InstanceOptions = {
-            "symbols": int(symbols),
-            "reverse_digits": bool(reverse_digits),
-            "data_tokens": int(data_tokens),
-        }
         self.grid = self.problem.grid if test_grid == "auto" else test_grid
         self.lm_loss = bool(lm_loss) and self.problem.lm
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.steps, self.seed = steps, seed
         self.val_per_size, self.test_per_size = val_per_size, test_per_size
-
-    @property
-    def instance_options(self) -> Options:
-        return Options(**self.options)
 
     @property
     def collate(self) -> Collate:
@@ -439,17 +413,15 @@ class AlgoDataModule(pl.LightningDataModule):
         return collate_decoder if self.shape == "decoder" else collate_encdec
 
     def train_sizes(self) -> list[int]:
-        return self.problem.sizes(self.lo, self.hi, self.instance_options)
+        return self.problem.sizes(self.lo, self.hi, self.options)
 
     def test_sizes(self) -> list[int]:
-        return grid_sizes(
-            self.problem, self.lo, self.hi, self.top, self.grid, self.instance_options
-        )
+        return grid_sizes(self.problem, self.lo, self.hi, self.top, self.grid, self.options)
 
     def buckets(self, width: int) -> list[tuple[int, int]]:
         """The report's size buckets (:func:`size_buckets`)."""
         return size_buckets(
-            self.problem, self.lo, self.hi, self.top, self.grid, width, self.instance_options
+            self.problem, self.lo, self.hi, self.top, self.grid, width, self.options
         )
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -461,7 +433,7 @@ class AlgoDataModule(pl.LightningDataModule):
             self.train_sizes(),
             self.steps * self.batch_size,
             self.seed,
-            **self.options,
+            self.options,
         )
         data = TrainingBatches(stream, self.batch_size, self.steps, start, self.collate)
         return torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
@@ -476,7 +448,7 @@ class AlgoDataModule(pl.LightningDataModule):
     ) -> torch.utils.data.DataLoader:
         data = Batches(
             evaluation_set(
-                self.problem, self.vocab, split, sizes, per_size, variants, **self.options
+                self.problem, self.vocab, split, sizes, per_size, variants, options=self.options
             ),
             self.eval_batch_size,
             collate,

@@ -5,16 +5,17 @@
 - selective copying (Gu and Dao 2023, section 3.1): :func:`selective_copy`;
 - counting (Golovneva et al. 2024, CoPE, section 4): :func:`count`;
 - state tracking, the word problem of a group (Merrill et al. 2024, "The Illusion of State
-  in State-Space Models"): :func:`state` over :data:`GROUPS` (S3 and A5).
+  in State-Space Models"): :func:`state` over :data:`GROUPS` (S3 and A5);
+- multi-query associative recall (Arora et al. 2023, Zoology): :func:`mqar`.
 
 Each is a pure function of a :class:`random.Random` and its arguments, so an instance is a
 function of its stream key (:func:`posenc.data.algo.instance`). Two kinds of output:
 
 - *prompt and answer* (selective copy, counting): the model reads the prompt and writes the
   answer, as in the classic problems;
-- *tokens and labels* (flip-flop, state tracking): one sequence, and at some positions the
-  symbol the model must predict once it has read the sequence up to there (``None``
-  elsewhere); the model is scored at those positions given the true prefix.
+- *tokens and labels* (flip-flop, state tracking, associative recall): one sequence, and
+  at some positions the symbol the model must predict once it has read the sequence up to
+  there (``None`` elsewhere); the model is scored at those positions given the true prefix.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ __all__ = [
     "COUNT_MAX",
     "FLIPFLOP_IGNORE",
     "GROUPS",
+    "MQAR_POWER",
     "NOISE",
     "count",
     "flipflop",
+    "mqar",
     "selective_copy",
     "state",
 ]
@@ -187,4 +190,62 @@ def state(rng: random.Random, steps: int, group: str) -> tuple[list[str], Labels
     for g in tokens:
         product = _then(product, g)
         labels.append(product)
+    return tokens, labels
+
+
+# ------------------------------------------------------------ multi-query associative recall
+#: The power law of the query gaps (Zoology's ``power_a``; 1 would be uniform): gap slot
+#: ``i = 1, 2, ...`` has weight ``i ** (a - 1)``, so most queries come soon after the pairs,
+#: as repeated bigrams do in text.
+MQAR_POWER = 0.01
+
+
+def _weighted_sample(rng: random.Random, weights: list[float], k: int) -> list[int]:
+    """``k`` distinct indices of ``weights``, drawn one at a time in proportion to the
+    weights left (numpy's ``choice(replace=False, p=...)``, which Zoology uses)."""
+    pool, left, out = list(range(len(weights))), list(weights), []
+    for _ in range(k):
+        (j,) = rng.choices(range(len(pool)), left)
+        out.append(pool.pop(j))
+        left.pop(j)
+    return out
+
+
+def mqar(
+    rng: random.Random, length: int, pairs: int, queries: int, keys: list[str], values: list[str]
+) -> tuple[list[str], Labels]:
+    """A multi-query associative recall sequence (Zoology's ``multiquery_ar``) and its labels.
+
+    ``pairs`` key-value pairs ``k v k v ...`` (distinct keys, distinct values), then
+    ``length - 2 pairs`` tokens where ``queries`` of the keys (distinct, in random order)
+    stand at even offsets drawn by the power law :data:`MQAR_POWER`; every other token is
+    noise, uniform over keys and values (Zoology's ``random_non_queries``).
+
+    Args:
+        rng: The instance's generator.
+        length: Tokens in all: even, at least ``2 pairs + 2 queries``.
+        pairs: Key-value pairs.
+        queries: Keys asked for (at most ``pairs``).
+        keys: The key alphabet (at least ``pairs`` symbols).
+        values: The value alphabet (at least ``pairs`` symbols).
+
+    Returns:
+        ``(tokens, labels)``: at a query, the value its key has among the pairs (what the
+        model must predict next); None elsewhere.
+    """
+    space = (length - 2 * pairs) // 2  # even offsets of the query region
+    if length % 2 or space < queries or queries > pairs:
+        raise ValueError(
+            f"mqar: {length} tokens must be even and hold {pairs} pairs and {queries} queries"
+        )
+    ks, vs = rng.sample(keys, pairs), rng.sample(values, pairs)
+    tokens: list[str] = [t for kv in zip(ks, vs, strict=True) for t in kv]
+    labels: Labels = [None] * length
+    slots = _weighted_sample(rng, [i ** (MQAR_POWER - 1) for i in range(1, space + 1)], queries)
+    asked = rng.sample(range(pairs), queries)
+    noise = [*keys, *values]
+    tokens += [rng.choice(noise) for _ in range(length - 2 * pairs)]
+    for slot, j in zip(slots, asked, strict=True):
+        tokens[2 * pairs + 2 * slot] = ks[j]
+        labels[2 * pairs + 2 * slot] = vs[j]
     return tokens, labels

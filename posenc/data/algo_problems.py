@@ -6,15 +6,19 @@ stream key. The datasets, batches and data module are in :mod:`posenc.data.algo`
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from posenc.data import algo_chomsky as chomsky
 from posenc.data import algo_content as content
 
 __all__ = [
+    "CHOMSKY",
+    "CONTENT",
     "DEFAULTS",
     "GRIDS",
     "PROBLEMS",
@@ -47,6 +51,10 @@ class Options:
         symbols: ``task.symbols``: letters of the letter problems, variables of ``count``.
         reverse_digits: ``task.reverse_digits`` (addition).
         data_tokens: ``task.data_tokens``: data tokens of ``selective_copy``.
+        pairs: ``task.pairs``: key-value pairs of ``mqar``.
+        queries: ``task.queries``: keys ``mqar`` asks for (at most ``pairs``).
+        key_vocab: ``task.key_vocab``: the keys ``mqar`` draws its pairs' keys from.
+        value_vocab: ``task.value_vocab``: the values ``mqar`` draws from.
         variant: The test variant (:attr:`Problem.variants`); ``""`` is the training
             distribution.
     """
@@ -54,6 +62,10 @@ class Options:
     symbols: int = 16
     reverse_digits: bool = False
     data_tokens: int = 16
+    pairs: int = 4
+    queries: int = 4
+    key_vocab: int = 16
+    value_vocab: int = 16
     variant: str = ""
 
 
@@ -114,6 +126,10 @@ DEFAULTS: dict[str, Any] = {
     "task.symbols": 16,
     "task.reverse_digits": False,
     "task.data_tokens": 16,
+    "task.pairs": 4,
+    "task.queries": 4,
+    "task.key_vocab": 16,
+    "task.value_vocab": 16,
     "task.val_per_size": 16,
     "task.test_per_size": 24,
     "trainer.max_steps": 500,
@@ -132,7 +148,7 @@ class Problem:
     Attributes:
         name: The ``task.problem`` value.
         size: What the size ``n`` counts.
-        alphabet: The symbols of prompts and answers, given ``task.symbols``.
+        alphabet: The symbols of prompts and answers, given the options (``task.symbols``).
         make: ``(rng, n, options) -> (prompt, answer)``, or ``(tokens, labels)`` if tagged.
         lengths: ``(n, options) -> (prompt or token length, longest answer)`` in symbols
             (a tagged problem's answer length is 0: its labels lie on its tokens).
@@ -149,11 +165,13 @@ class Problem:
         paper: Where the problem comes from, for ``metrics.json`` and the docs.
         defaults: Its own values of keys of :data:`DEFAULTS` (the sizes this CPU fits),
             taken wherever the command line and the presets leave those keys unset.
+        rules: What is wrong with its options, one config error a line (mqar: more
+            queries than pairs).
     """
 
     name: str
     size: str
-    alphabet: Callable[[int], list[str]]
+    alphabet: Callable[[Options], list[str]]
     make: Callable[[random.Random, int, Options], Instance]
     lengths: Callable[[int, Options], tuple[int, int]]
     min_size: Callable[[Options], int] = lambda o: 1
@@ -166,6 +184,7 @@ class Problem:
     metrics: tuple[str, ...] = ("seq_acc", "acc")
     paper: str = ""
     defaults: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    rules: Callable[[Options], list[str]] = lambda o: []
 
     @property
     def shapes(self) -> tuple[str, ...]:
@@ -181,8 +200,8 @@ class Problem:
         return [n for n in range(lo, hi + 1) if self.valid(n, options)]
 
 
-def _letter_alphabet(k: int) -> list[str]:
-    return list(LETTERS[:k])
+def _letter_alphabet(o: Options) -> list[str]:
+    return list(LETTERS[: o.symbols])
 
 
 def longest_sequence(problem: Problem, n: int, shape: str, options: Options | None = None) -> int:
@@ -206,7 +225,7 @@ def _state(group: str, sizes: list[int], steps: tuple[int, int]) -> Problem:
     return Problem(
         f"state_{group}",
         f"{group.upper()} elements (of {size}) to multiply",
-        lambda k: list(content.GROUPS[group]),
+        lambda o: list(content.GROUPS[group]),
         lambda rng, n, o: content.state(rng, n, group),
         lambda n, o: (n, 0),
         tagged=True,
@@ -221,12 +240,37 @@ def _state(group: str, sizes: list[int], steps: tuple[int, int]) -> Problem:
     )
 
 
+def _mqar_keys(o: Options) -> list[str]:
+    return [f"k{i}" for i in range(o.key_vocab)]
+
+
+def _mqar_values(o: Options) -> list[str]:
+    return [f"v{i}" for i in range(o.value_vocab)]
+
+
+def _mqar_rules(o: Options) -> list[str]:
+    """Each query asks for a different key, and the pairs' keys and values are distinct."""
+    found = []
+    if o.queries > o.pairs:
+        found.append(
+            f"task.queries={o.queries}: more than task.pairs={o.pairs} (each query asks for "
+            f"a different key); lower it to at most {o.pairs}"
+        )
+    for name, vocab in (("key_vocab", o.key_vocab), ("value_vocab", o.value_vocab)):
+        if vocab < o.pairs:
+            found.append(
+                f"task.{name}={vocab}: fewer than task.pairs={o.pairs} (the pairs' keys and "
+                f"values are distinct); raise it to at least {o.pairs}"
+            )
+    return found
+
+
 #: The problems where content decides which position matters (:mod:`.algo_content`).
 CONTENT = (
     Problem(
         "flipflop",
         "tokens (instruction/bit pairs)",
-        lambda k: ["w", "r", "i", "0", "1"],
+        lambda o: ["w", "r", "i", "0", "1"],
         _flipflop,
         lambda n, o: (n, 0),
         min_size=lambda o: 4,
@@ -247,7 +291,7 @@ CONTENT = (
     Problem(
         "selective_copy",
         "tokens, data and noise (task.data_tokens of them data)",
-        lambda k: [content.NOISE, *LETTERS[:k]],
+        lambda o: [content.NOISE, *LETTERS[: o.symbols]],
         lambda rng, n, o: content.selective_copy(rng, n, o.data_tokens, LETTERS[: o.symbols]),
         lambda n, o: (n, o.data_tokens),
         min_size=lambda o: o.data_tokens,
@@ -263,8 +307,8 @@ CONTENT = (
     Problem(
         "count",
         "statements",
-        lambda k: [
-            *LETTERS[:k],
+        lambda o: [
+            *LETTERS[: o.symbols],
             "=",
             ";",
             "pass;",
@@ -285,55 +329,178 @@ CONTENT = (
     ),
     _state("s3", sizes=[1, 4], steps=(3000, 500)),
     _state("a5", sizes=[1, 2], steps=(5000, 1000)),
+    Problem(
+        "mqar",
+        "tokens (task.pairs key-value pairs, then task.queries queries among noise)",
+        lambda o: [*_mqar_keys(o), *_mqar_values(o)],
+        lambda rng, n, o: content.mqar(rng, n, o.pairs, o.queries, _mqar_keys(o), _mqar_values(o)),
+        lambda n, o: (n, 0),
+        min_size=lambda o: 2 * o.pairs + 2 * o.queries,
+        step=2,
+        tagged=True,
+        paper="Arora et al. 2023, Zoology: Measuring and Improving Recall in Efficient "
+        "Language Models (multi-query associative recall)",
+        defaults={
+            "task.train_lengths": [16, 32],
+            "task.test_multiple": 4,
+            "task.bucket_width": 16,
+            "trainer.max_steps": 1000,
+        },
+        rules=_mqar_rules,
+    ),
+)
+
+#: The problems that index positions.
+CLASSIC = (
+    Problem("copy", "symbols to copy", _letter_alphabet, _copy, lambda n, o: (n, n), letters=True),
+    Problem(
+        "reverse",
+        "symbols to reverse",
+        _letter_alphabet,
+        _reverse,
+        lambda n, o: (n, n),
+        letters=True,
+    ),
+    Problem(
+        "duplicate",
+        "symbols to write twice",
+        _letter_alphabet,
+        _duplicate,
+        lambda n, o: (n, 2 * n),
+        letters=True,
+    ),
+    Problem("sort", "symbols to sort", _letter_alphabet, _sort, lambda n, o: (n, n), letters=True),
+    Problem(
+        "addition",
+        "digits per operand",
+        lambda o: [*DIGITS, "+"],
+        _addition,
+        lambda n, o: (2 * n + 1, n + 1),
+        # least-significant digit first: the carry is written after the digits it
+        # depends on
+        defaults={"task.reverse_digits": True},
+    ),
+    Problem("parity", "bits", lambda o: ["0", "1"], _parity, lambda n, o: (n, 1)),
+    Problem(
+        "modarith",
+        "operands in 0..4 of + - * (mod 5)",
+        lambda o: ["0", "1", "2", "3", "4", "+", "-", "*"],
+        _modarith,
+        lambda n, o: (2 * n - 1, 1),
+    ),
+)
+
+CHOMSKY_PAPER = "Deletang et al. 2023, Neural Networks and the Chomsky Hierarchy"
+
+
+def _alias(of: str, name: str, defaults: Mapping[str, Any]) -> Problem:
+    """A Chomsky-hierarchy task that is posenc's problem ``of`` in the authors' format,
+    under the authors' name, with its own ``defaults`` (their alphabet's size)."""
+    (problem,) = [p for p in CLASSIC if p.name == of]
+    return dataclasses.replace(problem, name=name, paper=CHOMSKY_PAPER, defaults=defaults)
+
+
+def _chomsky(
+    name: str,
+    size: str,
+    alphabet: list[str],
+    make: Callable[[random.Random, int], Instance],
+    answer: Callable[[int], int],
+) -> Problem:
+    """A Chomsky-hierarchy task over a fixed ``alphabet``: the input takes ``n`` symbols,
+    the answer at most ``answer(n)``."""
+    return Problem(
+        name,
+        size,
+        lambda o: alphabet,
+        lambda rng, n, o: make(rng, n),
+        lambda n, o: (n, answer(n)),
+        paper=CHOMSKY_PAPER,
+    )
+
+
+_BITS = ["0", "1"]
+_RESIDUES = [str(r) for r in range(chomsky.MODULUS)]
+
+#: The tasks of Deletang et al. 2023 (:mod:`.algo_chomsky`), named as in the authors'
+#: repository; the size is their input length.
+CHOMSKY = (
+    # regular
+    _chomsky("even_pairs", "bits", _BITS, chomsky.even_pairs, lambda n: 1),
+    _alias("parity", "parity_check", {}),
+    _chomsky(
+        "cycle_navigation",
+        "moves (left, stay, right)",
+        [*chomsky.CYCLE, *_RESIDUES],
+        chomsky.cycle_navigation,
+        lambda n: 1,
+    ),
+    Problem(
+        "modular_arithmetic",
+        "tokens, operands and operators (an even size writes one fewer)",
+        lambda o: [*_RESIDUES, "+", "-", "*"],
+        lambda rng, n, o: _modarith(rng, (n + 1) // 2, o),
+        lambda n, o: (2 * ((n + 1) // 2) - 1, 1),
+        paper=CHOMSKY_PAPER,
+    ),
+    # deterministic context-free
+    _chomsky(
+        "stack_manipulation",
+        "tokens (stack bits, then actions)",
+        [*_BITS, *chomsky.STACK_ACTIONS],
+        chomsky.stack_manipulation,
+        lambda n: n,
+    ),
+    _alias("reverse", "reverse_string", {"task.symbols": 2}),
+    _chomsky(
+        "modular_arithmetic_brackets",
+        "characters",
+        chomsky.BRACKET_SYMBOLS[:-2],
+        chomsky.modular_arithmetic_brackets,
+        lambda n: 1,
+    ),
+    _chomsky(
+        "solve_equation", "characters", chomsky.BRACKET_SYMBOLS, chomsky.solve_equation, lambda n: 1
+    ),
+    # context-sensitive
+    _alias("duplicate", "duplicate_string", {"task.symbols": 2}),
+    _chomsky(
+        "missing_duplicate_string",
+        "tokens (a bit string twice, one bit missing)",
+        [*_BITS, chomsky.MISSING, chomsky.PADDING],
+        chomsky.missing_duplicate_string,
+        lambda n: 1,
+    ),
+    Problem(
+        "odds_first",
+        "symbols",
+        _letter_alphabet,
+        lambda rng, n, o: chomsky.odds_first(rng, n, LETTERS[: o.symbols]),
+        lambda n, o: (n, n),
+        letters=True,
+        paper=CHOMSKY_PAPER,
+        defaults={"task.symbols": 2},
+    ),
+    _chomsky(
+        "binary_addition",
+        "tokens (two little-endian numbers and +)",
+        [*_BITS, "+"],
+        chomsky.binary_addition,
+        lambda n: n,
+    ),
+    _chomsky(
+        "binary_multiplication",
+        "tokens (two little-endian numbers and *)",
+        [*_BITS, "*"],
+        chomsky.binary_multiplication,
+        lambda n: n - 1,
+    ),
+    _chomsky("compute_sqrt", "bits", _BITS, chomsky.compute_sqrt, lambda n: -(-n // 2)),
+    _alias("sort", "bucket_sort", {"task.symbols": 5}),
 )
 
 #: ``task.problem`` -> :class:`Problem`.
-PROBLEMS: dict[str, Problem] = {
-    p.name: p
-    for p in (
-        Problem(
-            "copy", "symbols to copy", _letter_alphabet, _copy, lambda n, o: (n, n), letters=True
-        ),
-        Problem(
-            "reverse",
-            "symbols to reverse",
-            _letter_alphabet,
-            _reverse,
-            lambda n, o: (n, n),
-            letters=True,
-        ),
-        Problem(
-            "duplicate",
-            "symbols to write twice",
-            _letter_alphabet,
-            _duplicate,
-            lambda n, o: (n, 2 * n),
-            letters=True,
-        ),
-        Problem(
-            "sort", "symbols to sort", _letter_alphabet, _sort, lambda n, o: (n, n), letters=True
-        ),
-        Problem(
-            "addition",
-            "digits per operand",
-            lambda k: [*DIGITS, "+"],
-            _addition,
-            lambda n, o: (2 * n + 1, n + 1),
-            # least-significant digit first: the carry is written after the digits it
-            # depends on
-            defaults={"task.reverse_digits": True},
-        ),
-        Problem("parity", "bits", lambda k: ["0", "1"], _parity, lambda n, o: (n, 1)),
-        Problem(
-            "modarith",
-            "operands in 0..4 of + - * (mod 5)",
-            lambda k: ["0", "1", "2", "3", "4", "+", "-", "*"],
-            _modarith,
-            lambda n, o: (2 * n - 1, 1),
-        ),
-        *CONTENT,
-    )
-}
+PROBLEMS: dict[str, Problem] = {p.name: p for p in (*CLASSIC, *CONTENT, *CHOMSKY)}
 
 
 def problem_default(problem: Any, key: str) -> Any:
@@ -351,10 +518,11 @@ def problem_default(problem: Any, key: str) -> Any:
 
 
 class AlgoVocab:
-    """Ids: the four specials (:data:`SPECIALS`), then the problem's alphabet."""
+    """Ids: the four specials (:data:`SPECIALS`), then the problem's alphabet for the
+    options."""
 
-    def __init__(self, problem: Problem, symbols: int) -> None:
-        self.tokens = [*SPECIALS, *dict.fromkeys(problem.alphabet(symbols))]
+    def __init__(self, problem: Problem, options: Options) -> None:
+        self.tokens = [*SPECIALS, *dict.fromkeys(problem.alphabet(options))]
         self.ids = {s: i for i, s in enumerate(self.tokens)}
 
     def __len__(self) -> int:
@@ -369,26 +537,28 @@ class AlgoVocab:
 
 
 def instance(
-    problem: Problem,
-    n: int,
-    key: str,
-    *,
-    symbols: int = 16,
-    reverse_digits: bool = False,
-    data_tokens: int = 16,
-    variant: str = "",
+    problem: Problem, n: int, key: str, options: Options | None = None, **fields: Any
 ) -> Instance:
     """The instance of size ``n`` of stream position ``key`` (a pure function of both, and
-    of the variant: the training distribution's keys carry none)."""
-    options = Options(symbols, reverse_digits, data_tokens, variant)
+    of the variant: the training distribution's keys carry none).
+
+    Args:
+        problem: The problem.
+        n: The size.
+        key: The stream key.
+        options: The options (default :class:`Options`'s).
+        fields: Options that replace those of ``options`` (``symbols=8``,
+            ``variant="sparse"``).
+    """
+    options = dataclasses.replace(options or Options(), **fields)
     if not problem.valid(n, options):
         step = f" and a multiple of {problem.step}" if problem.step > 1 else ""
         raise ValueError(
             f"problem {problem.name}: size {n} must be at least {problem.min_size(options)}{step}"
         )
-    if variant not in problem.variants:
-        raise ValueError(f"problem {problem.name}: no variant {variant!r}")
-    stream = f"{problem.name}:{variant}" if variant else problem.name
+    if options.variant not in problem.variants:
+        raise ValueError(f"problem {problem.name}: no variant {options.variant!r}")
+    stream = f"{problem.name}:{options.variant}" if options.variant else problem.name
     rng = random.Random(f"{stream}:{n}:{key}")
     return problem.make(rng, n, options)
 
@@ -436,7 +606,7 @@ def check(
     """What is wrong with running ``problem`` in ``shape`` on training sizes ``[lo, hi]``
     (with ``task.lm_loss``), one line each (config errors, naming the key and the fix).
     Training draws the valid sizes of the range, so it must hold one."""
-    found = []
+    found = problem.rules(options)
     if shape not in problem.shapes:
         found.append(
             f"task.shape={shape}: {problem.name} labels positions of one causal sequence, "

@@ -121,7 +121,7 @@ def _run_count(prompt: list[str]) -> tuple[int, list[str]]:
 
 def test_count_answers_by_interpreting_the_program() -> None:
     p = PROBLEMS["count"]
-    vocab = AlgoVocab(p, 3)
+    vocab = AlgoVocab(p, Options(symbols=3))
     answers = set()
     for n in (1, 3, 20, 64, 128, 256):
         for i in range(60):
@@ -189,7 +189,7 @@ def test_state_labels_are_the_running_products(name: str) -> None:
     permutation matrices M(g_1) M(g_2) ... M(g_t) (row i has its 1 at g_t(...g_1(i)))."""
     p = PROBLEMS[name]
     group = GROUPS[name.removeprefix("state_")]
-    vocab = AlgoVocab(p, 16)
+    vocab = AlgoVocab(p, Options(symbols=16))
     for n in (1, 2, 7, 33):
         for i in range(20):
             tokens, labels = instance(p, n, f"k{i}")
@@ -226,7 +226,7 @@ def test_tagged_loss_masks_by_hand() -> None:
     """Flip-flop: every next token is trained (the paper's language-model loss), only the
     read bits are scored; state tracking: every label trained and scored; the BOS and the
     padding never."""
-    vocab = AlgoVocab(PROBLEMS["flipflop"], 16)
+    vocab = AlgoVocab(PROBLEMS["flipflop"], Options(symbols=16))
     w, r, i, zero, one = (vocab.ids[s] for s in "wri01")
     tokens = [w, one, i, zero, r, one]  # "w 1 i 0 r 1"
     labels = [PAD, PAD, PAD, PAD, one, PAD]
@@ -247,11 +247,12 @@ def test_tagged_loss_masks_by_hand() -> None:
 
 
 def test_every_problem_batches_in_its_shapes() -> None:
+    options = Options(symbols=5, data_tokens=3, pairs=2, queries=1)  # sizes 6 and 8 valid
     for name, p in PROBLEMS.items():
-        vocab = AlgoVocab(p, 5)
+        vocab = AlgoVocab(p, options)
         examples = []
         for i, n in enumerate((6, 8)):
-            x, y = instance(p, n, f"b{i}", symbols=5, data_tokens=3)
+            x, y = instance(p, n, f"b{i}", options)
             examples.append((vocab.encode(x), vocab.encode(y), n))
         if p.tagged:
             assert p.shapes == ("decoder",)
@@ -307,8 +308,7 @@ def test_flipflop_datamodule_trains_at_one_length_and_tests_three_splits(lm_loss
         shape="decoder",
         train_lengths=[16, 16],
         top=64,
-        symbols=16,
-        reverse_digits=False,
+        options=Options(),
         batch_size=4,
         eval_batch_size=8,
         steps=3,
@@ -344,12 +344,64 @@ def test_size_batches_group_by_variant_then_size() -> None:
 
 
 def test_content_instances_are_a_function_of_the_key() -> None:
-    for name in ("flipflop", "selective_copy", "count", "state_s3", "state_a5"):
+    o = Options(data_tokens=4, pairs=2, queries=2)
+    for name in ("flipflop", "selective_copy", "count", "state_s3", "state_a5", "mqar"):
         p = PROBLEMS[name]
-        assert instance(p, 12, "a", data_tokens=4) == instance(p, 12, "a", data_tokens=4)
-        distinct = {str(instance(p, 12, f"x{i}", data_tokens=4)) for i in range(30)}
+        assert instance(p, 12, "a", o) == instance(p, 12, "a", o)
+        distinct = {str(instance(p, 12, f"x{i}", o)) for i in range(30)}
         assert len(distinct) > 20, name
     # generators use only the instance's own random stream
     state = random.getstate()
     instance(PROBLEMS["count"], 50, "g")
     assert random.getstate() == state
+
+
+# ------------------------------------------------------------ multi-query associative recall
+MQAR = Options(pairs=3, queries=2, key_vocab=5, value_vocab=4)
+
+
+def test_mqar_labels_are_the_values_of_the_queried_keys() -> None:
+    """Recomputed from the tokens alone: a table of the pairs, then each labelled token
+    looked up in it; the queries stand at even offsets past the pairs, one per key."""
+    p = PROBLEMS["mqar"]
+    vocab = AlgoVocab(p, MQAR)
+    assert vocab.tokens[4:] == [*(f"k{i}" for i in range(5)), *(f"v{i}" for i in range(4))]
+    for n in (10, 12, 30):
+        for i in range(50):
+            tokens, labels = instance(p, n, f"q{i}", MQAR)
+            assert len(tokens) == len(labels) == n
+            keys, values = tokens[0:6:2], tokens[1:6:2]
+            assert len(set(keys)) == 3 and all(k.startswith("k") for k in keys)
+            assert len(set(values)) == 3 and all(v.startswith("v") for v in values)
+            table = dict(zip(keys, values, strict=True))
+            asked = [t for t, label in enumerate(labels) if label is not None]
+            assert len(asked) == 2 and all(t >= 6 and (t - 6) % 2 == 0 for t in asked)
+            assert len({tokens[t] for t in asked}) == 2  # different keys
+            assert [labels[t] for t in asked] == [table[tokens[t]] for t in asked]
+            vocab.encode(tokens)
+
+
+def test_mqar_queries_follow_the_power_law_and_noise_fills_the_rest() -> None:
+    """Zoology's gaps: slot i weighs i^-0.99, so about 69% of the queries fall in the first
+    quarter of 50 slots (uniform: 25%); the other tokens are keys and values alike."""
+    p, o = PROBLEMS["mqar"], Options(pairs=3, queries=1, key_vocab=8, value_vocab=8)
+    early, noise = 0, set()
+    for i in range(400):
+        tokens, labels = instance(p, 106, f"w{i}", o)
+        (t,) = [t for t, label in enumerate(labels) if label is not None]
+        early += (t - 6) // 2 < 13
+        noise |= {tok for j, tok in enumerate(tokens[6:], 6) if j != t}
+    assert 0.6 < early / 400 < 0.8
+    assert noise == {*(f"k{i}" for i in range(8)), *(f"v{i}" for i in range(8))}
+
+
+def test_mqar_sizes_and_options_are_config_errors_naming_the_fix() -> None:
+    p = PROBLEMS["mqar"]
+    assert check(p, "decoder", 16, 32, Options()) == []
+    (msg,) = check(p, "decoder", 1, 15, Options())  # 4 pairs and 4 queries take 16
+    assert "holds no valid size of mqar" in msg and "task.train_lengths=[16,16]" in msg
+    msgs = check(p, "decoder", 16, 32, Options(queries=5, key_vocab=3))
+    assert "task.queries=5: more than task.pairs=4" in msgs[0] and "at most 4" in msgs[0]
+    assert msgs[1].startswith("task.key_vocab=3: fewer than task.pairs=4")
+    with pytest.raises(ValueError, match="must be at least 16 and a multiple of 2"):
+        instance(p, 14, "k")

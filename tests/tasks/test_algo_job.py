@@ -14,7 +14,15 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from posenc.config import ConfigError, validate
-from posenc.data.algo import EOS, PROBLEMS, AlgoVocab, collate_eval, collate_tagged, instance
+from posenc.data.algo import (
+    EOS,
+    PROBLEMS,
+    AlgoVocab,
+    Options,
+    collate_eval,
+    collate_tagged,
+    instance,
+)
 from posenc.data.algo_problems import DEFAULTS, problem_default
 from posenc.tasks.algo import AlgoTask, score, until_eos
 from posenc.tasks.algo_job import bucket_metrics, by_size
@@ -48,7 +56,7 @@ def _task(name: str, shape: str, vocab: int, problem: str = "copy") -> AlgoTask:
 
 def _batch(problem: str, n: int, count: int) -> tuple[dict, AlgoVocab]:
     p = PROBLEMS[problem]
-    vocab = AlgoVocab(p, 6)
+    vocab = AlgoVocab(p, Options(symbols=6))
     examples = []
     for i in range(count):
         prompt, answer = instance(p, n, f"t{i}", symbols=6, data_tokens=3)
@@ -153,7 +161,7 @@ def test_flipflop_read_error_rate_on_hand_made_strings() -> None:
     """The read error rate (Liu et al.'s metric) counts wrong read bits over all reads of
     a bucket, per split; the stand-in model errs exactly where an ignore's bit came after
     the last write."""
-    vocab = AlgoVocab(PROBLEMS["flipflop"], 16)
+    vocab = AlgoVocab(PROBLEMS["flipflop"], Options(symbols=16))
     task = _task("rope", "decoder", len(vocab), problem="flipflop")
     task.model = _LastBit(vocab)
     batches = [
@@ -238,6 +246,9 @@ def _compose(tmp_path: Path, *overrides: str) -> DictConfig:
             "task.reverse_digits=true",
         ],
         ["encoder=t5", "task.shape=encdec", "task.problem=sort"],
+        # the Chomsky-hierarchy tasks: answers that may be empty (only the EOS), a class
+        ["encoder=rope", "task.problem=stack_manipulation"],
+        ["encoder=t5", "task.shape=encdec", "task.problem=even_pairs"],
     ],
 )
 def test_whole_run(tmp_path: Path, overrides: list[str], capsys: pytest.CaptureFixture) -> None:
@@ -290,6 +301,17 @@ def test_whole_run(tmp_path: Path, overrides: list[str], capsys: pytest.CaptureF
         (["encoder=rope", "task.problem=count", "task.symbols=3"], None, ["seq_acc", "acc"]),
         (["encoder=fire", "task.problem=state_s3"], None, ["seq_acc", "acc"]),
         (["encoder=xpos", "task.problem=state_a5"], None, ["seq_acc", "acc"]),
+        (
+            [
+                "encoder=alibi",
+                "task.problem=mqar",
+                "task.pairs=1",
+                "task.queries=1",
+                "task.train_lengths=[4,8]",
+            ],
+            ["len4-8", "len9-10", "len11-12", "len13-14", "len15-16"],
+            ["seq_acc", "acc"],
+        ),
     ],
 )
 def test_whole_runs_of_the_content_problems(
@@ -305,6 +327,8 @@ def test_whole_runs_of_the_content_problems(
     assert {"val/loss", "val/acc", "val/seq_acc"} <= set(saved["metrics"])
     sizes = [int(n) for n in saved["by_size"]]
     assert all(row["count"] == 3 for row in saved["by_size"].values())
+    if saved["problem"] == "mqar":  # even sizes, from the 4 tokens a pair and a query take
+        assert sizes == list(range(4, 17, 2))
     if saved["problem"] == "flipflop":  # hi and its doublings, three splits
         assert sizes == [int(b.split("-")[1]) for b in buckets or []]
         assert set(saved["by_size_variants"]) == {"sparse", "dense"}
@@ -394,11 +418,20 @@ def test_bad_values_are_refused_before_training(
     assert message in str(err.value)
 
 
+def test_an_unknown_problem_is_refused_with_every_problem_allowed(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(_compose(tmp_path, "task.problem=even_pair"))
+    (line,) = [x for x in str(err.value).splitlines() if "task.problem=" in x]
+    assert line.split("allowed ", 1)[1].startswith(", ".join(PROBLEMS))  # mqar, bucket_sort...
+    assert {"mqar", "even_pairs", "binary_addition", "bucket_sort"} <= set(PROBLEMS)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (["task.problem=state_a5", "task.shape=encdec"], "task.shape=encdec: state_a5 labels"),
         (["task.problem=flipflop", "task.train_lengths=[1,3]"], "holds no valid size of flip"),
+        (["task.problem=mqar", "task.queries=5"], "task.queries=5: more than task.pairs=4"),
         (
             ["task.problem=flipflop", "task.train_lengths=[256,256]", "encoder=learned"],
             "takes 2049 positions, more than encoder.max_len=1024",
