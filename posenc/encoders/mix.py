@@ -111,6 +111,10 @@ def _entry(key: str, entry: Any) -> Entry:
 
 _SIZES = ("d_model", "n_heads", "n_layers")
 
+#: The mix when neither ``layers`` nor ``heads`` is given: RoPE with NoPE every fourth
+#: layer (Llama 4's iRoPE, SmolLM3).
+DEFAULT_LAYERS = ("rope", "rope", "rope", "none")
+
 
 def mixable() -> list[str]:
     """The schemes a mix can hold: every registered one but the mix itself and those
@@ -148,8 +152,8 @@ class Mix(PositionalEncoder):
     Args:
         d_model: Width C. n_heads: Heads H. n_layers: Layers of the stack.
         layers: Per layer, cycled: a scheme's name or ``{name: ..., <option>: ...}``.
-        heads: Per group of heads, in every layer (G entries, G dividing H); set
-            ``layers`` to None to use it.
+        heads: Per group of heads, in every layer (G entries, G dividing H); not with
+            ``layers``. Neither given: ``layers`` = :data:`DEFAULT_LAYERS`.
 
     Raises:
         ValueError: An entry that names no scheme that can be mixed, or an option its
@@ -169,16 +173,18 @@ class Mix(PositionalEncoder):
         d_model: int,
         n_heads: int,
         n_layers: int,
-        layers: Sequence[Any] | None = ("rope", "rope", "rope", "none"),
+        layers: Sequence[Any] | None = None,
         heads: Sequence[Any] | None = None,
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
-        if (layers is None) == (heads is None):
+        if layers is not None and heads is not None:
             raise ValueError(
                 f"encoder=mix: set one of encoder.layers=[...] (a scheme per layer) and "
-                f"encoder.heads=[...] (a scheme per group of heads), got layers={layers!r}, "
-                f"heads={heads!r}; to split heads add encoder.layers=null"
+                f"encoder.heads=[...] (a scheme per group of heads), not both (got "
+                f"layers={layers!r}, heads={heads!r})"
             )
+        if heads is None and layers is None:
+            layers = DEFAULT_LAYERS
         key = "encoder.layers" if heads is None else "encoder.heads"
         entries = parse_entries(key, layers if heads is None else heads)
         groups = len(entries) if heads is not None else 1

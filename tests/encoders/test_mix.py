@@ -177,10 +177,10 @@ ALLOWED = ", ".join(mixable())
             "encoder.layers=[...]",
         ),
         (
-            {"heads": ["rope", "none"]},
+            {"layers": ["rope"], "heads": ["rope", "none"]},
             "encoder=mix: set one of encoder.layers=[...] (a scheme per layer) and "
-            "encoder.heads=[...] (a scheme per group of heads), got layers=('rope', 'rope', "
-            "'rope', 'none'), heads=['rope', 'none']; to split heads add encoder.layers=null",
+            "encoder.heads=[...] (a scheme per group of heads), not both (got "
+            "layers=['rope'], heads=['rope', 'none'])",
         ),
     ],
     ids=["unknown", "empty", "absolute", "nested", "option", "no_name", "heads", "tokens", "both"],
@@ -215,11 +215,17 @@ def test_the_config_composes_from_the_command_line(tmp_path: Path) -> None:
     mix = instantiate(cfg.encoder)(d_model=16, n_heads=4, n_layers=4)
     assert [m.base for m in mix.schemes] == [10000.0, 1000000.0]
     assert mix.slot_member == [0, 1]
-    cfg = compose_run(tmp_path, "encoder=mix", "encoder.layers=null", "encoder.heads=[rope,none]")
+    cfg = compose_run(tmp_path, "encoder=mix", "encoder.heads=[rope,none]")
     validate(cfg, machine=False)
     assert isinstance(
         instantiate(cfg.encoder)(**SIZES).for_attention(layer=0, kind=AttnKind.CAUSAL), HeadSplit
     )
+
+
+def test_the_default_mix_is_rope_with_nope_every_fourth_layer(tmp_path: Path) -> None:
+    cfg = compose_run(tmp_path, "encoder=mix")
+    mix = instantiate(cfg.encoder)(d_model=16, n_heads=4, n_layers=6)
+    assert mix.names == ["rope", "none"] and mix.slot_member == [0, 0, 0, 1]
 
 
 def test_a_bad_mix_is_refused_before_training(tmp_path: Path) -> None:
