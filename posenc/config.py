@@ -33,6 +33,7 @@ from posenc.data.algo_problems import grid_sizes
 from posenc.data.sources import missing_test
 from posenc.encoders.base import AttnKind
 from posenc.errors import UserError
+from posenc.model.modifiers import Modifiers
 from posenc.schema import finite, integer
 from posenc.training.gate import PASSKEY, PERCENT, metrics
 from posenc.training.rundir import missing_checkpoint
@@ -401,18 +402,20 @@ def _random_positions(cfg: DictConfig) -> list[str]:
 def _try_encoder(cfg: DictConfig) -> list[str]:
     """Build the encoder once with the model sizes and make the attention hooks the task
     needs: the encoder's own checks (and refusals, e.g. causal-only schemes in a
-    translation encoder) run here, before any data is loaded."""
+    translation encoder) run here, before any data is loaded, and so does the model's
+    refusal of attention modifiers the scheme's attention has no place for."""
     m = cfg.model
     kinds = [AttnKind.CAUSAL]
     if cfg.task.name == "mt" or cfg.task.get("shape") == "encdec":
         kinds += [AttnKind.BIDIRECTIONAL, AttnKind.CROSS]
+    mods = Modifiers(qk_norm=m.qk_norm, logit_scale=m.logit_scale, sinks=m.sinks)
     try:
         enc = instantiate(cfg.encoder)(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers)
-        for kind in kinds:
-            enc.for_attention(layer=0, kind=kind)
+        hooks = [enc.for_attention(layer=0, kind=kind) for kind in kinds]
     except (ValueError, TypeError) as err:
         return [f"encoder: {err}"]
-    return []
+    # the model options that cannot change a scheme's attention (one line for them all)
+    return [refusal for refusal in map(mods.refusal, hooks) if refusal][:1]
 
 
 def _fits_encoder(cfg: DictConfig, key: str) -> list[str]:

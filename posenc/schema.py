@@ -38,6 +38,7 @@ from posenc.data.algo_problems import problem_default
 from posenc.data.buckets import check_edges
 from posenc.data.tokenizers import TOKENIZER_KINDS
 from posenc.encoders.rope import SCALINGS
+from posenc.model.modifiers import LOGIT_SCALES
 
 # --- rules: a field's spec says what its value must be, and the message if it is not ---
 
@@ -539,6 +540,10 @@ class Model(Group):
     compile: bool = key(False)
     score_budget_mib: float = key(8, "num>=0", " (MiB; 0: no query blocking)")
     qkv_bias: bool = key(True)
+    # attention modifiers for any scheme (posenc/model/modifiers.py)
+    qk_norm: bool = key(False)
+    logit_scale: str = key("none", LOGIT_SCALES)
+    sinks: bool = key(False)
     # an encoder-decoder's: blocks of each stack (n_layers when null), one embedding table
     n_enc_layers: int | None = key(None, "int>0", optional=True)
     n_dec_layers: int | None = key(None, "int>0", optional=True)

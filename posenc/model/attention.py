@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind
 from posenc.model.backends import attend, use_flex
 from posenc.model.cache import LayerCache
+from posenc.model.modifiers import HeadRMSNorm, LogitModifiers, Modifiers
 
 
 class Attention(nn.Module):
@@ -30,6 +31,12 @@ class Attention(nn.Module):
         score_budget: CPU query blocking: see ``max_score_bytes``.
         qkv_bias: Biases on the q, k and v projections (False: none, as the FoX and
             PaTH authors' layers have them).
+        modifiers: QK-norm, logit scale and sinks (:mod:`posenc.model.modifiers`);
+            None: none of them.
+
+    Raises:
+        ValueError: ``n_heads`` does not divide ``d_model``, or a modifier cannot apply
+            to the scheme (:meth:`~posenc.model.modifiers.Modifiers.refusal`).
     """
 
     #: Most queries per block in causal attention with score terms (see query_block).
@@ -44,8 +51,13 @@ class Attention(nn.Module):
         pos: AttentionPositional,
         score_budget: int | None = 8 * 2**20,
         qkv_bias: bool = True,
+        modifiers: Modifiers | None = None,
     ) -> None:
         super().__init__()
+        mods = modifiers or Modifiers()
+        refusal = mods.refusal(pos)
+        if refusal:
+            raise ValueError(refusal)
         #: On a CPU, the most bytes of one (B, H, T, S) score matrix of a scheme that
         #: adds score terms; longer inputs go a block of queries at a time (same
         #: result), which keeps them in cache and skips causally masked keys. None: no
@@ -64,10 +76,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, d_model, bias=qkv_bias)
         self.v_proj = nn.Linear(d_model, d_model, bias=qkv_bias)
         self.out_proj = nn.Linear(d_model, d_model)
+        # (modules only when on: with every option off the model is what it was)
+        self.q_norm = HeadRMSNorm(self.head_dim) if mods.qk_norm else None
+        self.k_norm = HeadRMSNorm(self.head_dim) if mods.qk_norm else None
+        self.logits = (
+            LogitModifiers(n_heads, logit_scale=mods.logit_scale, sinks=mods.sinks)
+            if mods.on_logits
+            else None
+        )
         self.pos = pos
 
-    def _heads(self, x: Tensor, proj: nn.Linear) -> Tensor:
-        return proj(x).unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2)  # (B,H,*,D)
+    def _heads(self, x: Tensor, proj: nn.Linear, norm: HeadRMSNorm | None = None) -> Tensor:
+        """``proj(x)`` split into heads, ``(B, H, *, D)``, and QK-norm's ``norm`` if any
+        (before any scheme sees q or k)."""
+        out = proj(x).unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2)  # (B,H,*,D)
+        return out if norm is None else norm(out)
 
     def forward(
         self,
@@ -97,8 +120,8 @@ class Attention(nn.Module):
         if cache is not None:
             return self._cached(x, ctx, memory, key_valid, cache, shared)
         src = x if memory is None else memory
-        q = self._heads(x, self.q_proj)  # (B, H, T, D)
-        k = self._heads(src, self.k_proj)  # (B, H, S, D)
+        q = self._heads(x, self.q_proj, self.q_norm)  # (B, H, T, D)
+        k = self._heads(src, self.k_proj, self.k_norm)  # (B, H, S, D)
         v = self._heads(src, self.v_proj)  # (B, H, S, D)
         if memory is None:
             k, v = self.pos.transform_kv(x, k, v, key_valid=key_valid, cache=None)
@@ -153,19 +176,20 @@ class Attention(nn.Module):
         for them); one call for all queries, over all the cache's slots. ``ctx`` is this
         layer's context (:meth:`~AttentionPositional.with_input`), ``shared`` the
         stack's."""
-        q = self._heads(x, self.q_proj)  # (B, H, T, D), new queries
+        q = self._heads(x, self.q_proj, self.q_norm)  # (B, H, T, D), new queries
         t = q.shape[-2]
         if memory is not None:  # cross-attention: the encoder output's keys, once
             k, v = cache.get("cross_keys"), cache.get("cross_values")
             if k is None or v is None:
-                k, v = self._heads(memory, self.k_proj), self._heads(memory, self.v_proj)
+                k = self._heads(memory, self.k_proj, self.k_norm)
+                v = self._heads(memory, self.v_proj)
                 cache.put("cross_keys", k)
                 cache.put("cross_values", v)
             return self._merge(x, self._attend(q, k, v, ctx, key_valid, shift=k.shape[-2] - t))
         assert cache.at is not None  # the stack sets this step's slots
         k_new, v_new = self.pos.transform_kv(
             x,
-            self._heads(x, self.k_proj),  # (B, H, T, D)
+            self._heads(x, self.k_proj, self.k_norm),  # (B, H, T, D)
             self._heads(x, self.v_proj),
             key_valid=key_valid,
             cache=cache,
@@ -196,6 +220,7 @@ class Attention(nn.Module):
             backend=self.backend,
             transformed=(q_t, keys),
             cache=cache,
+            mods=self.logits,
         )
         return self._merge(x, out)
 
@@ -237,6 +262,7 @@ class Attention(nn.Module):
             shift=shift,
             p_drop=p_drop,
             backend=self.backend,
+            mods=self.logits,
         )
 
 

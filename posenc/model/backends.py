@@ -31,6 +31,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 import torch
+import torch.nn.attention.flex_attention as flex_module
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -44,7 +45,15 @@ from posenc.encoders.base import (
     dense_parts,
 )
 from posenc.encoders.softmax import softmax_values
+from posenc.model.modifiers import LogitModifiers, sink_probs
 from posenc.model.scored import scored_attention
+
+#: How FlexAttention is asked for its log-sum-exp: ``return_aux`` since torch 2.9
+#: (``return_lse`` is deprecated there), ``return_lse`` before.
+_AUX_REQUEST: Any = getattr(flex_module, "AuxRequest", None)
+LSE_REQUEST: dict[str, Any] = (
+    {"return_aux": _AUX_REQUEST(lse=True)} if _AUX_REQUEST else {"return_lse": True}
+)
 
 #: The explicit softmax with its written-out backward (True) or plain autograd (False).
 HAND_WRITTEN_BACKWARD = True
@@ -265,6 +274,7 @@ def flex_attend(
     scale: float,
     mask: BlockMask | None,
     eager: bool = False,
+    mods: LogitModifiers | None = None,
 ) -> Tensor:
     """FlexAttention with the causal mask and key padding as a block mask.
 
@@ -274,6 +284,9 @@ def flex_attend(
         scale: Multiplier of ``q k^T``.
         mask: :func:`block_mask`'s mask, or None.
         eager: The unfused reference kernel (debugging; it writes the scores).
+        mods: The attention's logit modifiers: with a sink, the kernel's log-sum-exp
+            takes the sink's share out of the output (a logit scale is in
+            ``score_mod`` already).
 
     Returns:
         ``(B, H, T, D)``; a query that sees no key gets zeros.
@@ -282,9 +295,16 @@ def flex_attend(
     limit: AbstractContextManager[Any] = nullcontext()
     if not eager:
         kernel, limit = compiled_flex_attention(), _compiled_call_config()
+    sink = mods is not None and mods.sink is not None
     with limit:
-        out = kernel(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale)
-    return cast(Tensor, out)
+        out = kernel(
+            q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
+            **(LSE_REQUEST if sink else {}),
+        )  # fmt: skip
+    if mods is None or not sink:
+        return cast(Tensor, out)
+    out, aux = out
+    return mods.flex_sink(out, aux if isinstance(aux, Tensor) else aux.lse)
 
 
 def attend(
@@ -300,6 +320,7 @@ def attend(
     backend: str = "auto",
     transformed: tuple[Tensor, Tensor] | None = None,
     cache: Any | None = None,
+    mods: LogitModifiers | None = None,
 ) -> Tensor:
     """One attention call with the scheme's hooks, on the backend that fits, or the
     scheme's own :meth:`~posenc.encoders.base.AttentionPositional.attend` when it
@@ -318,6 +339,10 @@ def attend(
         transformed: The content score's q and k when the caller transformed them
             already (a cache keeps transformed keys); else ``transform_qk(q, k, ctx)``.
         cache: The layer's cache in a decoding step (for a scheme's own ``attend``).
+        mods: The attention's logit scale and sinks (:mod:`posenc.model.modifiers`), or
+            None: the logits, every score term included, times the scale's per-query
+            factor (``q`` scaled, and the terms; FlexAttention's ``score_mod`` scales
+            its whole logit), and the sink as a column of its own.
 
     Returns:
         ``(B, H, T, D)``.
@@ -329,6 +354,10 @@ def attend(
         q, k = pos.transform_qk(q, k, ctx) if transformed is None else transformed
         return pos.attend(q, k, v, ctx, p_drop=p_drop, cache=cache)
     scale = pos.scale(q.shape[-1])
+    factor = None
+    if mods is not None:
+        causal_shift = shift if causal else None
+        factor = mods.factor(t, s, shift=causal_shift, key_valid=key_valid, q=q)
     if use_flex(backend, q, pos, p_drop) and not pos.needs_probs:
         score_mod = pos.score_mod(q, k, ctx) if pos.adds_scores else None
         if score_mod is not None or not pos.adds_scores:
@@ -342,9 +371,19 @@ def attend(
                 device=q.device,
             )
             eager = backend == "flex_eager" or q.device.type not in COMPILED_FLEX_DEVICES
-            return flex_attend(q, k, v, score_mod, scale=scale, mask=mask, eager=eager)
+            if mods is not None:
+                score_mod = mods.flex_mod(score_mod, factor, b=q.shape[0], t=t)
+            return flex_attend(q, k, v, score_mod, scale=scale, mask=mask, eager=eager, mods=mods)
     parts = pos.score_parts(q, k, ctx)
     q, k = pos.transform_qk(q, k, ctx) if transformed is None else transformed
+    if factor is not None:  # the whole logit: the content score and every score term
+        q = q * factor
+        parts = None if parts is None else [(term * factor, c0) for term, c0 in parts]
+    if mods is not None:
+        k, v, parts, sunk, key_valid = mods.sink_column(
+            k, v, parts, t=t, shift=shift if causal else None, key_valid=key_valid
+        )
+        shift, s = shift if sunk is None else sunk, k.shape[-2]
     static_shift = isinstance(shift, int)
     if (
         parts is None
@@ -371,7 +410,7 @@ def attend(
                 q, k, v, parts, scale=scale, causal_shift=causal_shift,
                 key_valid=key_valid, dropout=p_drop,
             )  # fmt: skip
-        extra = pos.value_term(probs, ctx) if pos.needs_probs else None
+        extra = pos.value_term(sink_probs(probs, mods), ctx) if pos.needs_probs else None
         return out if extra is None else out + extra
 
     # SDPA with the term as its additive mask: on CUDA its memory-efficient kernel.

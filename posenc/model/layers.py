@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from posenc.encoders.base import AttentionContext, AttentionPositional
 from posenc.model.attention import Attention
 from posenc.model.cache import LayerCache
+from posenc.model.modifiers import Modifiers
 
 
 class FeedForward(nn.Sequential):
@@ -32,6 +33,7 @@ class Block(nn.Module):
         cross_pos: Positional hooks for cross-attention, or None for no cross-attention.
         score_budget: CPU query blocking of attention with score terms (bytes; None: off).
         qkv_bias: Biases on the attention's q, k and v projections.
+        modifiers: QK-norm, logit scale and sinks of every attention (None: none).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class Block(nn.Module):
         cross_pos: AttentionPositional | None = None,
         score_budget: int | None = 8 * 2**20,
         qkv_bias: bool = True,
+        modifiers: Modifiers | None = None,
     ) -> None:
         super().__init__()
         attention = partial(
@@ -54,6 +57,7 @@ class Block(nn.Module):
             dropout=dropout,
             score_budget=score_budget,
             qkv_bias=qkv_bias,
+            modifiers=modifiers,
         )
         self.ln_self = nn.LayerNorm(d_model)
         self.self_attn = attention(pos=self_pos)

@@ -30,6 +30,7 @@ from posenc.encoders.base import (
 )
 from posenc.model.cache import KVCache
 from posenc.model.layers import Block
+from posenc.model.modifiers import Modifiers
 
 EncoderFactory = Callable[..., PositionalEncoder]
 
@@ -70,6 +71,7 @@ class Stack(nn.Module):
             Evaluation (``.eval()``) always uses ``0 .. T-1``.
         score_budget: CPU query blocking of attention with score terms (bytes; None: off).
         qkv_bias: Biases on the attention's q, k and v projections.
+        modifiers: QK-norm, logit scale and sinks of every attention (None: none).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Stack(nn.Module):
         random_positions: int | None = None,
         score_budget: int | None = 8 * 2**20,
         qkv_bias: bool = True,
+        modifiers: Modifiers | None = None,
     ) -> None:
         super().__init__()
         if random_positions is not None and random_positions < 1:
@@ -105,6 +108,7 @@ class Stack(nn.Module):
                 cross_pos=encoder.for_attention(layer=i, kind=AttnKind.CROSS) if cross else None,
                 score_budget=score_budget,
                 qkv_bias=qkv_bias,
+                modifiers=modifiers,
             )
             for i in range(n_layers)
         )
@@ -332,6 +336,11 @@ class DecoderLM(nn.Module):
             (same result, less memory and cache traffic); 0: never. GPUs never block.
         qkv_bias: Biases on every attention's q, k and v projections (False: none, as
             in the FoX and PaTH authors' layers).
+        qk_norm: RMSNorm of every attention's q and k per head, before the positional
+            transform (:mod:`posenc.model.modifiers`).
+        logit_scale: ``none``, ``log_length`` (logits times log n, n the keys a query
+            sees) or ``ssmax`` (times s log n, s learned per head: Scalable-Softmax).
+        sinks: A learned sink logit per head in every attention (gpt-oss).
     """
 
     def __init__(
@@ -348,9 +357,13 @@ class DecoderLM(nn.Module):
         random_positions: int | None = None,
         score_budget_mib: float = 8.0,
         qkv_bias: bool = True,
+        qk_norm: bool = False,
+        logit_scale: str = "none",
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         d_ff = d_ff or 4 * d_model
+        modifiers = Modifiers(qk_norm=qk_norm, logit_scale=logit_scale, sinks=sinks)
         _check_sizes(
             d_model=d_model,
             n_heads=n_heads,
@@ -373,6 +386,7 @@ class DecoderLM(nn.Module):
             random_positions=random_positions,
             score_budget=_budget(score_budget_mib),
             qkv_bias=qkv_bias,
+            modifiers=modifiers,
         )
         _init_weights(self.stack, n_layers)
 
@@ -429,6 +443,9 @@ class EncoderDecoder(nn.Module):
             ``0 .. N-1`` (Ruoss et al. 2023); decoding uses ``0 .. T-1``. None: off.
         score_budget_mib: CPU query blocking, as in :class:`DecoderLM`.
         qkv_bias: Biases on the q, k and v projections, as in :class:`DecoderLM`.
+        qk_norm: QK-norm in every attention, as in :class:`DecoderLM`.
+        logit_scale: Every attention's logit scale, as in :class:`DecoderLM`.
+        sinks: Sink logits in every attention, as in :class:`DecoderLM`.
     """
 
     #: :meth:`decode` under ``torch.compile``, after :meth:`compile` (else None).
@@ -452,9 +469,13 @@ class EncoderDecoder(nn.Module):
         random_positions: int | None = None,
         score_budget_mib: float = 8.0,
         qkv_bias: bool = True,
+        qk_norm: bool = False,
+        logit_scale: str = "none",
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         d_ff = d_ff or 4 * d_model
+        modifiers = Modifiers(qk_norm=qk_norm, logit_scale=logit_scale, sinks=sinks)
         n_enc, n_dec = n_enc_layers or n_layers, n_dec_layers or n_layers
         for v in (src_vocab_size, tgt_vocab_size):
             _check_sizes(
@@ -494,6 +515,7 @@ class EncoderDecoder(nn.Module):
             random_positions=random_positions,
             score_budget=_budget(score_budget_mib),
             qkv_bias=qkv_bias,
+            modifiers=modifiers,
         )
         self.decoder_stack = Stack(
             encoder=positional(n_dec),
@@ -507,6 +529,7 @@ class EncoderDecoder(nn.Module):
             random_positions=random_positions,
             score_budget=_budget(score_budget_mib),
             qkv_bias=qkv_bias,
+            modifiers=modifiers,
         )
         _init_weights(self.encoder_stack, n_enc)
         _init_weights(self.decoder_stack, n_dec)

@@ -105,7 +105,8 @@ NO_EFFECT_IN_EVAL = (
 #: older checkpoint did: unset in the checkpoint and this value in the config is no change.
 #: (The sinusoidal table's amplitude and DeBERTa's far-key rows came with #33, and
 #: stick-breaking's remainder later, with defaults that differ from what older runs did;
-#: FoX's initial bias, decay times and Pro block, and the q/k/v biases, kept theirs.)
+#: FoX's initial bias, decay times and Pro block, the q/k/v biases and the attention
+#: modifiers, kept theirs.)
 ADDED_LATER = {
     "task.passkey_mix": 0.0,
     "task.passkey_answer_weight": 1.0,
@@ -117,6 +118,9 @@ ADDED_LATER = {
     "encoder.decay_time_max": 128,
     "encoder.pro": False,
     "model.qkv_bias": True,
+    "model.qk_norm": False,
+    "model.logit_scale": "none",
+    "model.sinks": False,
 }
 
 

@@ -144,6 +144,49 @@ def test_flex_translation_model_equals_explicit(name: str) -> None:
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
 
 
+MODIFIERS = {"qk_norm": True, "logit_scale": "ssmax", "sinks": True}
+
+
+@pytest.mark.parametrize("logit_scale", ["ssmax", "log_length"])
+@pytest.mark.parametrize("name", ["none", "rope", "alibi", "t5", "shaw", "fire"])
+def test_modifiers_equal_on_every_backend(name: str, logit_scale: str) -> None:
+    """With QK-norm, a logit scale and sinks, SDPA (``auto`` on a CPU without a score
+    term), the explicit softmax (with the CPU's query blocks past 128 queries) and
+    FlexAttention (the scale in its ``score_mod``, the sink through its log-sum-exp)
+    give the same model outputs; and a translator's, with source padding."""
+    options = {**MODIFIERS, "logit_scale": logit_scale}
+    lm = DecoderLM(
+        vocab_size=11, encoder=name, d_model=H * D, n_heads=H, n_layers=2, **options
+    ).eval()
+    with torch.no_grad():  # sinks and s away from their initial values
+        for layer in lm.stack.layers:
+            layer.self_attn.logits.sink.normal_()
+            if layer.self_attn.logits.s is not None:
+                layer.self_attn.logits.s.uniform_(0.2, 1.0)
+    ids = torch.randint(0, 11, (2, 150))
+    outs = {}
+    for backend in ("auto", "explicit", "flex"):
+        _flex_everywhere(lm, backend)
+        with torch.no_grad():
+            outs[backend] = lm(ids)
+    for backend in ("explicit", "flex"):
+        torch.testing.assert_close(outs[backend], outs["auto"], atol=2e-5, rtol=2e-5)
+    if name in BIDIRECTIONAL_YAMLS:
+        mt = EncoderDecoder(
+            src_vocab_size=13, tgt_vocab_size=13, encoder=name, d_model=H * D, n_heads=H,
+            n_layers=1, **options,
+        ).eval()  # fmt: skip
+        src, tgt = torch.randint(0, 13, (2, 17)), torch.randint(0, 13, (2, 9))
+        src_valid = torch.ones(2, 17, dtype=torch.bool)
+        src_valid[0, 12:] = False
+        for backend in ("auto", "explicit", "flex"):
+            _flex_everywhere(mt, backend)
+            with torch.no_grad():
+                outs[backend] = mt(src, tgt, src_valid)
+        for backend in ("explicit", "flex"):
+            torch.testing.assert_close(outs[backend], outs["auto"], atol=2e-5, rtol=2e-5)
+
+
 def _count_block_masks(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     calls: list[tuple] = []
     real = backends.create_block_mask

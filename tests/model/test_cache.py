@@ -189,7 +189,12 @@ def test_beam_reordering_keeps_each_rows_cache(name: str, settings: dict) -> Non
 def test_left_padded_prompts_decode_as_each_alone(name: str, settings: dict) -> None:
     """Prompts of lengths 3, 7 and 5 left-padded into one batch (``cache.pad``): every
     row's cached logits equal those of its prompt decoded alone, with no padding."""
-    model = lm(name, settings)
+    assert left_padded_error(lm(name, settings)) <= tol(name)
+
+
+def left_padded_error(model: DecoderLM) -> float:
+    """The largest difference between each left-padded row's cached logits and those of
+    its prompt decoded alone (:func:`test_left_padded_prompts_decode_as_each_alone`)."""
     lengths, steps = [3, 7, 5], 6
     seqs = [torch.randint(0, 17, (n + steps,)) for n in lengths]
     width = max(lengths)
@@ -200,6 +205,7 @@ def test_left_padded_prompts_decode_as_each_alone(name: str, settings: dict) -> 
             for p, n, s in zip(pad.tolist(), lengths, seqs, strict=True)
         ]
     )
+    err = 0.0
     with torch.no_grad():
         cache = model.new_cache(width + steps, pad)
         got = [model(prompt, cache=cache)[:, -1:]]
@@ -211,18 +217,26 @@ def test_left_padded_prompts_decode_as_each_alone(name: str, settings: dict) -> 
             # each position from a full pass over its own prefix (dynamic NTK's base
             # follows the prefix's length)
             alone = torch.stack([model(s[None, : n + i])[0, -1] for i in range(steps + 1)])
-            assert (got[row] - alone).abs().max() <= tol(name), row
+            err = max(err, float((got[row] - alone).abs().max()))
+    return err
 
 
 @pytest.mark.parametrize("name", BIDIRECTIONAL_YAMLS)
 def test_translation_decoder_cache_equals_full_decode(name: str) -> None:
     """The decoder's cache with cross-attention, source padding and a beam reorder."""
+    check_translation_cache(name)
+
+
+def check_translation_cache(name: str, **options) -> None:
+    """:func:`test_translation_decoder_cache_equals_full_decode` for a translator built
+    with model ``options``."""
     model = unit_scale(
         EncoderDecoder(
             src_vocab_size=19,
             tgt_vocab_size=19,
             encoder=_factory(name, SETTINGS.get(name, {})),
             **SIZES,
+            **options,
         )
     )
     src, tgt = torch.randint(0, 19, (3, 11)), torch.randint(0, 19, (3, 2 * L))
@@ -289,3 +303,27 @@ def test_cache_size_is_checked() -> None:
             model.new_cache(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_len"):
         model.new_cache(model.encoder.max_length + 1)
+
+
+#: The attention modifiers, all on: over schemes with nothing to add, a q/k transform, a
+#: pass-dependent transform, score terms, a value term and gates from the tokens.
+MODIFIED = ["none", "rope", "rope+dynamic_ntk", "alibi", "t5", "shaw", "fox", "cope"]
+
+
+@pytest.mark.parametrize("logit_scale", ["ssmax", "log_length"])
+@pytest.mark.parametrize("name", MODIFIED)
+def test_modifiers_cached_decoding_equals_full_forward(name: str, logit_scale: str) -> None:
+    """QK-norm, a logit scale (whose n is each query's key count: the cache's slot, less
+    a row's left padding) and sinks: cached decoding token by token, in uneven chunks and
+    with left padding equals full passes."""
+    settings = {**SETTINGS.get(name, {}), **ROPE_SCALINGS.get(name.partition("+")[2], {})}
+    options = {"qk_norm": True, "logit_scale": logit_scale, "sinks": True}
+    model = lm(name, settings, **options)
+    ids = torch.randint(0, 17, (2, N))
+    with torch.no_grad():
+        for chunks in ([1] * N, [L, 3, L + 5 - 3, 1, L - 6]):
+            got, want = _cached_and_full(model, ids, chunks)
+            assert (got - want).abs().max() <= tol(name), chunks
+    assert left_padded_error(model) <= tol(name)
+    if name in BIDIRECTIONAL_YAMLS:
+        check_translation_cache(name, **options)

@@ -92,6 +92,34 @@ def test_conventions_trace_as_one_graph(case: str) -> None:
     _check_grads(model)
 
 
+#: QK-norm, SSMax and sinks together (model options for any softmax scheme).
+MODIFIERS = {"qk_norm": True, "logit_scale": "ssmax", "sinks": True}
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "shaw", "fox"])
+def test_modifiers_trace_as_one_graph(name: str) -> None:
+    """The modifiers in training (explicit path with query blocks past 128 queries, or
+    SDPA with the sink column) and in a translator with source padding: one graph, and
+    gradients reach SSMax's s, the sinks and the norms' scales."""
+    model = DecoderLM(vocab_size=11, encoder=name, **SIZES, **MODIFIERS)
+    ids = torch.randint(0, 11, (2, 300))
+    out = _compiled(model)(ids)
+    torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-5)
+    out.square().mean().backward()
+    _check_grads(model)
+    if name != "fox":  # causal only
+        mt = EncoderDecoder(
+            src_vocab_size=13, tgt_vocab_size=13, encoder=name, **SIZES, **MODIFIERS
+        )
+        src, tgt = torch.randint(0, 13, (2, 16)), torch.randint(0, 13, (2, 8))
+        src_valid = torch.ones(2, 16, dtype=torch.bool)
+        src_valid[1, 8:] = False
+        out = _compiled(mt)(src, tgt, src_valid)
+        torch.testing.assert_close(out, mt(src, tgt, src_valid), rtol=1e-5, atol=1e-5)
+        out.square().mean().backward()
+        _check_grads(mt)
+
+
 @pytest.mark.parametrize("name", ENCODER_YAMLS)
 def test_random_positions_training_traces_as_one_graph(name: str) -> None:
     """Randomized positions (Ruoss et al. 2023) take the per-pair path: also one graph."""
@@ -216,15 +244,19 @@ def _counting_backend() -> tuple[object, list]:
     return backend, graphs
 
 
-@pytest.mark.parametrize("case", list(STEP_CASES))
+@pytest.mark.parametrize("case", [*STEP_CASES, "alibi_modifiers", "rope_modifiers"])
 def test_cached_decode_step_compiles_once(case: str) -> None:
     """The static cache's step traces as one graph (``fullgraph=True``) and is reused:
     a prefill and 64 single-token steps cost at most 2 compilations (the prefill's
     shape and the step's), with ``dynamic=False`` so that any Python value that changed
     from step to step would show as a recompilation. Logits equal eager decoding's."""
-    name, settings = STEP_CASES[case]
+    name, settings = STEP_CASES[case.removesuffix("_modifiers")]
+    options = MODIFIERS if case.endswith("_modifiers") else {}  # a logit scale by slot
     model = DecoderLM(
-        vocab_size=11, encoder=functools.partial(get(name), **settings), **{**SIZES, "n_layers": 1}
+        vocab_size=11,
+        encoder=functools.partial(get(name), **settings),
+        **{**SIZES, "n_layers": 1},
+        **options,
     ).eval()
     torch._dynamo.reset()
     backend, graphs = _counting_backend()
