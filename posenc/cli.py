@@ -35,7 +35,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -317,9 +317,17 @@ def _handle_stop_signals() -> None:
         signal.signal(signal.SIGINT, _on_sigint)
 
 
+#: Set by :class:`SweepSignals` to the sweep's own process id, for its pool's workers.
+SWEEP_PID = "POSENC_SWEEP_PID"
+
+
 def _in_pool_worker() -> bool:
-    """This process is a worker of the ``local_parallel`` (joblib) launcher's pool."""
-    return "joblib" in str(HydraConfig.get().launcher.get("_target_", ""))
+    """This process is a worker of the ``local_parallel`` (joblib) launcher's pool, not
+    the sweep's own process (where joblib runs the jobs itself when ``n_jobs=1``)."""
+    here = str(os.getpid())
+    return "joblib" in str(HydraConfig.get().launcher.get("_target_", "")) and (
+        os.environ.get(SWEEP_PID, here) != here
+    )
 
 
 def _say_stopped(by: str | None = None) -> None:
@@ -573,27 +581,33 @@ class SweepSignals(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
         if "joblib" not in str(config.hydra.launcher.get("_target_", "")):
             return
+        _no_idle_workers(config)
         sweep_dir = Path(str(config.hydra.sweep.dir))
         main = os.getpid()
+        os.environ[SWEEP_PID] = str(main)  # the pool's workers inherit it
 
         def stop_sweep(signum: int, frame: object) -> None:
             for each in STOP_SIGNALS:  # a second signal (Ctrl-C again) while waiting
                 signal.signal(each, signal.SIG_IGN)
             by = signal.Signals(signum).name
             # The pool's workers; its resource trackers end by themselves with this process.
-            # Ctrl-C reached them already (the terminal signals the whole process group);
-            # passed on too, so that `kill -INT <sweep>` stops them as well.
             workers = [p for p in _children(main) if "resource_tracker" not in _command_line(p)]
-            for pid in workers:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-            # Each worker passes the signal on to its job, waits for it to save and end,
-            # then stays (_await_sweep_end): a worker that ended would make the pool kill
-            # the others, and their jobs with them, perhaps in the middle of saving.
+            # The signal goes to each job (a worker's child), and to a job that starts
+            # meanwhile: it saves last.ckpt and ends, and its worker then stays
+            # (_await_sweep_end). Not to the workers: one that ended would make the pool
+            # kill the others, and their jobs with them, perhaps in the middle of saving.
+            # (Ctrl-C reaches every process of the group by itself.)
+            told: set[int] = set()
             deadline = time.monotonic() + self.grace_s
-            while (jobs := _jobs_of(workers)) and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                for pid in {c for w in workers for c in _children(w)} - told:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signum)
+                    told.add(pid)
+                if not _jobs_of(workers):
+                    break
                 time.sleep(0.2)
-            if jobs:
+            if jobs := _jobs_of(workers):
                 print(
                     f"jobs {', '.join(map(str, jobs))} did not end within "
                     f"{self.grace_s:.0f} s of {by}",
@@ -612,6 +626,20 @@ class SweepSignals(Callback):
         signal.signal(signal.SIGTERM, stop_sweep)
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, stop_sweep)
+
+
+def _no_idle_workers(config: DictConfig) -> None:
+    """At most as many pool workers as the sweep has jobs: a worker that never had a job
+    dies on Ctrl-C (Python's KeyboardInterrupt), and the pool then kills every other
+    worker with its job. Only the basic sweeper's grids are counted."""
+    if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
+        return
+    jobs = len(sweep_jobs(config))
+    n_jobs = int(config.hydra.launcher.get("n_jobs") or 1)
+    workers = (os.cpu_count() or 1) + 1 + n_jobs if n_jobs < 0 else n_jobs  # joblib's rule
+    if jobs < workers:
+        with read_write(config.hydra.launcher), open_dict(config.hydra.launcher):
+            config.hydra.launcher.n_jobs = max(jobs, 1)
 
 
 def run_job(cfg: DictConfig) -> None:

@@ -384,8 +384,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start_sweep_and_wait(out: Path, cache: Path, *overrides: str, ckpts: int) -> subprocess.Popen:
-    """A tiny two-job sweep (``encoder=none,rope``, 300 steps, a checkpoint every step)
+def _start_sweep_and_wait(
+    out: Path, cache: Path, *overrides: str, ckpts: int, encoders: str = "none,rope"
+) -> subprocess.Popen:
+    """A tiny sweep (two jobs, ``encoder=none,rope``, 300 steps, a checkpoint every step)
     in its own process group, as a terminal starts it, once ``ckpts`` jobs have saved."""
     from tests.conftest import TINY
 
@@ -397,7 +399,7 @@ def _start_sweep_and_wait(out: Path, cache: Path, *overrides: str, ckpts: int) -
             "-m",
             *overrides,
             *tiny,
-            "encoder=none,rope",
+            f"encoder={encoders}",
             "trainer.max_steps=300",
             "trainer.val_check_interval=300",
             "checkpoint_every_n_steps=1",
@@ -805,3 +807,29 @@ def test_the_sweep_check_leaves_machine_checks_to_the_jobs(
     ) as cfg:
         assert run.sweep_problems(cfg) == []
     assert not cache.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_a_sweep_smaller_than_its_pool_starts_no_idle_worker_that_ctrl_c_would_end(
+    tmp_path: Path,
+) -> None:
+    """One job with ``n_jobs=3``: no pool of three, whose two workers without a job would
+    end on Ctrl-C (KeyboardInterrupt) and make the pool kill the third with its job, in
+    the middle of saving; joblib runs the one job itself (``n_jobs=1``), and Ctrl-C saves
+    it and says so."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    out = tmp_path / "multirun"
+    proc = _start_sweep_and_wait(
+        out,
+        tmp_path / "cache",
+        "hydra/launcher=local_parallel",
+        "hydra.launcher.n_jobs=3",
+        ckpts=1,
+        encoders="none",
+    )
+    os.killpg(proc.pid, signal.SIGINT)
+    said, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Joblib.Parallel(n_jobs=1," in said, said[-3000:]
+    assert err.count("stopped by SIGINT; progress is saved in") == 1, err[-3000:]
+    assert not list(out.glob("*/.error.json*"))
