@@ -31,6 +31,7 @@ from posenc.data.algo import PROBLEMS
 from posenc.data.algo_problems import check as check_problem
 from posenc.data.algo_problems import grid_sizes
 from posenc.data.sources import missing_test
+from posenc.encoders import registry
 from posenc.encoders.base import AttnKind
 from posenc.errors import UserError
 from posenc.model.modifiers import Modifiers
@@ -129,6 +130,22 @@ def _params(fn: Any, drop: tuple[str, ...] = ()) -> list[str]:
     return [p for p in inspect.signature(fn).parameters if p not in drop + ("self",)]
 
 
+def _mix_entry_problems(encoder: DictConfig) -> list[str]:
+    """The boolean options of ``encoder=mix``'s entries (``{name: fox, rope: maybe}``)
+    that are not true or false, as :func:`_unknown_keys` checks the encoder's own."""
+    out: list[str] = []
+    for key in ("layers", "heads"):
+        entries = encoder.get(key)
+        if not isinstance(entries, (list, tuple)) and not OmegaConf.is_list(entries):
+            continue
+        for i, entry in enumerate(entries):
+            if not OmegaConf.is_dict(entry) or entry.get("name") not in registry.available():
+                continue  # the mix itself names what is wrong with such an entry
+            init = registry.get(entry.name).__init__
+            out += schema.parameter_problems(entry, init, f"encoder.{key}[{i}].")
+    return out
+
+
 def _unknown_keys(cfg: DictConfig) -> list[str]:
     """Misspelled or unknown keys would be ignored or crash late: name them now. The
     instantiated groups take their classes' parameters."""
@@ -141,6 +158,7 @@ def _unknown_keys(cfg: DictConfig) -> list[str]:
         allowed = _params(cls.__init__, ("d_model", "n_heads", "n_layers"))
         out += schema.unknown("encoder.", list(cfg.encoder), allowed + ["_target_", "_partial_"])
         out += schema.parameter_problems(cfg.encoder, cls.__init__, "encoder.")
+        out += _mix_entry_problems(cfg.encoder)
     allowed = _params(pl.Trainer.__init__) + ["_target_"]
     out += schema.unknown("trainer.", list(cfg.trainer), allowed)
     return out + schema.parameter_problems(cfg.trainer, pl.Trainer.__init__, "trainer.")
@@ -411,7 +429,8 @@ def _try_encoder(cfg: DictConfig) -> list[str]:
     mods = Modifiers(qk_norm=m.qk_norm, logit_scale=m.logit_scale, sinks=m.sinks)
     try:
         enc = instantiate(cfg.encoder)(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers)
-        hooks = [enc.for_attention(layer=0, kind=kind) for kind in kinds]
+        # every layer: a mix gives each its own scheme
+        hooks = [enc.for_attention(layer=i, kind=kind) for kind in kinds for i in range(m.n_layers)]
     except (ValueError, TypeError) as err:
         return [f"encoder: {err}"]
     # the model options that cannot change a scheme's attention (one line for them all)

@@ -82,7 +82,7 @@ class Modifiers:
             return None
         given = [f"logit_scale={self.logit_scale}"] if self.logit_scale != "none" else []
         given += ["sinks=true"] if self.sinks else []
-        name = type(pos).__name__.lstrip("_")
+        name = type(getattr(pos, "inner", pos)).__name__.lstrip("_")  # a mix: its member's
         return (
             f"model.{' and model.'.join(given)}: the {name} encoder computes its own "
             f"attention weights, not the softmax these options change; drop the option or "

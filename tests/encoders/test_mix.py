@@ -245,3 +245,29 @@ def test_a_bad_mix_is_refused_before_training(tmp_path: Path) -> None:
         .endswith(f"encoder: encoder.layers[1]='rpoe': unknown scheme; allowed: {ALLOWED}")
     )
     assert not [p for p in (tmp_path / "outputs" / "lm").rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        (
+            ["encoder.layers=[rope,{name:fox,rope:maybe}]"],
+            "encoder.layers[1].rope='maybe': must be true or false",
+        ),
+        (
+            # the scheme of layer 1, not only layer 0's, is asked whether it can take it
+            ["encoder.layers=[rope,selective]", "model.logit_scale=ssmax"],
+            "model.logit_scale=ssmax: the Selective encoder computes its own attention "
+            "weights, not the softmax these options change; drop the option or choose "
+            "another encoder",
+        ),
+    ],
+    ids=["entry_boolean", "later_layer_modifier"],
+)
+def test_what_an_entry_cannot_take_is_refused_in_the_config_check(
+    tmp_path: Path, overrides: list[str], problem: str
+) -> None:
+    cfg = compose_config(tmp_path, "encoder=mix", *overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, machine=False)
+    assert err.value.problems == [problem]
