@@ -18,6 +18,9 @@ Notation: B batch, H heads, T queries, S keys, D head dim.
   ``HAND_WRITTEN_BACKWARD = False`` :func:`plain_attention`, the same values through
   autograd. On a GPU without a ``score_mod`` the term is SDPA's additive mask.
 
+A sliding window (:mod:`posenc.model.window`) is one more score part of ``-inf`` for the
+explicit softmax and SDPA, and a condition of the block mask for FlexAttention.
+
 ``Attention.backend = "flex"`` or ``"explicit"`` forces one (the parity tests run the
 flex path's forward on a CPU, where it is eager); ``"flex_eager"`` forces the unfused
 FlexAttention on a GPU too, to debug a ``score_mod`` (prints and breakpoints work).
