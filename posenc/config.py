@@ -418,7 +418,10 @@ def _window(cfg: DictConfig) -> list[str]:
         if schema.problems(cfg.task, schema.AlgoTask, "task."):
             return []  # the task's own problems come first
         longest = schema.build(schema.AlgoTask, cfg.task).longest(cfg.task.train_lengths[-1])
-        context = f"the longest training sequence ({longest} positions at the largest length)"
+        context = (
+            f"the longest training sequence ({longest} positions at the largest of "
+            f"task.train_lengths)"
+        )
     else:
         longest = cfg.task.get("seq_len")
         context = f"task.seq_len={longest}"

@@ -225,13 +225,21 @@ def test_config_refusals(tmp_path) -> None:
             "model.window=null"
         ),
     }
+    cases[("algo", "model.window=19")] = (
+        "model.window=19: not smaller than the longest training sequence (19 positions at the "
+        "largest of task.train_lengths), so every query would see every key (no window); give "
+        "model.window < 19, or model.window=null"
+    )
+    cases[("algo", "task.shape=encdec", "model.window=4")] = cases[("mt", "model.window=4")]
     for overrides, line in cases.items():
+        task = overrides[0] if overrides[0] in ("mt", "algo") else None
         cfg = (
-            compose_config(tmp_path, "task=mt", *overrides[1:])
-            if overrides[0] == "mt"
+            compose_config(tmp_path, f"task={task}", *overrides[1:])
+            if task
             else compose_run(tmp_path, *overrides)
         )
         with pytest.raises(ConfigError) as err:
             validate(cfg)
         assert str(err.value).splitlines()[1:] == [f"  {line}"], overrides
     validate(compose_run(tmp_path, "model.window=15", "model.window_layers=[local,global]"))
+    validate(compose_config(tmp_path, "task=algo", "model.window=18"))
