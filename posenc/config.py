@@ -35,6 +35,8 @@ from posenc.encoders import registry
 from posenc.encoders.base import AttnKind
 from posenc.errors import UserError
 from posenc.model.modifiers import Modifiers
+from posenc.model.transformer import NO_WINDOW_IN_TRANSLATOR
+from posenc.model.window import layers_problem, window_problem
 from posenc.schema import finite, integer
 from posenc.training.gate import PASSKEY, PERCENT, metrics
 from posenc.training.rundir import missing_checkpoint
@@ -87,6 +89,7 @@ def validate(cfg: DictConfig, machine: bool = True) -> None:
         ("eval_only, ckpt_path, init_from", _run_keys),
         ("model", _model),
         ("model.random_positions", _random_positions),
+        ("model.window", _window),
         ("trainer", trainer),
     ]
     groups += [("paths.cache_dir", lambda c: cache_dir(c.paths.cache_dir))] if machine else []
@@ -417,6 +420,37 @@ def _random_positions(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _window(cfg: DictConfig) -> list[str]:
+    """``model.window``: with ``model.window_layers``, a window somewhere; in a causal
+    decoder only; shorter than the training sequences (a window that long is none)."""
+    window, layers = cfg.model.get("window"), cfg.model.get("window_layers")
+    if not (window is None or (integer(window) and window > 0)) or layers_problem(layers):
+        return []  # refused by the schema
+    problem = window_problem(window, layers)
+    if problem or window is None:
+        return [problem] if problem else []
+    name = cfg.task.name
+    if name == "mt" or (name == "algo" and cfg.task.get("shape") == "encdec"):
+        return [NO_WINDOW_IN_TRANSLATOR.format(window=window)]
+    if name == "algo":
+        if schema.problems(cfg.task, schema.AlgoTask, "task."):
+            return []  # the task's own problems come first
+        longest = schema.build(schema.AlgoTask, cfg.task).longest(cfg.task.train_lengths[-1])
+        context = (
+            f"the longest training sequence ({longest} positions at the largest of "
+            f"task.train_lengths)"
+        )
+    else:
+        longest = cfg.task.get("seq_len")
+        context = f"task.seq_len={longest}"
+    if integer(longest) and window >= longest:
+        return [
+            f"model.window={window}: not smaller than {context}, so every query would see "
+            f"every key (no window); give model.window < {longest}, or model.window=null"
+        ]
+    return []
+
+
 def _try_encoder(cfg: DictConfig) -> list[str]:
     """Build the encoder once with the model sizes and make the attention hooks the task
     needs: the encoder's own checks (and refusals, e.g. causal-only schemes in a
@@ -427,14 +461,19 @@ def _try_encoder(cfg: DictConfig) -> list[str]:
     if cfg.task.name == "mt" or cfg.task.get("shape") == "encdec":
         kinds += [AttnKind.BIDIRECTIONAL, AttnKind.CROSS]
     mods = Modifiers(qk_norm=m.qk_norm, logit_scale=m.logit_scale, sinks=m.sinks)
+    windowed = Modifiers(window=m.window, window_layers=m.window_layers)
     try:
         enc = instantiate(cfg.encoder)(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers)
         # every layer: a mix gives each its own scheme
         hooks = [enc.for_attention(layer=i, kind=kind) for kind in kinds for i in range(m.n_layers)]
+        # the window's layers (a mix's layers may differ in owning their attention)
+        local = [i for i in range(m.n_layers) if windowed.for_layer(i).window is not None]
+        causal = [enc.for_attention(layer=i, kind=AttnKind.CAUSAL) for i in local]
     except (ValueError, TypeError) as err:
         return [f"encoder: {err}"]
     # the model options that cannot change a scheme's attention (one line for them all)
-    return [refusal for refusal in map(mods.refusal, hooks) if refusal][:1]
+    refusals = [*map(mods.refusal, hooks), *map(Modifiers(window=m.window).refusal, causal)]
+    return [refusal for refusal in refusals if refusal][:1]
 
 
 def _fits_encoder(cfg: DictConfig, key: str) -> list[str]:

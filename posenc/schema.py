@@ -39,6 +39,7 @@ from posenc.data.buckets import check_edges
 from posenc.data.tokenizers import TOKENIZER_KINDS
 from posenc.encoders.rope import SCALINGS
 from posenc.model.modifiers import LOGIT_SCALES
+from posenc.model.window import layers_problem
 
 # --- rules: a field's spec says what its value must be, and the message if it is not ---
 
@@ -544,6 +545,10 @@ class Model(Group):
     qk_norm: bool = key(False)
     logit_scale: str = key("none", LOGIT_SCALES)
     sinks: bool = key(False)
+    # sliding-window attention (posenc/model/window.py): the keys a query sees at most,
+    # on the layers window_layers (local/global, cycled; null: all) makes local
+    window: int | None = key(None, "int>0", " (tokens) or null (off)", optional=True)
+    window_layers: list[str] | None = key(None, lambda k, v: [p for p in [layers_problem(v)] if p])
     # an encoder-decoder's: blocks of each stack (n_layers when null), one embedding table
     n_enc_layers: int | None = key(None, "int>0", optional=True)
     n_dec_layers: int | None = key(None, "int>0", optional=True)

@@ -31,7 +31,8 @@ class Attention(nn.Module):
         score_budget: CPU query blocking: see ``max_score_bytes``.
         qkv_bias: Biases on the q, k and v projections (False: none, as the FoX and
             PaTH authors' layers have them).
-        modifiers: QK-norm, logit scale and sinks (:mod:`posenc.model.modifiers`);
+        modifiers: QK-norm, logit scale, sinks and this layer's sliding window
+            (:mod:`posenc.model.modifiers`; the window applies to causal attention only);
             None: none of them.
 
     Raises:
@@ -84,6 +85,8 @@ class Attention(nn.Module):
             if mods.on_logits
             else None
         )
+        #: The keys a causal query sees at most (:mod:`posenc.model.window`); None: all.
+        self.window = mods.window
         self.pos = pos
 
     def _heads(self, x: Tensor, proj: nn.Linear, norm: HeadRMSNorm | None = None) -> Tensor:
@@ -221,6 +224,7 @@ class Attention(nn.Module):
             transformed=(q_t, keys),
             cache=cache,
             mods=self.logits,
+            window=self.window,
         )
         return self._merge(x, out)
 
@@ -263,6 +267,7 @@ class Attention(nn.Module):
             p_drop=p_drop,
             backend=self.backend,
             mods=self.logits,
+            window=self.window,
         )
 
 

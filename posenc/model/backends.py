@@ -18,6 +18,9 @@ Notation: B batch, H heads, T queries, S keys, D head dim.
   ``HAND_WRITTEN_BACKWARD = False`` :func:`plain_attention`, the same values through
   autograd. On a GPU without a ``score_mod`` the term is SDPA's additive mask.
 
+A sliding window (:mod:`posenc.model.window`) is one more score part of ``-inf`` for the
+explicit softmax and SDPA, and a condition of the block mask for FlexAttention.
+
 ``Attention.backend = "flex"`` or ``"explicit"`` forces one (the parity tests run the
 flex path's forward on a CPU, where it is eager); ``"flex_eager"`` forces the unfused
 FlexAttention on a GPU too, to debug a ``score_mod`` (prints and breakpoints work).
@@ -47,6 +50,7 @@ from posenc.encoders.base import (
 from posenc.encoders.softmax import softmax_values
 from posenc.model.modifiers import LogitModifiers, sink_probs
 from posenc.model.scored import scored_attention
+from posenc.model.window import window_part
 
 #: How FlexAttention is asked for its log-sum-exp: ``return_aux`` since torch 2.9
 #: (``return_lse`` is deprecated there), ``return_lse`` before.
@@ -225,10 +229,12 @@ def block_mask(
     causal_shift: int | Tensor | None,
     key_valid: Tensor | None,
     device: torch.device,
+    window: int | None = None,
 ) -> BlockMask | None:
-    """The block mask of causality and key padding, built once per context (a stack's
-    forward pass, or a decoding step) and shared by every layer: it depends only on
-    T, S, the causal shift and the key padding, which all layers of a pass share.
+    """The block mask of causality, a sliding window and key padding, built once per
+    context (a stack's forward pass, or a decoding step) and shared by every layer with
+    the same window: it depends only on T, S, the causal shift, the window and the key
+    padding, which all those layers of a pass share.
 
     Args:
         ctx: The stack's context (its memo keeps the mask for the other layers).
@@ -237,6 +243,8 @@ def block_mask(
             static cache's slot (one per decoding step).
         key_valid: ``(B, S)`` True for real keys, or None.
         device: Where the mask lives.
+        window: With a causal shift, query i also sees no key
+            ``j <= i + shift - window`` (:mod:`posenc.model.window`); None: off.
 
     Returns:
         The BlockMask, or None when nothing is masked.
@@ -244,13 +252,15 @@ def block_mask(
     if causal_shift is None and key_valid is None:
         return None
     shift_key = causal_shift if isinstance(causal_shift, int | None) else "slot"
-    key = ("block_mask", t, s, shift_key, key_valid is not None)
+    key = ("block_mask", t, s, shift_key, key_valid is not None, window)
 
     def make() -> BlockMask:
         def mask_mod(b_i: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             ok = kv_idx >= 0  # all True, of the index's shape
             if causal_shift is not None:
                 ok = ok & (kv_idx <= q_idx + causal_shift)
+                if window is not None:
+                    ok = ok & (kv_idx > q_idx + causal_shift - window)
             if key_valid is not None:
                 ok = ok & key_valid[b_i, kv_idx]
             return ok
@@ -321,6 +331,7 @@ def attend(
     transformed: tuple[Tensor, Tensor] | None = None,
     cache: Any | None = None,
     mods: LogitModifiers | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """One attention call with the scheme's hooks, on the backend that fits, or the
     scheme's own :meth:`~posenc.encoders.base.AttentionPositional.attend` when it
@@ -343,12 +354,18 @@ def attend(
             None: the logits, every score term included, times the scale's per-query
             factor (``q`` scaled, and the terms; FlexAttention's ``score_mod`` scales
             its whole logit), and the sink as a column of its own.
+        window: A causal query's sliding window (:mod:`posenc.model.window`): the keys
+            it sees at most, itself included; None (and in attention that is not
+            causal): off. The sink's column stays in every query's view.
 
     Returns:
         ``(B, H, T, D)``.
     """
     t, s = q.shape[-2], k.shape[-2]
     causal = ctx.kind is AttnKind.CAUSAL
+    window = window if causal else None
+    if window is not None and isinstance(shift, int) and t - 1 + shift < window:
+        window = None  # no query reaches past the window: the computation without one
     ctx = replace(ctx, key_valid=key_valid, shift=shift if causal else None)
     if pos.owns_attention:
         q, k = pos.transform_qk(q, k, ctx) if transformed is None else transformed
@@ -357,7 +374,7 @@ def attend(
     factor = None
     if mods is not None:
         causal_shift = shift if causal else None
-        factor = mods.factor(t, s, shift=causal_shift, key_valid=key_valid, q=q)
+        factor = mods.factor(t, s, shift=causal_shift, key_valid=key_valid, q=q, window=window)
     if use_flex(backend, q, pos, p_drop) and not pos.needs_probs:
         score_mod = pos.score_mod(q, k, ctx) if pos.adds_scores else None
         if score_mod is not None or not pos.adds_scores:
@@ -369,6 +386,7 @@ def attend(
                 causal_shift=shift if causal else None,
                 key_valid=key_valid,
                 device=q.device,
+                window=window,
             )
             eager = backend == "flex_eager" or q.device.type not in COMPILED_FLEX_DEVICES
             if mods is not None:
@@ -379,6 +397,9 @@ def attend(
     if factor is not None:  # the whole logit: the content score and every score term
         q = q * factor
         parts = None if parts is None else [(term * factor, c0) for term, c0 in parts]
+    if window is not None:  # after the scale (0 * -inf is no mask), before the sink's column
+        far = window_part(ctx, t=t, s=s, shift=shift, window=window, dtype=q.dtype, device=q.device)
+        parts = [*(parts or []), far]
     if mods is not None:
         k, v, parts, sunk, key_valid = mods.sink_column(
             k, v, parts, t=t, shift=shift if causal else None, key_valid=key_valid

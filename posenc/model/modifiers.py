@@ -1,6 +1,7 @@
 """Attention modifiers that work with any positional scheme: QK-norm, a length-aware
 logit scale and learned sink logits (``model.qk_norm``, ``model.logit_scale``,
-``model.sinks``).
+``model.sinks``), and the options of a sliding window (``model.window``, whose masks
+are in :mod:`posenc.model.window`).
 
 Notation: B batch, H heads, T queries, S keys, D head dim.
 
@@ -11,7 +12,8 @@ Notation: B batch, H heads, T queries, S keys, D head dim.
   input of its softmax (content score and the scheme's score terms), times
   ``s * log(n_i)``, with ``n_i`` the number of keys query i sees: ``i + 1`` in a
   causal pass, the number of (valid) keys otherwise, and in a cached decoding step
-  the query's slot + 1 less its row's left padding. ``ssmax`` is Scalable-Softmax
+  the query's slot + 1 less its row's left padding; in a local layer
+  (:mod:`posenc.model.window`) at most the window. ``ssmax`` is Scalable-Softmax
   (Nakanishi 2025, "Scalable-Softmax Is Superior for Attention", arXiv 2501.19399):
   ``softmax(s log(n) z)`` with a learned ``s`` per head, initialised to
   :data:`SSMAX_INIT`. ``log_length`` fixes ``s = 1``: the log-length scaled attention
@@ -30,13 +32,15 @@ Notation: B batch, H heads, T queries, S keys, D head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posenc.encoders.base import AttentionPositional, ScoreMod, ScoreParts
+from posenc.model.window import layer_window, window_problem
 
 #: The values of ``model.logit_scale``.
 LOGIT_SCALES = ("none", "log_length", "ssmax")
@@ -57,18 +61,34 @@ class Modifiers:
         qk_norm: RMSNorm of q and k per head, before the positional transform.
         logit_scale: ``none``, ``log_length`` or ``ssmax`` (module docstring).
         sinks: A learned sink logit per head.
+        window: Sliding-window attention: the keys a causal query sees at most
+            (:mod:`posenc.model.window`); None: off.
+        window_layers: Which layers are local: ``local``/``global`` cycled over the
+            layers; None: every layer (:meth:`for_layer` resolves it).
 
     Raises:
-        ValueError: ``logit_scale`` is not one of :data:`LOGIT_SCALES`.
+        ValueError: ``logit_scale`` is not one of :data:`LOGIT_SCALES`, or the window
+            options do not make a window (:func:`~posenc.model.window.window_problem`).
     """
 
     qk_norm: bool = False
     logit_scale: str = "none"
     sinks: bool = False
+    window: int | None = None
+    window_layers: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         if self.logit_scale not in LOGIT_SCALES:
             raise ValueError(f"logit_scale={self.logit_scale!r}: allowed {', '.join(LOGIT_SCALES)}")
+        problem = window_problem(self.window, self.window_layers)
+        if problem:
+            raise ValueError(problem)
+
+    def for_layer(self, layer: int) -> Modifiers:
+        """These options for layer ``layer``: its own window (None on a global layer)."""
+        return replace(
+            self, window=layer_window(self.window, self.window_layers, layer), window_layers=None
+        )
 
     @property
     def on_logits(self) -> bool:
@@ -77,16 +97,18 @@ class Modifiers:
 
     def refusal(self, pos: AttentionPositional) -> str | None:
         """Why these options cannot apply to a scheme's attention, or None: a scheme
-        that computes its own attention weights has no softmax of posenc's to modify."""
-        if not (pos.owns_attention and self.on_logits):
+        that computes its own attention weights has no softmax of posenc's to modify,
+        nor a mask of posenc's to narrow to a window."""
+        if not (pos.owns_attention and (self.on_logits or self.window is not None)):
             return None
         given = [f"logit_scale={self.logit_scale}"] if self.logit_scale != "none" else []
         given += ["sinks=true"] if self.sinks else []
+        given += [f"window={self.window}"] if self.window is not None else []
         name = type(getattr(pos, "inner", pos)).__name__.lstrip("_")  # a mix: its member's
         return (
             f"model.{' and model.'.join(given)}: the {name} encoder computes its own "
-            f"attention weights, not the softmax these options change; drop the option or "
-            f"choose another encoder"
+            f"attention weights, not the softmax and mask these options change; drop the "
+            f"option or choose another encoder"
         )
 
 
@@ -110,10 +132,17 @@ class HeadRMSNorm(nn.Module):
 
 
 def key_counts(
-    t: int, s: int, *, shift: int | Tensor | None, key_valid: Tensor | None, device: torch.device
+    t: int,
+    s: int,
+    *,
+    shift: int | Tensor | None,
+    key_valid: Tensor | None,
+    device: torch.device,
+    window: int | None = None,
 ) -> Tensor:
     """How many keys each query sees: ``(B|1, T)`` for causal attention (query i sees
-    keys ``j <= i + shift``), ``(B|1, 1)`` otherwise; int64, no host read.
+    keys ``shift + i - window < j <= i + shift``), ``(B|1, 1)`` otherwise; int64, no
+    host read.
 
     Args:
         t: Queries T. s: Keys S.
@@ -121,12 +150,20 @@ def key_counts(
             None when attention is not causal.
         key_valid: ``(B, S)`` True for real keys, or None.
         device: Where the counts live.
+        window: A causal query's sliding window (:mod:`posenc.model.window`), or None.
     """
     if shift is None:
         if key_valid is None:
             return torch.full((1, 1), s, device=device)
         return key_valid.sum(-1, keepdim=True)  # (B, 1)
     last = torch.arange(t, device=device) + shift  # (T,): each query's last visible key
+    # keys up to `last`, less those up to `last - window` (the window's first unseen one)
+    count = _keys_up_to(last, s, key_valid)
+    return count if window is None else count - _keys_up_to(last - window, s, key_valid)
+
+
+def _keys_up_to(last: Tensor, s: int, key_valid: Tensor | None) -> Tensor:
+    """The (valid) keys ``j <= last[i]`` among S: ``(B|1, T)``."""
     if key_valid is None:
         return (last + 1).clamp(0, s)[None]  # (1, T)
     seen = key_valid.long().cumsum(-1)  # (B, S): valid keys up to each one
@@ -155,14 +192,21 @@ class LogitModifiers(nn.Module):
         self.sink = nn.Parameter(torch.zeros(n_heads)) if sinks else None
 
     def factor(
-        self, t: int, s: int, *, shift: int | Tensor | None, key_valid: Tensor | None, q: Tensor
+        self,
+        t: int,
+        s: int,
+        *,
+        shift: int | Tensor | None,
+        key_valid: Tensor | None,
+        q: Tensor,
+        window: int | None = None,
     ) -> Tensor | None:
         """``s * log(n_i)`` per query, ``(B|1, H|1, T|1, 1)`` in ``q``'s dtype (a query
         that sees no key gets 0), or None without a logit scale (see
         :func:`key_counts` for the arguments)."""
         if not self.scaled:
             return None
-        n = key_counts(t, s, shift=shift, key_valid=key_valid, device=q.device)
+        n = key_counts(t, s, shift=shift, key_valid=key_valid, device=q.device, window=window)
         log_n = n.clamp(min=1).to(torch.promote_types(q.dtype, torch.float32)).log()
         f = log_n[:, None, :, None]  # (B|1, 1, T|1, 1)
         f = f * (LOG_LENGTH_S if self.s is None else self.s.to(f.dtype)[:, None, None])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,13 @@ from posenc.model.layers import Block
 from posenc.model.modifiers import Modifiers
 
 EncoderFactory = Callable[..., PositionalEncoder]
+
+#: The refusal of a sliding window in an encoder-decoder.
+NO_WINDOW_IN_TRANSLATOR = (
+    "model.window={window}: sliding-window attention is for causal decoders (task=lm, "
+    "task=algo task.shape=decoder); an encoder-decoder's encoder attends both ways; "
+    "set model.window=null"
+)
 
 
 def random_positions(batch: int, length: int, max_position: int, device=None) -> Tensor:
@@ -71,7 +78,8 @@ class Stack(nn.Module):
             Evaluation (``.eval()``) always uses ``0 .. T-1``.
         score_budget: CPU query blocking of attention with score terms (bytes; None: off).
         qkv_bias: Biases on the attention's q, k and v projections.
-        modifiers: QK-norm, logit scale and sinks of every attention (None: none).
+        modifiers: QK-norm, logit scale and sinks of every attention, and the sliding
+            window of the layers ``window_layers`` makes local (None: none).
     """
 
     def __init__(
@@ -108,7 +116,7 @@ class Stack(nn.Module):
                 cross_pos=encoder.for_attention(layer=i, kind=AttnKind.CROSS) if cross else None,
                 score_budget=score_budget,
                 qkv_bias=qkv_bias,
-                modifiers=modifiers,
+                modifiers=(modifiers or Modifiers()).for_layer(i),
             )
             for i in range(n_layers)
         )
@@ -341,6 +349,10 @@ class DecoderLM(nn.Module):
         logit_scale: ``none``, ``log_length`` (logits times log n, n the keys a query
             sees) or ``ssmax`` (times s log n, s learned per head: Scalable-Softmax).
         sinks: A learned sink logit per head in every attention (gpt-oss).
+        window: Sliding-window attention: a query sees itself and the ``window - 1``
+            keys before it (:mod:`posenc.model.window`); None: off.
+        window_layers: Which layers are local: ``local`` and ``global`` cycled over the
+            layers (e.g. ``["local"] * 5 + ["global"]``); None: every layer.
     """
 
     def __init__(
@@ -360,10 +372,18 @@ class DecoderLM(nn.Module):
         qk_norm: bool = False,
         logit_scale: str = "none",
         sinks: bool = False,
+        window: int | None = None,
+        window_layers: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         d_ff = d_ff or 4 * d_model
-        modifiers = Modifiers(qk_norm=qk_norm, logit_scale=logit_scale, sinks=sinks)
+        modifiers = Modifiers(
+            qk_norm=qk_norm,
+            logit_scale=logit_scale,
+            sinks=sinks,
+            window=window,
+            window_layers=None if window_layers is None else tuple(window_layers),
+        )
         _check_sizes(
             d_model=d_model,
             n_heads=n_heads,
@@ -446,6 +466,12 @@ class EncoderDecoder(nn.Module):
         qk_norm: QK-norm in every attention, as in :class:`DecoderLM`.
         logit_scale: Every attention's logit scale, as in :class:`DecoderLM`.
         sinks: Sink logits in every attention, as in :class:`DecoderLM`.
+        window: Must be None: no sliding window in a translator (its encoder attends
+            both ways).
+        window_layers: Must be None, as ``window``.
+
+    Raises:
+        ValueError: Sizes out of range, or a window.
     """
 
     #: :meth:`decode` under ``torch.compile``, after :meth:`compile` (else None).
@@ -472,8 +498,12 @@ class EncoderDecoder(nn.Module):
         qk_norm: bool = False,
         logit_scale: str = "none",
         sinks: bool = False,
+        window: int | None = None,
+        window_layers: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
+        if window is not None or window_layers is not None:
+            raise ValueError(NO_WINDOW_IN_TRANSLATOR.format(window=window))
         d_ff = d_ff or 4 * d_model
         modifiers = Modifiers(qk_norm=qk_norm, logit_scale=logit_scale, sinks=sinks)
         n_enc, n_dec = n_enc_layers or n_layers, n_dec_layers or n_layers

@@ -121,6 +121,8 @@ ADDED_LATER = {
     "model.qk_norm": False,
     "model.logit_scale": "none",
     "model.sinks": False,
+    "model.window": None,
+    "model.window_layers": None,
 }
 
 

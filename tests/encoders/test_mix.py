@@ -258,8 +258,8 @@ def test_a_bad_mix_is_refused_before_training(tmp_path: Path) -> None:
             # the scheme of layer 1, not only layer 0's, is asked whether it can take it
             ["encoder.layers=[rope,selective]", "model.logit_scale=ssmax"],
             "model.logit_scale=ssmax: the Selective encoder computes its own attention "
-            "weights, not the softmax these options change; drop the option or choose "
-            "another encoder",
+            "weights, not the softmax and mask these options change; drop the option or "
+            "choose another encoder",
         ),
     ],
     ids=["entry_boolean", "later_layer_modifier"],

@@ -327,3 +327,30 @@ def test_modifiers_cached_decoding_equals_full_forward(name: str, logit_scale: s
     assert left_padded_error(model) <= tol(name)
     if name in BIDIRECTIONAL_YAMLS:
         check_translation_cache(name, **options)
+
+
+#: Schemes for the sliding window: nothing to add, a q/k transform, a pass-dependent one,
+#: score terms, a value term, gates from the tokens, a head split.
+WINDOWED = ["none", "rope", "rope+dynamic_ntk", "alibi", "t5", "shaw", "fox", "mix"]
+
+
+@pytest.mark.parametrize("modifiers", [False, True], ids=["window", "window+modifiers"])
+@pytest.mark.parametrize("name", WINDOWED)
+def test_windowed_cached_decoding_equals_full_forward(name: str, modifiers: bool) -> None:
+    """A local layer (a window of 5 tokens) and a global one, alone and with QK-norm,
+    SSMax and sinks: cached decoding token by token, in uneven chunks and with left
+    padding equals full passes, whose windows reach back less far than the cache."""
+    settings = {**SETTINGS.get(name, {}), **ROPE_SCALINGS.get(name.partition("+")[2], {})}
+    options = {"qk_norm": True, "logit_scale": "ssmax", "sinks": True} if modifiers else {}
+    model = lm(name, settings, window=5, window_layers=["local", "global"], **options)
+    assert [b.self_attn.window for b in model.stack.layers] == [5, None]
+    ids = torch.randint(0, 17, (2, N))
+    with torch.no_grad():
+        for chunks in ([1] * N, [L, 3, L + 5 - 3, 1, L - 6]):
+            got, want = _cached_and_full(model, ids, chunks)
+            assert (got - want).abs().max() <= tol(name), chunks
+        windowed = model(ids)
+        model.stack.layers[0].self_attn.window = None
+        assert (model(ids) - windowed).abs().max() > 1e-3  # the window mattered
+        model.stack.layers[0].self_attn.window = 5
+    assert left_padded_error(model) <= tol(name)

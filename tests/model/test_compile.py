@@ -33,6 +33,21 @@ def _check_grads(model: torch.nn.Module) -> None:
     assert not missing, f"no gradient reached {missing}"
 
 
+@pytest.mark.parametrize("name", ["rope", "alibi", "shaw"])
+def test_sliding_window_traces_as_one_graph(name: str) -> None:
+    """A local layer and a global one with the modifiers, in training past the query
+    blocks: one graph, the eager outputs, gradients everywhere."""
+    model = DecoderLM(
+        vocab_size=11, encoder=name, **SIZES, **MODIFIERS, window=7,
+        window_layers=["local", "global"],
+    )  # fmt: skip
+    ids = torch.randint(0, 11, (2, 300))
+    out = _compiled(model)(ids)
+    torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-5)
+    out.square().mean().backward()
+    _check_grads(model)
+
+
 @pytest.mark.parametrize("t", LENGTHS)
 @pytest.mark.parametrize("name", ENCODER_YAMLS)
 def test_decoder_lm_traces_as_one_graph(name: str, t: int) -> None:
@@ -244,14 +259,21 @@ def _counting_backend() -> tuple[object, list]:
     return backend, graphs
 
 
-@pytest.mark.parametrize("case", [*STEP_CASES, "alibi_modifiers", "rope_modifiers"])
+#: Options of a case's suffix: the modifiers, and those with a sliding window.
+STEP_OPTIONS = {"_modifiers": MODIFIERS, "_window": {**MODIFIERS, "window": 5}}
+
+
+@pytest.mark.parametrize(
+    "case", [*STEP_CASES, "alibi_modifiers", "rope_modifiers", "alibi_window", "rope_window"]
+)
 def test_cached_decode_step_compiles_once(case: str) -> None:
     """The static cache's step traces as one graph (``fullgraph=True``) and is reused:
     a prefill and 64 single-token steps cost at most 2 compilations (the prefill's
     shape and the step's), with ``dynamic=False`` so that any Python value that changed
     from step to step would show as a recompilation. Logits equal eager decoding's."""
-    name, settings = STEP_CASES[case.removesuffix("_modifiers")]
-    options = MODIFIERS if case.endswith("_modifiers") else {}  # a logit scale by slot
+    suffix = next((x for x in STEP_OPTIONS if case.endswith(x)), "")
+    name, settings = STEP_CASES[case.removesuffix(suffix) if suffix else case]
+    options = STEP_OPTIONS.get(suffix, {})  # a logit scale and a window by slot
     model = DecoderLM(
         vocab_size=11,
         encoder=functools.partial(get(name), **settings),

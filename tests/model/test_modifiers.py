@@ -235,7 +235,7 @@ def test_schemes_that_own_their_attention_refuse_the_logit_options(tmp_path) -> 
         train(compose_run(tmp_path, "encoder=stickbreak", "model.sinks=true"))
     assert str(err.value).splitlines()[1:] == [
         "  model.sinks=true: the StickBreaking encoder computes its own attention weights, not "
-        "the softmax these options change; drop the option or choose another encoder"
+        "the softmax and mask these options change; drop the option or choose another encoder"
     ]
     with pytest.raises(ConfigError) as err:
         train(compose_run(tmp_path, "model.logit_scale=ssmaxx"))
