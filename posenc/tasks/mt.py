@@ -21,6 +21,7 @@ from torch import Tensor
 from torchmetrics.aggregation import SumMetric
 
 from posenc.decoding.encdec import Decoded, beam_search, greedy, output_limits
+from posenc.eval.bleu import corpus_scores
 from posenc.model import EncoderDecoder
 from posenc.training.module import TaskModule
 from posenc.training.optim import check_finite
@@ -228,8 +229,6 @@ class MTTask(TaskModule[EncoderDecoder]):
             return
         bleu = math.nan  # none of the first N sentences was in the batches validated
         if hyps:
-            from posenc.eval.bleu import corpus_scores  # sacrebleu only when BLEU is computed
-
             refs = dm.references("val")
             text = [dm.tokenizer.decode(ids) for _, ids in hyps]
             bleu = corpus_scores(text, [refs[i] for i, _ in hyps])["bleu"]
