@@ -255,7 +255,7 @@ def _gate(cfg: DictConfig) -> list[str]:
     gate = cfg.task.get("learned")
     if not OmegaConf.is_dict(gate):
         return []  # null, or reported by the schema
-    allowed = metrics(cfg)
+    allowed = metrics(schema.build(schema.TASKS[cfg.task.name], cfg.task))
     metric, threshold = gate.get("metric"), gate.get("threshold")
     out = []
     if metric not in allowed:
