@@ -94,7 +94,8 @@ def validate(cfg: DictConfig, machine: bool = True) -> None:
     ]
     groups += [("paths.cache_dir", lambda c: cache_dir(c.paths.cache_dir))] if machine else []
     if name in schema.TASKS:
-        groups += [("task", partial(_task, machine=machine)), ("task.learned", _gate)]
+        groups += [("task", partial(_task, machine=machine)), ("encoder.max_len", _max_len)]
+        groups += [("task.learned", _gate)]
         groups += [("tokenizer", _tokenizer), ("data", _data)] if name != "algo" else []
     else:
         problems.append(
@@ -276,7 +277,7 @@ def _gate(cfg: DictConfig) -> list[str]:
     gate = cfg.task.get("learned")
     if not OmegaConf.is_dict(gate):
         return []  # null, or reported by the schema
-    allowed = metrics(cfg)
+    allowed = metrics(schema.build(schema.TASKS[cfg.task.name], cfg.task))
     metric, threshold = gate.get("metric"), gate.get("threshold")
     out = []
     if metric not in allowed:
@@ -317,8 +318,7 @@ def _task(cfg: DictConfig, machine: bool = True) -> list[str]:
 
 
 def _lm(cfg: DictConfig) -> list[str]:
-    """Lengths: each evaluation length at least a token, and (unless lengths past a
-    ``learned`` table are skipped) inside the table."""
+    """Lengths: each evaluation length at least a token."""
     t = cfg.task
     out = [
         f"task.eval.multipliers contains {m!r}: {m} * task.seq_len={t.seq_len} is below one "
@@ -326,21 +326,6 @@ def _lm(cfg: DictConfig) -> list[str]:
         for m in t.eval.multipliers
         if int(m * t.seq_len) < 1
     ]
-    out += _fits_encoder(cfg, "seq_len")
-    max_len = cfg.encoder.get("max_len")
-    if out or max_len is None or t.eval.get("skip_unsupported", True):
-        return out
-    for key, lengths in (
-        ("task.eval.multipliers", schema.eval_lengths(t)),
-        ("task.eval.passkey.multipliers", schema.passkey_lengths(t)),
-    ):
-        too_long = [L for L in lengths if max_len < L]
-        if too_long:
-            out.append(
-                f"{key} give lengths {too_long} past encoder.max_len={max_len}; drop "
-                f"those multipliers, raise encoder.max_len, or set "
-                f"task.eval.skip_unsupported=true to record NaN for them"
-            )
     return out
 
 
@@ -359,12 +344,11 @@ def _mt(cfg: DictConfig) -> list[str]:
             "task.monitor=val/bleu: needs task.val_bleu_sentences > 0 (it is 0); "
             "raise it or monitor val/loss"
         )
-    return out + _fits_encoder(cfg, "max_len")
+    return out
 
 
 def _algo(cfg: DictConfig, machine: bool = True) -> list[str]:
-    """The problem's own rules for these sizes, the longest test instance inside a
-    ``learned`` table, and the memory of the test set."""
+    """The problem's own rules for these sizes and the memory of the test set."""
     t = schema.build(schema.AlgoTask, cfg.task)
     if t.reverse_digits and t.problem != "addition":
         return [
@@ -374,21 +358,13 @@ def _algo(cfg: DictConfig, machine: bool = True) -> list[str]:
     lo, hi = t.train_lengths
     out = check_problem(PROBLEMS[t.problem], t.shape, lo, hi, t.options(), t.lm_loss)
     m = t.test_multiple
-    max_len = cfg.encoder.get("max_len")
-    longest = t.longest(int(math.floor(m * hi)))
-    if max_len is not None and longest > max_len:
-        out.append(
-            f"task.test_multiple={m}: the largest test instance takes {longest} positions, "
-            f"more than encoder.max_len={max_len}; raise encoder.max_len or lower "
-            f"task.test_multiple"
-        )
     problem = algo_memory(t, cfg, lo, hi, int(math.floor(m * hi))) if machine else None
     return out + ([problem] if problem else [])
 
 
 def _random_positions(cfg: DictConfig) -> list[str]:
     """``model.random_positions`` (Ruoss et al. 2023) must cover the longest training
-    sequence and, for a ``learned`` table, fit in it."""
+    sequence."""
     n, problems = cfg.model.get("random_positions"), list[str]()
     if not (integer(n) and n > 0):
         return problems  # null (off), or refused by the schema
@@ -410,12 +386,6 @@ def _random_positions(cfg: DictConfig) -> list[str]:
         problems.append(
             f"model.random_positions={n}: smaller than task.{key}={longest}; it must be at "
             f"least the longest training sequence (e.g. 8-16x task.{key})"
-        )
-    max_len = cfg.encoder.get("max_len")
-    if max_len is not None and n > max_len:
-        problems.append(
-            f"model.random_positions={n}: larger than encoder.max_len={max_len}, so the "
-            f"learned table cannot embed the drawn positions; raise encoder.max_len to {n}"
         )
     return problems
 
@@ -476,15 +446,53 @@ def _try_encoder(cfg: DictConfig) -> list[str]:
     return [refusal for refusal in refusals if refusal][:1]
 
 
-def _fits_encoder(cfg: DictConfig, key: str) -> list[str]:
-    """``task.<key>`` (the training length) must fit a ``learned`` table's ``max_len``."""
-    max_len, length = cfg.encoder.get("max_len"), cfg.task[key]
-    if max_len is not None and integer(length) and length > max_len:
-        return [
-            f"task.{key}={length}: longer than encoder.max_len={max_len}; raise "
+def _max_len(cfg: DictConfig) -> list[str]:
+    """Every position a ``learned`` table (``encoder.max_len``) must hold: the drawn
+    random positions, then, once the task's own keys are valid, the training length, the
+    evaluation lengths (unless those past the table are skipped) and an algorithmic
+    task's largest test instance."""
+    max_len, t, name = cfg.encoder.get("max_len"), cfg.task, cfg.task.name
+    if max_len is None:
+        return []
+    out, n = [], cfg.model.get("random_positions")
+    if integer(n) and n > max_len:
+        out.append(
+            f"model.random_positions={n}: larger than encoder.max_len={max_len}, so the "
+            f"learned table cannot embed the drawn positions; raise encoder.max_len to {n}"
+        )
+    skip = MT_TASK_KEYS if name == "lm" else ()
+    if schema.problems(t, schema.TASKS[name], "task.", skip=skip):
+        return out
+    if name == "algo":
+        m, hi = t.test_multiple, t.train_lengths[-1]
+        longest = schema.build(schema.AlgoTask, t).longest(int(math.floor(m * hi)))
+        if longest > max_len:
+            out.append(
+                f"task.test_multiple={m}: the largest test instance takes {longest} "
+                f"positions, more than encoder.max_len={max_len}; raise encoder.max_len or "
+                f"lower task.test_multiple"
+            )
+        return out
+    key = "seq_len" if name == "lm" else "max_len"
+    if t[key] > max_len:
+        return out + [
+            f"task.{key}={t[key]}: longer than encoder.max_len={max_len}; raise "
             f"encoder.max_len or lower task.{key}"
         ]
-    return []
+    if name == "mt" or t.eval.get("skip_unsupported", True):
+        return out
+    for where, lengths in (
+        ("task.eval.multipliers", schema.eval_lengths(t)),
+        ("task.eval.passkey.multipliers", schema.passkey_lengths(t)),
+    ):
+        too_long = [L for L in lengths if max_len < L]
+        if too_long:
+            out.append(
+                f"{where} give lengths {too_long} past encoder.max_len={max_len}; drop "
+                f"those multipliers, raise encoder.max_len, or set "
+                f"task.eval.skip_unsupported=true to record NaN for them"
+            )
+    return out
 
 
 def trainer(cfg: DictConfig) -> list[str]:

@@ -22,8 +22,15 @@ from typing import Any, cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from posenc.data.tokenizers import fingerprints, from_payload
 from posenc.decoding.lm import generate
 from posenc.errors import UserError
+from posenc.schema import typed
+from posenc.tasks.lm import LMTask
+from posenc.tasks.lm_job import lm_datamodule
+from posenc.training import checkpoints
+from posenc.training.rundir import missing_checkpoint
+from posenc.training.trainer import load_for_eval
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -102,13 +109,6 @@ def run(args: argparse.Namespace) -> str:
     one written before checkpoints carried the tokenizer (2026-11-26) rebuilds it from
     the training data that its run directory's config names.
     """
-    from posenc.data.tokenizers import fingerprints, from_payload
-    from posenc.schema import typed
-    from posenc.tasks.lm import LMTask
-    from posenc.training import checkpoints
-    from posenc.training.rundir import missing_checkpoint
-    from posenc.training.trainer import load_for_eval
-
     _check_args(args)
     if not args.ckpt.is_file():
         raise FileNotFoundError(missing_checkpoint(args.ckpt))
@@ -123,8 +123,6 @@ def run(args: argparse.Namespace) -> str:
     if "tokenizer_payload" in saved:
         tokenizer = from_payload(saved["tokenizer_payload"], str(args.ckpt))
     else:
-        from posenc.tasks.lm_job import lm_datamodule
-
         dm = lm_datamodule(typed(cfg))
         dm.setup()
         tokenizer = dm.tokenizer

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Generic, TypeVar, cast, get_args
+from typing import Any, ClassVar, Generic, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -350,6 +350,9 @@ class LMEval(Group):
 class LMTask(Group):
     """``task`` for ``task=lm``."""
 
+    #: What ``best.ckpt`` keeps: fixed for this task (translation's are keys).
+    monitor: ClassVar[str] = "val/loss"
+    monitor_mode: ClassVar[str] = "min"
     name: str = key("lm")
     seq_len: int = key(128, "int>0")
     batch_size: int = key(16, "int>0")
@@ -457,6 +460,9 @@ class AlgoTask(Group):
         "val_per_size",
         "test_per_size",
     )
+    #: What ``best.ckpt`` keeps: fixed for this task (translation's are keys).
+    monitor: ClassVar[str] = "val/loss"
+    monitor_mode: ClassVar[str] = "min"
     name: str = key("algo")
     problem: str = key("copy", tuple(PROBLEMS))
     shape: str = key(

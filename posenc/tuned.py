@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posenc.config import ConfigError
 from posenc.results import task_key
+from posenc.training.trainer import group_choice
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,6 @@ def write(path: Path, tasks: dict[str, dict[str, Any]], sweep: Path | Sequence[P
 
 def run_key(cfg: DictConfig) -> tuple[str, str]:
     """The task and encoder names a run has in reports (and in the tuned-lr file)."""
-    from posenc.training.trainer import group_choice
-
     t = cfg.task
     encoder = group_choice(cfg, "encoder")
     if t.name == "algo" and cfg.model.get("random_positions"):

@@ -105,6 +105,50 @@ def test_every_import_points_down_or_stays_in_its_room() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+#: Most function-level imports of posenc a module may hold: each keeps a heavy library
+#: (torch, Lightning) off a path that does not need it; any other belongs at module level.
+MAX_LAZY = 5
+
+
+def lazy_imports(source: str) -> list[int]:
+    """The lines of every import of posenc (absolute or relative) inside a function."""
+    lines = set()  # a nested function's import is seen from each enclosing one
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                internal = any(a.name.split(".")[0] == "posenc" for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                internal = node.level > 0 or (node.module or "").split(".")[0] == "posenc"
+            else:
+                continue
+            if internal:
+                lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_few_function_level_imports() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted(PKG.rglob("*.py"))
+        for line in lazy_imports(path.read_text())
+    ]
+    assert len(found) <= MAX_LAZY, (
+        f"{len(found)} function-level imports of posenc (at most {MAX_LAZY}; "
+        "move them to module level):\n" + "\n".join(found)
+    )
+
+
+def test_the_lazy_import_count_sees_relative_and_nested_imports() -> None:
+    source = (
+        "import posenc.files\n"
+        "def f():\n    from . import files\n    def g():\n        import posenc.stop\n"
+        "def h():\n    import json\n    from posenc_other import x\n"
+    )
+    assert lazy_imports(source) == [3, 5]
+
+
 def test_the_check_sees_an_import_that_climbs() -> None:
     """The parser finds imports inside functions and relative ones (so the test above
     can fail)."""

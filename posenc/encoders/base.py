@@ -536,14 +536,10 @@ class PositionalEncoder(nn.Module):
                 f"d_model, n_heads and n_layers must be positive, got {d_model}, {n_heads}, "
                 f"{n_layers}"
             )
-        if d_model % n_heads:
-            raise ValueError(
-                f"n_heads={n_heads} must divide d_model={d_model}; pick a divisor of {d_model}"
-            )
         self.d_model = d_model
         self.n_heads = n_heads
         self.n_layers = n_layers
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim(d_model, n_heads)
 
     def check_length(self, bound: int) -> None:
         """Refuse positions reaching ``bound`` (exclusive) that the scheme cannot encode.
@@ -671,6 +667,20 @@ class Scalable(Protocol):
     def scaled(
         self, method: str, factor: float = 1.0, original_length: int | None = None
     ) -> AbstractContextManager[None]: ...
+
+
+def head_dim(d_model: int, n_heads: int) -> int:
+    """D, the width of one head, for modules built with these sizes (a run's config is
+    refused before, in one line, by :func:`posenc.config.validate`).
+
+    Raises:
+        ValueError: ``n_heads`` does not divide ``d_model``.
+    """
+    if d_model % n_heads:
+        raise ValueError(
+            f"n_heads={n_heads} must divide d_model={d_model}; pick a divisor of {d_model}"
+        )
+    return d_model // n_heads
 
 
 def position_bound(*positions: Tensor) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind
+from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, head_dim
 from posenc.model.backends import attend, use_flex
 from posenc.model.cache import LayerCache
 from posenc.model.modifiers import HeadRMSNorm, LogitModifiers, Modifiers
@@ -68,10 +68,8 @@ class Attention(nn.Module):
         #: ``flex_eager`` (forced, the unfused reference kernel: for debugging a
         #: ``score_mod``) or ``explicit``: see :mod:`posenc.model.backends`.
         self.backend = "auto"
-        if d_model % n_heads:
-            raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
         self.n_heads = n_heads
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim(d_model, n_heads)
         self.dropout = dropout
         self.q_proj = nn.Linear(d_model, d_model, bias=qkv_bias)
         self.k_proj = nn.Linear(d_model, d_model, bias=qkv_bias)

@@ -25,6 +25,7 @@ from posenc.encoders.base import (
     AttentionPositional,
     AttnKind,
     PositionalEncoder,
+    head_dim,
     position_bound,
     positions_like,
 )
@@ -319,8 +320,7 @@ def _check_sizes(
             f"model sizes must be positive: vocab_size={vocab_size}, d_model={d_model}, "
             f"n_heads={n_heads}, n_layers={n_layers}, d_ff={d_ff}"
         )
-    if d_model % n_heads:
-        raise ValueError(f"model.n_heads={n_heads} must divide model.d_model={d_model}")
+    head_dim(d_model, n_heads)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"model.dropout={dropout} must be in [0, 1)")
 

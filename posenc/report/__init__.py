@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-from posenc import results
+from posenc import plots, results
 from posenc.report.stats import BEST, TIE, ci95, lower_is_better, rank
 from posenc.report.tune import Grid, arm_note, assign_arms, grid_table, grids, write_tuned
 from posenc.results import COST_KEYS, LMRecord, MetricName, MTRecord
@@ -646,8 +646,6 @@ def build_report(
         FileNotFoundError: A ``root`` is not a directory.
         ValueError: Several directories and no ``out``.
     """
-    from posenc import plots
-
     roots = [Path(r).resolve() for r in ([root] if isinstance(root, str | Path) else root)]
     for r in roots:
         if not r.is_dir():

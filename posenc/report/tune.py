@@ -304,6 +304,8 @@ def tuned_file(grids_: Sequence[Grid]) -> dict[str, dict[str, object]]:
 
 def write_tuned(grids_: Sequence[Grid], out: Path, sweep: Sequence[Path]) -> Path | None:
     """Write ``<out>/tuned_lr.yaml`` when there is a grid (returns its path, else None)."""
+    # posenc.tuned checks configs (torch, Lightning): only when a report writes the file,
+    # so the report reads run folders without them.
     from posenc.tuned import FILE, write
 
     tasks = tuned_file(grids_)

@@ -153,13 +153,18 @@ class AlgoTask(TaskModule[DecoderLM | EncoderDecoder]):
         if shape not in self.problem.shapes:
             raise ValueError(f"task.shape={shape!r}: {problem} runs in {self.problem.shapes}")
         self.save_hyperparameters()
+        self.shape = shape
         if shape == "decoder":
-            self.build_model(DecoderLM, encoder, model, vocab_size=vocab_size)
+            self.build_model(
+                DecoderLM, encoder, model, optim=optim, max_steps=max_steps, vocab_size=vocab_size
+            )
         else:
             self.build_model(
                 EncoderDecoder,
                 encoder,
                 model,
+                optim=optim,
+                max_steps=max_steps,
                 src_vocab_size=vocab_size,
                 tgt_vocab_size=vocab_size,
                 share_embeddings=True,
@@ -171,7 +176,7 @@ class AlgoTask(TaskModule[DecoderLM | EncoderDecoder]):
 
     def _logits(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """Teacher-forced logits ``(B, T, V)``, targets ``(B, T)`` and the loss mask."""
-        if self.hparams["shape"] == "decoder":
+        if self.shape == "decoder":
             return self.model(batch["input"]), batch["target"], batch["loss_mask"]
         logits = self.model(batch["src"], batch["tgt_in"], batch["src_mask"])
         return logits, batch["tgt_out"], batch["tgt_mask"]
@@ -225,7 +230,7 @@ class AlgoTask(TaskModule[DecoderLM | EncoderDecoder]):
         model, each row at its own positions, and masked for the encoder-decoder."""
         budget = batch["answer_len"] + 1
         ragged = bool(batch["prompt_pad"].any())  # one host read per test batch
-        if self.hparams["shape"] == "encdec":
+        if self.shape == "encdec":
             assert isinstance(self.model, EncoderDecoder)  # built for shape=encdec
             valid = batch["src_mask"] if ragged else None
             out = greedy(self.model, batch["src"], valid, bos=BOS, eos=EOS, pad=PAD, max_len=budget)

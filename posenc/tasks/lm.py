@@ -54,7 +54,10 @@ class LMTask(TaskModule[DecoderLM]):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.build_model(DecoderLM, encoder, model, vocab_size=vocab_size)
+        self.seq_len = seq_len
+        self.build_model(
+            DecoderLM, encoder, model, optim=optim, max_steps=max_steps, vocab_size=vocab_size
+        )
         self.val_nll = TokenNLL(seq_len)
         self.eval_metrics = nn.ModuleDict()  # loader name -> TokenNLL, set by set_eval_loaders
         self.eval_names: list[str] = []

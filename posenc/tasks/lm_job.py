@@ -86,7 +86,7 @@ def lm_task(
     ``cfg.ckpt_path`` for ``eval_only`` (checked against the tokenizer's fingerprint)."""
     if cfg.eval_only:  # config validation guarantees ckpt_path
         task = load_for_eval(LMTask, cfg, vocab_size, tokenizer)
-        trained = task.hparams["seq_len"]
+        trained = task.seq_len
         if cfg.task.eval.context_extension and trained != cfg.task.seq_len:
             log.warning(
                 "context extension takes task.seq_len=%d as the original length, but the "

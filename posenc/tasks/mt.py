@@ -21,6 +21,7 @@ from torch import Tensor
 from torchmetrics.aggregation import SumMetric
 
 from posenc.decoding.encdec import Decoded, beam_search, greedy, output_limits
+from posenc.eval.bleu import corpus_scores
 from posenc.model import EncoderDecoder
 from posenc.training.module import TaskModule
 from posenc.training.optim import check_finite
@@ -98,10 +99,15 @@ class MTTask(TaskModule[EncoderDecoder]):
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"task.label_smoothing={label_smoothing}: must be in [0, 1)")
         self.save_hyperparameters()
+        self.label_smoothing = label_smoothing
+        self.val_bleu_sentences = val_bleu_sentences
+        self.max_len_a, self.max_len_b = max_len_a, max_len_b
         self.build_model(
             EncoderDecoder,
             encoder,
             model,
+            optim=optim,
+            max_steps=max_steps,
             src_vocab_size=vocab_size,
             tgt_vocab_size=vocab_size,
             share_embeddings=share_embeddings,
@@ -136,7 +142,7 @@ class MTTask(TaskModule[EncoderDecoder]):
     def _loss_sums(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         logits = self(batch["src"], batch["tgt_in"], batch["src_mask"])
         loss, nll = label_smoothed_nll(
-            logits, batch["tgt_out"], batch["tgt_mask"], self.hparams["label_smoothing"]
+            logits, batch["tgt_out"], batch["tgt_mask"], self.label_smoothing
         )
         return loss, nll, batch["tgt_mask"].sum()
 
@@ -163,8 +169,8 @@ class MTTask(TaskModule[EncoderDecoder]):
         key/value cache unless ``use_cache`` is false (the same output, slower)."""
         limit = output_limits(
             src_valid,
-            max_len_a=self.hparams["max_len_a"],
-            max_len_b=self.hparams["max_len_b"],
+            max_len_a=self.max_len_a,
+            max_len_b=self.max_len_b,
             cap=self.max_out_cap,
         )
         ids = {"bos": self.bos, "eos": self.eos, "pad": self.pad}
@@ -217,19 +223,17 @@ class MTTask(TaskModule[EncoderDecoder]):
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._update_sums(batch)
-        if self.hparams["val_bleu_sentences"] > 0:
-            self._val_hyps += self._decode_first(batch, self.hparams["val_bleu_sentences"])
+        if self.val_bleu_sentences > 0:
+            self._val_hyps += self._decode_first(batch, self.val_bleu_sentences)
 
     def on_validation_epoch_end(self) -> None:
         self._log_sums("val")
         hyps, self._val_hyps = self._val_hyps, []
         dm = getattr(self.trainer, "datamodule", None)
-        if self.hparams["val_bleu_sentences"] == 0 or dm is None or not hasattr(dm, "references"):
+        if self.val_bleu_sentences == 0 or dm is None or not hasattr(dm, "references"):
             return
         bleu = math.nan  # none of the first N sentences was in the batches validated
         if hyps:
-            from posenc.eval.bleu import corpus_scores  # sacrebleu only when BLEU is computed
-
             refs = dm.references("val")
             text = [dm.tokenizer.decode(ids) for _, ids in hyps]
             bleu = corpus_scores(text, [refs[i] for i, _ in hyps])["bleu"]
@@ -237,7 +241,7 @@ class MTTask(TaskModule[EncoderDecoder]):
             log.warning(
                 "val/bleu is NaN: trainer.limit_val_batches left out all of the first %d "
                 "validation sentences; use limit_val_batches=1.0",
-                self.hparams["val_bleu_sentences"],
+                self.val_bleu_sentences,
             )
         # Rank-local under DDP: each rank decodes its own shard of the sentences.
         self.log("val/bleu", bleu, prog_bar=True, rank_zero_only=True)

@@ -21,11 +21,10 @@ import logging
 from typing import Any
 
 import pytorch_lightning as pl
-from omegaconf import DictConfig
 
 from posenc import results
 from posenc.results import MetricName, Record, Standing
-from posenc.schema import Gate, Run, keys
+from posenc.schema import AlgoTask, Gate, LMTask, MTTask, Run, keys
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +43,20 @@ PERCENT = ("val/seq_acc", "val/acc")
 PASSKEY = "val/passkey"
 
 
-def metrics(cfg: Run[Any] | DictConfig) -> dict[str, str]:
-    """The validation metrics a gate can watch in this run, each with what it needs.
+def metrics(t: LMTask | MTTask | AlgoTask) -> dict[str, str]:
+    """The validation metrics a gate can watch in a run of task ``t``, each with what it
+    needs.
 
     Returns:
         ``{metric: ""}`` for a metric the run logs, ``{metric: why not}`` for one it would
         log with another setting.
     """
-    t = cfg.task
-    if t.name == "algo":
+    if isinstance(t, AlgoTask):
         return {"val/seq_acc": "", "val/acc": "", "val/loss": ""}
-    if t.name == "lm":
-        need = "" if t.get("passkey_mix") else "needs task.passkey_mix > 0 (training passkeys)"
+    if isinstance(t, LMTask):
+        need = "" if t.passkey_mix else "needs task.passkey_mix > 0 (training passkeys)"
         return {"val/loss": "", "val/ppl": "", PASSKEY: need}
-    need = "" if t.get("val_bleu_sentences") else "needs task.val_bleu_sentences > 0"
+    need = "" if t.val_bleu_sentences else "needs task.val_bleu_sentences > 0"
     return {"val/loss": "", "val/nll": "", "val/ppl": "", "val/bleu": need}
 
 
@@ -129,15 +128,15 @@ def stopped(trainer: pl.Trainer) -> bool:
     return bool(found) and found[0].stop and found[0].learned_step == trainer.global_step
 
 
-def callback(cfg: Run[Any] | DictConfig) -> LearnedGate | None:
+def callback(cfg: Run[Any]) -> LearnedGate | None:
     """The run's gate callback (None without ``task.learned``)."""
-    gate = cfg.task.get("learned")
+    gate: Gate | None = cfg.task.learned
     if gate is None:
         return None
-    return LearnedGate(str(gate.metric), float(gate.threshold), bool(gate.get("stop", False)))
+    return LearnedGate(gate.metric, gate.threshold, gate.stop)
 
 
-def result(cfg: Run[Any] | DictConfig, trainer: pl.Trainer, val: dict[str, float]) -> Standing:
+def result(cfg: Run[Any], trainer: pl.Trainer, val: dict[str, float]) -> Standing:
     """The run's standing at its gate, for its record (:class:`posenc.results.Standing`):
 
     - ``gate``: ``{metric, threshold, stop}``, or None for a task without one;
@@ -152,13 +151,13 @@ def result(cfg: Run[Any] | DictConfig, trainer: pl.Trainer, val: dict[str, float
         trainer: The trainer, with the gate among its callbacks.
         val: The last validation's metrics (:class:`posenc.training.trainer.RunState`).
     """
-    gate = cfg.task.get("learned")
+    gate: Gate | None = cfg.task.learned
     if gate is None:
         return Standing()
     found = [c for c in trainer.callbacks if isinstance(c, LearnedGate)]  # type: ignore[attr-defined]
-    value = val.get(str(gate.metric))
-    learned = None if value is None else met(str(gate.metric), value, float(gate.threshold))
-    held = results.Gate(MetricName(str(gate.metric)), gate.threshold, bool(gate.get("stop", False)))
+    value = val.get(gate.metric)
+    learned = None if value is None else met(gate.metric, value, gate.threshold)
+    held = results.Gate(MetricName(gate.metric), gate.threshold, gate.stop)
     return Standing(held, learned, found[0].learned_step if found else None)
 
 

@@ -21,25 +21,31 @@ class TaskModule(pl.LightningModule, Generic[Net]):
     """A LightningModule around one model of :mod:`posenc.model`: built from the
     encoder's config and the sizes of ``conf/model``, compiled in place when
     ``compile: true`` (``torch.compile`` of its forward: checkpoints keep their keys),
-    trained with AdamW and the task's schedule (``hparams.optim`` over
-    ``hparams.max_steps``, saved by the subclass's ``save_hyperparameters``)."""
+    trained with AdamW and the task's schedule (:attr:`optim` over :attr:`max_steps`,
+    also saved by the subclass's ``save_hyperparameters``)."""
 
     model: Net
     n_params: int
+    #: ``task.optim``: AdamW's settings and the schedule (a dict, as checkpoints keep it).
+    optim: dict[str, Any]
+    max_steps: int
 
     def build_model(
-        self, net: Callable[..., Net], encoder: dict[str, Any], model: dict[str, Any],
-        **kwargs: Any,
+        self, net: Callable[..., Net], encoder: dict[str, Any], model: dict[str, Any], *,
+        optim: dict[str, Any], max_steps: int, **kwargs: Any,
     ) -> None:  # fmt: skip
         """Set :attr:`model` to ``net(encoder=..., **kwargs, **sizes)`` and count its
-        parameters.
+        parameters; keep how it trains.
 
         Args:
             net: :class:`~posenc.model.DecoderLM` or :class:`~posenc.model.EncoderDecoder`.
             encoder: The encoder's Hydra config (``_target_`` + ``_partial_``).
             model: ``conf/model``: the sizes, and ``compile``.
+            optim: ``task.optim``.
+            max_steps: The schedule's length (``trainer.max_steps``).
             kwargs: The rest of ``net``'s arguments (vocabularies, shared embeddings).
         """
+        self.optim, self.max_steps = optim, max_steps
         sizes = {k: v for k, v in model.items() if k != "compile"}
         self.model = net(encoder=instantiate(encoder), **kwargs, **sizes)
         if model.get("compile"):
@@ -55,4 +61,4 @@ class TaskModule(pl.LightningModule, Generic[Net]):
                 module.project_()
 
     def configure_optimizers(self) -> Any:
-        return configure_adamw(self, self.hparams["optim"], self.hparams["max_steps"])
+        return configure_adamw(self, self.optim, self.max_steps)

@@ -149,8 +149,8 @@ def build_trainer(
         ModelCheckpoint(
             dirpath=ckpt_dir,
             filename="best",
-            monitor=cfg.task.get("monitor", "val/loss"),
-            mode=cfg.task.get("monitor_mode", "min"),
+            monitor=cfg.task.monitor,
+            mode=cfg.task.monitor_mode,
             save_top_k=1,
             enable_version_counter=False,
         ),

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from posenc import encoders
 from posenc.encoders.base import AttentionPositional, AttnKind, CausalOnly
 from posenc.model import DecoderLM, EncoderDecoder
+from posenc.model.attention import Attention
 from tests.conftest import (
     ABSOLUTE,
     BIDIRECTIONAL_YAMLS,
@@ -200,3 +201,17 @@ def test_forward_backward_both_stacks(name: str) -> None:
         ]
         for n, p in positional:  # every positional parameter learns
             assert p.grad.abs().sum() > 0, n
+
+
+def test_heads_that_do_not_divide_the_width_are_refused_in_one_wording() -> None:
+    """The model's classes built directly (a run's config is refused earlier): the
+    encoder, one attention module and a whole model say the same thing."""
+    message = "n_heads=3 must divide d_model=16; pick a divisor of 16"
+    builds = [
+        lambda: encoders.build("rope", d_model=16, n_heads=3, n_layers=1),
+        lambda: Attention(d_model=16, n_heads=3, dropout=0.0, pos=AttentionPositional()),
+        lambda: DecoderLM(vocab_size=8, encoder="rope", n_layers=1, d_model=16, n_heads=3),
+    ]
+    for build in builds:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            build()
