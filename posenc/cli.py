@@ -565,11 +565,11 @@ class SweepSignals(Callback):
     That launcher runs the jobs in a pool of worker processes and nothing of posenc runs
     in the sweep's own process, which would end at once (on SIGINT with joblib's
     KeyboardInterrupt traceback) and leave its workers training on. Here the sweep's
-    process passes the signal on to its workers (each stops its job between two steps,
+    process passes the signal on to the workers' jobs (each stops between two steps,
     saves ``last.ckpt`` and says how to continue it), waits for every job to end, ends
     the workers, prints the command that continues the whole sweep and exits with 143
-    (SIGTERM) or 130 (SIGINT). The basic launcher runs jobs in the sweep's process: :func:`run_job`
-    handles it.
+    (SIGTERM) or 130 (SIGINT). The basic launcher runs jobs in the sweep's process:
+    :func:`run_job` handles it.
 
     Args:
         grace_s: How long to wait for the workers to end before exiting anyway.
@@ -775,9 +775,9 @@ def _isolated(cfg: DictConfig) -> str | None:
     try:
         proc.join()
     finally:
-        # From here a pool worker ends on the signal (SweepSignals waits for it), giving
-        # back the job's held space first: the sweep passes the signal on again, and it
-        # may arrive before `space_for_error_record` has left.
+        # From here a stop signal (Ctrl-C reaches the whole process group) makes a pool
+        # worker wait for the sweep to end it, giving back the job's held space first:
+        # it may arrive before `space_for_error_record` has left.
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         for s, was in previous.items():
             keep = was is signal.SIG_IGN or not _in_pool_worker()

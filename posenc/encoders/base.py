@@ -336,6 +336,12 @@ class AttentionPositional(nn.Module):
     #: (:meth:`attend`): stick-breaking's weights, selective attention's carried penalty.
     owns_attention: ClassVar[bool] = False
 
+    @property
+    def scheme(self) -> str:
+        """The scheme these hooks belong to, as a message names it (a wrapper, such as a
+        mix's layer, names the scheme it wraps)."""
+        return type(self).__name__.lstrip("_")
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         overrides = [

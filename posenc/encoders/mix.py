@@ -318,6 +318,10 @@ class LayerHooks(AttentionPositional):
         self.needs_probs = inner.needs_probs
         self.flex_trains = inner.flex_trains
 
+    @property
+    def scheme(self) -> str:
+        return self.inner.scheme
+
     def init_weights(self) -> None:
         self.inner.init_weights()
 

@@ -104,9 +104,8 @@ class Modifiers:
         given = [f"logit_scale={self.logit_scale}"] if self.logit_scale != "none" else []
         given += ["sinks=true"] if self.sinks else []
         given += [f"window={self.window}"] if self.window is not None else []
-        name = type(getattr(pos, "inner", pos)).__name__.lstrip("_")  # a mix: its member's
         return (
-            f"model.{' and model.'.join(given)}: the {name} encoder computes its own "
+            f"model.{' and model.'.join(given)}: the {pos.scheme} encoder computes its own "
             f"attention weights, not the softmax and mask these options change; drop the "
             f"option or choose another encoder"
         )
