@@ -1,5 +1,6 @@
-"""Checks of a composed config, run before any data is loaded, and the checks that need
-the loaded data (the LM batch, the passkey lengths).
+"""Checks of a composed config, run before any data is loaded. The checks that need the
+loaded data (the LM batch, the passkey lengths, the splits a source gave) live beside the
+data modules that own it (:mod:`posenc.data`).
 
 Keys, types, choices and ranges are declared once, in :mod:`posenc.schema`; this module
 walks the config against it and adds the rules that tie keys together (``n_heads``
@@ -13,16 +14,14 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import re
 import tempfile
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -30,30 +29,18 @@ from posenc import schema
 from posenc.data.algo import PROBLEMS
 from posenc.data.algo_problems import check as check_problem
 from posenc.data.algo_problems import grid_sizes
-from posenc.data.sources import missing_test
+from posenc.data.lm import physical_memory
+from posenc.data.sources import missing_splits, missing_test
 from posenc.encoders import registry
 from posenc.encoders.base import AttnKind
-from posenc.errors import UserError
+from posenc.errors import ConfigError, problem_message
 from posenc.model.modifiers import Modifiers
 from posenc.model.transformer import NO_WINDOW_IN_TRANSLATOR
 from posenc.model.window import layers_problem, window_problem
 from posenc.schema import finite, integer
 from posenc.training.gate import PASSKEY, PERCENT, metrics
 from posenc.training.rundir import missing_checkpoint
-
-
-class ConfigError(UserError, ValueError):
-    """A config value is wrong; the message lists every problem found.
-
-    Args:
-        message: The whole message (:func:`problem_message` for a list of problems).
-        problems: Its problems, a line each (default: the message as one problem).
-    """
-
-    def __init__(self, message: str, problems: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.problems = problems if problems is not None else [message]
-
+from posenc.training.trainer import on_cpu
 
 #: Lightning's time-based ``val_check_interval``, ``DD:HH:MM:SS``.
 _DURATION = re.compile(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}")
@@ -107,12 +94,6 @@ def validate(cfg: DictConfig, machine: bool = True) -> None:
         guarded(problems, "encoder", lambda: problems.extend(_try_encoder(cfg)))
     if problems:
         raise ConfigError(problem_message(problems), problems)
-
-
-def problem_message(problems: list[str]) -> str:
-    """A header with the number of problems (if more than one), then a line each."""
-    count = f" ({len(problems)} problems)" if len(problems) > 1 else ""
-    return f"invalid config{count}:\n  " + "\n  ".join(problems)
 
 
 def guarded(problems: list[str], section: str, check: Callable[[], None]) -> None:
@@ -225,51 +206,11 @@ def _data(cfg: DictConfig) -> list[str]:
     without a test file, a test fraction of 0)."""
     source = cfg.data.get("source")
     missing = missing_test(source) if OmegaConf.is_dict(source) else None
-    return missing_splits(cfg, ("train", "val"), *missing) if missing else []
-
-
-def missing_splits(cfg: Any, available: Collection[str], why: str, fix: str) -> list[str]:
-    """A line for each split the task evaluates (``task.eval.splits`` of an LM,
-    ``task.eval_split`` of a translation) that is not ``available``: the key, the data,
-    ``why`` it lacks the split, ``fix`` (how to give one), or evaluating the rest.
-
-    Args:
-        cfg: The run config (``task=lm`` or ``task=mt``).
-        available: The splits the data has.
-        why: Why it has no more (e.g. "no test file: data.source.test=null").
-        fix: How to give it the split (e.g. "give one with data.source.test=<file>").
-    """
-    data = f"data={cfg.data.get('name')}"
-    if cfg.task.name == "mt":
-        split = cfg.task.eval_split
-        if split in available:
-            return []
-        return [
-            f"task.eval_split={split!r}: {data} has no {split} split ({why}); {fix}, or "
-            f"set task.eval_split=val"
-        ]
-    splits = list(cfg.task.eval.splits)
-    left = [s for s in splits if s in available] or ["val"]
-    return [
-        f"task.eval.splits contains {s!r}: {data} has no {s} split ({why}); {fix}, or "
-        f"set task.eval.splits=[{','.join(left)}]"
-        for s in splits
-        if s not in available
-    ]
-
-
-def check_splits(cfg: Any, available: Collection[str]) -> None:
-    """Refuse evaluating a split the loaded data lacks (a source that only says so once
-    read: a hub dataset, a source of your own); run once the data is loaded, before
-    training.
-
-    Raises:
-        ConfigError: One line per missing split, naming the key and the fix.
-    """
-    given = ", ".join(s for s in ("train", "val", "test") if s in available)
-    problems = missing_splits(cfg, available, f"the source gave {given}", "give it one")
-    if problems:
-        raise ConfigError(problem_message(problems), problems)
+    if not missing:
+        return []
+    task = cfg.task.name
+    wanted = [cfg.task.eval_split] if task == "mt" else list(cfg.task.eval.splits)
+    return missing_splits(task, wanted, ("train", "val"), cfg.data.get("name"), *missing)
 
 
 def _gate(cfg: DictConfig) -> list[str]:
@@ -570,67 +511,6 @@ def cache_dir(path: Any) -> list[str]:
     return []
 
 
-def check_lm_batch(cfg: Any, train_tokens: int, vocab_size: int) -> None:
-    """Refuse a training batch the loaded data or this machine cannot hold; run once the
-    data is tokenized, before the model and trainer are built (see :func:`lm_batch`).
-
-    Raises:
-        ConfigError: One line naming ``task.batch_size``, the limit and the fix.
-    """
-    problem = lm_batch(cfg, train_tokens, vocab_size)
-    if problem:
-        raise ConfigError(problem)
-
-
-def check_passkey(
-    cfg: schema.Run[schema.LMTask], min_length: int, split_tokens: dict[str, int]
-) -> None:
-    """Refuse passkey lengths the format or the data cannot fill; run once the data is
-    tokenized (see :func:`passkey_data`).
-
-    Raises:
-        ConfigError: One line per problem, naming the key, the length and the fix.
-    """
-    problems = passkey_data(cfg, schema.passkey_lengths(cfg.task), min_length, split_tokens)
-    if problems:
-        raise ConfigError(problem_message(problems), problems)
-
-
-def lm_batch(cfg: Any, train_tokens: int, vocab_size: int) -> str | None:
-    """The problem with ``task.batch_size`` once the LM data is loaded, or None.
-
-    A batch of more windows than the training split holds without overlap would repeat
-    the whole text within every step and only grow memory. On CPU, a batch whose logits
-    alone (``batch_size x seq_len x vocab`` floats, with their gradient) exceed the
-    machine's memory is refused too. ``eval_only`` trains nothing: no problem.
-
-    Args:
-        cfg: The validated run config (task=lm).
-        train_tokens: Tokens in the training split.
-        vocab_size: The tokenizer's vocabulary.
-    """
-    if cfg.eval_only:
-        return None
-    batch, seq_len = cfg.task.batch_size, cfg.task.seq_len
-    windows = (train_tokens - 1) // seq_len
-    if batch > windows:
-        return (
-            f"task.batch_size={batch}: larger than the {windows} windows of task.seq_len="
-            f"{seq_len} in the training split ({train_tokens} tokens), so every step would "
-            f"repeat the whole text; lower task.batch_size to at most {windows}"
-        )
-    need = batch * seq_len * vocab_size * 4 * 2
-    ram = _physical_memory()
-    on_cpu = cfg.trainer.get("accelerator") == "cpu" or not torch.cuda.is_available()
-    if on_cpu and ram and need > ram:
-        return (
-            f"task.batch_size={batch}: its logits alone ({batch} x {seq_len} x vocab "
-            f"{vocab_size}, with their gradient) need {need / 2**30:.1f} GiB, more than "
-            f"this machine's {ram / 2**30:.1f} GiB; lower task.batch_size"
-        )
-    return None
-
-
 def algo_memory(t: schema.AlgoTask, cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
     """The problem with an algorithmic task's sizes that would exhaust the memory, or None:
     its test set (``task.test_per_size`` instances of every size of the test grid up to
@@ -646,7 +526,7 @@ def algo_memory(t: schema.AlgoTask, cfg: DictConfig, lo: int, hi: int, test_hi: 
         test_hi: The largest test size.
     """
 
-    ram = _physical_memory()
+    ram = physical_memory()
     if not ram:
         return None
     problem = PROBLEMS[t.problem]
@@ -664,11 +544,10 @@ def algo_memory(t: schema.AlgoTask, cfg: DictConfig, lo: int, hi: int, test_hi: 
             f"{ram / 2**30:.1f} GiB; lower the largest size, task.test_multiple or "
             f"task.test_per_size"
         )
-    on_cpu = cfg.trainer.get("accelerator") == "cpu" or not torch.cuda.is_available()
     longest = t.longest(hi)
     m = cfg.model
     scores = t.batch_size * m.n_heads * longest**2 * 4 * m.n_layers
-    if on_cpu and scores > ram:
+    if on_cpu(cfg) and scores > ram:
         return (
             f"task.train_lengths=[{lo},{hi}]: a training batch at size {hi} ({longest} "
             f"positions) holds {t.batch_size} x {m.n_heads} heads x {longest}^2 attention "
@@ -677,55 +556,3 @@ def algo_memory(t: schema.AlgoTask, cfg: DictConfig, lo: int, hi: int, test_hi: 
             f"task.batch_size"
         )
     return None
-
-
-def passkey_data(
-    cfg: Any, lengths: list[int], min_length: int, split_tokens: dict[str, int]
-) -> list[str]:
-    """Problems with passkey lengths once the data is tokenized (the format's size in
-    tokens depends on the tokenizer).
-
-    Args:
-        cfg: The validated run config (task=lm).
-        lengths: The passkey evaluation lengths.
-        min_length: The shortest instance the format allows
-            (:meth:`posenc.eval.passkey.PasskeyFormat.min_length`).
-        split_tokens: Tokens per split (filler comes from the evaluated splits, the
-            training mix's from ``train``).
-    """
-    problems = []
-    short = [n for n in lengths if n < min_length]
-    if short:
-        problems.append(
-            f"task.eval.passkey.multipliers give lengths {short}, shorter than the "
-            f"{min_length} tokens a passkey instance needs (needle, question, key, filler); "
-            f"drop those multipliers or raise task.seq_len"
-        )
-    for split in cfg.task.eval.splits if lengths else []:
-        if split_tokens[split] < max(lengths):
-            problems.append(
-                f"task.eval.passkey.multipliers give length {max(lengths)}, longer than the "
-                f"{split!r} split ({split_tokens[split]} tokens) the filler comes from"
-            )
-    mix = cfg.task.get("passkey_mix", 0)
-    if mix and not cfg.eval_only and cfg.task.seq_len < min_length:
-        problems.append(
-            f"task.passkey_mix={mix}: training passkey instances of task.seq_len = "
-            f"{cfg.task.seq_len} tokens are shorter than the {min_length} the format "
-            f"needs; raise task.seq_len or set task.passkey_mix=0"
-        )
-    if mix and not cfg.eval_only and split_tokens.get("val", 0) < cfg.task.seq_len:
-        problems.append(
-            f"task.passkey_mix={mix}: validation checks retrieval at task.seq_len="
-            f"{cfg.task.seq_len} with filler from the 'val' split, which has only "
-            f"{split_tokens.get('val', 0)} tokens; lower task.seq_len or give the data a "
-            f"longer validation split"
-        )
-    return problems
-
-
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not on this platform
-        return None

@@ -40,3 +40,28 @@ class RecordError(UserError, ValueError):
     """A run's ``metrics.json`` is not a record this posenc reads (not a result, a
     version it does not know, a metric that is not a number). A ``ValueError`` too: the
     sweep report lists such a run as unreadable and goes on."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value is wrong; the message lists every problem found.
+
+    Args:
+        message: The whole message (:func:`problem_message` for a list of problems).
+        problems: Its problems, a line each (default: the message as one problem).
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
+
+
+def problem_message(problems: list[str]) -> str:
+    """A header with the number of problems (if more than one), then a line each."""
+    count = f" ({len(problems)} problems)" if len(problems) > 1 else ""
+    return f"invalid config{count}:\n  " + "\n  ".join(problems)
+
+
+def refuse(problems: list[str]) -> None:
+    """Raise :class:`ConfigError` with ``problems`` (a line each), if there are any."""
+    if problems:
+        raise ConfigError(problem_message(problems), problems)

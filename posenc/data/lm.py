@@ -20,6 +20,7 @@ Both protocols at a given ``L`` score exactly the same target tokens, so they ar
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from posenc.data.passkey import PasskeyFormat, seeded
 from posenc.data.sources import REQUIRED, SPLITS
 from posenc.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_settings
-from posenc.errors import DataError
+from posenc.errors import ConfigError, DataError
 
 __all__ = [
     "EvalWindows",
@@ -347,6 +348,49 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def physical_memory() -> int | None:
+    """This machine's memory in bytes, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on this platform
+        return None
+
+
+def batch_problem(
+    batch: int, seq_len: int, train_tokens: int, vocab_size: int, on_cpu: bool
+) -> str | None:
+    """The problem with a training batch of ``batch`` windows of ``seq_len`` tokens, or None.
+
+    A batch of more windows than the training split holds without overlap would repeat
+    the whole text within every step and only grow memory. On CPU, a batch whose logits
+    alone (``batch x seq_len x vocab`` floats, with their gradient) exceed the machine's
+    memory is refused too.
+
+    Args:
+        batch: ``task.batch_size``.
+        seq_len: ``task.seq_len``.
+        train_tokens: Tokens in the training split.
+        vocab_size: The tokenizer's vocabulary.
+        on_cpu: Whether the run trains on the CPU.
+    """
+    windows = (train_tokens - 1) // seq_len
+    if batch > windows:
+        return (
+            f"task.batch_size={batch}: larger than the {windows} windows of task.seq_len="
+            f"{seq_len} in the training split ({train_tokens} tokens), so every step would "
+            f"repeat the whole text; lower task.batch_size to at most {windows}"
+        )
+    need = batch * seq_len * vocab_size * 4 * 2
+    ram = physical_memory()
+    if on_cpu and ram and need > ram:
+        return (
+            f"task.batch_size={batch}: its logits alone ({batch} x {seq_len} x vocab "
+            f"{vocab_size}, with their gradient) need {need / 2**30:.1f} GiB, more than "
+            f"this machine's {ram / 2**30:.1f} GiB; lower task.batch_size"
+        )
+    return None
+
+
 class LMDataModule(pl.LightningDataModule):
     """Language-modeling data: one token stream per split, random training windows and
     evaluation windows at several lengths (for perplexity beyond the training length).
@@ -507,6 +551,18 @@ class LMDataModule(pl.LightningDataModule):
             f"the {split!r} split has {n_tokens} tokens, too few for one evaluation window "
             f"of length L={length} (needs {length + 1}); {fix}, or use a longer split."
         )
+
+    def check_batch(self, on_cpu: bool) -> None:
+        """Refuse a training batch the loaded data or this machine cannot hold
+        (:func:`batch_problem`); run once the data is tokenized, before the model is built.
+
+        Raises:
+            ConfigError: One line naming ``task.batch_size``, the limit and the fix.
+        """
+        train = self.lm_split_tokens("train").numel()
+        problem = batch_problem(self.batch_size, self.seq_len, train, self.vocab_size, on_cpu)
+        if problem:
+            raise ConfigError(problem)
 
     def _require_setup(self) -> dict[str, torch.Tensor]:
         if self._tokens is None:

@@ -197,3 +197,53 @@ class PasskeyFormat:
         return [
             self.sample(stream, length, depths, seeded(seed, length, i)) for i in range(samples)
         ]
+
+
+def passkey_problems(
+    lengths: Sequence[int],
+    min_length: int,
+    split_tokens: dict[str, int],
+    eval_splits: Sequence[str],
+    mix: float,
+    seq_len: int,
+) -> list[str]:
+    """Problems with passkey lengths once the data is tokenized (the format's size in
+    tokens depends on the tokenizer), a line each.
+
+    Args:
+        lengths: The passkey evaluation lengths.
+        min_length: The shortest instance the format allows (:meth:`PasskeyFormat.min_length`).
+        split_tokens: Tokens per split (filler comes from the evaluated splits, the
+            training mix's from ``train``, its validation's from ``val``).
+        eval_splits: The evaluated splits (``task.eval.splits``).
+        mix: ``task.passkey_mix`` of a run that trains (0 for one that only evaluates).
+        seq_len: ``task.seq_len``.
+    """
+    problems = []
+    short = [n for n in lengths if n < min_length]
+    if short:
+        problems.append(
+            f"task.eval.passkey.multipliers give lengths {short}, shorter than the "
+            f"{min_length} tokens a passkey instance needs (needle, question, key, filler); "
+            f"drop those multipliers or raise task.seq_len"
+        )
+    for split in eval_splits if lengths else []:
+        if split_tokens[split] < max(lengths):
+            problems.append(
+                f"task.eval.passkey.multipliers give length {max(lengths)}, longer than the "
+                f"{split!r} split ({split_tokens[split]} tokens) the filler comes from"
+            )
+    if mix and seq_len < min_length:
+        problems.append(
+            f"task.passkey_mix={mix}: training passkey instances of task.seq_len = "
+            f"{seq_len} tokens are shorter than the {min_length} the format needs; raise "
+            f"task.seq_len or set task.passkey_mix=0"
+        )
+    if mix and split_tokens.get("val", 0) < seq_len:
+        problems.append(
+            f"task.passkey_mix={mix}: validation checks retrieval at task.seq_len="
+            f"{seq_len} with filler from the 'val' split, which has only "
+            f"{split_tokens.get('val', 0)} tokens; lower task.seq_len or give the data a "
+            f"longer validation split"
+        )
+    return problems

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from posenc.data.download import data_dir, fetch, read_text
-from posenc.errors import DataError, DataFileNotFound
+from posenc.errors import DataError, DataFileNotFound, refuse
 
 __all__ = [
     "REQUIRED",
@@ -442,3 +442,45 @@ def hf_translation(
             tgt.append(pair[tgt_lang])
         out[split] = (src, tgt)
     return out
+
+
+def missing_splits(
+    task: str, wanted: Sequence[str], available: Collection[str], data: str, why: str, fix: str
+) -> list[str]:
+    """A line for each split a task evaluates that the data lacks: the key that asks for
+    it (``task.eval.splits`` of an LM, ``task.eval_split`` of a translation), the data,
+    ``why`` it lacks the split and ``fix`` (how to give one), or how to evaluate the rest.
+
+    Args:
+        task: ``lm`` or ``mt`` (which key names the splits).
+        wanted: The splits the task evaluates.
+        available: The splits the data has.
+        data: The data's name (``data=<name>``).
+        why: Why it has no more (e.g. "no test file: data.source.test=null").
+        fix: How to give it the split (e.g. "give one with data.source.test=<file>").
+    """
+    lacking = [s for s in wanted if s not in available]
+    if task == "mt":
+        return [
+            f"task.eval_split={s!r}: data={data} has no {s} split ({why}); {fix}, or "
+            f"set task.eval_split=val"
+            for s in lacking
+        ]
+    left = [s for s in wanted if s in available] or ["val"]
+    return [
+        f"task.eval.splits contains {s!r}: data={data} has no {s} split ({why}); {fix}, or "
+        f"set task.eval.splits=[{','.join(left)}]"
+        for s in lacking
+    ]
+
+
+def check_splits(task: str, wanted: Sequence[str], available: Collection[str], data: str) -> None:
+    """Refuse evaluating a split the loaded data lacks (a source that only says so once
+    read: a hub dataset, a source of your own); run once the data is loaded, before
+    training.
+
+    Raises:
+        ConfigError: One line per missing split, naming the key and the fix.
+    """
+    given = ", ".join(s for s in ("train", "val", "test") if s in available)
+    refuse(missing_splits(task, wanted, available, data, f"the source gave {given}", "give it one"))

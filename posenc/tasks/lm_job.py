@@ -14,10 +14,12 @@ from hydra.utils import instantiate
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc import schema
-from posenc.config import check_lm_batch, check_passkey, check_splits
 from posenc.data.lm import LMDataModule
+from posenc.data.passkey import passkey_problems
 from posenc.data.samplers import ShardSampler
+from posenc.data.sources import check_splits
 from posenc.data.tokenizers import fingerprints, to_payload
+from posenc.errors import refuse
 from posenc.eval.lengths import PROTOCOLS, metric_name
 from posenc.plots import loss_by_position_figure, ppl_vs_length_figure
 from posenc.results import LMRecord, MetricName, Passkey, names
@@ -31,6 +33,7 @@ from posenc.training.trainer import (
     init_from_checkpoint,
     load_for_eval,
     log_hparams,
+    on_cpu,
     to_dict,
 )
 
@@ -113,13 +116,20 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
     """Language modeling: fit, then perplexity at every evaluation length and protocol."""
     dm = lm_datamodule(cfg)
     dm.setup("fit")
-    check_splits(cfg, dm.splits)
-    check_lm_batch(cfg, dm.lm_split_tokens("train").numel(), dm.vocab_size)
-    if schema.passkey_lengths(cfg.task) or cfg.task.passkey_mix:
-        check_passkey(
-            cfg,
-            lm_passkey.passkey_format(cfg, dm).min_length(),
-            {s: dm.lm_split_tokens(s).numel() for s in dm.splits},
+    check_splits("lm", cfg.task.eval.splits, dm.splits, cfg.data.get("name"))
+    if not cfg.eval_only:
+        dm.check_batch(on_cpu=on_cpu(cfg))
+    mix = 0.0 if cfg.eval_only else cfg.task.passkey_mix
+    if schema.passkey_lengths(cfg.task) or mix:
+        refuse(
+            passkey_problems(
+                schema.passkey_lengths(cfg.task),
+                lm_passkey.passkey_format(cfg, dm).min_length(),
+                {s: dm.lm_split_tokens(s).numel() for s in dm.splits},
+                cfg.task.eval.splits,
+                mix,
+                cfg.task.seq_len,
+            )
         )
     tokenizer = fingerprints(dm.tokenizer)
     task = lm_task(cfg, dm.vocab_size, tokenizer)

@@ -15,8 +15,8 @@ from matplotlib.figure import Figure
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc import schema
-from posenc.config import check_splits
 from posenc.data.mt import MTDataModule, restore_order
+from posenc.data.sources import check_splits
 from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.plots import bleu_by_length_figure, close
@@ -85,7 +85,7 @@ def run(cfg: Run[schema.MTTask], run_dir: Path) -> dict[str, Any]:
     """Translation: fit, then decode ``task.eval_split`` and score it."""
     dm = mt_datamodule(cfg)
     dm.setup("fit")
-    check_splits(cfg, dm.splits)  # now, not after training
+    check_splits("mt", [cfg.task.eval_split], dm.splits, cfg.data.get("name"))  # not after training
     split = cfg.task.eval_split
     tokenizer = fingerprints(dm.tokenizer)
     task = mt_task(cfg, dm, tokenizer)

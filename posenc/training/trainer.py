@@ -206,6 +206,12 @@ def to_dict(node: Group | DictConfig) -> dict[str, Any]:
     return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
 
 
+def on_cpu(cfg: Any) -> bool:
+    """Whether the run trains on the CPU (``trainer.accelerator=cpu``, or no GPU here):
+    where memory checks compare with this machine's memory."""
+    return cfg.trainer.get("accelerator") == "cpu" or not torch.cuda.is_available()
+
+
 def save_last(trainer: pl.Trainer, run_dir: Path) -> None:
     """``last.ckpt`` at the end of training (after the final validation), so a run killed
     during its final evaluation resumes straight to it with every metric."""

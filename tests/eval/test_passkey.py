@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from posenc.config import ConfigError, check_passkey, validate
+from posenc import schema
+from posenc.config import ConfigError, validate
 from posenc.data.lm import (
     LMDataModule,
     PasskeyDraw,
@@ -18,7 +19,15 @@ from posenc.data.lm import (
     RandomOffsetSampler,
     is_passkey_slot,
 )
-from posenc.data.passkey import ALPHABET, NEEDLE_HEAD, NEEDLE_TAIL, QUESTION, PasskeyFormat, seeded
+from posenc.data.passkey import (
+    ALPHABET,
+    NEEDLE_HEAD,
+    NEEDLE_TAIL,
+    QUESTION,
+    PasskeyFormat,
+    passkey_problems,
+    seeded,
+)
 from posenc.data.tokenizers import CharTokenizer
 from posenc.eval.lengths import parse_metric
 from posenc.eval.passkey import correct, evaluate_length, greedy
@@ -368,17 +377,27 @@ def test_learned_past_max_len_is_refused_without_skip(tmp_path: Path) -> None:
 def test_lengths_the_format_cannot_fill_are_refused(tmp_path: Path) -> None:
     cfg = compose_run(tmp_path, "task.eval.passkey.multipliers=[1,8]", "task.passkey_mix=0.1")
     validate(cfg)  # seq_len 16: only the tokenized format says it is too short
-    with pytest.raises(ConfigError) as err:
-        check_passkey(cfg, 68, {"train": 10**6, "val": 10**5, "test": 100})
-    assert str(err.value).splitlines()[1:] == [
-        "  task.eval.passkey.multipliers give lengths [16], shorter than the 68 tokens a "
+    typed = schema.typed(cfg)
+    problems = passkey_problems(
+        schema.passkey_lengths(typed.task),
+        68,
+        {"train": 10**6, "val": 10**5, "test": 100},
+        typed.task.eval.splits,
+        typed.task.passkey_mix,
+        typed.task.seq_len,
+    )
+    assert problems == [
+        "task.eval.passkey.multipliers give lengths [16], shorter than the 68 tokens a "
         "passkey instance needs (needle, question, key, filler); drop those multipliers or "
         "raise task.seq_len",
-        "  task.eval.passkey.multipliers give length 128, longer than the 'test' split (100 "
+        "task.eval.passkey.multipliers give length 128, longer than the 'test' split (100 "
         "tokens) the filler comes from",
-        "  task.passkey_mix=0.1: training passkey instances of task.seq_len = 16 tokens are "
+        "task.passkey_mix=0.1: training passkey instances of task.seq_len = 16 tokens are "
         "shorter than the 68 the format needs; raise task.seq_len or set task.passkey_mix=0",
     ]
+    # a run that only evaluates trains no passkey instances: the mix's problem goes
+    evaluating = passkey_problems([16, 128], 68, {"test": 100}, ["test"], 0.0, 16)
+    assert evaluating == problems[:2]
 
 
 # ----------------------------------------------------------------------------- report

@@ -19,7 +19,7 @@ from torch import nn
 from posenc import config as checks
 from posenc import stop
 from posenc.config import ConfigError, validate
-from posenc.data.lm import LMDataModule
+from posenc.data.lm import LMDataModule, batch_problem
 from posenc.decoding.encdec import beam_search, greedy
 from posenc.decoding.lm import generate
 from posenc.model import DecoderLM
@@ -346,18 +346,11 @@ def test_batch_larger_than_the_training_windows_is_refused_before_the_model(tmp_
 
 
 def test_batch_whose_logits_exceed_the_memory_is_refused() -> None:
-    cfg = OmegaConf.create(
-        {
-            "eval_only": False,
-            "trainer": {"accelerator": "cpu"},
-            "task": {"batch_size": 4096, "seq_len": 2048},
-        }
-    )
-    problem = checks.lm_batch(cfg, train_tokens=10**12, vocab_size=50_000)
+    problem = batch_problem(4096, 2048, train_tokens=10**12, vocab_size=50_000, on_cpu=True)
     assert problem is not None and problem.startswith("task.batch_size=4096: its logits alone")
-    assert checks.lm_batch(cfg, train_tokens=10**12, vocab_size=10) is None
-    cfg.eval_only = True  # evaluation trains nothing
-    assert checks.lm_batch(cfg, train_tokens=100, vocab_size=50_000) is None
+    assert batch_problem(4096, 2048, train_tokens=10**12, vocab_size=10, on_cpu=True) is None
+    # on a GPU the machine's memory is not the limit
+    assert batch_problem(4096, 2048, train_tokens=10**12, vocab_size=50_000, on_cpu=False) is None
 
 
 @pytest.mark.parametrize("split", ["train", "val"])
