@@ -38,7 +38,11 @@ from posenc.encoders import available
 from posenc.model.attention import Attention
 
 #: Encoders measured under another name: Shaw's key term alone is FlexAttention's form.
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"shaw_no_value": ("shaw", {"value": False})}
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "shaw_no_value": ("shaw", {"value": False}),
+    # Transformer-XL's position term inside one wider dot product (SDPA, no (T, S) term)
+    "xl_fold": ("xl", {"fold": True}),
+}
 #: The schemes with a FlexAttention form (a score_mod, no value term).
 FLEX = ["alibi", "t5", "fire", "xl", "deberta", "shaw_no_value", "fox"]
 #: #34's goal for the default (eager) GPU path at the longest length: every score-term

@@ -68,7 +68,7 @@ run_section() {
 BENCH=("$PY" experiments/bench.py)  # timeout runs programs, not shell functions
 # The eleven schemes of #34 by default; the data-dependent ones (cope, fox, path,
 # selective, stickbreak) take minutes more at 4x4096: GPU_CHECK_ENCODERS=all adds them.
-ENCODERS=${GPU_CHECK_ENCODERS:-none,learned,sinusoidal,rope,xpos,shaw,xl,deberta,alibi,t5,fire}
+ENCODERS=${GPU_CHECK_ENCODERS:-none,learned,sinusoidal,rope,xpos,shaw,xl,xl_fold,deberta,alibi,t5,fire}
 if [ "$ENCODERS" = all ]; then
     ENCODERS=$("$PY" -c "from posenc.encoders import available; print(','.join(available()))")
 fi

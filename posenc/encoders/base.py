@@ -335,6 +335,9 @@ class AttentionPositional(nn.Module):
     #: Declared by a scheme that replaces the attention computation itself
     #: (:meth:`attend`): stick-breaking's weights, selective attention's carried penalty.
     owns_attention: ClassVar[bool] = False
+    #: Declared by a scheme whose ``transform_qk`` returns q and k wider than ``D``
+    #: (Transformer-XL's folded position term): the heads' widths then differ.
+    widens_qk: ClassVar[bool] = False
 
     @property
     def scheme(self) -> str:

@@ -401,6 +401,13 @@ class HeadSplit(AttentionPositional):
 
     def __init__(self, hooks: list[tuple[AttentionPositional, int]], *, head_dim: int) -> None:
         super().__init__()
+        wide = [h.scheme for h, _ in hooks if h.widens_qk]
+        if wide:
+            raise ValueError(
+                f"encoder.heads: {wide[0]} widens its queries and keys (xl with fold=true), "
+                f"so its heads cannot join a split; give it encoder.heads=[{{name: xl, "
+                f"fold: false}}, ...] or use encoder.layers"
+            )
         self.hooks = nn.ModuleList(h for h, _ in hooks)  # trained and saved with the layer
         self.groups = [h for h, _ in hooks]  # the same modules, typed
         self.members = [m for _, m in hooks]

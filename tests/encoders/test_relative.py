@@ -3,6 +3,7 @@ directly from each paper's equations (no gather, no shift, no bucketing tensors)
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -317,3 +318,78 @@ def test_bad_settings(cls, kwargs: dict, message: str | None) -> None:
         return
     with pytest.raises(ValueError, match=message):
         cls(**args)
+
+
+def xl_scores_float64(enc: TransformerXL, layer, q, k, qp, kp) -> torch.Tensor:
+    """The same equation in float64 throughout (the sinusoid too), for the folded form,
+    whose only rounding is float64's: ``(B, H, T, S)`` from ``q (B, H, T, D)``,
+    ``k (B, H, S, D)`` and positions ``(B|1, T)``, ``(B|1, S)``."""
+    freq = 10000.0 ** (-torch.arange(0, C, 2, dtype=torch.float64) / C)
+    freq = freq.float().double()  # the sinusoid's frequencies are rounded to float32 once
+    dist = (qp[:, :, None] - kp[:, None, :]).double()[..., None] * freq  # (B|1, T, S, C/2)
+    r = torch.stack((dist.sin(), dist.cos()), dim=-1).flatten(-2)  # (B|1, T, S, C)
+    wr = layer.w_r.weight.double().unflatten(0, (H, Dh))  # (H, D, C)
+    pos = torch.einsum("bhtd,hdc,btsc->bhts", q + enc.v.double()[:, None], wr, r)
+    content = (q + enc.u.double()[:, None]) @ k.transpose(-1, -2)
+    return (content + pos) / math.sqrt(Dh)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_xl_folded_score_is_the_paper_equation_in_float64(kind: AttnKind) -> None:
+    # One dot product [q + u, q~] . [k, k~] equals (q + u) k + (q + v) W_r R_{i-j} to
+    # float64 rounding: per-row positions, an offset, query and key lengths that differ.
+    torch.manual_seed(0)
+    enc = TransformerXL(d_model=C, n_heads=H, n_layers=1, fold=True).double()
+    hook = enc.for_attention(layer=0, kind=kind).double()
+    with torch.no_grad():
+        for p in [enc.u, enc.v, hook.w_r.weight]:
+            p.normal_()
+    q, k = torch.randn(2, H, 3, Dh, dtype=torch.float64), torch.randn(2, H, 5, Dh).double()
+    qp = torch.tensor([[40, 41, 42], [7, 8, 9]])
+    kp = torch.tensor([[38, 39, 40, 41, 42], [5, 6, 7, 8, 9]]) + torch.tensor([[0], [3]])
+    ctx = enc.context(qp, kp, kind)
+    q_t, k_t = hook.transform_qk(q, k, ctx)
+    assert q_t.shape[-1] == k_t.shape[-1] == Dh + C and hook.score_bias(q, k, ctx) is None
+    got = q_t @ k_t.transpose(-1, -2) / math.sqrt(Dh)
+    ref = xl_scores_float64(enc, hook, q, k, qp, kp)
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-12)
+
+
+def test_xl_folded_model_equals_the_table_model_values_and_gradients() -> None:
+    # The same weights in either form: a whole LM's logits and every gradient agree to
+    # the float32 rounding of the table's sinusoid (the fold's angles are float64 here).
+    from posenc.model import DecoderLM
+
+    torch.manual_seed(0)
+    models = [
+        DecoderLM(
+            vocab_size=11,
+            encoder=functools.partial(TransformerXL, fold=fold),
+            d_model=C,
+            n_heads=H,
+            n_layers=2,
+            d_ff=32,
+            dropout=0.0,
+        ).double()
+        for fold in (False, True)
+    ]
+    models[1].load_state_dict(models[0].state_dict())  # one checkpoint serves both
+    ids = torch.randint(11, (2, 9))
+    outs = []
+    for m in models:
+        logits = m(ids)
+        logits.square().sum().backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters()}))
+    (table, g_table), (folded, g_folded) = outs
+    torch.testing.assert_close(folded, table, atol=1e-6, rtol=1e-6)
+    for name, grad in g_table.items():
+        torch.testing.assert_close(g_folded[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+    assert (folded - table).abs().max() > 0  # the two paths differ: the test compares two
+
+
+def test_xl_fold_is_refused_in_a_head_split_in_one_line() -> None:
+    from posenc.encoders.mix import Mix
+
+    enc = Mix(d_model=C, n_heads=H, n_layers=1, heads=[{"name": "xl", "fold": True}, "none"])
+    with pytest.raises(ValueError, match=r"^encoder.heads: .*fold=true.*encoder.layers$"):
+        enc.for_attention(layer=0, kind=AttnKind.CAUSAL)

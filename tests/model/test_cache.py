@@ -90,6 +90,8 @@ CASES += [
             "long_factor": [1.0, 2.0, 4.0, 8.0],
         },
     ),
+    # Transformer-XL's position term folded into the content score (a wider key cached)
+    ("xl+fold", {"fold": True}),
     ("fox+spread", {"bias_init": "spread"}),
     ("fox+pro", {"pro": True}),
     # mixes: a pass-dependent layer beside a plain one, two RoPE bases, a token-reading

@@ -78,6 +78,7 @@ CONVENTIONS = {
     "deberta_p2c_paper": ("deberta", {"p2c_row": "paper"}),
     "stickbreak_value": ("stickbreak", {"remainder": "value"}),
     "fox_pro": ("fox", {"pro": True}),
+    "xl_fold": ("xl", {"fold": True}),
     "rope_yarn_code": (
         "rope",
         {"scaling": "yarn", "scaling_factor": 4.0, "original_length": 64, "fraction": 0.5},
@@ -241,6 +242,7 @@ STEP_CASES = {name: (name, {}) for name in ENCODER_YAMLS}
 STEP_CASES["shaw_no_value"] = ("shaw", {"value": False})
 STEP_CASES["path_forget_gate"] = ("path", {"forget_gate": True})
 STEP_CASES["fox_pro"] = ("fox", {"pro": True})
+STEP_CASES["xl_fold"] = ("xl", {"fold": True})
 STEP_CASES["rope_dynamic_ntk"] = (
     "rope",
     {"scaling": "dynamic_ntk", "scaling_factor": 2.0, "original_length": 16},
