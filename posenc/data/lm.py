@@ -19,6 +19,7 @@ Both protocols at a given ``L`` score exactly the same target tokens, so they ar
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +32,16 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from posenc.data.passkey import PasskeyFormat, seeded
 from posenc.data.sources import REQUIRED, SPLITS
-from posenc.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_settings
+from posenc.data.tokenizers import (
+    CharTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    build_tokenizer,
+    cache_usable,
+    fingerprint,
+    tokenizer_settings,
+    write_checksum,
+)
 from posenc.errors import ConfigError, DataError
 
 __all__ = [
@@ -348,6 +358,65 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+#: Characters of text encoded at once when a split is tokenized (cut after a newline):
+#: one chunk's ids are a Python list, a split's are a tensor, never a list.
+ENCODE_CHUNK = 1 << 22
+
+
+def _line_wise(tok: Tokenizer) -> bool:
+    """Whether ``tok`` encodes text line by line, so that encoding it in pieces cut
+    after a newline gives the ids of encoding it whole."""
+    return isinstance(tok, CharTokenizer) or (
+        isinstance(tok, SentencePieceTokenizer) and tok.newline_id is not None
+    )
+
+
+def encode_split(tok: Tokenizer, text: str, chunk: int = ENCODE_CHUNK) -> torch.Tensor:
+    """``tok.encode(text)`` as an int64 tensor, encoded ``chunk`` characters at a time
+    (each piece ends after a newline) where the tokenizer encodes line by line, so a
+    corpus is never one Python list of ids; other tokenizers encode it whole."""
+    if len(text) <= chunk or not _line_wise(tok):
+        return torch.tensor(tok.encode(text), dtype=torch.long)
+    parts, start = [], 0
+    while start < len(text):
+        cut = text.find("\n", start + chunk)
+        end = len(text) if cut < 0 else cut + 1
+        parts.append(torch.tensor(tok.encode(text[start:end]), dtype=torch.long))
+        start = end
+    return torch.cat(parts)
+
+
+def cached_ids(tok: Tokenizer, text: str, folder: Path) -> torch.Tensor:
+    """The ids of ``text`` under ``tok``, from ``folder/tokens/`` when an earlier run
+    encoded the same text with the same vocabulary, else encoded and stored there.
+
+    The file holds the int64 ids and nothing else, written whole or not at all (a
+    temporary file, then a rename) with its sha256 beside it, checked at every use, and
+    is memory-mapped copy-on-write: the jobs of a sweep, and the processes of a
+    multi-GPU run, share one copy of the pages.
+
+    Raises:
+        CacheError: The file changed since posenc wrote it.
+    """
+    key = hashlib.sha256()
+    key.update(fingerprint(tok).encode())
+    key.update(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
+    path = folder / "tokens" / f"{key.hexdigest()}.int64"
+    if cache_usable(path, "cached token ids"):
+        n = path.stat().st_size // 8
+        return torch.from_file(str(path), shared=False, size=n, dtype=torch.long)
+    ids = encode_split(tok, text)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ids.numpy().tofile(tmp)
+        os.replace(tmp, path)
+        write_checksum(path)
+    except OSError:  # a read-only or full cache: the ids are here all the same
+        tmp.unlink(missing_ok=True)
+    return ids
+
+
 def physical_memory() -> int | None:
     """This machine's memory in bytes, or None where the platform does not say."""
     try:
@@ -400,7 +469,7 @@ class LMDataModule(pl.LightningDataModule):
             ``functools.partial(posenc.data.sources.tinyshakespeare, root=...)``.
         tokenizer: ``{"kind": "char" | "bpe" | "unigram", **settings}`` for
             :func:`posenc.data.tokenizers.build_tokenizer`; trained on the train split only.
-        cache_dir: Folder for cached tokenizers.
+        cache_dir: Folder for cached tokenizers and token ids (:func:`cached_ids`).
         seq_len: Training context ``T``.
         batch_size: Training batch size.
         eval_batch_size: Batch size of validation/evaluation loaders (default ``batch_size``);
@@ -520,7 +589,7 @@ class LMDataModule(pl.LightningDataModule):
         tok = build_tokenizer(
             self.tokenizer_kind, [texts["train"]], self.cache_dir, **self.tokenizer_settings
         )
-        tokens = {s: torch.tensor(tok.encode(text), dtype=torch.long) for s, text in texts.items()}
+        tokens = {s: cached_ids(tok, text, self.cache_dir) for s, text in texts.items()}
         n_train = tokens["train"].numel()
         if n_train < self.seq_len + 1:
             raise DataError(

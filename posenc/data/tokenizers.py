@@ -444,18 +444,18 @@ def build_tokenizer(
 
     if kind == "char":
         path = cache_dir / f"{key}.json"
-        if _cached(path):
+        if cache_usable(path):
             try:
                 return CharTokenizer.load(path)
             except ValueError as err:
                 log.warning("rebuilding corrupt cached char tokenizer %s: %s", path, err)
         tok = CharTokenizer.from_texts(texts)
         tok.save(path)
-        _write_checksum(path)
+        write_checksum(path)
         return tok
 
     path = cache_dir / f"{key}.model"
-    if _cached(path):
+    if cache_usable(path):
         try:
             sp_tok = SentencePieceTokenizer(path)
         except ValueError as err:
@@ -470,7 +470,7 @@ def build_tokenizer(
                 resolved["vocab_size"],
             )
     sp_tok = SentencePieceTokenizer.train(texts, path, model_type=kind, **resolved)
-    _write_checksum(path)
+    write_checksum(path)
     return sp_tok
 
 
@@ -479,16 +479,25 @@ def _checksum_path(path: Path) -> Path:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):  # a GB-sized id file: by blocks
+            h.update(block)
+    return h.hexdigest()
 
 
-def _write_checksum(path: Path) -> None:
+def write_checksum(path: Path) -> None:
+    """Write ``path``'s sha256 beside it (``<name>.sha256``), for :func:`cache_usable`."""
     _atomic_write_text(_checksum_path(path), _sha256(path) + "\n")
 
 
-def _cached(path: Path) -> bool:
-    """Whether the cached tokenizer ``path`` can be used: it exists with the checksum
+def cache_usable(path: Path, what: str = "cached tokenizer") -> bool:
+    """Whether the cached file ``path`` can be used: it exists with the checksum
     written beside it. One without a checksum (an older posenc's) is rebuilt.
+
+    Args:
+        path: The cached file.
+        what: What it is, for messages.
 
     Raises:
         CacheError: The file changed since posenc wrote it.
@@ -497,12 +506,12 @@ def _cached(path: Path) -> bool:
         return False
     check = _checksum_path(path)
     if not check.exists():
-        log.info("cached tokenizer %s has no checksum beside it: rebuilding it", path)
+        log.info("%s %s has no checksum beside it: rebuilding it", what, path)
         return False
     expected = check.read_text().strip()
     if _sha256(path) != expected:
         raise CacheError(
-            f"cached tokenizer {path} changed since posenc wrote it (its sha256 differs from "
+            f"{what} {path} changed since posenc wrote it (its sha256 differs from "
             f"{check.name}). Token ids from it would not be the ones the data was trained on. "
             f"Delete {path} and {check} to rebuild it."
         )

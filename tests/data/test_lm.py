@@ -15,12 +15,16 @@ from posenc.data.download import data_dir
 from posenc.data.lm import (
     EvalWindows,
     LMDataModule,
+    cached_ids,
+    encode_split,
     eval_stream_length,
     first_scored,
     score_masks,
     window_starts,
 )
 from posenc.data.sources import text_files, tinyshakespeare, wikitext103
+from posenc.data.tokenizers import CharTokenizer, build_tokenizer
+from posenc.errors import CacheError
 
 # (n_tokens, length, stride): strides dividing and not dividing L, stride == L with and without
 # a partial tail, stride 1, and streams holding exactly one window.
@@ -271,6 +275,68 @@ def test_module_with_bpe_on_real_tinyshakespeare(shakespeare: str, tmp_path: Pat
         dm.lm_split_tokens("test")
     batch = next(iter(dm.eval_dataloaders("val")["ppl_sw@512"]))
     assert batch["input"].shape == (2, 512) and int(batch["input"].max()) < 300
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_a_split_encoded_in_chunks_equals_it_encoded_whole(
+    shakespeare: str, tmp_path: Path, kind: str
+) -> None:
+    # pieces cut after a newline, some empty lines and a text without a final newline
+    text = shakespeare[:3000] + "\n\n\nend"
+    settings = {"vocab_size": 200} if kind == "bpe" else {}
+    tok = build_tokenizer(kind, [shakespeare[:20_000]], tmp_path, **settings)
+    whole = tok.encode(text)
+    pieces: list[str] = []
+    encode = tok.encode
+    tok.encode = lambda t: pieces.append(t) or encode(t)  # type: ignore[method-assign]
+    for chunk in (1, 7, 100, 2999):
+        assert encode_split(tok, text, chunk=chunk).tolist() == whole, chunk
+    assert len(pieces) > 100 and "".join(pieces[: len(pieces) // 4]) in text  # in pieces
+
+
+def test_token_ids_are_cached_and_memory_mapped(
+    shakespeare: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok = build_tokenizer("char", [shakespeare[:20_000]], tmp_path)
+    first = cached_ids(tok, shakespeare[:5000], tmp_path)
+    files = sorted((tmp_path / "tokens").iterdir())
+    assert [f.suffix for f in files] == [".int64", ".sha256"]
+    assert files[0].stat().st_size == 8 * 5000  # int64 ids, nothing else
+
+    def no_encoding(text: str) -> list[int]:
+        raise AssertionError("encoded again")
+
+    monkeypatch.setattr(tok, "encode", no_encoding)
+    again = cached_ids(tok, shakespeare[:5000], tmp_path)
+    assert torch.equal(again, first) and again.dtype == torch.long
+    again[0] = -1  # copy-on-write: the file keeps its ids
+    assert cached_ids(tok, shakespeare[:5000], tmp_path)[0] == first[0]
+    monkeypatch.undo()
+    # another text, or the same text under another vocabulary: a file of its own
+    cached_ids(tok, shakespeare[:4000], tmp_path)
+    other = build_tokenizer("char", [shakespeare[:20_000] + "~"], tmp_path)
+    assert cached_ids(other, shakespeare[:5000], tmp_path).tolist() == other.encode(
+        shakespeare[:5000]
+    )
+    assert len(list((tmp_path / "tokens").glob("*.int64"))) == 3
+    # a file changed since it was written is refused, naming what to delete
+    with files[0].open("r+b") as f:
+        f.write(b"\x01")
+    with pytest.raises(CacheError, match=r"^cached token ids .* changed since posenc wrote it"):
+        cached_ids(tok, shakespeare[:5000], tmp_path)
+
+
+def test_a_data_module_reads_the_ids_an_earlier_run_cached(
+    shakespeare: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = _module(shakespeare, tmp_path)
+    calls = []
+    encode = CharTokenizer.encode
+    monkeypatch.setattr(CharTokenizer, "encode", lambda self, t: calls.append(t) or encode(self, t))
+    second = _module(shakespeare, tmp_path)
+    assert calls == []  # every split from the cache
+    for split in first.splits:
+        assert torch.equal(second.lm_split_tokens(split), first.lm_split_tokens(split))
 
 
 # -------------------------------------------------------------------------------- sources
