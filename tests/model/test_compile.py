@@ -78,6 +78,8 @@ CONVENTIONS = {
     "deberta_p2c_paper": ("deberta", {"p2c_row": "paper"}),
     "stickbreak_value": ("stickbreak", {"remainder": "value"}),
     "fox_pro": ("fox", {"pro": True}),
+    "dape_alibi": ("dape", {"base": "alibi"}),
+    "dape_fire": ("dape", {"base": "fire"}),
     "rope_yarn_code": (
         "rope",
         {"scaling": "yarn", "scaling_factor": 4.0, "original_length": 64, "fraction": 0.5},
