@@ -30,6 +30,7 @@ SCORED = {
     "deberta": {"max_distance": 8, "bucket_size": 4},
     "deberta_c2p": {"max_distance": 6, "bucket_size": 0, "p2c": False},
     "deberta_paper": {"max_distance": 8, "bucket_size": 4, "p2c_row": "paper"},
+    "sandwich": {"dim": 32},  # a sinusoid wider than the head: larger terms
 }
 # (T, S, q0, k0): self-attention, offset positions, queries after a cache (T < S), and
 # None for per-row (explicit) positions.

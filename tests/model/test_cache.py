@@ -92,6 +92,10 @@ CASES += [
     ),
     # Transformer-XL's position term folded into the content score (a wider key cached)
     ("xl+fold", {"fold": True}),
+    # DAPE's MLP on each base (FIRE past its threshold), and on a stack-shared KERPLE
+    ("dape+alibi", {"base": "alibi"}),
+    ("dape+fire", {"base": "fire", "base_options": {"threshold": float(L)}}),
+    ("dape+shared", {"per_layer": False}),
     ("fox+spread", {"bias_init": "spread"}),
     ("fox+pro", {"pro": True}),
     # mixes: a pass-dependent layer beside a plain one, two RoPE bases, a token-reading

@@ -79,6 +79,8 @@ CONVENTIONS = {
     "stickbreak_value": ("stickbreak", {"remainder": "value"}),
     "fox_pro": ("fox", {"pro": True}),
     "xl_fold": ("xl", {"fold": True}),
+    "dape_alibi": ("dape", {"base": "alibi"}),
+    "dape_fire": ("dape", {"base": "fire"}),
     "rope_yarn_code": (
         "rope",
         {"scaling": "yarn", "scaling_factor": 4.0, "original_length": 64, "fraction": 0.5},
