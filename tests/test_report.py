@@ -907,3 +907,76 @@ def test_a_one_seed_table_says_no_ci_once_and_its_caption_names_only_its_rows(
     md = (tmp_path / "report" / "report.md").read_text()
     assert "Test metrics (`rope+yarn`: the same runs evaluated with a RoPE" in md
     assert "| alibi | unknown | 1 | 6 (n=1, no CI) |" in md  # a mixed table marks its single runs
+
+
+# ----------------------------------------------------------------------------- effective length
+def test_effective_length_by_hand() -> None:
+    """The longest length up to which accuracy stays at or above the threshold: exactly the
+    threshold passes; a length that passes after a dip does not count; untested (NaN)
+    lengths are skipped; failing at the shortest is 0; nothing tested is None."""
+    from posenc.report.effective import effective_length
+
+    assert effective_length({8: 100.0, 16: 90.0, 32: 89.99, 64: 95.0}, 90.0) == 16
+    assert effective_length({16: 90.0, 8: 100.0, 32: 90.0}, 90.0) == 32  # order of the keys
+    assert effective_length({8: 99.0, 16: 50.0, 24: 99.0, 32: 99.0}, 90.0) == 8  # the dip
+    assert effective_length({8: 99.0, 16: 50.0, 24: 99.0}, 50.0) == 24
+    assert effective_length({8: 99.0, 16: math.nan, 24: 95.0, 32: None}, 90.0) == 24
+    assert effective_length({8: 80.0, 16: 99.0}, 90.0) == 0
+    assert effective_length({8: math.nan}, 90.0) is None
+
+
+def _by_size(accuracy: dict[int, float]) -> dict[str, dict[str, float]]:
+    return {str(n): {"count": 24, "seq_acc": a / 2, "acc": a} for n, a in accuracy.items()}
+
+
+def test_effective_lengths_over_seeds_leave_out_runs_that_did_not_learn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Per scheme: mean ± CI and min..max over the seeds that learned; a scheme that learned
+    in no seed is 'not learned' however well it scores, and not ranked; --threshold moves
+    the answer; a size no instance was tested at (count 0) is skipped."""
+    root = tmp_path / "sweep"
+    rope = [  # effective lengths 8, 6, 8 at 90% (seed 1 dips at 8); all 8 at 50%
+        {2: 100.0, 4: 99.0, 6: 95.0, 8: 91.0},
+        {2: 100.0, 4: 99.0, 6: 90.0, 8: 60.0},
+        {2: 100.0, 4: 92.0, 6: 90.5, 8: 90.0},
+    ]
+    for seed, acc in enumerate(rope):
+        _run(root, f"rope{seed}", "rope", seed, {}, True, by_size=_by_size(acc))
+    for seed in range(2):  # 100% everywhere, but the gate says it never learned the task
+        acc = {2: 100.0, 4: 100.0, 6: 100.0, 8: 100.0}
+        _run(root, f"sin{seed}", "sinusoidal", seed, {}, False, by_size=_by_size(acc))
+    # alibi: one seed learned (effective 4), the other did not and is left out
+    _run(root, "alibi0", "alibi", 0, {}, True, by_size=_by_size({2: 99.0, 4: 95.0, 6: 10.0}))
+    _run(root, "alibi1", "alibi", 1, {}, False, by_size=_by_size({2: 99.0, 4: 99.0, 6: 99.0}))
+    empty = _by_size({2: 91.0, 4: 91.0, 6: 50.0}) | {"8": {"count": 0, "acc": math.nan}}
+    _run(root, "nope0", "nope", 0, {}, True, by_size=empty)
+    _run(root, "nope1", "nope", 1, {}, True, by_size=empty)
+
+    build_report(root, tensorboard=False)
+    md = (root / "report" / "report.md").read_text()
+    assert "Effective length at 90% `acc`" in md
+    # rope: 8, 6, 8: mean 7.333, CI t(0.975, 2) 4.303 * 1.155 / sqrt 3 = 2.87
+    assert "| rope | 3 | **7.333 ± 2.9** | 6..8 | 8 |" in md
+    assert "| sinusoidal | 0 | not learned |  | 8 |" in md
+    assert "| alibi | 1 | 4 (1 not learned, left out) | 4..4 | 6 |" in md  # n=1: unranked
+    # no instance at 8: not a tested length; 4 and 4 differ from rope's (Welch p < 0.05)
+    assert "| nope | 2 | 4 ± 0 | 4..4 | 6 |" in md
+
+    assert main([str(root), "--threshold", "50", "--no-tensorboard"]) == 0
+    md = (root / "report" / "report.md").read_text()
+    assert "Effective length at 50% `acc`" in md
+    assert "| rope | 3 | **8 ± 0** | 8..8 | 8 |" in md
+
+    capsys.readouterr()
+    assert main([str(root), "--out", str(tmp_path / "r2"), "--threshold", "0"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --threshold 0: an accuracy in percent, above 0 and at most 100; "
+        "give one such as --threshold 90\n"
+    )
+    assert not (tmp_path / "r2").exists()  # refused before any folder is made
+
+
+def test_tasks_without_sizes_have_no_effective_length_table(sweep: Path) -> None:
+    build_report(sweep, tensorboard=False)
+    assert "Effective length" not in (sweep / "report" / "report.md").read_text()

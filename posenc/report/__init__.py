@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from posenc import plots, results
+from posenc.report import effective
 from posenc.report.stats import BEST, TIE, ci95, lower_is_better, rank
 from posenc.report.tune import Grid, arm_note, assign_arms, grid_table, grids, write_tuned
 from posenc.results import COST_KEYS, LMRecord, MetricName, MTRecord
@@ -380,8 +381,9 @@ def markdown(
     figures: Sequence[Path],
     lr_grids: Sequence[Grid] = (),
     tuned: Path | None = None,
+    threshold: float = effective.THRESHOLD,
 ) -> str:
-    """The text of ``report.md``."""
+    """The text of ``report.md`` (``threshold``: of the effective lengths, percent)."""
     out = [
         f"# Sweep report: {', '.join(f'`{r}`' for r in roots)}",
         "",
@@ -420,6 +422,10 @@ def markdown(
             "",
         ]
         out += position_table(task_groups)
+        effective_body = effective.table_body(task_groups, threshold)
+        if effective_body:
+            out += [effective.caption(threshold), ""]
+            out += [*_table(effective.HEADER, effective_body), ""]
         out += ["<details><summary>All metrics</summary>", ""]
         out += _table(
             [
@@ -629,7 +635,10 @@ class Report:
 
 
 def build_report(
-    root: Path | Sequence[Path], out: Path | None = None, tensorboard: bool = True
+    root: Path | Sequence[Path],
+    out: Path | None = None,
+    tensorboard: bool = True,
+    threshold: float = effective.THRESHOLD,
 ) -> Report:
     """Collect, aggregate and write the report.
 
@@ -638,14 +647,17 @@ def build_report(
             same sweep with ``+tuned``: one report with a table for each).
         out: Output directory; default ``<root>/report`` (required with several).
         tensorboard: Also write the figures to ``<out>/tb``.
+        threshold: Accuracy in percent of the effective lengths
+            (:mod:`posenc.report.effective`).
 
     Returns:
         The runs, failures, rows and the files written.
 
     Raises:
         FileNotFoundError: A ``root`` is not a directory.
-        ValueError: Several directories and no ``out``.
+        ValueError: Several directories and no ``out``, or a threshold outside (0, 100].
     """
+    effective.check(threshold)
     roots = [Path(r).resolve() for r in ([root] if isinstance(root, str | Path) else root)]
     for r in roots:
         if not r.is_dir():
@@ -670,7 +682,7 @@ def build_report(
     figures = plots.figures(runs, by_group, rows)
     writer = plots.summary_writer(out / "tb") if tensorboard else None
     pngs = plots.save(figures, out, writer)
-    text = markdown(roots, runs, failures, rows, pngs, lr_grids, tuned)
+    text = markdown(roots, runs, failures, rows, pngs, lr_grids, tuned, threshold)
     (out / "report.md").write_text(text)
     write_csv(rows, out / "report.csv", {k: learned_cell(rs) for k, rs in by_group.items()})
     if writer is not None:
@@ -692,7 +704,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="output dir (default <dir>/report)")
     parser.add_argument("--no-tensorboard", action="store_true", help="skip <out>/tb")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=effective.THRESHOLD,
+        help="accuracy (percent) of the algorithmic tasks' effective lengths: the longest "
+        f"tested length up to which a scheme stays at or above it (default "
+        f"{effective.THRESHOLD:g})",
+    )
     args = parser.parse_args(argv)
+    try:
+        effective.check(args.threshold)  # before the report folder is made
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     dirs = args.dir
     out = args.out if args.out is not None else dirs[0] / "report"
     try:
@@ -709,7 +734,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     try:
-        rep = build_report(args.dir, args.out, tensorboard=not args.no_tensorboard)
+        rep = build_report(
+            args.dir, args.out, tensorboard=not args.no_tensorboard, threshold=args.threshold
+        )
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
