@@ -980,3 +980,90 @@ def test_effective_lengths_over_seeds_leave_out_runs_that_did_not_learn(
 def test_tasks_without_sizes_have_no_effective_length_table(sweep: Path) -> None:
     build_report(sweep, tensorboard=False)
     assert "Effective length" not in (sweep / "report" / "report.md").read_text()
+
+
+# ----------------------------------------------------------------------------- mqar heat map
+MQAR_PAIRS = {"": 4, "pairs_half": 2, "pairs_x2": 8, "pairs_x4": 16}
+
+
+def _mqar_run(root: Path, name: str, encoder: str, seed: int, acc: float, learned: bool) -> None:
+    """An mqar run trained on 16..32 tokens with 4 pairs, tested in buckets 16-31, 32-47
+    and 48-63 at 2, 4, 8 and 16 pairs; acc = ``acc`` - pairs - bucket start (so every
+    cell has its own value), 16 pairs too many for 16-31 (no instance: NaN)."""
+    metrics = {}
+    for variant, pairs in MQAR_PAIRS.items():
+        for start in (16, 32, 48):
+            kind = f"acc_{variant}" if variant else "acc"
+            bucket = f"len{start}-{start + 15}"
+            fits = not (pairs == 16 and start == 16)
+            metrics[f"test/{kind}@{bucket}"] = acc - pairs - start if fits else math.nan
+    gate = {"gate": {"metric": "val/acc", "threshold": 95.0}, "learned": learned}
+    write_run(
+        root / name,
+        "algo",
+        encoder,
+        seed,
+        metrics,
+        problem="mqar",
+        shape="decoder",
+        train_lengths=[16, 32],
+        buckets=["len16-31", "len32-47", "len48-63"],
+        variant_pairs=MQAR_PAIRS,
+        **gate,
+    )
+
+
+def test_mqar_heat_map_is_the_mean_accuracy_by_length_and_pairs(tmp_path: Path) -> None:
+    """One heat map per scheme: rows the size buckets (trained ones marked), columns the
+    numbers of pairs in increasing order, each cell the mean over seeds of the recorded
+    acc / 100; past the trained sizes, only runs that learned."""
+    from posenc.plots import pairs_means
+    from posenc.report import groups
+
+    root = tmp_path / "sweep"
+    _mqar_run(root, "rope0", "rope", 0, 100.0, True)
+    _mqar_run(root, "rope1", "rope", 1, 90.0, True)
+    _mqar_run(root, "nope0", "nope", 0, 100.0, True)
+    _mqar_run(root, "nope1", "nope", 1, 80.0, False)  # counts only inside 16..32
+    _mqar_run(root, "sin0", "sinusoidal", 0, 100.0, False)
+    report = build_report(root, tensorboard=False)
+    means = pairs_means(groups(report.runs), report.rows, "algo_mqar")
+    labels, pairs, grid, n, blank = means["rope"]
+    assert labels == ["16-31 (train)", "32-47 (train)", "48-63"] and n == 2
+    assert pairs == [2.0, 4.0, 8.0, 16.0]
+    expected = [[(95 - p - s) / 100 for p in (2, 4, 8, 16)] for s in (16, 32, 48)]
+    expected[0][3] = math.nan  # 16 pairs do not fit in 16-31 tokens
+    for got, want in zip(grid, expected, strict=True):
+        assert got == pytest.approx(want, nan_ok=True)
+    assert blank[0] == "not tested"
+    _, _, nope, _, _ = means["nope (1/2 learned)"]
+    assert nope[0][:3] == pytest.approx([(90 - p - 16) / 100 for p in (2, 4, 8)])
+    assert nope[2] == pytest.approx([(100 - p - 48) / 100 for p in (2, 4, 8, 16)])
+    _, _, sin, _, sin_blank = means["sinusoidal (0/1 learned)"]
+    assert sin[2] == pytest.approx([math.nan] * 4, nan_ok=True)
+    assert sin_blank[2] == "not learned"
+    from posenc.plots import figures
+
+    fig = figures(report.runs, groups(report.runs), report.rows)[
+        "algo_mqar_acc_by_length_and_pairs"
+    ]
+    assert fig._suptitle.get_text().startswith("algo_mqar: test acc by length and number of")
+    maps = [ax for ax in fig.axes if ax.get_xlabel() == "key-value pairs"]  # not colour bars
+    assert sorted(ax.get_title() for ax in maps) == [
+        "nope (1/2 learned) (n=2)",
+        "rope (n=2)",
+        "sinusoidal (0/1 learned) (n=1)",
+    ]
+    md = (root / "report" / "report.md").read_text()
+    png = "algo_mqar_acc_by_length_and_pairs.png"
+    assert (root / "report" / png).is_file() and f"]({png})" in md
+
+
+def test_runs_without_pairs_have_no_heat_map(tmp_path: Path) -> None:
+    """A record without ``variant_pairs`` (another problem, or an mqar run written
+    before it was recorded) loads, and draws no heat map."""
+    root = tmp_path / "sweep"
+    _run(root, "rope0", "rope", 0, {"test/acc@len1-4": 90.0}, True)
+    report = build_report(root, tensorboard=False)
+    assert report.runs[0].record.variant_pairs == {}  # type: ignore[attr-defined]
+    assert not list((root / "report").glob("*pairs*"))
