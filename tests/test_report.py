@@ -493,10 +493,12 @@ def _run(
     learned: bool | None,
     lr: float = 3e-3,
     tuned: dict[str, Any] | None = None,
+    problem: str = "copy",
+    train_lengths: tuple[int, int] = (1, 4),
     **extra: Any,
 ) -> None:
-    """An algorithmic copy run (trained sizes 1..4) with the gate's fields; ``learned``
-    None: a metrics.json from before the gate (no fields)."""
+    """An algorithmic run (copy, trained sizes 1..4, unless told) with the gate's fields;
+    ``learned`` None: a metrics.json from before the gate (no fields)."""
     gate = (
         {}
         if learned is None
@@ -513,9 +515,9 @@ def _run(
         encoder,
         seed,
         metrics,
-        problem="copy",
+        problem=problem,
         shape="decoder",
-        train_lengths=[1, 4],
+        train_lengths=list(train_lengths),
         config=config,
         **gate,
         **extra,
@@ -997,19 +999,18 @@ def _mqar_run(root: Path, name: str, encoder: str, seed: int, acc: float, learne
             bucket = f"len{start}-{start + 15}"
             fits = not (pairs == 16 and start == 16)
             metrics[f"test/{kind}@{bucket}"] = acc - pairs - start if fits else math.nan
-    gate = {"gate": {"metric": "val/acc", "threshold": 95.0}, "learned": learned}
-    write_run(
-        root / name,
-        "algo",
+    buckets = ["len16-31", "len32-47", "len48-63"]
+    _run(
+        root,
+        name,
         encoder,
         seed,
         metrics,
+        learned,
         problem="mqar",
-        shape="decoder",
-        train_lengths=[16, 32],
-        buckets=["len16-31", "len32-47", "len48-63"],
+        train_lengths=(16, 32),
+        buckets=buckets,
         variant_pairs=MQAR_PAIRS,
-        **gate,
     )
 
 
