@@ -964,6 +964,14 @@ def test_effective_lengths_over_seeds_leave_out_runs_that_did_not_learn(
     assert "| alibi | 1 | 4 (1 not learned, left out) | 4..4 | 6 |" in md  # n=1: unranked
     # no instance at 8: not a tested length; 4 and 4 differ from rope's (Welch p < 0.05)
     assert "| nope | 2 | 4 ± 0 | 4..4 | 6 |" in md
+    with (root / "report" / "effective_length.csv").open() as f:
+        lengths = {r["encoder"]: r for r in csv.DictReader(f)}
+    assert lengths["rope"]["per_run"] == "8 6 8" and lengths["rope"]["min"] == "6"
+    assert float(lengths["rope"]["mean"]) == pytest.approx(22 / 3)
+    assert float(lengths["rope"]["ci95"]) == pytest.approx(4.302653 * 1.154701 / math.sqrt(3))
+    assert (lengths["rope"]["mark"], lengths["rope"]["threshold"]) == ("best", "90.0")
+    sin = lengths["sinusoidal"]
+    assert (sin["n"], sin["mean"], sin["not_learned"], sin["mark"]) == ("0", "", "2", "")
 
     assert main([str(root), "--threshold", "50", "--no-tensorboard"]) == 0
     md = (root / "report" / "report.md").read_text()
@@ -982,6 +990,7 @@ def test_effective_lengths_over_seeds_leave_out_runs_that_did_not_learn(
 def test_tasks_without_sizes_have_no_effective_length_table(sweep: Path) -> None:
     build_report(sweep, tensorboard=False)
     assert "Effective length" not in (sweep / "report" / "report.md").read_text()
+    assert not (sweep / "report" / "effective_length.csv").exists()
 
 
 # ----------------------------------------------------------------------------- mqar heat map

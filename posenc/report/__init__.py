@@ -4,8 +4,9 @@ Reads every ``metrics.json`` and ``error.json`` below the directories and writes
 ``--out`` (default ``<dir>/report/``): ``report.md``, ``report.csv`` (one row per task x
 encoder x metric: mean, sample std, 95% CI, n, skipped, runs left out as not learned, the
 mark against the column's best and its p-value, and the compute columns), PNG figures, the
-same figures in TensorBoard (``<out>/tb``), and ``tuned_lr.yaml`` when the runs hold a
-learning-rate grid (:mod:`posenc.report.tune`). A partial sweep is reported as it stands:
+same figures in TensorBoard (``<out>/tb``), ``effective_length.csv`` for algorithmic tasks
+(:mod:`posenc.report.effective`, at ``--threshold``), and ``tuned_lr.yaml`` when the runs
+hold a learning-rate grid (:mod:`posenc.report.tune`). A partial sweep is reported as it stands:
 failed runs (``error.json``) and job directories without results are listed, never fatal.
 
 Statistics (:mod:`posenc.report.stats`): intervals by Student's t over seeds, Welch's
@@ -685,10 +686,16 @@ def build_report(
     text = markdown(roots, runs, failures, rows, pngs, lr_grids, tuned, threshold)
     (out / "report.md").write_text(text)
     write_csv(rows, out / "report.csv", {k: learned_cell(rs) for k, rs in by_group.items()})
+    tables: dict[str, dict[str, list[Run]]] = defaultdict(dict)
+    for (task, encoder), rs in by_group.items():
+        tables[task][encoder] = rs
+    lengths = out / "effective_length.csv"
+    wrote_lengths = effective.write_csv(lengths, tables, threshold)
     if writer is not None:
         writer.add_text("report/summary", text, 0)  # TensorBoard renders the markdown
         writer.close()
-    files = [out / "report.md", out / "report.csv", *([tuned] if tuned else []), *pngs]
+    files = [out / "report.md", out / "report.csv", *([lengths] if wrote_lengths else [])]
+    files += [*([tuned] if tuned else []), *pngs]
     return Report(runs, failures, rows, files)
 
 

@@ -17,10 +17,12 @@ none of whose runs learned it is reported as not learned, never ranked.
 
 from __future__ import annotations
 
+import csv
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from posenc.report.stats import BEST, TIE, ci95, rank
 from posenc.results import AlgoRecord
@@ -170,3 +172,56 @@ def table_body(
         longest = "" if e.longest is None else str(e.longest)
         body.append([e.encoder, str(len(e.lengths)), mean, spread, longest])
     return body
+
+
+#: The columns of ``effective_length.csv``.
+CSV_FIELDS = (
+    "task",
+    "encoder",
+    "threshold",
+    "n",
+    "mean",
+    "ci95",
+    "min",
+    "max",
+    "not_learned",
+    "longest_tested",
+    "mark",
+    "per_run",
+)
+
+
+def _csv_row(task: str, e: Effective, threshold: float) -> list[object]:
+    """One row of :data:`CSV_FIELDS`."""
+    low, high = min(e.lengths, default=None), max(e.lengths, default=None)
+    per_run = " ".join(map(str, e.lengths))
+    counts = [len(e.lengths), e.mean, e.ci, low, high, e.not_learned, e.longest]
+    return [task, e.encoder, threshold, *counts, e.mark, per_run]
+
+
+def write_csv(
+    path: Path, tables: Mapping[str, Mapping[str, Sequence[Run]]], threshold: float
+) -> bool:
+    """``effective_length.csv``: a row per task and scheme (``per_run``: the effective
+    length of each run that counts, space-separated; blank where none does).
+
+    Args:
+        path: Where.
+        tables: Task -> encoder -> runs.
+        threshold: Percent.
+
+    Returns:
+        Whether any task had effective lengths (no file otherwise).
+    """
+    rows = [
+        _csv_row(task, e, threshold)
+        for task, groups in tables.items()
+        for e in effective_lengths(groups, threshold)
+    ]
+    if not rows:
+        return False
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_FIELDS)
+        w.writerows([["" if v is None else v for v in row] for row in rows])
+    return True
