@@ -13,6 +13,9 @@
   instance size per encoder, mean over seeds with a band of one std, trained sizes shaded;
   with several problems, ``algo_seq_acc_vs_size.png`` puts their exact-match panels side
   by side.
+- ``algo_mqar_acc_by_length_and_pairs.png``: per-query accuracy by length (size bucket) and
+  number of key-value pairs, one heatmap per encoder, mean over seeds (runs that record
+  their test variants' pairs).
 """
 
 from __future__ import annotations
@@ -171,24 +174,26 @@ def bleu_by_length_figure(
 
 def heatmap_figure(
     accuracy: Sequence[Sequence[float]],
-    lengths: Sequence[int],
+    lengths: Sequence[int | str],
     depths: Sequence[float],
     train_len: int | None,
     title: str = "",
     ax=None,
     blank: Sequence[str] | None = None,
+    xlabel: str = "needle depth",
 ):
     """Accuracy as a length x depth heatmap (NaN cells, lengths not run, are blank).
 
     Args:
         accuracy: ``[length][depth]`` in [0, 1].
-        lengths: Row labels (tokens).
-        depths: Column labels.
+        lengths: Row labels (tokens, or size buckets).
+        depths: Column labels (needle depths, or numbers of key-value pairs).
         train_len: The training length (its row is marked ``(train)``).
         title: Axes title.
         ax: Axes to draw into; None makes a new figure.
         blank: Per length, the word written in its NaN cells (default ``skipped``: a length
             the encoder cannot run; the report writes ``not learned`` for lengths left out).
+        xlabel: What the columns are.
 
     Returns:
         The figure.
@@ -211,7 +216,7 @@ def heatmap_figure(
     ax.set_yticks(
         range(len(lengths)), [f"{n} (train)" if n == train_len else str(n) for n in lengths]
     )
-    ax.set_xlabel("needle depth")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("length (tokens)")
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="accuracy")
@@ -609,7 +614,7 @@ def _lm_task_figures(
 #: One encoder's passkey grid over seeds: lengths, depths, [length][depth] means, n runs,
 #: and per length what an empty row means ("skipped", or "not learned" when every run that
 #: has it did not learn the task).
-PasskeyMean = tuple[list[int], list[float], list[list[float]], int, list[str]]
+PasskeyMean = tuple[Sequence[int | str], list[float], list[list[float]], int, list[str]]
 
 
 def passkey_means(
@@ -657,8 +662,14 @@ def passkey_means(
     return out
 
 
-def passkey_heatmaps(means: Mapping[str, PasskeyMean], train_len: int | None, title: str) -> Figure:
-    """One accuracy heatmap (length x depth) per encoder, four to a row."""
+def passkey_heatmaps(
+    means: Mapping[str, PasskeyMean],
+    train_len: int | None,
+    title: str,
+    xlabel: str = "needle depth",
+) -> Figure:
+    """One accuracy heatmap (length x depth, or what ``xlabel`` names) per encoder, four
+    to a row."""
     cols = min(4, len(means))
     rows = math.ceil(len(means) / cols)
     first = next(iter(means.values()))
@@ -672,7 +683,8 @@ def passkey_heatmaps(means: Mapping[str, PasskeyMean], train_len: int | None, ti
     for ax, (encoder, (lengths, depths, grid, n, blank)) in zip(
         panels, means.items(), strict=False
     ):
-        heatmap_figure(grid, lengths, depths, train_len, f"{encoder} (n={n})", ax=ax, blank=blank)
+        label = f"{encoder} (n={n})"
+        heatmap_figure(grid, lengths, depths, train_len, label, ax=ax, blank=blank, xlabel=xlabel)
     for ax in panels[len(means) :]:
         ax.axis("off")
     fig.suptitle(title, fontsize=10)
@@ -794,6 +806,71 @@ def _algo_figures(by_group: Mapping[tuple[str, str], Sequence[Run]]) -> dict[str
     return figs
 
 
+#: The metric of the accuracy by length x pairs heatmaps.
+PAIRS_METRIC = "acc"
+
+
+def pair_columns(variant_pairs: Mapping[str, int]) -> dict[int, str]:
+    """Number of pairs -> the test variant that has it, by number of pairs (two variants
+    with as many pairs: the training distribution's, ``""``, is drawn)."""
+    columns: dict[int, str] = {}
+    for variant, pairs in sorted(variant_pairs.items(), key=lambda vp: (vp[1], vp[0] != "")):
+        columns.setdefault(pairs, variant)
+    return columns
+
+
+def pairs_means(
+    by_group: Mapping[tuple[str, str], Sequence[Run]], rows: Sequence[Row], task: str
+) -> dict[str, PasskeyMean]:
+    """Per encoder of ``task`` (a problem tested at several numbers of key-value pairs,
+    mqar), its :data:`PAIRS_METRIC` by size bucket and number of pairs, in [0, 1]: the
+    report's means over seeds (:func:`posenc.report.aggregate`), so past the trained
+    sizes only runs that learned the task count. Empty when its runs record no pairs.
+    """
+    records = [_typed(r, AlgoRecord) for (t, _), rs in by_group.items() if t == task for r in rs]
+    variant_pairs = _most_common([tuple(sorted(rec.variant_pairs.items())) for rec in records])
+    if not records or not variant_pairs:
+        return {}
+    columns = pair_columns(dict(variant_pairs))
+    buckets = _most_common([tuple(rec.buckets) for rec in records])
+    hi = _most_common([max(rec.train_lengths, default=None) for rec in records])
+    trained = [hi is not None and _bucket_start(b) <= hi for b in buckets]
+    labels = [b.removeprefix("len") + " (train)" * t for b, t in zip(buckets, trained, strict=True)]
+    cells = {(r.encoder, r.metric): r for r in rows if r.task == task}
+    name = records[0].variant_metric
+    out: dict[str, PasskeyMean] = {}
+    for (t, encoder), rs in by_group.items():
+        if t != task:
+            continue
+        grid, blank = [], []
+        for b in buckets:
+            found = [cells.get((encoder, name(PAIRS_METRIC, v, b))) for v in columns.values()]
+            grid.append([math.nan if c is None or c.mean is None else c.mean / 100 for c in found])
+            left_out = any(c is not None and c.mean is None and c.dropped for c in found)
+            blank.append("not learned" if left_out else "not tested")
+        out[learned_label(encoder, rs)] = (labels, list(map(float, columns)), grid, len(rs), blank)
+    return out
+
+
+def _pairs_figures(
+    by_group: Mapping[tuple[str, str], Sequence[Run]], rows: Sequence[Row]
+) -> dict[str, Figure]:
+    """``<task>_acc_by_length_and_pairs``: one heatmap per encoder, for each algorithmic
+    table whose runs were tested at several numbers of key-value pairs."""
+    figs = {}
+    for task in sorted({t for t, _ in by_group if t.startswith("algo_")}):
+        means = pairs_means(by_group, rows, task)
+        if means:
+            figs[f"{task}_acc_by_length_and_pairs"] = passkey_heatmaps(
+                means,
+                None,
+                f"{task}: test {PAIRS_METRIC} by length and number of key-value pairs "
+                f"(mean over seeds)",
+                xlabel="key-value pairs",
+            )
+    return figs
+
+
 def figures(
     runs: Sequence[Run], by_group: Mapping[tuple[str, str], Sequence[Run]], rows: Sequence[Row]
 ) -> dict[str, Figure]:
@@ -802,6 +879,7 @@ def figures(
         _lm_figures(runs, by_group, rows)
         | _mt_figures(runs, by_group, rows)
         | _algo_figures(by_group)
+        | _pairs_figures(by_group, rows)
     )
 
 

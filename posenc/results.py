@@ -348,7 +348,13 @@ BySize = dict[int, dict[str, float]]
 
 @dataclass(frozen=True, kw_only=True)
 class AlgoRecord(Record):
-    """An algorithmic-task run: the problem's metrics by size bucket and by size."""
+    """An algorithmic-task run: the problem's metrics by size bucket and by size.
+
+    Attributes:
+        variant_pairs: Key-value pairs of each test variant (``""``: the training
+            distribution's), for a problem tested at several numbers of pairs (mqar); empty
+            for the others and in files written before it was recorded.
+    """
 
     task: str = "algo"
     problem: str | None = None
@@ -362,6 +368,7 @@ class AlgoRecord(Record):
     table_metrics: list[str] = field(default_factory=lambda: ["seq_acc", "acc"])
     by_size: BySize = field(default_factory=dict)
     by_size_variants: dict[str, BySize] = field(default_factory=dict)
+    variant_pairs: dict[str, int] = field(default_factory=dict)
 
     HEAD: ClassVar[tuple[str, ...]] = (
         "task",
@@ -382,6 +389,7 @@ class AlgoRecord(Record):
         "metrics",
         "by_size",
         "by_size_variants",
+        "variant_pairs",
     )
 
     @property
@@ -395,6 +403,11 @@ class AlgoRecord(Record):
     def bucket_metric(self, kind: str, bucket: str) -> MetricName:
         """``test/<kind>@<bucket>``: a kind's name in a size bucket (``len5-8``)."""
         return MetricName.of("test", kind, bucket)
+
+    def variant_metric(self, kind: str, variant: str, bucket: str) -> MetricName:
+        """A kind's name in a bucket on a test variant: ``test/acc_pairs_x2@len16-31``
+        (the training distribution's, ``""``, keeps the plain ``test/acc@len16-31``)."""
+        return self.bucket_metric(f"{kind}_{variant}" if variant else kind, bucket)
 
     def size_metric(self, kind: str, size: int) -> MetricName:
         """The name of the one-size bucket of ``size``, ``test/<kind>@len<n>-<n>``."""
@@ -466,6 +479,7 @@ _CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
         lambda v: {k: _by_size(b) for k, b in (v or {}).items()},
         lambda v: {k: _to_list_keys(b) for k, b in v.items()},
     ),
+    "variant_pairs": (lambda v: {str(k): int(n) for k, n in (v or {}).items()}, dict),
     "seed": (_int, lambda v: v),
     "seq_len": (_int, lambda v: v),
     "max_train_src_len": (_int, lambda v: v),

@@ -493,10 +493,12 @@ def _run(
     learned: bool | None,
     lr: float = 3e-3,
     tuned: dict[str, Any] | None = None,
+    problem: str = "copy",
+    train_lengths: tuple[int, int] = (1, 4),
     **extra: Any,
 ) -> None:
-    """An algorithmic copy run (trained sizes 1..4) with the gate's fields; ``learned``
-    None: a metrics.json from before the gate (no fields)."""
+    """An algorithmic run (copy, trained sizes 1..4, unless told) with the gate's fields;
+    ``learned`` None: a metrics.json from before the gate (no fields)."""
     gate = (
         {}
         if learned is None
@@ -513,9 +515,9 @@ def _run(
         encoder,
         seed,
         metrics,
-        problem="copy",
+        problem=problem,
         shape="decoder",
-        train_lengths=[1, 4],
+        train_lengths=list(train_lengths),
         config=config,
         **gate,
         **extra,
@@ -907,3 +909,171 @@ def test_a_one_seed_table_says_no_ci_once_and_its_caption_names_only_its_rows(
     md = (tmp_path / "report" / "report.md").read_text()
     assert "Test metrics (`rope+yarn`: the same runs evaluated with a RoPE" in md
     assert "| alibi | unknown | 1 | 6 (n=1, no CI) |" in md  # a mixed table marks its single runs
+
+
+# ----------------------------------------------------------------------------- effective length
+def test_effective_length_by_hand() -> None:
+    """The longest length up to which accuracy stays at or above the threshold: exactly the
+    threshold passes; a length that passes after a dip does not count; untested (NaN)
+    lengths are skipped; failing at the shortest is 0; nothing tested is None."""
+    from posenc.report.effective import effective_length
+
+    assert effective_length({8: 100.0, 16: 90.0, 32: 89.99, 64: 95.0}, 90.0) == 16
+    assert effective_length({16: 90.0, 8: 100.0, 32: 90.0}, 90.0) == 32  # order of the keys
+    assert effective_length({8: 99.0, 16: 50.0, 24: 99.0, 32: 99.0}, 90.0) == 8  # the dip
+    assert effective_length({8: 99.0, 16: 50.0, 24: 99.0}, 50.0) == 24
+    assert effective_length({8: 99.0, 16: math.nan, 24: 95.0, 32: None}, 90.0) == 24
+    assert effective_length({8: 80.0, 16: 99.0}, 90.0) == 0
+    assert effective_length({8: math.nan}, 90.0) is None
+
+
+def _by_size(accuracy: dict[int, float]) -> dict[str, dict[str, float]]:
+    return {str(n): {"count": 24, "seq_acc": a / 2, "acc": a} for n, a in accuracy.items()}
+
+
+def test_effective_lengths_over_seeds_leave_out_runs_that_did_not_learn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Per scheme: mean ± CI and min..max over the seeds that learned; a scheme that learned
+    in no seed is 'not learned' however well it scores, and not ranked; --threshold moves
+    the answer; a size no instance was tested at (count 0) is skipped."""
+    root = tmp_path / "sweep"
+    rope = [  # effective lengths 8, 6, 8 at 90% (seed 1 dips at 8); all 8 at 50%
+        {2: 100.0, 4: 99.0, 6: 95.0, 8: 91.0},
+        {2: 100.0, 4: 99.0, 6: 90.0, 8: 60.0},
+        {2: 100.0, 4: 92.0, 6: 90.5, 8: 90.0},
+    ]
+    for seed, acc in enumerate(rope):
+        _run(root, f"rope{seed}", "rope", seed, {}, True, by_size=_by_size(acc))
+    for seed in range(2):  # 100% everywhere, but the gate says it never learned the task
+        acc = {2: 100.0, 4: 100.0, 6: 100.0, 8: 100.0}
+        _run(root, f"sin{seed}", "sinusoidal", seed, {}, False, by_size=_by_size(acc))
+    # alibi: one seed learned (effective 4), the other did not and is left out
+    _run(root, "alibi0", "alibi", 0, {}, True, by_size=_by_size({2: 99.0, 4: 95.0, 6: 10.0}))
+    _run(root, "alibi1", "alibi", 1, {}, False, by_size=_by_size({2: 99.0, 4: 99.0, 6: 99.0}))
+    empty = _by_size({2: 91.0, 4: 91.0, 6: 50.0}) | {"8": {"count": 0, "acc": math.nan}}
+    _run(root, "nope0", "nope", 0, {}, True, by_size=empty)
+    _run(root, "nope1", "nope", 1, {}, True, by_size=empty)
+
+    build_report(root, tensorboard=False)
+    md = (root / "report" / "report.md").read_text()
+    assert "Effective length at 90% `acc`" in md
+    # rope: 8, 6, 8: mean 7.333, CI t(0.975, 2) 4.303 * 1.155 / sqrt 3 = 2.87
+    assert "| rope | 3 | **7.333 ± 2.9** | 6..8 | 8 |" in md
+    assert "| sinusoidal | 0 | not learned |  | 8 |" in md
+    assert "| alibi | 1 | 4 (1 not learned, left out) | 4..4 | 6 |" in md  # n=1: unranked
+    # no instance at 8: not a tested length; 4 and 4 differ from rope's (Welch p < 0.05)
+    assert "| nope | 2 | 4 ± 0 | 4..4 | 6 |" in md
+    with (root / "report" / "effective_length.csv").open() as f:
+        lengths = {r["encoder"]: r for r in csv.DictReader(f)}
+    assert lengths["rope"]["per_run"] == "8 6 8" and lengths["rope"]["min"] == "6"
+    assert float(lengths["rope"]["mean"]) == pytest.approx(22 / 3)
+    assert float(lengths["rope"]["ci95"]) == pytest.approx(4.302653 * 1.154701 / math.sqrt(3))
+    assert (lengths["rope"]["mark"], lengths["rope"]["threshold"]) == ("best", "90.0")
+    sin = lengths["sinusoidal"]
+    assert (sin["n"], sin["mean"], sin["not_learned"], sin["mark"]) == ("0", "", "2", "")
+
+    assert main([str(root), "--threshold", "50", "--no-tensorboard"]) == 0
+    md = (root / "report" / "report.md").read_text()
+    assert "Effective length at 50% `acc`" in md
+    assert "| rope | 3 | **8 ± 0** | 8..8 | 8 |" in md
+
+    capsys.readouterr()
+    assert main([str(root), "--out", str(tmp_path / "r2"), "--threshold", "0"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --threshold 0: an accuracy in percent, above 0 and at most 100; "
+        "give one such as --threshold 90\n"
+    )
+    assert not (tmp_path / "r2").exists()  # refused before any folder is made
+
+
+def test_tasks_without_sizes_have_no_effective_length_table(sweep: Path) -> None:
+    build_report(sweep, tensorboard=False)
+    assert "Effective length" not in (sweep / "report" / "report.md").read_text()
+    assert not (sweep / "report" / "effective_length.csv").exists()
+
+
+# ----------------------------------------------------------------------------- mqar heat map
+MQAR_PAIRS = {"": 4, "pairs_half": 2, "pairs_x2": 8, "pairs_x4": 16}
+
+
+def _mqar_run(root: Path, name: str, encoder: str, seed: int, acc: float, learned: bool) -> None:
+    """An mqar run trained on 16..32 tokens with 4 pairs, tested in buckets 16-31, 32-47
+    and 48-63 at 2, 4, 8 and 16 pairs; acc = ``acc`` - pairs - bucket start (so every
+    cell has its own value), 16 pairs too many for 16-31 (no instance: NaN)."""
+    metrics = {}
+    for variant, pairs in MQAR_PAIRS.items():
+        for start in (16, 32, 48):
+            kind = f"acc_{variant}" if variant else "acc"
+            bucket = f"len{start}-{start + 15}"
+            fits = not (pairs == 16 and start == 16)
+            metrics[f"test/{kind}@{bucket}"] = acc - pairs - start if fits else math.nan
+    buckets = ["len16-31", "len32-47", "len48-63"]
+    _run(
+        root,
+        name,
+        encoder,
+        seed,
+        metrics,
+        learned,
+        problem="mqar",
+        train_lengths=(16, 32),
+        buckets=buckets,
+        variant_pairs=MQAR_PAIRS,
+    )
+
+
+def test_mqar_heat_map_is_the_mean_accuracy_by_length_and_pairs(tmp_path: Path) -> None:
+    """One heat map per scheme: rows the size buckets (trained ones marked), columns the
+    numbers of pairs in increasing order, each cell the mean over seeds of the recorded
+    acc / 100; past the trained sizes, only runs that learned."""
+    from posenc.plots import pairs_means
+    from posenc.report import groups
+
+    root = tmp_path / "sweep"
+    _mqar_run(root, "rope0", "rope", 0, 100.0, True)
+    _mqar_run(root, "rope1", "rope", 1, 90.0, True)
+    _mqar_run(root, "nope0", "nope", 0, 100.0, True)
+    _mqar_run(root, "nope1", "nope", 1, 80.0, False)  # counts only inside 16..32
+    _mqar_run(root, "sin0", "sinusoidal", 0, 100.0, False)
+    report = build_report(root, tensorboard=False)
+    means = pairs_means(groups(report.runs), report.rows, "algo_mqar")
+    labels, pairs, grid, n, blank = means["rope"]
+    assert labels == ["16-31 (train)", "32-47 (train)", "48-63"] and n == 2
+    assert pairs == [2.0, 4.0, 8.0, 16.0]
+    expected = [[(95 - p - s) / 100 for p in (2, 4, 8, 16)] for s in (16, 32, 48)]
+    expected[0][3] = math.nan  # 16 pairs do not fit in 16-31 tokens
+    for got, want in zip(grid, expected, strict=True):
+        assert got == pytest.approx(want, nan_ok=True)
+    assert blank[0] == "not tested"
+    _, _, nope, _, _ = means["nope (1/2 learned)"]
+    assert nope[0][:3] == pytest.approx([(90 - p - 16) / 100 for p in (2, 4, 8)])
+    assert nope[2] == pytest.approx([(100 - p - 48) / 100 for p in (2, 4, 8, 16)])
+    _, _, sin, _, sin_blank = means["sinusoidal (0/1 learned)"]
+    assert sin[2] == pytest.approx([math.nan] * 4, nan_ok=True)
+    assert sin_blank[2] == "not learned"
+    from posenc.plots import figures
+
+    fig = figures(report.runs, groups(report.runs), report.rows)[
+        "algo_mqar_acc_by_length_and_pairs"
+    ]
+    assert fig._suptitle.get_text().startswith("algo_mqar: test acc by length and number of")
+    maps = [ax for ax in fig.axes if ax.get_xlabel() == "key-value pairs"]  # not colour bars
+    assert sorted(ax.get_title() for ax in maps) == [
+        "nope (1/2 learned) (n=2)",
+        "rope (n=2)",
+        "sinusoidal (0/1 learned) (n=1)",
+    ]
+    md = (root / "report" / "report.md").read_text()
+    png = "algo_mqar_acc_by_length_and_pairs.png"
+    assert (root / "report" / png).is_file() and f"]({png})" in md
+
+
+def test_runs_without_pairs_have_no_heat_map(tmp_path: Path) -> None:
+    """A record without ``variant_pairs`` (another problem, or an mqar run written
+    before it was recorded) loads, and draws no heat map."""
+    root = tmp_path / "sweep"
+    _run(root, "rope0", "rope", 0, {"test/acc@len1-4": 90.0}, True)
+    report = build_report(root, tensorboard=False)
+    assert report.runs[0].record.variant_pairs == {}  # type: ignore[attr-defined]
+    assert not list((root / "report").glob("*pairs*"))

@@ -101,6 +101,7 @@ def records() -> list[Record]:
             metrics={MetricName("test/seq_acc@len5-8"): 12.5},
             by_size={6: {"count": 2, "seq_acc": 50.0, "acc": 75.0}},
             by_size_variants={"sparse": {6: {"count": 1, "seq_acc": 0.0, "acc": 10.0}}},
+            variant_pairs={"": 4, "sparse": 8},
         ),
     ]
 
@@ -154,6 +155,28 @@ def test_a_metrics_json_without_a_version_loads_as_version_1() -> None:
     again = to_json(record)
     assert again.pop("version") == VERSION
     assert list(again.items()) == list(data.items())
+
+
+def test_an_algo_file_from_before_variant_pairs_loads_without_them() -> None:
+    """An mqar run's file written before the pairs of its test variants were recorded
+    reads as version 1 with none (the report then draws no heat map), and writes back
+    with the key added, every other value as it was."""
+    data = to_json(records()[-1])
+    del data["variant_pairs"], data["version"]
+    record = from_json(json.loads(json.dumps(data)))
+    assert isinstance(record, AlgoRecord)
+    assert record.variant_pairs == {} and not record.extra
+    assert record.by_size_variants == records()[-1].by_size_variants
+    again = to_json(record)
+    assert again.pop("variant_pairs") == {}
+    assert again.pop("version") == VERSION
+    assert again == data
+
+
+def test_variant_metric_names_a_variants_bucket() -> None:
+    algo = AlgoRecord()
+    assert algo.variant_metric("acc", "pairs_x2", "len16-31") == "test/acc_pairs_x2@len16-31"
+    assert algo.variant_metric("acc", "", "len16-31") == "test/acc@len16-31"
 
 
 def test_a_file_from_before_the_gate_keeps_its_standing_unknown() -> None:
@@ -248,6 +271,7 @@ READERS: dict[str, set[str] | None] = {
     "posenc/report/__init__.py": None,
     "posenc/report/tune.py": None,
     "posenc/report/stats.py": None,
+    "posenc/report/effective.py": None,
     "posenc/runs.py": None,
     "posenc/plots.py": None,
     "posenc/training/summary.py": None,

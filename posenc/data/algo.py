@@ -25,6 +25,7 @@ sparse and dense splits): instances of another distribution, keyed by the varian
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -166,8 +167,15 @@ def evaluation_set(
     options: Options,
 ) -> AlgoSet:
     """``per_size`` instances of every size and variant, keyed by ``split`` only (the same
-    for every seed and encoder)."""
-    grid = [(v, n, i) for v in variants for n in sizes for i in range(per_size)]
+    for every seed and encoder). A size a variant cannot hold (mqar's with more pairs) is
+    left out of that variant: its cells stay empty."""
+    grid = [
+        (v, n, i)
+        for v in variants
+        for n in sizes
+        if problem.valid(n, replace(options, variant=v))
+        for i in range(per_size)
+    ]
     return AlgoSet(
         problem,
         vocab,

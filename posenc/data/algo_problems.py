@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -167,6 +168,9 @@ class Problem:
             taken wherever the command line and the presets leave those keys unset.
         rules: What is wrong with its options, one config error a line (mqar: more
             queries than pairs).
+        pairs: The key-value pairs of an instance of ``options.variant``, for a problem
+            whose test variants differ in their number of pairs (mqar): the report draws
+            accuracy by length x pairs.
     """
 
     name: str
@@ -185,6 +189,7 @@ class Problem:
     paper: str = ""
     defaults: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     rules: Callable[[Options], list[str]] = lambda o: []
+    pairs: Callable[[Options], int] | None = None
 
     @property
     def shapes(self) -> tuple[str, ...]:
@@ -246,6 +251,35 @@ def _mqar_keys(o: Options) -> list[str]:
 
 def _mqar_values(o: Options) -> list[str]:
     return [f"v{i}" for i in range(o.value_vocab)]
+
+
+#: MQAR's test distributions: the training one (``""``, ``task.pairs`` pairs) and others
+#: with this many times ``task.pairs`` pairs, so the report can draw accuracy by length x
+#: number of pairs (Zoology tests beyond its training pairs as well as lengths).
+MQAR_PAIRS: dict[str, float] = {"": 1.0, "pairs_half": 0.5, "pairs_x2": 2.0, "pairs_x4": 4.0}
+
+
+def mqar_pairs(o: Options) -> int:
+    """The key-value pairs of an MQAR instance of ``o.variant`` (at least one)."""
+    return max(1, int(o.pairs * MQAR_PAIRS[o.variant]))
+
+
+def _mqar_queries(o: Options) -> int:
+    """Queries of an instance of ``o.variant``: ``task.queries``, at most its pairs."""
+    return min(o.queries, mqar_pairs(o))
+
+
+def _mqar_min_size(o: Options) -> int:
+    """Pairs and queries take two tokens each; a variant with more pairs than keys or
+    values has no valid size (its cells are left empty, not failed)."""
+    pairs = mqar_pairs(o)
+    if pairs > min(o.key_vocab, o.value_vocab):
+        return sys.maxsize
+    return 2 * pairs + 2 * _mqar_queries(o)
+
+
+def _mqar(rng: random.Random, n: int, o: Options) -> Instance:
+    return content.mqar(rng, n, mqar_pairs(o), _mqar_queries(o), _mqar_keys(o), _mqar_values(o))
 
 
 def _mqar_rules(o: Options) -> list[str]:
@@ -333,11 +367,13 @@ CONTENT = (
         "mqar",
         "tokens (task.pairs key-value pairs, then task.queries queries among noise)",
         lambda o: [*_mqar_keys(o), *_mqar_values(o)],
-        lambda rng, n, o: content.mqar(rng, n, o.pairs, o.queries, _mqar_keys(o), _mqar_values(o)),
+        _mqar,
         lambda n, o: (n, 0),
-        min_size=lambda o: 2 * o.pairs + 2 * o.queries,
+        min_size=_mqar_min_size,
         step=2,
         tagged=True,
+        variants=tuple(MQAR_PAIRS),
+        pairs=mqar_pairs,
         paper="Arora et al. 2023, Zoology: Measuring and Improving Recall in Efficient "
         "Language Models (multi-query associative recall)",
         defaults={

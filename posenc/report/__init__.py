@@ -4,8 +4,9 @@ Reads every ``metrics.json`` and ``error.json`` below the directories and writes
 ``--out`` (default ``<dir>/report/``): ``report.md``, ``report.csv`` (one row per task x
 encoder x metric: mean, sample std, 95% CI, n, skipped, runs left out as not learned, the
 mark against the column's best and its p-value, and the compute columns), PNG figures, the
-same figures in TensorBoard (``<out>/tb``), and ``tuned_lr.yaml`` when the runs hold a
-learning-rate grid (:mod:`posenc.report.tune`). A partial sweep is reported as it stands:
+same figures in TensorBoard (``<out>/tb``), ``effective_length.csv`` for algorithmic tasks
+(:mod:`posenc.report.effective`, at ``--threshold``), and ``tuned_lr.yaml`` when the runs
+hold a learning-rate grid (:mod:`posenc.report.tune`). A partial sweep is reported as it stands:
 failed runs (``error.json``) and job directories without results are listed, never fatal.
 
 Statistics (:mod:`posenc.report.stats`): intervals by Student's t over seeds, Welch's
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from posenc import plots, results
+from posenc.report import effective
 from posenc.report.stats import BEST, TIE, ci95, lower_is_better, rank
 from posenc.report.tune import Grid, arm_note, assign_arms, grid_table, grids, write_tuned
 from posenc.results import COST_KEYS, LMRecord, MetricName, MTRecord
@@ -380,8 +382,9 @@ def markdown(
     figures: Sequence[Path],
     lr_grids: Sequence[Grid] = (),
     tuned: Path | None = None,
+    threshold: float = effective.THRESHOLD,
 ) -> str:
-    """The text of ``report.md``."""
+    """The text of ``report.md`` (``threshold``: of the effective lengths, percent)."""
     out = [
         f"# Sweep report: {', '.join(f'`{r}`' for r in roots)}",
         "",
@@ -420,6 +423,10 @@ def markdown(
             "",
         ]
         out += position_table(task_groups)
+        effective_body = effective.table_body(task_groups, threshold)
+        if effective_body:
+            out += [effective.caption(threshold), ""]
+            out += [*_table(effective.HEADER, effective_body), ""]
         out += ["<details><summary>All metrics</summary>", ""]
         out += _table(
             [
@@ -629,7 +636,10 @@ class Report:
 
 
 def build_report(
-    root: Path | Sequence[Path], out: Path | None = None, tensorboard: bool = True
+    root: Path | Sequence[Path],
+    out: Path | None = None,
+    tensorboard: bool = True,
+    threshold: float = effective.THRESHOLD,
 ) -> Report:
     """Collect, aggregate and write the report.
 
@@ -638,14 +648,17 @@ def build_report(
             same sweep with ``+tuned``: one report with a table for each).
         out: Output directory; default ``<root>/report`` (required with several).
         tensorboard: Also write the figures to ``<out>/tb``.
+        threshold: Accuracy in percent of the effective lengths
+            (:mod:`posenc.report.effective`).
 
     Returns:
         The runs, failures, rows and the files written.
 
     Raises:
         FileNotFoundError: A ``root`` is not a directory.
-        ValueError: Several directories and no ``out``.
+        ValueError: Several directories and no ``out``, or a threshold outside (0, 100].
     """
+    effective.check(threshold)
     roots = [Path(r).resolve() for r in ([root] if isinstance(root, str | Path) else root)]
     for r in roots:
         if not r.is_dir():
@@ -670,13 +683,19 @@ def build_report(
     figures = plots.figures(runs, by_group, rows)
     writer = plots.summary_writer(out / "tb") if tensorboard else None
     pngs = plots.save(figures, out, writer)
-    text = markdown(roots, runs, failures, rows, pngs, lr_grids, tuned)
+    text = markdown(roots, runs, failures, rows, pngs, lr_grids, tuned, threshold)
     (out / "report.md").write_text(text)
     write_csv(rows, out / "report.csv", {k: learned_cell(rs) for k, rs in by_group.items()})
+    tables: dict[str, dict[str, list[Run]]] = defaultdict(dict)
+    for (task, encoder), rs in by_group.items():
+        tables[task][encoder] = rs
+    lengths = out / "effective_length.csv"
+    wrote_lengths = effective.write_csv(lengths, tables, threshold)
     if writer is not None:
         writer.add_text("report/summary", text, 0)  # TensorBoard renders the markdown
         writer.close()
-    files = [out / "report.md", out / "report.csv", *([tuned] if tuned else []), *pngs]
+    files = [out / "report.md", out / "report.csv", *([lengths] if wrote_lengths else [])]
+    files += [*([tuned] if tuned else []), *pngs]
     return Report(runs, failures, rows, files)
 
 
@@ -692,7 +711,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="output dir (default <dir>/report)")
     parser.add_argument("--no-tensorboard", action="store_true", help="skip <out>/tb")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=effective.THRESHOLD,
+        help="accuracy (percent) of the algorithmic tasks' effective lengths: the longest "
+        f"tested length up to which a scheme stays at or above it (default "
+        f"{effective.THRESHOLD:g})",
+    )
     args = parser.parse_args(argv)
+    try:
+        effective.check(args.threshold)  # before the report folder is made
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     dirs = args.dir
     out = args.out if args.out is not None else dirs[0] / "report"
     try:
@@ -709,7 +741,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     try:
-        rep = build_report(args.dir, args.out, tensorboard=not args.no_tensorboard)
+        rep = build_report(
+            args.dir, args.out, tensorboard=not args.no_tensorboard, threshold=args.threshold
+        )
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,14 @@ def bucket_metrics(
     return metrics
 
 
+def variant_pairs(dm: AlgoDataModule) -> dict[str, int]:
+    """Key-value pairs of each test variant, for a problem that varies them (mqar)."""
+    pairs = dm.problem.pairs
+    if pairs is None:
+        return {}
+    return {v: pairs(replace(dm.options, variant=v)) for v in dm.problem.variants}
+
+
 def finish(
     cfg: Run[schema.AlgoTask],
     run_dir: Path,
@@ -204,6 +213,7 @@ def finish(
         metrics=metrics,
         by_size=by_size(task.results[""], sizes, kinds),
         by_size_variants={v: by_size(task.results[v], sizes, kinds) for v in problem.variants if v},
+        variant_pairs=variant_pairs(dm),
     )
     result = job.record(cfg, task, fitted, throughput, fields)
     return job.write(

@@ -21,6 +21,7 @@ from posenc.data.algo import (
     collate_encdec,
     collate_eval,
     collate_tagged,
+    evaluation_set,
     instance,
     size_batches,
 )
@@ -405,3 +406,23 @@ def test_mqar_sizes_and_options_are_config_errors_naming_the_fix() -> None:
     assert msgs[1].startswith("task.key_vocab=3: fewer than task.pairs=4")
     with pytest.raises(ValueError, match="must be at least 16 and a multiple of 2"):
         instance(p, 14, "k")
+
+
+def test_mqar_test_variants_hold_their_number_of_pairs_where_it_fits() -> None:
+    """The variants have half, twice and four times ``task.pairs`` pairs (as many queries
+    as fit); a size too short for a variant's pairs, or more pairs than keys, is left out
+    of its test set, never failed."""
+    p, o = PROBLEMS["mqar"], Options(pairs=4, queries=2, key_vocab=8, value_vocab=8)
+    assert p.variants == ("", "pairs_half", "pairs_x2", "pairs_x4")
+    for variant, pairs in (("", 4), ("pairs_half", 2), ("pairs_x2", 8)):
+        tokens, labels = instance(p, 40, "t", o, variant=variant)
+        keys = tokens[0 : 2 * pairs : 2]
+        assert len(set(keys)) == pairs and all(k.startswith("k") for k in keys)
+        assert sum(label is not None for label in labels) == 2
+    assert instance(p, 40, "t", o) != instance(p, 40, "t", o, variant="pairs_x2")
+    vocab = AlgoVocab(p, o)
+    data = evaluation_set(p, vocab, "test", [12, 20], 3, p.variants, options=o)
+    held = sorted({(v, n) for v, n in zip(data.variants, data.sizes, strict=True)})
+    # 8 pairs and 2 queries take 20 tokens; 16 pairs exceed the 8 keys: no instance
+    assert held == [("", 12), ("", 20), ("pairs_half", 12), ("pairs_half", 20), ("pairs_x2", 20)]
+    assert len(data) == 5 * 3

@@ -310,7 +310,11 @@ def test_whole_run(tmp_path: Path, overrides: list[str], capsys: pytest.CaptureF
                 "task.train_lengths=[4,8]",
             ],
             ["len4-8", "len9-10", "len11-12", "len13-14", "len15-16"],
-            ["seq_acc", "acc"],
+            [
+                f"{kind}{variant}"
+                for variant in ("", "_pairs_half", "_pairs_x2", "_pairs_x4")
+                for kind in ("seq_acc", "acc")
+            ],
         ),
     ],
 )
@@ -323,17 +327,25 @@ def test_whole_runs_of_the_content_problems(
     assert saved["table_metrics"] == table
     for b in saved["buckets"]:
         for kind in table:
-            assert 0 <= saved["metrics"][f"test/{kind}@{b}"] <= 100
+            value = saved["metrics"][f"test/{kind}@{b}"]
+            # mqar with 4 pairs (x4) holds no instance of size 4..8: that cell is empty
+            assert 0 <= value <= 100 or (kind.endswith("x4") and b == "len4-8" and value != value)
     assert {"val/loss", "val/acc", "val/seq_acc"} <= set(saved["metrics"])
     sizes = [int(n) for n in saved["by_size"]]
     assert all(row["count"] == 3 for row in saved["by_size"].values())
     if saved["problem"] == "mqar":  # even sizes, from the 4 tokens a pair and a query take
         assert sizes == list(range(4, 17, 2))
+        # tested at 1 (half of 1, at least one), 2 and 4 pairs too, each where it fits
+        pairs = {"": 1, "pairs_half": 1, "pairs_x2": 2, "pairs_x4": 4}
+        assert saved["variant_pairs"] == pairs
+        for variant, rows in saved["by_size_variants"].items():
+            fits = [int(n) for n, row in rows.items() if row["count"] == 3]
+            assert fits == [n for n in sizes if n >= 2 * pairs[variant] + 2]
     if saved["problem"] == "flipflop":  # hi and its doublings, three splits
         assert sizes == [int(b.split("-")[1]) for b in buckets or []]
         assert set(saved["by_size_variants"]) == {"sparse", "dense"}
         assert saved["test_sizes"] == "doubling"
-    else:
+    elif saved["problem"] != "mqar":
         assert saved["by_size_variants"] == {}
     assert saved["source"] and saved["metric_doc"]
     assert result["metrics"] == pytest.approx(saved["metrics"], nan_ok=True)
