@@ -22,7 +22,7 @@ from tests.model.test_cache import SETTINGS, lm
 
 #: Schemes it applies to: NoPE, a q/k transform, score terms, a decay about a centre, a
 #: content-position term (DeBERTa) and a mix of RoPE and NoPE layers.
-STREAMABLE = ["none", "rope", "alibi", "t5", "kerple", "deberta", "xpos", "mix"]
+STREAMABLE = ["none", "rope", "alibi", "t5", "kerple", "xl", "deberta", "xpos", "mix"]
 #: RoPE's and xPos's float32 angle and decay tables round differently at the re-indexed
 #: positions than at the text's; the rest agree to float64 rounding.
 LOOSE = {"rope": 1e-6, "xpos": 1e-6, "mix": 1e-6}
