@@ -184,60 +184,32 @@ def streaming_attend(
     """
     b, h, t, _ = q.shape
     s = k.shape[-2]
-    block = max(1, min(t, BLOCK_BYTES // max(1, 8 * b * h * s)))
-    if block >= t:
-        return _attend_block(pos, q, k, v, ctx, stream, shift=shift, key_valid=key_valid)
     setting, sink_ctx = stream
+    n = min(setting.sinks, s)
+    sink_valid = None if key_valid is None else key_valid[:, :n]
+    seen = key_valid  # (B, n + S) with the sinks: what the softmax may take
+    if sink_ctx is not None:  # the sinks' values and padding go first, as their logits
+        v = torch.cat((v[:, :, :n], v), dim=-2)  # (B, H, n + S, D)
+        if key_valid is not None and sink_valid is not None:
+            seen = torch.cat((sink_valid, key_valid), dim=-1)
+    block = max(1, min(t, BLOCK_BYTES // max(1, 8 * b * h * s)))
     parts = []
     for a in range(0, t, block):  # Python ints: the same graph for every pass
-        sub = None if sink_ctx is None else sink_ctx.slice_queries(a, a + block)
-        parts.append(
-            _attend_block(
-                pos,
-                q[:, :, a : a + block],
-                k,
-                v,
-                ctx.slice_queries(a, a + block),
-                (setting, sub),
-                shift=shift + a,
-                key_valid=key_valid,
-            )
-        )
+        sub = replace(ctx.slice_queries(a, a + block), key_valid=key_valid, shift=shift + a)
+        offsets = sub.key_offsets()  # (T', S): key slot minus the query's own slot
+        j = torch.arange(s, device=q.device)
+        # the window: keys i - window < j <= i, less the sinks (scored at their positions)
+        band = (offsets <= 0) & (offsets > -setting.window) & (j >= n)
+        wide = torch.promote_types(q.dtype, torch.float32)  # a softmax in float32 at least
+        q_a = q[:, :, a : a + block]
+        logits = _logits(pos, q_a, k, sub).to(wide).masked_fill(~band, float("-inf"))
+        if sink_ctx is not None:
+            sinks_sub = sink_ctx.slice_queries(a, a + block)
+            sinks_sub = replace(sinks_sub, key_valid=sink_valid, shift=shift + a)
+            sinks = _logits(pos, q_a, k[:, :, :n], sinks_sub).to(wide)  # (B, H, T', n)
+            sinks = sinks.masked_fill(offsets[:, :n] > 0, float("-inf"))  # causal
+            logits = torch.cat((sinks, logits), dim=-1)  # (B, H, T', n + S)
+        if seen is not None:
+            logits = logits.masked_fill(~seen[:, None, None, :], float("-inf"))
+        parts.append(logits.softmax(-1).to(v.dtype) @ v)  # (B, H, T', D)
     return torch.cat(parts, dim=2)
-
-
-def _attend_block(
-    pos: AttentionPositional,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    ctx: AttentionContext,
-    stream: tuple[Streaming, AttentionContext | None],
-    *,
-    shift: int | Tensor,
-    key_valid: Tensor | None,
-) -> Tensor:
-    """:func:`streaming_attend` for one block of queries."""
-    setting, sink_ctx = stream
-    s = k.shape[-2]
-    n = min(setting.sinks, s)
-    ctx = replace(ctx, key_valid=key_valid, shift=shift)
-    offsets = ctx.key_offsets()  # (T, S): key slot minus the query's own slot
-    j = torch.arange(s, device=q.device)
-    # the window: keys i - window < j <= i, less the sinks (scored with their own positions)
-    band = (offsets <= 0) & (offsets > -setting.window) & (j >= n)
-    wide = torch.promote_types(q.dtype, torch.float32)  # a softmax in float32 at least
-    logits = _logits(pos, q, k, ctx).to(wide).masked_fill(~band, float("-inf"))
-    values = v
-    if sink_ctx is not None:
-        sink_valid = None if key_valid is None else key_valid[:, :n]
-        sink_ctx = replace(sink_ctx, key_valid=sink_valid, shift=shift)
-        sinks = _logits(pos, q, k[:, :, :n], sink_ctx).to(wide)  # (B, H, T, n)
-        sinks = sinks.masked_fill(offsets[:, :n] > 0, float("-inf"))  # causal
-        logits = torch.cat((sinks, logits), dim=-1)  # (B, H, T, n + S)
-        values = torch.cat((v[:, :, :n], v), dim=-2)
-        if key_valid is not None:
-            key_valid = torch.cat((sink_valid, key_valid), dim=-1)  # type: ignore[arg-type]
-    if key_valid is not None:
-        logits = logits.masked_fill(~key_valid[:, None, None, :], float("-inf"))
-    return logits.softmax(-1).to(v.dtype) @ values  # (B, H, T, D)
