@@ -35,6 +35,7 @@ from posenc.encoders import registry
 from posenc.encoders.base import AttnKind
 from posenc.errors import ConfigError, problem_message
 from posenc.model.modifiers import Modifiers
+from posenc.model.streaming import sizes_problem
 from posenc.model.transformer import NO_WINDOW_IN_TRANSLATOR
 from posenc.model.window import layers_problem, window_problem
 from posenc.schema import finite, integer
@@ -259,7 +260,8 @@ def _task(cfg: DictConfig, machine: bool = True) -> list[str]:
 
 
 def _lm(cfg: DictConfig) -> list[str]:
-    """Lengths: each evaluation length at least a token."""
+    """Lengths: each evaluation length at least a token; StreamingLLM's cache within the
+    training length."""
     t = cfg.task
     out = [
         f"task.eval.multipliers contains {m!r}: {m} * task.seq_len={t.seq_len} is below one "
@@ -267,7 +269,22 @@ def _lm(cfg: DictConfig) -> list[str]:
         for m in t.eval.multipliers
         if int(m * t.seq_len) < 1
     ]
-    return out
+    sinks = t.eval.streaming.sinks
+    if "streaming" not in t.eval.context_extension:
+        return out
+    if t.eval.streaming.window is None and sinks >= t.seq_len:
+        return out + [
+            f"task.eval.streaming.sinks={sinks}: leaves no window within task.seq_len="
+            f"{t.seq_len} (window null is seq_len - sinks); give sinks < {t.seq_len}"
+        ]
+    problem = sizes_problem(sinks, streaming_window(t), t.seq_len, "task.eval.streaming.")
+    return out + ([problem] if problem else [])
+
+
+def streaming_window(task: Any) -> int:
+    """``task.eval.streaming.window``, its null read as ``task.seq_len - sinks``."""
+    window = task.eval.streaming.window
+    return task.seq_len - task.eval.streaming.sinks if window is None else window
 
 
 def _mt(cfg: DictConfig) -> list[str]:

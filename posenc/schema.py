@@ -298,15 +298,34 @@ class Passkey(Group):
     measure_unlearned: bool = key(False)
 
 
+#: Context-extension methods for ``task.eval.context_extension``: RoPE's scalings, and
+#: StreamingLLM's sinks and window (:mod:`posenc.model.streaming`), which any scheme whose
+#: scores depend on the query-key distance alone can take.
+EXTENSIONS = (*SCALINGS[1:], "streaming")
+
+
 def _extension_methods(key: str, value: Any) -> list[str]:
-    allowed = ", ".join(SCALINGS[1:])
+    allowed = ", ".join(EXTENSIONS)
     if not isinstance(value, ListConfig | list):
         return [f"{key}={value!r}: must be a list, e.g. {key}=[{value}]; allowed methods {allowed}"]
-    out = [f"{key} contains {m!r}: allowed {allowed}" for m in value if m not in SCALINGS[1:]]
+    out = [f"{key} contains {m!r}: allowed {allowed}" for m in value if m not in EXTENSIONS]
     twice = sorted({m for m in value if list(value).count(m) > 1})
     if twice:
         out.append(f"{key} lists {', '.join(twice)} twice; give each method once")
     return out
+
+
+@dataclass(frozen=True)
+class StreamingEval(Group):
+    """``task.eval.streaming``: the cache of ``context_extension=[streaming]``
+    (StreamingLLM, Xiao et al. 2024): every query sees the first ``sinks`` tokens and the
+    last ``window``; their sum may not pass ``task.seq_len`` (checked in
+    :mod:`posenc.config`)."""
+
+    sinks: int = key(4, "int>=0", " (the paper's 4)")
+    window: int | None = key(
+        None, "int>0", " (null: task.seq_len - sinks, the training length in all)", optional=True
+    )
 
 
 @dataclass(frozen=True)
@@ -338,6 +357,11 @@ class LMEval(Group):
                 f"{k}={v!r}: must be auto (s = max(1, eval length / task.seq_len)) or a number >= 1"
             ]
         ),
+    )
+    streaming: StreamingEval = group(
+        StreamingEval,
+        f"must be a mapping with keys {', '.join(StreamingEval.__dataclass_fields__)} "
+        "(see conf/task/lm.yaml)",
     )
     passkey: Passkey = group(
         Passkey,

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from posenc.model import DecoderLM
+from posenc.model.streaming import Streaming
 from posenc.stop import check as check_stop
 
 
@@ -42,6 +43,7 @@ def generate(
     seed: int | None = None,
     use_cache: bool = True,
     pad: Tensor | None = None,
+    streaming: Streaming | None = None,
 ) -> Tensor:
     """Continue each prompt by ``new_tokens`` tokens.
 
@@ -58,12 +60,18 @@ def generate(
         pad: ``(B,)`` left padding of prompts of different lengths (each row's positions
             then start at its first real token; padding is never attended). Needs the
             cache.
+        streaming: StreamingLLM's sinks and window (:mod:`posenc.model.streaming`): each
+            step sees the first ``sinks`` tokens and the last ``window``, at positions
+            re-indexed inside that cache; the same tokens with and without the cache.
+            None: every token seen.
 
     Returns:
         ``(B, P + N)``: the prompts and their continuations.
 
     Raises:
-        ValueError: An empty prompt, a negative count or temperature, ``top_k < 1``.
+        ValueError: An empty prompt, a negative count or temperature, ``top_k < 1``;
+            ``streaming`` with left-padded prompts (the sinks are each row's first tokens,
+            at different slots) or with a model it cannot apply to.
         StopRequested: :func:`posenc.stop.request_stop` was called during generation.
     """
     if prompt.dim() != 2 or prompt.shape[1] < 1:
@@ -79,6 +87,26 @@ def generate(
         gen = torch.Generator(device=prompt.device).manual_seed(seed)
     if pad is not None and not use_cache:
         raise ValueError("left-padded prompts (pad=...) are decoded with the cache only")
+    if pad is not None and streaming is not None:
+        raise ValueError(
+            "streaming=... takes prompts of one length (no pad=...): the sinks are the first "
+            "tokens of every row; decode rows of different lengths one at a time"
+        )
+    with model.streaming(streaming):
+        return _continue(model, prompt, new_tokens, temperature, top_k, gen, use_cache, pad)
+
+
+def _continue(
+    model: DecoderLM,
+    prompt: Tensor,
+    new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    gen: torch.Generator | None,
+    use_cache: bool,
+    pad: Tensor | None,
+) -> Tensor:
+    """:func:`generate`'s loop, its arguments checked."""
     out = prompt
     # The static cache holds the prompt and every token fed back (the last one is not).
     cache = model.new_cache(prompt.shape[1] + max(new_tokens - 1, 0), pad) if use_cache else None

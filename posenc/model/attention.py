@@ -18,6 +18,7 @@ from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind
 from posenc.model.backends import attend, use_flex
 from posenc.model.cache import LayerCache
 from posenc.model.modifiers import HeadRMSNorm, LogitModifiers, Modifiers
+from posenc.model.streaming import STREAMING, streaming_attend
 
 
 class Attention(nn.Module):
@@ -126,6 +127,11 @@ class Attention(nn.Module):
         v = self._heads(src, self.v_proj)  # (B, H, S, D)
         if memory is None:
             k, v = self.pos.transform_kv(x, k, v, key_valid=key_valid, cache=None)
+        stream = shared.get(STREAMING) if memory is None else None
+        if stream is not None:  # evaluation-time StreamingLLM (the stack's setting)
+            shift = k.shape[-2] - q.shape[-2]
+            out = streaming_attend(self.pos, q, k, v, ctx, stream, shift=shift, key_valid=key_valid)
+            return self._merge(x, out)
         b, h, t, _ = q.shape
         s = k.shape[-2]
         causal = ctx.kind is AttnKind.CAUSAL
@@ -196,6 +202,13 @@ class Attention(nn.Module):
             cache=cache,
         )
         values = cache.extend("values", v_new)  # (B, H, S, D)
+        stream = shared.get(STREAMING)
+        if stream is not None:  # projected keys, transformed at every step
+            raw = cache.extend("raw", k_new)
+            out = streaming_attend(
+                self.pos, q, raw, values, ctx, stream, shift=cache.at[0], key_valid=key_valid
+            )
+            return self._merge(x, out)
         if ctx.stable_keys:
             # new keys transformed once, at their own positions
             # (the new keys' context is the same for every layer of the step: cut once)

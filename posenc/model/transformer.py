@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from posenc.encoders.base import (
 from posenc.model.cache import KVCache
 from posenc.model.layers import Block
 from posenc.model.modifiers import Modifiers
+from posenc.model.streaming import Streaming, attach, refusal, sizes_problem
 
 EncoderFactory = Callable[..., PositionalEncoder]
 
@@ -123,6 +125,9 @@ class Stack(nn.Module):
         )
         self.drop = nn.Dropout(dropout)
         self.ln_f = nn.LayerNorm(d_model)
+        #: StreamingLLM's sinks and window for causal self-attention (evaluation time,
+        #: :meth:`DecoderLM.streaming`); None: off.
+        self.streaming: Streaming | None = None
 
     def forward(
         self,
@@ -171,6 +176,8 @@ class Stack(nn.Module):
         self.encoder.check_length(bound)
         x = self.drop(self.encoder.embed(x, positions))
         ctx = self.encoder.context(positions, positions, self.kind, starts=starts, bound=bound)
+        if self.streaming is not None:
+            attach(ctx, self.encoder, self.streaming, positions, bound)
         cross_ctx = self._cross_context(positions, memory, starts, bound)
         for layer in self.layers:
             x = layer(
@@ -220,6 +227,8 @@ class Stack(nn.Module):
         else:
             x = self.drop(self.encoder.embed(x, positions))
             ctx = self.encoder.context(positions, k_pos, self.kind, bound=size, lengths=lengths)
+            if self.streaming is not None:
+                attach(ctx, self.encoder, self.streaming, k_pos, size)
             cross_ctx = self._cross_context(positions, memory, None, size)
             for layer_cache in cache.layers:  # all before any layer runs (see cache.py)
                 layer_cache.at = slots
@@ -440,6 +449,27 @@ class DecoderLM(nn.Module):
         next tokens after the cached ones."""
         h = self.stack(self.embed(ids), positions, offset=offset, cache=cache)
         return h @ self.embed.weight.T  # tied output layer
+
+    @contextmanager
+    def streaming(self, setting: Streaming | None) -> Iterator[None]:
+        """StreamingLLM inside the ``with`` block (:mod:`posenc.model.streaming`): every
+        query sees the first ``setting.sinks`` tokens and the last ``setting.window``,
+        at positions re-indexed inside that cache, in full passes and cached steps
+        alike; None: off. The previous setting is restored after the block.
+
+        Raises:
+            ValueError: The scheme or the model's attention cannot be re-indexed so
+                (:func:`~posenc.model.streaming.refusal`), or the sizes are invalid.
+        """
+        if setting is not None:
+            problem = sizes_problem(setting.sinks, setting.window) or refusal(self)
+            if problem:
+                raise ValueError(f"streaming: {problem}")
+        before, self.stack.streaming = self.stack.streaming, setting
+        try:
+            yield
+        finally:
+            self.stack.streaming = before
 
 
 class EncoderDecoder(nn.Module):

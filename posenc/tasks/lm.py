@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from posenc.encoders.base import Scalable
 from posenc.eval.lengths import TokenNLL, describe_metric
 from posenc.model import DecoderLM
+from posenc.model.streaming import Streaming
 from posenc.training.module import TaskModule
 from posenc.training.optim import check_finite
 
@@ -27,6 +28,19 @@ class Extension(NamedTuple):
     method: str
     factor: float
     original_length: int
+
+
+class StreamingExtension(NamedTuple):
+    """StreamingLLM applied to one evaluation loader: a mask and positions re-indexed
+    inside the cache, for any scheme that allows it (:mod:`posenc.model.streaming`)."""
+
+    method: str  # "streaming"
+    sinks: int
+    window: int
+
+
+#: What one evaluation loader runs under: a RoPE scaling, StreamingLLM, or None (plain).
+EvalExtension = Extension | StreamingExtension | None
 
 
 class LMTask(TaskModule[DecoderLM]):
@@ -61,7 +75,7 @@ class LMTask(TaskModule[DecoderLM]):
         self.val_nll = TokenNLL(seq_len)
         self.eval_metrics = nn.ModuleDict()  # loader name -> TokenNLL, set by set_eval_loaders
         self.eval_names: list[str] = []
-        self.eval_extensions: list[Extension | None] = []
+        self.eval_extensions: list[EvalExtension] = []
         self.results: dict[str, dict[str, Tensor]] = {}
 
     def forward(self, ids: Tensor, positions: Tensor | None = None) -> Tensor:
@@ -103,7 +117,7 @@ class LMTask(TaskModule[DecoderLM]):
         self,
         names: list[str],
         lengths: list[int],
-        extensions: list[Extension | None] | None = None,
+        extensions: list[EvalExtension] | None = None,
     ) -> None:
         """Declare the evaluation loaders (in the order given to ``trainer.test``).
 
@@ -136,6 +150,8 @@ class LMTask(TaskModule[DecoderLM]):
         ext = self.eval_extensions[idx] if idx < len(self.eval_extensions) else None
         if ext is None:
             return nullcontext()
+        if isinstance(ext, StreamingExtension):
+            return self.model.streaming(Streaming(ext.sinks, ext.window))
         # Only schemes with scaling_methods get an extension (the LM job checks).
         encoder = cast(Scalable, self.model.encoder)
         return encoder.scaled(ext.method, ext.factor, ext.original_length)

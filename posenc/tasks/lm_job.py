@@ -14,6 +14,7 @@ from hydra.utils import instantiate
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc import schema
+from posenc.config import streaming_window
 from posenc.data.lm import LMDataModule
 from posenc.data.passkey import passkey_problems
 from posenc.data.samplers import ShardSampler
@@ -21,11 +22,12 @@ from posenc.data.sources import check_splits
 from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.errors import refuse
 from posenc.eval.lengths import PROTOCOLS, metric_name
+from posenc.model.streaming import refusal
 from posenc.plots import loss_by_position_figure, ppl_vs_length_figure
 from posenc.results import LMRecord, MetricName, Passkey, names
 from posenc.schema import Run
 from posenc.tasks import lm_passkey
-from posenc.tasks.lm import Extension, LMTask
+from posenc.tasks.lm import EvalExtension, Extension, LMTask, StreamingExtension
 from posenc.training import checkpoints, gate, job
 from posenc.training.callbacks import Throughput
 from posenc.training.trainer import (
@@ -58,6 +60,10 @@ EXTENSION_DOC = {
     "yarn": "ppl+yarn@L: YaRN (Peng et al. 2023 sec. 3.4), NTK-by-parts frequencies and "
     "attention temperature sqrt(1/t) = 0.1 ln(s) + 1; ramp and temperature as "
     "encoder.yarn_ramp / encoder.yarn_temper say (default: the authors' code)",
+    "streaming": "ppl+streaming@L: StreamingLLM (Xiao et al. 2024): each query attends to "
+    "the first `sinks` tokens and the last `window` (task.eval.streaming), at positions "
+    "re-indexed inside that cache as the paper does; for schemes whose scores depend on the "
+    "query-key distance alone",
     "llama3": "ppl+llama3@L: Llama 3.1's frequency scaling, pairs with wavelength > "
     "L/low_freq_factor interpolated by s, < L/high_freq_factor kept, blended in between "
     "(encoder.low_freq_factor / encoder.high_freq_factor, default 1 and 4)",
@@ -160,11 +166,17 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
     return finish_lm(cfg, run_dir, task, fitted, throughput, skipped, passkey)
 
 
-def extension_setting(cfg: Run[schema.LMTask], method: str, length: int) -> Extension:
+def extension_setting(
+    cfg: Run[schema.LMTask], method: str, length: int
+) -> Extension | StreamingExtension:
     """The method's setting at evaluation length ``length``: original length
     ``task.seq_len``; ``extension_factor=auto`` gives ``s = max(1, length / seq_len)`` (and
-    ``alpha = 1`` for ``dynamic_ntk``, whose ``s'`` then equals ``l / L``)."""
+    ``alpha = 1`` for ``dynamic_ntk``, whose ``s'`` then equals ``l / L``). ``streaming``:
+    the sinks and window of ``task.eval.streaming``, the same at every length."""
     seq_len = cfg.task.seq_len
+    if method == "streaming":
+        sinks = cfg.task.eval.streaming.sinks
+        return StreamingExtension(method, sinks, streaming_window(cfg.task))
     factor = cfg.task.eval.extension_factor
     if factor == "auto":
         factor = 1.0 if method == "dynamic_ntk" else max(1.0, length / seq_len)
@@ -174,14 +186,16 @@ def extension_setting(cfg: Run[schema.LMTask], method: str, length: int) -> Exte
 def eval_loaders(
     cfg: Run[schema.LMTask], dm: LMDataModule, task: LMTask
 ) -> tuple[
-    list[str], list[int], list[Extension | None], list[torch.utils.data.DataLoader], dict[str, str]
+    list[str], list[int], list[EvalExtension], list[torch.utils.data.DataLoader], dict[str, str]
 ]:
     """Names, lengths, extensions and loaders of the evaluation, and the skipped metrics
-    with their reasons (lengths past a ``learned`` table, methods an encoder lacks)."""
+    with their reasons (lengths past a ``learned`` table, methods an encoder lacks,
+    StreamingLLM where positions cannot be re-indexed)."""
     stride = cfg.task.eval.sliding_stride
     encoder = task.model.encoder
     limit, enc_name = encoder.max_length, type(encoder).__name__
     supported = encoder.scaling_methods
+    no_streaming = refusal(task.model)
     methods = [None, *cfg.task.eval.context_extension]
     names, lengths, extensions, loaders, skipped = [], [], [], [], {}
     for split in cfg.task.eval.splits:
@@ -194,7 +208,9 @@ def eval_loaders(
                             f"encoder {enc_name} encodes at most {limit} "
                             f"positions; length {length} not evaluated"
                         )
-                    elif method is not None and method not in supported:
+                    elif method == "streaming" and no_streaming:
+                        skipped[name] = f"streaming does not apply: {no_streaming}; not evaluated"
+                    elif method not in (None, "streaming") and method not in supported:
                         skipped[name] = (
                             f"encoder {enc_name} has no context-extension method {method!r} "
                             f"(it supports: {', '.join(supported) or 'none'}); not evaluated"
@@ -256,7 +272,8 @@ def finish_lm(
         eval_lengths=schema.eval_lengths(cfg.task),
         protocols={p: PROTOCOL_DOC[p] for p in cfg.task.eval.protocols},
         context_extension={m: EXTENSION_DOC[m] for m in cfg.task.eval.context_extension},
-        # Per metric: the method, s (alpha for dynamic_ntk) and original length L used.
+        # Per metric: the method, s (alpha for dynamic_ntk) and original length L used;
+        # for streaming, its sinks and window.
         extension_settings={
             MetricName(n): e._asdict()
             for n, e in zip(task.eval_names, task.eval_extensions, strict=True)

@@ -13,7 +13,9 @@ import torch
 
 from posenc.decoding.lm import generate, next_token
 from posenc.model import DecoderLM
+from posenc.model.streaming import Streaming
 from tests.conftest import ENCODER_YAMLS, ROOT, TINY
+from tests.model.test_cache import unit_scale
 
 SIZES = dict(d_model=32, n_heads=4, n_layers=2, dropout=0.0)
 
@@ -30,6 +32,32 @@ def test_cached_generation_gives_the_uncached_tokens(name: str) -> None:
     ]
     assert torch.equal(runs[0], runs[1])
     assert runs[0].shape == (2, 25) and torch.equal(runs[0][:, :5], prompt)
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "none"])
+def test_streaming_generation_gives_the_uncached_tokens(name: str) -> None:
+    """StreamingLLM (2 sinks, a window of 4) past 5x the cache: the same sampled tokens
+    with the cache as with a full pass per step under the streaming mask, and not those
+    of plain generation (the eviction changed the distribution)."""
+    model = unit_scale(DecoderLM(vocab_size=23, encoder=name, **SIZES))  # sensitive weights
+    prompt = torch.randint(0, 23, (2, 5))
+    setting = Streaming(sinks=2, window=4)
+    args = dict(temperature=1.0, seed=3)
+    runs = [generate(model, prompt, 30, **args, streaming=setting, use_cache=c) for c in (1, 0)]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], generate(model, prompt, 30, **args))
+    assert model.stack.streaming is None  # restored
+
+
+def test_streaming_generation_refuses_padding_and_schemes_it_cannot_reindex() -> None:
+    model = DecoderLM(vocab_size=23, encoder="rope", **SIZES).eval()
+    prompt, setting = torch.randint(0, 23, (2, 5)), Streaming(sinks=2, window=4)
+    with pytest.raises(ValueError, match="no pad=") as err:
+        generate(model, prompt, 3, pad=torch.tensor([0, 1]), streaming=setting)
+    assert "\n" not in str(err.value)
+    learned = DecoderLM(vocab_size=23, encoder="learned", **SIZES).eval()
+    with pytest.raises(ValueError, match="query-key distance alone"):
+        generate(learned, prompt, 3, streaming=setting)
 
 
 def test_next_token_greedy_and_top_k() -> None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from posenc.encoders import get
 from posenc.model import DecoderLM, EncoderDecoder
+from posenc.model.streaming import Streaming
 from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS
 
 L = 8  # the "training length" of these tests
@@ -360,3 +361,24 @@ def test_windowed_cached_decoding_equals_full_forward(name: str, modifiers: bool
         assert (model(ids) - windowed).abs().max() > 1e-3  # the window mattered
         model.stack.layers[0].self_attn.window = 5
     assert left_padded_error(model) <= tol(name)
+
+
+#: StreamingLLM's schemes: NoPE, a q/k transform, score terms, a content-position term,
+#: a decay about the pass's centre, and a mix of two members' contexts.
+STREAMED = ["none", "rope", "alibi", "t5", "deberta", "xpos", "mix"]
+
+
+@pytest.mark.parametrize("name", STREAMED)
+def test_streaming_cached_decoding_equals_full_forward(name: str) -> None:
+    """StreamingLLM (2 sinks, a window of 5) in two layers: cached decoding token by token
+    and in uneven chunks equals full passes with the streaming mask, up to 3x the
+    training length, where the middle has long been evicted (and it mattered)."""
+    model = lm(name, SETTINGS.get(name, {}))
+    ids = torch.randint(0, 17, (2, N))
+    with torch.no_grad():
+        plain = model(ids)
+        with model.streaming(Streaming(sinks=2, window=5)):
+            for chunks in ([1] * N, [L, 3, L + 5 - 3, 1, L - 6]):
+                got, want = _cached_and_full(model, ids, chunks)
+                assert (got - want).abs().max() <= tol(name), chunks
+    assert (want - plain).abs().max() > 1e-3

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import copy
 import functools
+from unittest import mock
 
 import pytest
 import torch
 
 from posenc.encoders.registry import get
-from posenc.model import DecoderLM, EncoderDecoder
+from posenc.model import DecoderLM, EncoderDecoder, streaming
+from posenc.model.streaming import Streaming
 from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS
 
 SIZES = dict(d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0)
@@ -284,19 +286,37 @@ def test_cached_decode_step_compiles_once(case: str) -> None:
         **{**SIZES, "n_layers": 1},
         **options,
     ).eval()
+    with torch.no_grad():
+        _check_step_compiles_once(model, torch.randint(0, 11, (2, 16 + 64)), prefill=16)
+
+
+def _check_step_compiles_once(model: DecoderLM, ids: torch.Tensor, prefill: int) -> None:
+    """Decode ``ids`` with the static cache (a prefill, then a token per step), compiled
+    and eager: at most 2 graphs, and the same logits."""
     torch._dynamo.reset()
     backend, graphs = _counting_backend()
     step = torch.compile(model, fullgraph=True, backend=backend, dynamic=False)
-    ids = torch.randint(0, 11, (2, 16 + 64))
-    with torch.no_grad():
-        outs = []
-        for run in (step, model):
-            cache = model.new_cache(ids.shape[1])
-            logits = [run(ids[:, :16], cache=cache)]
-            logits += [run(ids[:, i : i + 1], cache=cache) for i in range(16, ids.shape[1])]
-            outs.append(torch.cat(logits, dim=1))
+    outs = []
+    for run in (step, model):
+        cache = model.new_cache(ids.shape[1])
+        logits = [run(ids[:, :prefill], cache=cache)]
+        logits += [run(ids[:, i : i + 1], cache=cache) for i in range(prefill, ids.shape[1])]
+        outs.append(torch.cat(logits, dim=1))
     assert len(graphs) <= 2
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi"])
+def test_streaming_traces_as_one_graph_and_its_step_compiles_once(name: str) -> None:
+    """StreamingLLM's full pass (past its query blocks: one query at a time here) is one
+    graph, and its cached step compiles at most twice over 40 steps; eager's logits."""
+    model = DecoderLM(vocab_size=11, encoder=name, **{**SIZES, "n_layers": 1}).eval()
+    ids = torch.randint(0, 11, (2, 48))
+    with torch.no_grad(), model.streaming(Streaming(sinks=2, window=6)):
+        blocks = mock.patch.object(streaming, "BLOCK_BYTES", 2 * 4 * 4 * 48 * 8)  # 8 queries
+        with blocks:
+            torch.testing.assert_close(_compiled(model)(ids), model(ids), rtol=1e-5, atol=1e-5)
+        _check_step_compiles_once(model, ids, prefill=8)
 
 
 @pytest.mark.parametrize("name", BIDIRECTIONAL_YAMLS)

@@ -268,3 +268,65 @@ def test_two_processes_give_the_same_extended_perplexity(trained: Path, tmp_path
     assert len(one["metrics"]) == len(METHODS + [None]) * 2  # 2 lengths, sliding only
     for key, value in one["metrics"].items():
         assert math.isfinite(value) and two["metrics"][key] == pytest.approx(value, rel=1e-6), key
+
+
+def test_streaming_is_evaluated_and_recorded(trained: Path, tmp_path: Path) -> None:
+    """StreamingLLM on the trained RoPE model: at 1x its default cache (4 sinks and the
+    rest of the training length) evicts nothing, so it is the plain model; at 4x it is
+    evaluated at both protocols, with its sizes recorded per metric."""
+    out = train(
+        compose_run(
+            tmp_path,
+            "encoder=rope",
+            "eval_only=true",
+            f"ckpt_path={trained}",
+            "task.eval.multipliers=[1,4]",
+            "task.eval.context_extension=[streaming]",
+        )
+    )
+    m, settings = out["metrics"], out["extension_settings"]
+    assert out["skipped"] == {} and "StreamingLLM" in out["context_extension"]["streaming"]
+    assert m["test/ppl+streaming@16"] == pytest.approx(m["test/ppl@16"], rel=1e-6)
+    for kind in ("ppl", "ppl_sw"):
+        value = m[f"test/{kind}+streaming@64"]
+        assert math.isfinite(value) and value != m[f"test/{kind}@64"]
+        assert settings[f"test/{kind}+streaming@64"] == {
+            "method": "streaming",
+            "sinks": 4,
+            "window": 12,
+        }
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert saved["extension_settings"]["test/ppl+streaming@16"]["window"] == 12
+
+
+def test_streaming_is_skipped_where_positions_cannot_be_reindexed(tmp_path: Path) -> None:
+    out = train(
+        compose_run(
+            tmp_path,
+            "encoder=learned",
+            "task.eval.multipliers=[1]",
+            "task.eval.protocols=[nonoverlap]",
+            "task.eval.context_extension=[streaming]",
+        )
+    )
+    assert math.isfinite(out["metrics"]["test/ppl@16"])
+    assert math.isnan(out["metrics"]["test/ppl+streaming@16"])
+    assert "query-key distance alone" in out["skipped"]["test/ppl+streaming@16"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ("task.eval.streaming.sinks=-1", "task.eval.streaming.sinks=-1: must be an integer >= 0"),
+        ("task.eval.streaming.window=0", "task.eval.streaming.window=0: must be a positive"),
+        ("task.eval.streaming.sinks=16", "sinks=16: leaves no window within task.seq_len=16"),
+        ("task.eval.streaming.window=13", r"= 4 \+ 13 = 17: more than the training length 16"),
+    ],
+)
+def test_bad_streaming_sizes_fail_before_any_data(
+    tmp_path: Path, overrides: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POSENC_DATA_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match=message) as err:
+        train(compose_run(tmp_path, "task.eval.context_extension=[streaming]", overrides))
+    assert len(err.value.problems) == 1 and "\n" not in err.value.problems[0]
