@@ -92,6 +92,8 @@ def generate(
             "streaming=... takes prompts of one length (no pad=...): the sinks are the first "
             "tokens of every row; decode rows of different lengths one at a time"
         )
+    if streaming is None:  # any model that decodes (a test's stand-in too)
+        return _continue(model, prompt, new_tokens, temperature, top_k, gen, use_cache, pad)
     with model.streaming(streaming):
         return _continue(model, prompt, new_tokens, temperature, top_k, gen, use_cache, pad)
 
