@@ -35,6 +35,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from posenc.data.algo import GRIDS, PROBLEMS, SHAPES, Options, longest_sequence
 from posenc.data.algo_problems import problem_default
+from posenc.data.algo_retrieval import HAYSTACKS
 from posenc.data.buckets import check_edges
 from posenc.data.tokenizers import TOKENIZER_KINDS
 from posenc.encoders.rope import SCALINGS
@@ -481,6 +482,8 @@ class AlgoTask(Group):
         "queries",
         "key_vocab",
         "value_vocab",
+        "chains",
+        "hops",
         "val_per_size",
         "test_per_size",
     )
@@ -522,6 +525,9 @@ class AlgoTask(Group):
     queries: int = key(_generic("queries"), "int>0")
     key_vocab: int = key(_generic("key_vocab"), "int>0")
     value_vocab: int = key(_generic("value_vocab"), "int>0")
+    haystack: str = key("noise", HAYSTACKS)
+    chains: int = key(_generic("chains"), "int>0")
+    hops: int = key(_generic("hops"), "int>=0")
     lm_loss: bool = key(False)
     batch_size: int = key(64, "int>0")
     eval_batch_size: int = key(128, "int>0")
@@ -542,6 +548,9 @@ class AlgoTask(Group):
             queries=self.queries,
             key_vocab=self.key_vocab,
             value_vocab=self.value_vocab,
+            haystack=self.haystack,
+            chains=self.chains,
+            hops=self.hops,
         )
 
     def longest(self, size: int) -> int:

@@ -16,11 +16,13 @@ from typing import Any
 
 from posenc.data import algo_chomsky as chomsky
 from posenc.data import algo_content as content
+from posenc.data import algo_retrieval as retrieval
 
 __all__ = [
     "CHOMSKY",
     "CONTENT",
     "DEFAULTS",
+    "RETRIEVAL",
     "GRIDS",
     "PROBLEMS",
     "AlgoVocab",
@@ -52,10 +54,17 @@ class Options:
         symbols: ``task.symbols``: letters of the letter problems, variables of ``count``.
         reverse_digits: ``task.reverse_digits`` (addition).
         data_tokens: ``task.data_tokens``: data tokens of ``selective_copy``.
-        pairs: ``task.pairs``: key-value pairs of ``mqar``.
-        queries: ``task.queries``: keys ``mqar`` asks for (at most ``pairs``).
-        key_vocab: ``task.key_vocab``: the keys ``mqar`` draws its pairs' keys from.
-        value_vocab: ``task.value_vocab``: the values ``mqar`` draws from.
+        pairs: ``task.pairs``: key-value pairs of ``mqar``, needles of the ``niah_*``
+            problems.
+        queries: ``task.queries``: keys ``mqar`` and ``niah_multiquery`` ask for (at most
+            ``pairs``).
+        key_vocab: ``task.key_vocab``: the keys ``mqar`` and the needles draw from (the
+            variables of ``variable_tracking``).
+        value_vocab: ``task.value_vocab``: the values they draw from.
+        haystack: ``task.haystack``: the retrieval problems' filler
+            (:data:`posenc.data.algo_retrieval.HAYSTACKS`).
+        chains: ``task.chains``: chains of assignments of ``variable_tracking``.
+        hops: ``task.hops``: copies per chain after its first assignment.
         variant: The test variant (:attr:`Problem.variants`); ``""`` is the training
             distribution.
     """
@@ -67,6 +76,9 @@ class Options:
     queries: int = 4
     key_vocab: int = 16
     value_vocab: int = 16
+    haystack: str = "noise"
+    chains: int = 2
+    hops: int = 2
     variant: str = ""
 
 
@@ -131,6 +143,8 @@ DEFAULTS: dict[str, Any] = {
     "task.queries": 4,
     "task.key_vocab": 16,
     "task.value_vocab": 16,
+    "task.chains": 2,
+    "task.hops": 2,
     "task.val_per_size": 16,
     "task.test_per_size": 24,
     "trainer.max_steps": 500,
@@ -156,6 +170,7 @@ class Problem:
         min_size: The smallest valid size, given the options.
         step: Valid sizes are multiples of it (flip-flop: whole instruction/bit pairs).
         letters: The problem draws from ``task.symbols`` letters.
+        haystack: Its filler is ``task.haystack`` (the retrieval problems).
         tagged: Labels on the tokens (decoder-only) instead of a prompt and an answer.
         lm: Tagged, and its tokens are a language: ``task.lm_loss`` may train every next
             token, not only the labels (flip-flop: the paper's language-model loss).
@@ -181,6 +196,7 @@ class Problem:
     min_size: Callable[[Options], int] = lambda o: 1
     step: int = 1
     letters: bool = False
+    haystack: bool = False
     tagged: bool = False
     lm: bool = False
     variants: tuple[str, ...] = ("",)
@@ -282,21 +298,26 @@ def _mqar(rng: random.Random, n: int, o: Options) -> Instance:
     return content.mqar(rng, n, mqar_pairs(o), _mqar_queries(o), _mqar_keys(o), _mqar_values(o))
 
 
-def _mqar_rules(o: Options) -> list[str]:
-    """Each query asks for a different key, and the pairs' keys and values are distinct."""
+def _at_least(key: str, value: int, need: int, why: str) -> list[str]:
+    """``task.<key>=<value>: fewer than <why>; raise it ...`` if ``value < need``."""
+    if value >= need:
+        return []
+    return [f"task.{key}={value}: fewer than {why}; raise it to at least {need}"]
+
+
+def _pair_rules(o: Options, keys: bool = True, queries: bool = True) -> list[str]:
+    """Each query asks for a different key, and the pairs' keys (if ``keys``: a
+    multi-value needle has one) and values are distinct."""
     found = []
-    if o.queries > o.pairs:
+    if queries and o.queries > o.pairs:
         found.append(
             f"task.queries={o.queries}: more than task.pairs={o.pairs} (each query asks for "
             f"a different key); lower it to at most {o.pairs}"
         )
-    for name, vocab in (("key_vocab", o.key_vocab), ("value_vocab", o.value_vocab)):
-        if vocab < o.pairs:
-            found.append(
-                f"task.{name}={vocab}: fewer than task.pairs={o.pairs} (the pairs' keys and "
-                f"values are distinct); raise it to at least {o.pairs}"
-            )
-    return found
+    why = f"task.pairs={o.pairs} (the pairs' keys and values are distinct)"
+    if keys:
+        found += _at_least("key_vocab", o.key_vocab, o.pairs, why)
+    return found + _at_least("value_vocab", o.value_vocab, o.pairs, why)
 
 
 #: The problems where content decides which position matters (:mod:`.algo_content`).
@@ -382,7 +403,125 @@ CONTENT = (
             "task.bucket_width": 16,
             "trainer.max_steps": 1000,
         },
-        rules=_mqar_rules,
+        rules=_pair_rules,
+    ),
+)
+
+RULER = (
+    "Hsieh et al. 2024, RULER: What's the Real Context Size of Your Long-Context Language Models?"
+)
+#: The retrieval problems' sizes on this CPU: prompts of 16..32 tokens, tested up to 128.
+_RETRIEVAL_SIZES = {
+    "task.train_lengths": [16, 32],
+    "task.test_multiple": 4,
+    "task.bucket_width": 16,
+    "trainer.max_steps": 1000,
+}
+
+
+def _haystack_alphabet(o: Options, *words: str) -> list[str]:
+    """The filler's symbols (``task.symbols`` letters, or TinyShakespeare's characters),
+    the needles' ``words`` and the question token."""
+    shakespeare = o.haystack == "shakespeare"
+    hay = sorted(set(retrieval.shakespeare())) if shakespeare else list(LETTERS[: o.symbols])
+    return [*hay, *words, retrieval.QUESTION]
+
+
+def _niah(name: str, size: str, one_key: bool = False, multiquery: bool = False) -> Problem:
+    """A needle problem: ``task.pairs`` key-value needles (all of one key if ``one_key``),
+    ``task.queries`` keys asked for if ``multiquery``, else one
+    (:func:`.algo_retrieval.niah`)."""
+
+    def asked(o: Options) -> int:
+        return o.queries if multiquery else 1
+
+    def make(rng: random.Random, n: int, o: Options) -> Instance:
+        return retrieval.niah(
+            rng,
+            n,
+            needles=o.pairs,
+            queries=asked(o),
+            one_key=one_key,
+            keys=_mqar_keys(o),
+            values=_mqar_values(o),
+            haystack=o.haystack,
+            letters=LETTERS[: o.symbols],
+        )
+
+    return Problem(
+        name,
+        size,
+        lambda o: _haystack_alphabet(o, *_mqar_keys(o), *_mqar_values(o)),
+        make,
+        lambda n, o: (n, o.pairs if one_key else asked(o)),
+        min_size=lambda o: 2 * o.pairs + 1 + asked(o),
+        letters=True,
+        haystack=True,
+        paper=RULER,
+        defaults=_RETRIEVAL_SIZES,
+        rules=lambda o: _pair_rules(o, keys=not one_key, queries=multiquery),
+    )
+
+
+def _variables(o: Options) -> list[str]:
+    return [f"x{i}" for i in range(o.key_vocab)]
+
+
+def _tracking_rules(o: Options) -> list[str]:
+    """Every variable of every chain is a different one, every chain's value too."""
+    names = o.chains * (o.hops + 1)
+    return _at_least(
+        "key_vocab",
+        o.key_vocab,
+        names,
+        f"the {names} variables of task.chains={o.chains} chains of task.hops={o.hops} "
+        "copies (each a different variable)",
+    ) + _at_least(
+        "value_vocab",
+        o.value_vocab,
+        o.chains,
+        f"task.chains={o.chains} (each chain holds a different value)",
+    )
+
+
+#: RULER's retrieval problems (:mod:`.algo_retrieval`): prompts and answers, the size the
+#: prompt's tokens in all (filler, needles and question), so longer sizes add filler.
+RETRIEVAL = (
+    _niah(
+        "niah_multikey",
+        "prompt tokens (task.pairs key-value needles in a haystack, one key asked)",
+    ),
+    _niah(
+        "niah_multivalue",
+        "prompt tokens (task.pairs needles of one key in a haystack, all its values asked)",
+        one_key=True,
+    ),
+    _niah(
+        "niah_multiquery",
+        "prompt tokens (task.pairs key-value needles in a haystack, task.queries keys asked)",
+        multiquery=True,
+    ),
+    Problem(
+        "variable_tracking",
+        "prompt tokens (task.chains chains of 1 + task.hops assignments in a haystack)",
+        lambda o: _haystack_alphabet(o, *_variables(o), retrieval.ASSIGN, *_mqar_values(o)),
+        lambda rng, n, o: retrieval.variable_tracking(
+            rng,
+            n,
+            chains=o.chains,
+            hops=o.hops,
+            variables=_variables(o),
+            values=_mqar_values(o),
+            haystack=o.haystack,
+            letters=LETTERS[: o.symbols],
+        ),
+        lambda n, o: (n, o.hops + 1),
+        min_size=lambda o: 3 * o.chains * (o.hops + 1) + 2,
+        letters=True,
+        haystack=True,
+        paper=RULER,
+        defaults={**_RETRIEVAL_SIZES, "task.train_lengths": [20, 40], "task.bucket_width": 20},
+        rules=_tracking_rules,
     ),
 )
 
@@ -536,7 +675,7 @@ CHOMSKY = (
 )
 
 #: ``task.problem`` -> :class:`Problem`.
-PROBLEMS: dict[str, Problem] = {p.name: p for p in (*CLASSIC, *CONTENT, *CHOMSKY)}
+PROBLEMS: dict[str, Problem] = {p.name: p for p in (*CLASSIC, *CONTENT, *RETRIEVAL, *CHOMSKY)}
 
 
 def problem_default(problem: Any, key: str) -> Any:
@@ -643,6 +782,11 @@ def check(
     (with ``task.lm_loss``), one line each (config errors, naming the key and the fix).
     Training draws the valid sizes of the range, so it must hold one."""
     found = problem.rules(options)
+    if options.haystack != "noise" and not problem.haystack:
+        found.append(
+            f"task.haystack={options.haystack}: {problem.name} has no haystack (only "
+            f"{', '.join(p.name for p in RETRIEVAL)} have); drop it"
+        )
     if shape not in problem.shapes:
         found.append(
             f"task.shape={shape}: {problem.name} labels positions of one causal sequence, "

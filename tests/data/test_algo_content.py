@@ -248,7 +248,8 @@ def test_tagged_loss_masks_by_hand() -> None:
 
 
 def test_every_problem_batches_in_its_shapes() -> None:
-    options = Options(symbols=5, data_tokens=3, pairs=2, queries=1)  # sizes 6 and 8 valid
+    # sizes 6 and 8 valid for every problem
+    options = Options(symbols=5, data_tokens=3, pairs=2, queries=1, chains=1, hops=0)
     for name, p in PROBLEMS.items():
         vocab = AlgoVocab(p, options)
         examples = []

@@ -444,6 +444,11 @@ def test_an_unknown_problem_is_refused_with_every_problem_allowed(tmp_path: Path
         (["task.problem=state_a5", "task.shape=encdec"], "task.shape=encdec: state_a5 labels"),
         (["task.problem=flipflop", "task.train_lengths=[1,3]"], "holds no valid size of flip"),
         (["task.problem=mqar", "task.queries=5"], "task.queries=5: more than task.pairs=4"),
+        (["task.problem=niah_multiquery", "task.queries=5"], "task.queries=5: more than"),
+        (["task.problem=niah_multikey", "task.pairs=20"], "holds no valid size of niah_multikey"),
+        (["task.problem=variable_tracking", "task.hops=9"], "task.key_vocab=16: fewer than"),
+        (["task.problem=niah_multikey", "task.haystack=essays"], "task.haystack='essays': allowed"),
+        (["task.haystack=shakespeare"], "task.haystack=shakespeare: copy has no haystack"),
         (
             ["task.problem=flipflop", "task.train_lengths=[256,256]", "encoder=learned"],
             "takes 2049 positions, more than encoder.max_len=1024",
