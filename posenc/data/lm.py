@@ -19,7 +19,9 @@ Both protocols at a given ``L`` score exactly the same target tokens, so they ar
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -42,7 +44,7 @@ from posenc.data.tokenizers import (
     tokenizer_settings,
     write_checksum,
 )
-from posenc.errors import ConfigError, DataError
+from posenc.errors import CacheError, ConfigError, DataError
 
 __all__ = [
     "EvalWindows",
@@ -358,6 +360,11 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+log = logging.getLogger(__name__)
+
+#: The ids' layout and encoding rules, in the cache key: a posenc that encodes text
+#: differently (newlines, say) reads none of an older one's cached ids.
+IDS_VERSION = 1
 #: Characters of text encoded at once when a split is tokenized (cut after a newline):
 #: one chunk's ids are a Python list, a split's are a tensor, never a list.
 ENCODE_CHUNK = 1 << 22
@@ -393,18 +400,19 @@ def cached_ids(tok: Tokenizer, text: str, folder: Path) -> torch.Tensor:
     The file holds the int64 ids and nothing else, written whole or not at all (a
     temporary file, then a rename) with its sha256 beside it, checked at every use, and
     is memory-mapped copy-on-write: the jobs of a sweep, and the processes of a
-    multi-GPU run, share one copy of the pages.
-
-    Raises:
-        CacheError: The file changed since posenc wrote it.
+    multi-GPU run, share one copy of the pages. A file changed since it was written is
+    encoded again (the ids follow from the text: nothing is lost), with a warning.
     """
-    key = hashlib.sha256()
+    key = hashlib.sha256(f"posenc ids v{IDS_VERSION}\n".encode())
     key.update(fingerprint(tok).encode())
     key.update(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
     path = folder / "tokens" / f"{key.hexdigest()}.int64"
-    if cache_usable(path, "cached token ids"):
-        n = path.stat().st_size // 8
-        return torch.from_file(str(path), shared=False, size=n, dtype=torch.long)
+    try:
+        if cache_usable(path, "cached token ids"):
+            n = path.stat().st_size // 8
+            return torch.from_file(str(path), shared=False, size=n, dtype=torch.long)
+    except CacheError as err:
+        log.warning("%s; encoding the text again", str(err).split(". ")[0])
     ids = encode_split(tok, text)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -413,7 +421,8 @@ def cached_ids(tok: Tokenizer, text: str, folder: Path) -> torch.Tensor:
         os.replace(tmp, path)
         write_checksum(path)
     except OSError:  # a read-only or full cache: the ids are here all the same
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return ids
 
 

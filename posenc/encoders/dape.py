@@ -139,9 +139,10 @@ class Dape(PositionalEncoder):
         per_layer: Each layer its own base parameters (the authors' code); passed to a
             base that takes it (KERPLE, FIRE).
         base_options: Options of the base scheme, as ``encoder=<base>`` takes them (e.g.
-            ``{form: power}`` for KERPLE, ``{threshold: 512}`` for FIRE); its own YAML's
-            defaults do not apply here, so FIRE's threshold is its class default (512)
-            unless set.
+            ``{form: power}`` for KERPLE, ``{threshold: 512}`` for FIRE).
+        length: The training length (the YAML gives ``task.seq_len``): FIRE's threshold L
+            where ``base_options`` sets none, as ``encoder=fire`` starts it, so DAPE's FIRE
+            is the FIRE arm's; None: FIRE's class default (512).
 
     Raises:
         ValueError: An unknown base, an option the base does not take (or
@@ -164,6 +165,7 @@ class Dape(PositionalEncoder):
         mlp_width: int = 32,
         per_layer: bool = True,
         base_options: Mapping[str, Any] | None = None,
+        length: int | None = None,
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if base not in BASES:
@@ -176,6 +178,8 @@ class Dape(PositionalEncoder):
                 f"dape: mlp_width must be an integer >= 1, got {mlp_width!r}; the default is 32"
             )
         options = _base_options(base, base_options, per_layer)
+        if base == "fire" and length is not None:
+            options.setdefault("threshold", length)
         self.base_name = base
         self.mlp_width = mlp_width
         sizes = dict(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
@@ -203,6 +207,11 @@ def _base_options(base: str, given: Mapping[str, Any] | None, per_layer: bool) -
     Raises:
         ValueError: One line naming an option the base does not take.
     """
+    if given is not None and not isinstance(given, Mapping):
+        raise ValueError(
+            f"dape: encoder.base_options={given!r}: must be a mapping of the base's options, "
+            f"e.g. encoder.base_options={{form:power}} for kerple"
+        )
     options = {str(k): v for k, v in (given or {}).items()}
     params = inspect.signature(registry.get(base).__init__).parameters
     allowed = [p for p in params if p not in _SIZES]

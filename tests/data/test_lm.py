@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,6 @@ from posenc.data.lm import (
 )
 from posenc.data.sources import text_files, tinyshakespeare, wikitext103
 from posenc.data.tokenizers import CharTokenizer, build_tokenizer
-from posenc.errors import CacheError
 
 # (n_tokens, length, stride): strides dividing and not dividing L, stride == L with and without
 # a partial tail, stride 1, and streams holding exactly one window.
@@ -295,7 +295,10 @@ def test_a_split_encoded_in_chunks_equals_it_encoded_whole(
 
 
 def test_token_ids_are_cached_and_memory_mapped(
-    shakespeare: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    shakespeare: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     tok = build_tokenizer("char", [shakespeare[:20_000]], tmp_path)
     first = cached_ids(tok, shakespeare[:5000], tmp_path)
@@ -319,11 +322,18 @@ def test_token_ids_are_cached_and_memory_mapped(
         shakespeare[:5000]
     )
     assert len(list((tmp_path / "tokens").glob("*.int64"))) == 3
-    # a file changed since it was written is refused, naming what to delete
+    # a file changed since it was written is encoded again, with a warning, and rewritten
     with files[0].open("r+b") as f:
         f.write(b"\x01")
-    with pytest.raises(CacheError, match=r"^cached token ids .* changed since posenc wrote it"):
-        cached_ids(tok, shakespeare[:5000], tmp_path)
+    with caplog.at_level(logging.WARNING, logger="posenc.data.lm"):
+        repaired = cached_ids(tok, shakespeare[:5000], tmp_path)
+    assert torch.equal(repaired, first) and "changed since posenc wrote it" in caplog.text
+    assert torch.equal(cached_ids(tok, shakespeare[:5000], tmp_path), first)
+    # a cache that cannot be written (a file where its folder goes): the ids all the same
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "tokens").write_text("not a folder")
+    assert torch.equal(cached_ids(tok, shakespeare[:5000], blocked), first)
 
 
 def test_a_data_module_reads_the_ids_an_earlier_run_cached(

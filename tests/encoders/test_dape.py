@@ -17,7 +17,7 @@ from posenc.encoders.alibi import alibi_slopes
 from posenc.encoders.base import AttnKind
 from posenc.encoders.dape import BASES, Dape
 from posenc.model import DecoderLM
-from tests.conftest import heads, identity_attention, merge, run_py, run_self
+from tests.conftest import compose_run, heads, identity_attention, merge, run_py, run_self
 
 C, H = 16, 4
 KINDS = [AttnKind.CAUSAL, AttnKind.BIDIRECTIONAL]
@@ -167,6 +167,7 @@ def test_declares_its_base_kind() -> None:
         ({"base": "alibi", "base_options": {"form": "log"}}, "alibi has no option 'form'"),
         ({"base_options": {"per_layer": False}}, "set encoder.per_layer instead"),
         ({"base_options": {"form": "exp"}}, "kerple: unknown form 'exp'"),
+        ({"base_options": "power"}, "dape: encoder.base_options='power': must be a mapping"),
     ],
 )
 def test_bad_settings_are_refused(kwargs: dict, message: str) -> None:
@@ -181,3 +182,31 @@ def test_run_py_refuses_an_unknown_base_before_training(tmp_path: Path) -> None:
         "error: invalid config:\n  encoder: dape: unknown base 'rope'; allowed: alibi, kerple, "
         "fire (the score-bias scheme the MLP adapts), e.g. encoder.base=kerple\n"
     )
+
+
+@pytest.mark.parametrize("given", [None, {"threshold": 100.0}])
+def test_dapes_fire_starts_at_the_training_length_as_the_fire_arm(
+    tmp_path: Path, given: dict | None
+) -> None:
+    # Composed as a run composes it: DAPE's FIRE takes the threshold L that encoder=fire
+    # takes (task.seq_len), unless base_options sets its own.
+    import hydra.utils
+
+    overrides = ["task=lm", "task.seq_len=64", "model.n_heads=2", "model.d_model=16"]
+    options = [] if given is None else ["encoder.base_options={threshold:100.0}"]
+    runs = {
+        name: compose_run(tmp_path / name, f"encoder={name}", *extra, *overrides)
+        for name, extra in (("fire", []), ("dape", ["encoder.base=fire", *options]))
+    }
+    built = {
+        name: hydra.utils.instantiate(cfg.encoder)(d_model=16, n_heads=2, n_layers=1)
+        for name, cfg in runs.items()
+    }
+    fire = built["dape"].base
+    expected = 64.0 if given is None else 100.0
+    shared = fire.fire if fire.fire is not None else None
+    hooks = fire.for_attention(layer=0, kind=AttnKind.CAUSAL)
+    function = shared if shared is not None else hooks.fire
+    assert float(function.threshold.detach()) == pytest.approx(expected)
+    plain = built["fire"].fire if built["fire"].fire is not None else None
+    assert plain is not None and float(plain.threshold.detach()) == pytest.approx(64.0)

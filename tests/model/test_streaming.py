@@ -22,7 +22,10 @@ from tests.model.test_cache import SETTINGS, lm
 
 #: Schemes it applies to: NoPE, a q/k transform, score terms, a decay about a centre, a
 #: content-position term (DeBERTa) and a mix of RoPE and NoPE layers.
-STREAMABLE = ["none", "rope", "alibi", "t5", "kerple", "xl", "deberta", "xpos", "mix"]
+STREAMABLE = ["none", "rope", "alibi", "t5", "kerple", "sandwich", "xl", "xl+fold", "deberta"]
+STREAMABLE += ["xpos", "mix"]
+#: Each case's encoder options (Transformer-XL's folded form: one wider dot product).
+CASE_SETTINGS = {**SETTINGS, "xl+fold": {"fold": True}}
 #: RoPE's and xPos's float32 angle and decay tables round differently at the re-indexed
 #: positions than at the text's; the rest agree to float64 rounding.
 LOOSE = {"rope": 1e-6, "xpos": 1e-6, "mix": 1e-6}
@@ -42,7 +45,7 @@ def test_a_full_pass_is_the_papers_cache_for_every_query(name: str) -> None:
     keeps alone, at positions 0 .. n-1 (the paper's re-indexing); past the cache's span
     they differ from the plain full pass (the eviction mattered)."""
     torch.manual_seed(0)
-    model = lm(name, SETTINGS.get(name, {}), n_layers=1)
+    model = lm(name, CASE_SETTINGS.get(name, {}), n_layers=1)
     ids = torch.randint(0, 17, (2, T))
     with torch.no_grad():
         plain = model(ids)
@@ -203,4 +206,4 @@ def test_dynamic_ntk_is_refused() -> None:
 
 @pytest.mark.parametrize("name", STREAMABLE)
 def test_streamable_schemes_are_not_refused(name: str) -> None:
-    assert refusal(lm(name, SETTINGS.get(name, {}), n_layers=1)) is None
+    assert refusal(lm(name, CASE_SETTINGS.get(name, {}), n_layers=1)) is None
