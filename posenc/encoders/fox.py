@@ -81,6 +81,9 @@ from posenc.encoders.rope import RoPE, _RotateQK
 # What with_input leaves for the score term: the cumulative log gates G, (B, H, T) and (B, H, S).
 GATE_Q: Slot[Tensor] = Slot("fox_q", query_dim=2)
 GATE_K: Slot[Tensor] = Slot("fox_k", key_dim=2)
+#: In a layer's decoding cache: the running total of log f (B, H, 1) and G_j of every slot.
+TOTAL: Slot[Tensor] = Slot("fox_total")
+KEYS_G: Slot[Tensor] = Slot("fox_keys", key_dim=2)
 
 GATES = ("full", "bias_only", "fixed")
 #: Initial gate biases (module docstring).
@@ -172,13 +175,13 @@ class _FoxAttention(AttentionPositional):
         g = log_f.cumsum(-1)  # (B, H, T): G_i within this call
         g_keys = g
         if cache is not None:  # continue each row's running sum from the earlier steps
-            total = cache.get("fox_total")  # (B, H, 1), updated in place: one graph
+            total = cache.get(TOTAL)  # (B, H, 1), updated in place: one graph
             if total is None:
                 total = g.new_zeros(g.shape[:-1] + (1,))
-                cache.put("fox_total", total)
+                cache.put(TOTAL, total)
             g = g + total
             total.copy_(g[..., -1:])
-            g_keys = cache.extend("fox_keys", g)  # (B, H, S): G_j of every slot
+            g_keys = cache.extend(KEYS_G, g)  # (B, H, S): G_j of every slot
         out = ctx.grown()
         out.put(GATE_Q, g)
         out.put(GATE_K, g_keys)

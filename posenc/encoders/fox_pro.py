@@ -37,7 +37,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from posenc.encoders.base import normal_linears
+from posenc.encoders.base import Slot, normal_linears
+
+#: In a layer's decoding cache: the last key and value before the step (B, H, 1, D).
+K_PREV: Slot[Tensor] = Slot("fox_k_prev")
+V_PREV: Slot[Tensor] = Slot("fox_v_prev")
 
 #: The authors' eps of QK-norm (their GroupNorm's default) and of the output norm.
 QK_NORM_EPS = 1e-5
@@ -87,8 +91,8 @@ class FoxPro(nn.Module):
         valid = None
         if key_valid is not None:  # (B, T): padding's projections count as zeros
             valid = key_valid if cache is None else key_valid.index_select(1, cache.at)
-        k = self._shift(x, k, self.k_shift, "fox_k_prev", valid, cache)
-        v = self._shift(x, v, self.v_shift, "fox_v_prev", valid, cache)
+        k = self._shift(x, k, self.k_shift, K_PREV, valid, cache)
+        v = self._shift(x, v, self.v_shift, V_PREV, valid, cache)
         return k, v
 
     @staticmethod
@@ -96,7 +100,7 @@ class FoxPro(nn.Module):
         x: Tensor,
         y: Tensor,
         proj: nn.Linear,
-        name: str,
+        name: Slot[Tensor],
         valid: Tensor | None,
         cache: Any | None,
     ) -> Tensor:

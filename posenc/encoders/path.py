@@ -79,6 +79,12 @@ W: Slot[Tensor] = Slot("path_w", query_dim=2)
 BETA: Slot[Tensor] = Slot("path_beta", query_dim=2)
 GATE_Q: Slot[Tensor] = Slot("path_gate_q", query_dim=2)
 GATE_K: Slot[Tensor] = Slot("path_gate_k", key_dim=2)
+#: In a layer's decoding cache: every slot's u (B, S, H D), the forget gate's running total
+#: (B, H, 1) and its G_j (B, H, S), and the keys as transformed so far.
+U_KEYS: Slot[Tensor] = Slot("path_u", key_dim=1)
+GATE_TOTAL: Slot[Tensor] = Slot("path_gate_total")
+GATE_KEYS: Slot[Tensor] = Slot("path_gate_keys", key_dim=2)
+KEYS_BUF: Slot[Tensor] = Slot("path_keys")
 
 #: The authors' ``l2_norm`` epsilon (inside the square root).
 L2_EPS = 1e-6
@@ -199,7 +205,7 @@ class _PaTH(AttentionPositional):
             u = u.masked_fill(~valid[..., None], 0.0)
         if self.conv is not None:
             at = torch.arange(t, device=x.device) if cache is None else cache.at
-            u_all = u if cache is None else cache.extend("path_u", u, dim=1)  # (B, S, H D)
+            u_all = u if cache is None else cache.extend(U_KEYS, u)  # (B, S, H D)
             u = short_conv(u_all, at, self.conv.weight)
         w = u.to(acc).unflatten(-1, (self.n_heads, -1)).transpose(1, 2)  # (B, H, T, D)
         w = w * torch.rsqrt((w * w).sum(-1, keepdim=True) + L2_EPS)
@@ -216,13 +222,13 @@ class _PaTH(AttentionPositional):
             g = log_f.cumsum(-1)
             g_keys = g
             if cache is not None:
-                total = cache.get("path_gate_total")  # (B, H, 1), updated in place
+                total = cache.get(GATE_TOTAL)  # (B, H, 1), updated in place
                 if total is None:
                     total = g.new_zeros(g.shape[:-1] + (1,))
-                    cache.put("path_gate_total", total)
+                    cache.put(GATE_TOTAL, total)
                 g = g + total
                 total.copy_(g[..., -1:])
-                g_keys = cache.extend("path_gate_keys", g)  # (B, H, S)
+                g_keys = cache.extend(GATE_KEYS, g)  # (B, H, S)
             out.put(GATE_Q, g)
             out.put(GATE_K, g_keys)
         return out
@@ -244,10 +250,10 @@ class _PaTH(AttentionPositional):
         keys = k.to(acc)
         buf = None
         if cache is not None:  # earlier slots: as rewritten so far; new slots: as projected
-            buf = cache.get("path_keys")
+            buf = cache.get(KEYS_BUF)
             if buf is None:
                 buf = keys.new_zeros(keys.shape)
-                cache.put("path_keys", buf)
+                cache.put(KEYS_BUF, buf)
             keys = buf.index_copy(2, cache.at, keys.index_select(2, cache.at))
         before = ctx.key_offsets() < 0  # (T, S)
         z, rewritten = path_scores(q.to(acc), keys, ctx[W], ctx[BETA], before)

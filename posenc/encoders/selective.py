@@ -34,9 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly
+from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly, Slot
 from posenc.encoders.registry import register
 from posenc.encoders.softmax import softmax_values
+
+#: In a layer's decoding cache: each key's accumulated penalty so far, (B, S).
+ACC: Slot[Tensor] = Slot("selective_acc")
 
 
 def selection(z0: Tensor, visible: Tensor, before: Tensor, first: Tensor) -> Tensor:
@@ -84,10 +87,10 @@ class _Selective(AttentionPositional):
         g = selection(z[:, 0], visible[:, 0], before, first)  # (B, T, S)
         masked = g.cumsum(-2) - g  # F_ij: the tokens before query i within this call
         if cache is not None:  # and every token decoded in earlier steps
-            total = cache.get("selective_acc")  # (B, S), updated in place: one graph
+            total = cache.get(ACC)  # (B, S), updated in place: one graph
             if total is None:
                 total = g.new_zeros(g.shape[0], s)
-                cache.put("selective_acc", total)
+                cache.put(ACC, total)
             masked = masked + total[:, None, :]
             total.add_(g.sum(-2))
         logits = z - masked[:, None]

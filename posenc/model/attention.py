@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from posenc.encoders.base import AttentionContext, AttentionPositional, AttnKind, head_dim
 from posenc.model.backends import attend, use_flex
-from posenc.model.cache import LayerCache
+from posenc.model.cache import CROSS_KEYS, CROSS_VALUES, KEYS, RAW, VALUES, LayerCache
 from posenc.model.modifiers import HeadRMSNorm, LogitModifiers, Modifiers
 from posenc.model.streaming import STREAMING, streaming_attend
 
@@ -186,12 +186,12 @@ class Attention(nn.Module):
         q = self._heads(x, self.q_proj, self.q_norm)  # (B, H, T, D), new queries
         t = q.shape[-2]
         if memory is not None:  # cross-attention: the encoder output's keys, once
-            k, v = cache.get("cross_keys"), cache.get("cross_values")
+            k, v = cache.get(CROSS_KEYS), cache.get(CROSS_VALUES)
             if k is None or v is None:
                 k = self._heads(memory, self.k_proj, self.k_norm)
                 v = self._heads(memory, self.v_proj)
-                cache.put("cross_keys", k)
-                cache.put("cross_values", v)
+                cache.put(CROSS_KEYS, k)
+                cache.put(CROSS_VALUES, v)
             return self._merge(x, self._attend(q, k, v, ctx, key_valid, shift=k.shape[-2] - t))
         assert cache.at is not None  # the stack sets this step's slots
         k_new, v_new = self.pos.transform_kv(
@@ -201,10 +201,10 @@ class Attention(nn.Module):
             key_valid=key_valid,
             cache=cache,
         )
-        values = cache.extend("values", v_new)  # (B, H, S, D)
+        values = cache.extend(VALUES, v_new)  # (B, H, S, D)
         stream = shared.get(STREAMING)
         if stream is not None:  # projected keys, transformed at every step
-            raw = cache.extend("raw", k_new)
+            raw = cache.extend(RAW, k_new)
             out = streaming_attend(
                 self.pos, q, raw, values, ctx, stream, shift=cache.at[0], key_valid=key_valid
             )
@@ -214,11 +214,11 @@ class Attention(nn.Module):
             # (the new keys' context is the same for every layer of the step: cut once)
             new_keys = ctx.shared("step_keys", lambda: shared.keys_at(cache.at))
             q_t, k_t = self.pos.transform_qk(q, k_new, new_keys)
-            keys = raw = cache.extend("keys", k_t)
+            keys = raw = cache.extend(KEYS, k_t)
             if k_t is not k_new and self.pos.adds_scores:  # score terms read projected keys
-                raw = cache.extend("raw", k_new)
+                raw = cache.extend(RAW, k_new)
         else:  # the key transform depends on the pass: all keys again, from projected ones
-            raw = cache.extend("raw", k_new)
+            raw = cache.extend(RAW, k_new)
             q_t, keys = self.pos.transform_qk(q, raw, ctx)
         p_drop = self.dropout if self.training else 0.0
         # query i sits at slot at[0] + i and sees slots up to it: a causal shift of at[0]

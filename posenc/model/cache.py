@@ -28,8 +28,9 @@ again, so cached decoding equals a full pass over the prefix exactly, at the cos
 one.
 
 A scheme that needs per-key state of its own (a cumulative gate, an accumulated
-penalty) keeps it in the same :class:`LayerCache` under its own name:
-:meth:`LayerCache.extend` writes a step's entries, :meth:`LayerCache.put` replaces a
+penalty) keeps it in the same :class:`LayerCache` under a typed
+:class:`~posenc.encoders.base.Slot` of its own, declared at module level (its
+``key_dim``: the axis of the slots): :meth:`LayerCache.extend` writes a step's entries, :meth:`LayerCache.put` replaces a
 buffer it updates as a whole, and :meth:`KVCache.select` reorders every buffer's rows
 (batch dim 0) for beam search.
 """
@@ -38,6 +39,18 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from posenc.encoders.base import Slot
+
+#: The attention's own buffers: values and keys as the content score uses them, projected
+#: keys where they are needed as well, an encoder output's keys and values.
+VALUES: Slot[Tensor] = Slot("values", key_dim=2)
+KEYS: Slot[Tensor] = Slot("keys", key_dim=2)
+RAW: Slot[Tensor] = Slot("raw", key_dim=2)
+CROSS_KEYS: Slot[Tensor] = Slot("cross_keys")
+CROSS_VALUES: Slot[Tensor] = Slot("cross_values")
+#: The stack's inputs ``(B, S, C)``, kept for a pass-dependent scheme.
+INPUTS: Slot[Tensor] = Slot("inputs", key_dim=1)
 
 
 class LayerCache:
@@ -56,27 +69,30 @@ class LayerCache:
         #: layer before the first runs (an attribute written after a cond, see above).
         self.at: Tensor | None = None
 
-    def extend(self, name: str, new: Tensor, *, dim: int = 2) -> Tensor:
-        """Write ``new``'s T entries along ``dim`` into slots :attr:`at` of buffer
-        ``name`` (zeros of ``new``'s dtype with S slots on first use); return the whole
-        buffer, S slots along ``dim``."""
+    def extend(self, slot: Slot[Tensor], new: Tensor) -> Tensor:
+        """Write ``new``'s T entries along the slot's key axis into slots :attr:`at` of
+        its buffer (zeros of ``new``'s dtype with S slots on first use); return the whole
+        buffer, S slots along that axis."""
         if self.at is None:
             raise RuntimeError("LayerCache.extend: no slots set for this step (at)")
-        buf = self.buffers.get(name)
+        if slot.key_dim is None:
+            raise TypeError(f"LayerCache.extend: slot {slot.name!r} has no key axis (key_dim)")
+        dim = slot.key_dim % new.dim()
+        buf = self.buffers.get(slot.name)
         if buf is None:
             shape = list(new.shape)
             shape[dim] = self.size
-            buf = self.buffers[name] = new.new_zeros(shape)
+            buf = self.buffers[slot.name] = new.new_zeros(shape)
         return buf.index_copy_(dim, self.at, new)
 
-    def get(self, name: str) -> Tensor | None:
-        """Buffer ``name``, or None before its first step."""
-        return self.buffers.get(name)
+    def get(self, slot: Slot[Tensor]) -> Tensor | None:
+        """The slot's buffer, or None before its first step."""
+        return self.buffers.get(slot.name)
 
-    def put(self, name: str, value: Tensor) -> None:
-        """Replace buffer ``name`` (a scheme's state that a step updates as a whole);
+    def put(self, slot: Slot[Tensor], value: Tensor) -> None:
+        """Replace the slot's buffer (a scheme's state that a step updates as a whole);
         batch rows along dim 0, as :meth:`select` assumes."""
-        self.buffers[name] = value
+        self.buffers[slot.name] = value
 
     def select(self, rows: Tensor) -> None:
         """Keep (and reorder to) batch rows ``rows``."""

@@ -30,7 +30,7 @@ from posenc.encoders.base import (
     position_bound,
     positions_like,
 )
-from posenc.model.cache import KVCache
+from posenc.model.cache import INPUTS, KVCache
 from posenc.model.layers import Block
 from posenc.model.modifiers import Modifiers
 from posenc.model.streaming import Streaming, attach, refusal, sizes_problem
@@ -262,7 +262,7 @@ class Stack(nn.Module):
         causal mask keeps the empty slots from every real query, so the new tokens'
         outputs ``(B, T, C)`` are those of a full pass over the prefix."""
         cache.inputs.at = slots
-        inputs = cache.inputs.extend("inputs", x, dim=1)  # (B, S, C)
+        inputs = cache.inputs.extend(INPUTS, x)  # (B, S, C)
         starts = (0, 0) if valid is None else None
         h = self.drop(self.encoder.embed(inputs, k_pos))
         ctx = self.encoder.context(

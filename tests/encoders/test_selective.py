@@ -18,7 +18,7 @@ from posenc.model import DecoderLM, EncoderDecoder
 from posenc.model.backends import attend
 
 #: The layer cache's buffer of accumulated masks (posenc/encoders/selective.py).
-ACC = "selective_acc"
+ACC = "selective_acc"  # the cache slot's name (posenc.encoders.selective.ACC)
 
 B, H, T, D = 2, 2, 5, 3
 

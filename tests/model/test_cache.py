@@ -23,6 +23,7 @@ from torch import nn
 
 from posenc.encoders import get
 from posenc.model import DecoderLM, EncoderDecoder
+from posenc.model.cache import INPUTS
 from posenc.model.streaming import Streaming
 from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS
 
@@ -284,7 +285,7 @@ def test_dynamic_ntk_cached_steps_equal_full_passes_past_the_original_length() -
             got = model(ids[:, t - 1 : t], cache=cache)[0, -1]
             want = model(ids[:, :t])[0, -1]
             assert (got - want).abs().max() <= TOL, t
-    assert cache.inputs.get("inputs") is not None  # the stack's inputs, kept
+    assert cache.inputs.get(INPUTS) is not None  # the stack's inputs, kept
     assert all(not layer.buffers for layer in cache.layers)  # no layer state to go stale
 
 
