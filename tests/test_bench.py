@@ -6,6 +6,7 @@ No timing thresholds: the numbers depend on the machine and its load.
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -366,4 +367,24 @@ def test_profile_step_prints_the_top_operators_and_refuses_an_unknown_encoder() 
     )
     assert proc.returncode == 2
     assert "encoder 'firee' is not registered; allowed: alibi," in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bench_streaming_prints_both_paths_and_equal_nlls() -> None:
+    """experiments/bench_streaming.py at a toy size: a row for each path, the cut one's
+    speed-up, NLLs equal to float32 rounding; a scheme streaming refuses is one line."""
+    script = str(ROOT / "experiments" / "bench_streaming.py")
+    args = ["--seq-len", "8", "--multiplier", "4", "--batch", "1", "--rounds", "1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's posenc
+    run = [sys.executable, script, *args]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "streaming 4+4 at 32 (4x 8), batch 1" in proc.stdout
+    assert re.search(r"\| every key \| .* \| 1\.00x", proc.stdout)
+    assert re.search(r"\| cut keys \| .* \| [\d.]+x", proc.stdout)
+    diff = re.search(r"largest NLL difference between the two: (\S+)", proc.stdout)
+    assert diff is not None and float(diff.group(1)) < 1e-4
+    proc = subprocess.run([*run, "--encoder", "learned"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2
+    assert "encoder 'learned': streaming does not apply:" in proc.stderr
     assert "Traceback" not in proc.stderr

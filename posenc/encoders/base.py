@@ -190,26 +190,26 @@ class AttentionContext:
     def slice_keys(self, stop: int) -> AttentionContext:
         """The context of the first ``stop`` keys only (queries unchanged): what a block
         of causal queries can see."""
-        stop = min(stop, self.k_pos.shape[-1])
-        extra = dict(self.extra)
-        for key, dim in self.key_dims.items():
-            extra[key] = extra[key].narrow(dim, 0, stop)
-        valid = None if self.key_valid is None else self.key_valid[:, :stop]
-        return replace(
-            self, k_pos=self.k_pos[:, :stop], extra=extra, starts=self.starts, key_valid=valid
-        )
+        return self.key_range(0, stop)
 
     def tail_keys(self, n: int) -> AttentionContext:
         """The context of the last ``n`` keys only (queries unchanged): the keys a cached
         decoding step adds."""
         s = self.k_pos.shape[-1]
+        return self.key_range(s - n, s)
+
+    def key_range(self, start: int, stop: int) -> AttentionContext:
+        """The context of keys ``start:stop`` only (queries unchanged, ``stop`` clipped to
+        S): what a block of queries with a sliding window can see. ``shift`` is left to
+        the caller (it counts key slots from the first key kept)."""
+        stop = min(stop, self.k_pos.shape[-1])
         extra = dict(self.extra)
         for key, dim in self.key_dims.items():
-            extra[key] = extra[key].narrow(dim, s - n, n)
-        starts = None if self.starts is None else (self.starts[0], self.starts[1] + s - n)
-        valid = None if self.key_valid is None else self.key_valid[:, s - n :]
+            extra[key] = extra[key].narrow(dim, start, stop - start)
+        starts = None if self.starts is None else (self.starts[0], self.starts[1] + start)
+        valid = None if self.key_valid is None else self.key_valid[:, start:stop]
         return replace(
-            self, k_pos=self.k_pos[:, s - n :], extra=extra, starts=starts, key_valid=valid
+            self, k_pos=self.k_pos[:, start:stop], extra=extra, starts=starts, key_valid=valid
         )
 
     def keys_at(self, index: Tensor) -> AttentionContext:

@@ -26,8 +26,12 @@ A full pass and a static cache's step run the same computation (the cache keeps
 projected keys and transforms them per step, as the paper's cache keeps keys before
 RoPE), so cached decoding equals the full pass with this mask. The static cache masks
 the evicted slots instead of freeing them: the outputs of a rolling cache, not its
-memory. Scores are explicit ``(B, H, T, n + S)`` (a query block at a time for long
-passes); this is an evaluation path, never a training one.
+memory. Scores are explicit, a block of queries at a time: in a full pass a block of
+about the cache's span scores only the keys it can see, the sinks and the slice of keys
+from its first query's window to its last query (``(B, H, T', n + window + T' - 1)`` at
+most, so a pass costs O(T span), not O(T S)); a static cache's step, whose slot is a
+tensor that a slice would have to read back to the host, scores all its slots with the
+evicted ones masked. This is an evaluation path, never a training one.
 """
 
 from __future__ import annotations
@@ -74,6 +78,15 @@ STREAMING: Slot[tuple[Streaming, AttentionContext | None]] = Slot("streaming")
 
 #: Most bytes of one query block's float32 scores.
 BLOCK_BYTES = 256 * 2**20
+
+#: Fewest queries in a block when keys are cut to those a block can see: smaller blocks
+#: score fewer keys per query (at most ``sinks + window + block``) but cost more calls.
+MIN_QUERY_BLOCK = 128
+
+#: True: each block of queries scores only the keys it can see, the sinks and a slice
+#: around its window; False: all S keys, the rest masked (what a static cache's step
+#: does, its slot being a tensor). The same outputs; False is the reference to compare.
+SLICE_KEYS = True
 
 
 def sizes_problem(
@@ -157,6 +170,27 @@ def _logits(pos: AttentionPositional, q: Tensor, k: Tensor, ctx: AttentionContex
     return scores if parts is None else scores + dense_parts(parts, k.shape[-2])
 
 
+def query_block(b: int, h: int, t: int, s: int, setting: Streaming, *, sliced: bool) -> int:
+    """Queries per block: within :data:`BLOCK_BYTES` of float32 scores, and, when keys are
+    cut (``sliced``), about the cache's span, so a block's keys stay O(span) rather than
+    O(S)."""
+    block, width = t, s
+    if sliced:
+        block = min(t, max(setting.span, MIN_QUERY_BLOCK))
+        width = min(s, setting.sinks + setting.window + block)  # the most a block scores
+    return max(1, min(block, BLOCK_BYTES // max(1, 8 * b * h * width)))
+
+
+def visible_keys(a: int, stop: int, shift: int, setting: Streaming, s: int) -> tuple[int, int]:
+    """The keys ``[lo, hi)`` past the sinks that queries ``a .. stop-1`` (at key slots
+    ``i + shift``) can see in their windows: ``max(sinks, a + shift - window + 1)`` up to
+    the last query's own slot. Never empty (a block that sees only sinks keeps one key,
+    masked), so every scheme's hooks get at least one key."""
+    hi = min(s, max(1, stop + shift))
+    lo = max(0, min(max(setting.sinks, a + shift - setting.window + 1), hi - 1))
+    return lo, hi
+
+
 def streaming_attend(
     pos: AttentionPositional,
     q: Tensor,
@@ -169,8 +203,9 @@ def streaming_attend(
     key_valid: Tensor | None,
 ) -> Tensor:
     """Causal attention of ``q (B, H, T, D)`` over the sinks and the window of ``k`` and
-    ``v (B, H, S, D)`` (projected keys), query i at slot ``i + shift``. Long passes go a
-    block of queries at a time (same result).
+    ``v (B, H, S, D)`` (projected keys), query i at slot ``i + shift``, a block of queries
+    at a time: with an int ``shift``, each block against the keys it can see only
+    (:func:`visible_keys`); with a tensor one, against all S (same result).
 
     Args:
         pos: The layer's hooks. ctx: The layer's context (the text's positions).
@@ -187,29 +222,34 @@ def streaming_attend(
     setting, sink_ctx = stream
     n = min(setting.sinks, s)
     sink_valid = None if key_valid is None else key_valid[:, :n]
-    seen = key_valid  # (B, n + S) with the sinks: what the softmax may take
-    if sink_ctx is not None:  # the sinks' values and padding go first, as their logits
-        v = torch.cat((v[:, :, :n], v), dim=-2)  # (B, H, n + S, D)
-        if key_valid is not None and sink_valid is not None:
-            seen = torch.cat((sink_valid, key_valid), dim=-1)
-    block = max(1, min(t, BLOCK_BYTES // max(1, 8 * b * h * s)))
+    # keys are cut with Python ints only: a tensor shift would need a host read
+    cut = shift if isinstance(shift, int) and SLICE_KEYS else None
+    block = query_block(b, h, t, s, setting, sliced=cut is not None)
+    wide = torch.promote_types(q.dtype, torch.float32)  # a softmax in float32 at least
     parts = []
     for a in range(0, t, block):  # Python ints: the same graph for every pass
-        sub = replace(ctx.slice_queries(a, a + block), key_valid=key_valid, shift=shift + a)
-        offsets = sub.key_offsets()  # (T', S): key slot minus the query's own slot
-        j = torch.arange(s, device=q.device)
+        stop = min(t, a + block)
+        lo, hi = (0, s) if cut is None else visible_keys(a, stop, cut, setting, s)
+        sub = ctx.slice_queries(a, stop).key_range(lo, hi)
+        valid = None if key_valid is None else key_valid[:, lo:hi]
+        sub = replace(sub, key_valid=valid, shift=shift + a - lo)
+        offsets = sub.key_offsets()  # (T', S'): key slot minus the query's own slot
+        j = torch.arange(lo, hi, device=q.device)
         # the window: keys i - window < j <= i, less the sinks (scored at their positions)
         band = (offsets <= 0) & (offsets > -setting.window) & (j >= n)
-        wide = torch.promote_types(q.dtype, torch.float32)  # a softmax in float32 at least
-        q_a = q[:, :, a : a + block]
-        logits = _logits(pos, q_a, k, sub).to(wide).masked_fill(~band, float("-inf"))
-        if sink_ctx is not None:
-            sinks_sub = sink_ctx.slice_queries(a, a + block)
+        q_a = q[:, :, a:stop]
+        logits = _logits(pos, q_a, k[:, :, lo:hi], sub).to(wide).masked_fill(~band, float("-inf"))
+        v_a, seen = v[:, :, lo:hi], valid  # seen: (B, n + S') what the softmax may take
+        if sink_ctx is not None:  # the sinks' values and padding go first, as their logits
+            sinks_sub = sink_ctx.slice_queries(a, stop)
             sinks_sub = replace(sinks_sub, key_valid=sink_valid, shift=shift + a)
             sinks = _logits(pos, q_a, k[:, :, :n], sinks_sub).to(wide)  # (B, H, T', n)
-            sinks = sinks.masked_fill(offsets[:, :n] > 0, float("-inf"))  # causal
-            logits = torch.cat((sinks, logits), dim=-1)  # (B, H, T', n + S)
+            sinks = sinks.masked_fill(sinks_sub.key_offsets() > 0, float("-inf"))  # causal
+            logits = torch.cat((sinks, logits), dim=-1)  # (B, H, T', n + S')
+            v_a = torch.cat((v[:, :, :n], v_a), dim=-2)  # (B, H, n + S', D)
+            if valid is not None and sink_valid is not None:
+                seen = torch.cat((sink_valid, valid), dim=-1)
         if seen is not None:
             logits = logits.masked_fill(~seen[:, None, None, :], float("-inf"))
-        parts.append(logits.softmax(-1).to(v.dtype) @ v)  # (B, H, T', D)
+        parts.append(logits.softmax(-1).to(v.dtype) @ v_a)  # (B, H, T', D)
     return torch.cat(parts, dim=2)

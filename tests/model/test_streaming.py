@@ -144,6 +144,96 @@ def test_query_blocks_give_the_same_output(monkeypatch: pytest.MonkeyPatch) -> N
     assert (whole - blocked).abs().max() <= 1e-12
 
 
+def _both_ways(monkeypatch: pytest.MonkeyPatch, run) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run()`` with keys cut to those each block of queries sees, in blocks of the
+    cache's span, and with every block over all keys."""
+    monkeypatch.setattr(streaming_module, "MIN_QUERY_BLOCK", 1)  # blocks of sinks + window
+    sliced = run()
+    monkeypatch.setattr(streaming_module, "SLICE_KEYS", False)
+    every = run()
+    monkeypatch.setattr(streaming_module, "SLICE_KEYS", True)
+    return sliced, every
+
+
+@pytest.mark.parametrize("name", STREAMABLE)
+def test_cutting_keys_to_the_visible_ones_changes_nothing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two layers in float64, 23 queries in blocks of 5 (the span), a left-padded row:
+    scoring each block against its sinks and window slice only gives the outputs of
+    scoring it against every key, to float64 rounding (a padded query, which sees no
+    real key, is NaN both ways)."""
+    torch.manual_seed(0)
+    model = lm(name, CASE_SETTINGS.get(name, {}), n_layers=2).double()
+    ids = torch.randint(0, 17, (2, 23))
+    valid = torch.ones(2, 23, dtype=torch.bool)
+    valid[1, :3] = False
+
+    def run() -> torch.Tensor:
+        with torch.no_grad(), model.streaming(SETTING):
+            return model.stack(model.embed(ids), valid=valid)
+
+    sliced, every = _both_ways(monkeypatch, run)
+    torch.testing.assert_close(sliced, every, rtol=0, atol=1e-12, equal_nan=True)
+    assert not sliced[0].isnan().any()
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "t5", "xl+fold", "mix"])
+def test_fewer_queries_than_keys_at_an_offset(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """T = 7 queries at the end of S = 20 keys (an int shift of 13), one padded key: the
+    cut keys give the all-keys result, and so does a tensor shift (a static cache's
+    slot, which always takes every key)."""
+    torch.manual_seed(0)
+    model = lm(name, CASE_SETTINGS.get(name, {}), n_layers=1).double()
+    attn = model.stack.layers[0].self_attn
+    t, s = 7, 20
+    q, k, v = torch.randn(3, 2, 4, s, 8, dtype=torch.float64).unbind(0)
+    q = q[:, :, s - t :]
+    valid = torch.ones(2, s, dtype=torch.bool)
+    valid[0, 9] = False
+    k_pos = torch.arange(s)[None]
+    ctx = model.encoder.context(k_pos[:, s - t :], k_pos, AttnKind.CAUSAL, starts=(s - t, 0))
+    attach(ctx, model.encoder, SETTING, k_pos, s)
+    layer_ctx = attn.pos.with_input(torch.zeros(2, t, 32), ctx, key_valid=valid, cache=None)
+
+    def run(shift: int | torch.Tensor = s - t) -> torch.Tensor:
+        stream = ctx[STREAMING]
+        return streaming_module.streaming_attend(
+            attn.pos, q, k, v, layer_ctx, stream, shift=shift, key_valid=valid
+        )
+
+    sliced, every = _both_ways(monkeypatch, run)
+    torch.testing.assert_close(sliced, every, rtol=0, atol=1e-12)
+    torch.testing.assert_close(run(torch.tensor(s - t)), every, rtol=0, atol=1e-12)
+
+
+def test_a_block_scores_only_the_keys_it_can_see(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The score tensors' query-key pairs over 64 queries: each query scores at most
+    sinks + window + block keys when cut, against sinks + S without the cut."""
+    model = lm("rope", {}, n_layers=1)
+    ids = torch.randint(0, 17, (1, 64))
+    pairs: list[int] = []
+    logits = streaming_module._logits
+
+    def counted(pos, q, k, ctx):  # the scores of one block: (B, H, T', S')
+        pairs.append(q.shape[-2] * k.shape[-2])
+        return logits(pos, q, k, ctx)
+
+    monkeypatch.setattr(streaming_module, "_logits", counted)
+
+    def run() -> torch.Tensor:
+        pairs.clear()
+        with torch.no_grad(), model.streaming(SETTING):
+            model(ids)
+        return torch.tensor(sum(pairs))
+
+    sliced, every = _both_ways(monkeypatch, run)
+    block = SETTING.span  # MIN_QUERY_BLOCK 1: blocks of the span
+    assert every == 64 * (SETTING.sinks + 64)
+    assert sliced <= 64 * (SETTING.sinks + SETTING.window + block)
+    assert sliced * 5 < every
+
+
 def test_the_setting_is_restored_after_the_block() -> None:
     model = lm("rope", {}, n_layers=1)
     with model.streaming(SETTING):
