@@ -31,8 +31,8 @@ A scheme that needs per-key state of its own (a cumulative gate, an accumulated
 penalty) keeps it in the same :class:`LayerCache` under a typed
 :class:`~posenc.encoders.base.Slot` of its own, declared at module level (its
 ``key_dim``: the axis of the slots): :meth:`LayerCache.extend` writes a step's
-entries, :meth:`LayerCache.put` replaces a buffer it updates as a whole, and :meth:`KVCache.select` reorders every buffer's rows
-(batch dim 0) for beam search.
+entries, :meth:`LayerCache.put` replaces a buffer it updates as a whole, and
+:meth:`KVCache.select` reorders every buffer's rows (batch dim 0) for beam search.
 """
 
 from __future__ import annotations
