@@ -178,7 +178,9 @@ def composition_problems(
     return [f"{unknown_key(cfg, key, value)} (in conf/{found.group(1)}.yaml)"]
 
 
-def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path | None:
+def record_failure(
+    err: BaseException, run_dir: Path, seed: object, label: object = None
+) -> Path | None:
     """Write ``error.json`` (type, message, traceback, overrides, choices) atomically; a
     failed write (:func:`~posenc.training.rundir.write_failure`: "no space left on
     device: <file>") is named in its ``write_failure``. On a full disk the record goes
@@ -189,6 +191,7 @@ def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path | No
         err: The exception the job raised.
         run_dir: The job's output directory.
         seed: The job's ``seed``.
+        label: The job's ``label`` (its scheme's name in results), if it sets one.
 
     Returns:
         The path written (the job log instead if ``run_dir`` holds another run's results),
@@ -208,7 +211,7 @@ def record_failure(err: BaseException, run_dir: Path, seed: object) -> Path | No
         "overrides": list(hc.overrides.task),
         # The report groups failures by these, like finished runs.
         "task": hc.runtime.choices.get("task"),
-        "encoder": hc.runtime.choices.get("encoder"),
+        "encoder": label or hc.runtime.choices.get("encoder"),
         "seed": seed,
         "job_num": cast(DictConfig, hc.job).get("num"),  # a DictConfig, typed JobConf
     }
@@ -690,7 +693,7 @@ def _sweep_job(cfg: DictConfig) -> None:
     except Exception as err:
         # One bad job must not end the sweep. Exception, not BaseException: a stop
         # (Terminated, a SystemExit) still ends the whole sweep.
-        path = record_failure(err, run_dir, cfg.get("seed"))
+        path = record_failure(err, run_dir, cfg.get("seed"), cfg.get("label"))
         where = f"recorded in {path}" if path else "not recorded"
         if isinstance(err, UserError):  # bad input: the message says it all
             log.error("job refused: %s (%s)", err, where)
@@ -796,7 +799,7 @@ def _isolated(cfg: DictConfig) -> str | None:
     )
     hint = " (SIGKILL: often the out-of-memory killer)" if code == -signal.SIGKILL else ""
     err = JobKilled(f"the job's process was {how}{hint} before it recorded a result")
-    path = record_failure(err, run_dir, cfg.get("seed"))
+    path = record_failure(err, run_dir, cfg.get("seed"), cfg.get("label"))
     where = f"recorded in {path}" if path else "not recorded"
     log.error("job %s: %s; %s; the sweep goes on", run_dir.name, err, where)
     return None

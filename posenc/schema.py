@@ -631,6 +631,9 @@ class Run(Group, Generic[T]):
     checkpoint_every_n_steps: int = key(250, "int>0")
     tuned: Any = key(None)
     tuned_allow_partial: bool = key(False)
+    #: The scheme's name in results when not its encoder choice: a sweep arm that changes
+    #: the model (``+variant=rope_qknorm``) sets it so its rows stand beside the parent's.
+    label: str | None = key(None)
     task: T = cast(Any, None)  # LMTask, MTTask or AlgoTask: a job's Run[LMTask] says which
     model: Model = field(default_factory=Model)
     tokenizer: Any = None

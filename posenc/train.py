@@ -111,13 +111,16 @@ def checkpoint_model(cfg: DictConfig, saved: dict[str, Any], given: set[str]) ->
 def take_checkpoint_model(cfg: DictConfig) -> None:
     """``eval_only``: the checkpoint's model sizes and encoder options
     (:func:`checkpoint_model`) replace the config's defaults, before the config is checked,
-    so evaluating a small model needs no sizes retyped."""
+    so evaluating a small model needs no sizes retyped; so does its ``label`` where this
+    run sets none."""
     given = command_line_keys(cfg)
     path = cfg.get("ckpt_path")
     if not (cfg.get("eval_only") is True and path and given is not None and Path(path).is_file()):
         return
     saved = (checkpoints.load(path).get("posenc") or {}).get("config") or {}
     taken = checkpoint_model(cfg, saved, given)
+    if saved.get("label") and cfg.get("label") is None:
+        taken["label"] = saved["label"]  # rope_qknorm's weights stay rope_qknorm's row
     for key, value in taken.items():
         OmegaConf.update(cfg, key, value, force_add=True)
     if taken:

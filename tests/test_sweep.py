@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -179,17 +180,32 @@ def test_sweep_presets(preset: str, tmp_path: Path) -> None:
 
 
 #: Variants that set an encoder option (name: encoder, the options it sets).
-OPTION_VARIANTS = {"stickbreak_value": ("stickbreak", {"remainder": "value"})}
+#: Variants that set options: name -> (encoder, its options, model options, label).
+OPTION_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any], str | None]] = {
+    "stickbreak_value": ("stickbreak", {"remainder": "value"}, {}, None),
+    "rope_nope4": ("mix", {"layers": ["rope", "rope", "rope", "none"]}, {}, "rope_nope4"),
+    "nope_rope4": ("mix", {"layers": ["none", "none", "none", "rope"]}, {}, "nope_rope4"),
+    "rope_none_heads": ("mix", {"heads": ["rope", "none"]}, {}, "rope_none_heads"),
+    "prope75": ("rope", {"p": 0.75}, {}, "prope75"),
+    "rope_qknorm": ("rope", {}, {"qk_norm": True}, "rope_qknorm"),
+    "none_ssmax": ("none", {}, {"logit_scale": "ssmax"}, "none_ssmax"),
+    "rope_sinks": ("rope", {}, {"sinks": True}, "rope_sinks"),
+    "alibi_dape": ("dape", {"base": "alibi"}, {}, "alibi_dape"),
+    "kerple_dape": ("dape", {"base": "kerple"}, {}, "kerple_dape"),
+}
 
 
 def test_every_encoder_is_a_variant_and_rand_variants_randomize() -> None:
     """conf/variant/<encoder>.yaml selects that encoder and nothing else; <e>_rand.yaml
     selects e and trains it on randomized positions; an option variant selects its
-    encoder with those options, which a plain variant leaves at their defaults."""
+    encoder with those options and model options (a plain variant leaves both at their
+    defaults) and names its label, which a plain variant leaves unset."""
     assert set(ENCODER_YAMLS) <= set(VARIANT_YAMLS)
+    model = compose_hydra().model
     for name in VARIANT_YAMLS:
         cfg = compose_hydra(f"+variant={name}")
-        base, options = OPTION_VARIANTS.get(name, (name.removesuffix("_rand"), {}))
+        default = (name.removesuffix("_rand"), {}, {}, None)
+        base, options, model_options, label = OPTION_VARIANTS.get(name, default)
         assert cfg.hydra.runtime.choices.encoder == base
         assert (cfg.model.random_positions is not None) == name.endswith("_rand"), name
         plain = compose_hydra(f"encoder={base}").encoder
@@ -197,6 +213,11 @@ def test_every_encoder_is_a_variant_and_rand_variants_randomize() -> None:
         assert {k: v for k, v in cfg.encoder.items() if k not in options} == {
             k: v for k, v in plain.items() if k not in options
         }, name
+        mine = {k: v for k, v in cfg.model.items() if k != "random_positions"}
+        assert mine == {
+            k: model_options.get(k, v) for k, v in model.items() if k != "random_positions"
+        }, name
+        assert cfg.label == label, name
     assert compose_hydra("+variant=stickbreak").encoder.remainder == "head_bias"
 
 

@@ -25,7 +25,7 @@ from posenc.tasks.algo import AlgoTask
 from posenc.training import job
 from posenc.training.callbacks import Throughput
 from posenc.training.trainer import (
-    group_choice,
+    encoder_label,
     init_from_checkpoint,
     load_for_eval,
     log_hparams,
@@ -75,7 +75,7 @@ def top_size(cfg: Run[schema.AlgoTask]) -> int:
 def label(cfg: Run[schema.AlgoTask]) -> str:
     """The encoder's name in results: ``rope``, or ``rope_rand`` when trained on
     randomized positions (``model.random_positions``)."""
-    name = group_choice(cfg, "encoder")
+    name = encoder_label(cfg)
     return f"{name}_rand" if cfg.model.random_positions else name
 
 

@@ -31,7 +31,7 @@ from posenc.tasks.lm import EvalExtension, Extension, LMTask, StreamingExtension
 from posenc.training import checkpoints, gate, job
 from posenc.training.callbacks import Throughput
 from posenc.training.trainer import (
-    group_choice,
+    encoder_label,
     init_from_checkpoint,
     load_for_eval,
     log_hparams,
@@ -265,7 +265,7 @@ def finish_lm(
     metrics = dict(sorted(metrics.items(), key=_metric_order)) | names(fitted.val)
     encoder = cfg.encoder._target_.rsplit(".", 1)[-1]
     fields = LMRecord(
-        encoder=group_choice(cfg, "encoder"),
+        encoder=encoder_label(cfg),
         encoder_class=encoder,
         seed=cfg.seed,
         seq_len=cfg.task.seq_len,

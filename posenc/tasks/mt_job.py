@@ -26,7 +26,7 @@ from posenc.tasks.mt import MTTask
 from posenc.training import job
 from posenc.training.callbacks import Throughput
 from posenc.training.trainer import (
-    group_choice,
+    encoder_label,
     init_from_checkpoint,
     load_for_eval,
     log_hparams,
@@ -149,7 +149,7 @@ def finish_mt(
     metrics |= names(dict(sorted((fitted.val | loss).items())))
     d = cfg.task.decode
     fields = MTRecord(
-        encoder=group_choice(cfg, "encoder"),
+        encoder=encoder_label(cfg),
         encoder_class=cfg.encoder._target_.rsplit(".", 1)[-1],
         seed=cfg.seed,
         data=cfg.data.name,

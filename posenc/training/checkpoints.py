@@ -123,6 +123,7 @@ ADDED_LATER = {
     "model.sinks": False,
     "model.window": None,
     "model.window_layers": None,
+    "label": None,  # a run's name in results; older runs were named by their encoder
 }
 
 

@@ -229,6 +229,13 @@ def group_choice(cfg: Any, group: str) -> str:
     return getattr(cls, "name", cls.__name__)
 
 
+def encoder_label(cfg: Any) -> str:
+    """The scheme's name in results: ``label`` when the run sets one (a sweep arm such as
+    ``+variant=rope_qknorm``), else the encoder choice (:func:`group_choice`)."""
+    label = cfg.get("label") if isinstance(cfg, DictConfig) else getattr(cfg, "label", None)
+    return str(label) if label else group_choice(cfg, "encoder")
+
+
 def command_line_keys(cfg: Any) -> set[str] | None:
     """The config keys the command line set (``model.d_model=32``, ``+encoder.x=1``) and,
     for a group choice (``encoder=rope``), its ``_target_``; None outside a Hydra run (a

@@ -114,3 +114,16 @@ def test_hparams_hold_the_rate_steps_sizes_encoder_options_and_swept_keys(
     assert hparams["task.eval.multipliers"] == "[1]"  # set on the command line
     assert hparams["encoder"] == "rope"
     assert all(isinstance(v, int | float | str | bool) for v in hparams.values())
+
+
+def test_a_variant_with_a_label_is_recorded_under_it_beside_its_parent(tmp_path: Path) -> None:
+    """+variant=rope_qknorm trains rope with QK-norm and records it as rope_qknorm, so
+    the report gives it a row of its own next to rope's."""
+    from posenc.tuned import run_key
+
+    cfg = compose_run(tmp_path, "+variant=rope_qknorm", "task.eval.multipliers=[1]")
+    assert run_key(cfg) == ("lm", "rope_qknorm")  # the tuned-lr file's key too
+    train(cfg)
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert (m["encoder"], m["encoder_class"]) == ("rope_qknorm", "RoPE")
+    assert m["config"]["model"]["qk_norm"] is True and m["config"]["label"] == "rope_qknorm"

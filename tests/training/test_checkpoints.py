@@ -74,6 +74,17 @@ def test_eval_only_takes_the_model_sizes_from_the_checkpoint(trained: Path, tmp_
     assert out["metrics"]["test/ppl@16"] == pytest.approx(first["metrics"]["test/ppl@16"], rel=1e-9)
 
 
+def test_eval_only_keeps_the_checkpoints_label(tmp_path: Path) -> None:
+    """A run of +variant=rope_qknorm evaluated with eval_only (no variant given) is
+    recorded as rope_qknorm, with QK-norm on, not as plain rope."""
+    train(compose_run(tmp_path / "a", "+variant=rope_qknorm", "task.eval.multipliers=[1]"))
+    ckpt = tmp_path / "a" / "run" / "checkpoints" / "last.ckpt"
+    with command_line(tmp_path / "b", *NO_SIZES, "encoder=rope", "eval_only=true",
+                      f"ckpt_path={ckpt}", "task.eval.multipliers=[1]") as cfg:  # fmt: skip
+        out = train(cfg)
+    assert out["encoder"] == "rope_qknorm" and out["config"]["model"]["qk_norm"] is True
+
+
 def test_eval_only_refuses_sizes_given_against_the_checkpoint_in_one_line(
     trained: Path, tmp_path: Path
 ) -> None:
