@@ -232,7 +232,7 @@ class FireFunction(nn.Module):
         matrix in time and memory."""
         causal = ctx.kind is AttnKind.CAUSAL
         if ctx.starts is not None:  # consecutive positions: a Toeplitz view, no gather
-            n_lo, n_hi = ctx.offset_range()  # distances -n_hi .. -n_lo
+            n_lo, n_hi = ctx.toeplitz_range()  # distances -n_hi .. -n_lo
             bias = toeplitz(self._table(-n_hi, -n_lo, causal).flip(-1), ctx)  # (H, T, S)
             if bias is not None:
                 return bias[None]

@@ -159,7 +159,7 @@ def window_parts(
 
 def toeplitz(per_offset: Tensor, ctx: AttentionContext) -> Tensor | None:
     """A score term that depends on the offset alone, ``(..., L)`` for the offsets of
-    ``ctx.offset_range()``, as the ``(..., T, S)`` matrix of ``ctx``'s pairs (needs
+    ``ctx.toeplitz_range()``, as the ``(..., T, S)`` matrix of ``ctx``'s pairs (needs
     ``ctx.starts``): the table repeated per query row, then :func:`offset_view`. Its
     gradient is a sum over rows, where a per-pair gather's is a scatter. None when the
     view does not fit (the caller gathers)."""

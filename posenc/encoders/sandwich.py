@@ -84,7 +84,7 @@ class _SandwichAttention(AttentionPositional):
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
         table = ctx[TABLE]  # (H, M + 1), distance |i - j| = 0 .. M
         if ctx.starts is not None:  # consecutive positions: a Toeplitz view, no gather
-            n_lo, n_hi = ctx.offset_range()
+            n_lo, n_hi = ctx.toeplitz_range()
             n = torch.arange(n_lo, n_hi + 1, device=table.device).abs_()
             bias = toeplitz(table[:, n], ctx)  # (H, T, S)
             if bias is not None:

@@ -155,7 +155,7 @@ class _T5Attention(AttentionPositional):
         # is in the last bucket of its direction anyway), shifted to [0, 2M].
         per_row = self.table(ctx).to(q.dtype).T[:, ctx[BUCKETS]]  # (H, 2M+1)
         if ctx.starts is not None:  # consecutive positions: one row per offset, a view
-            n_lo, n_hi = ctx.offset_range()
+            n_lo, n_hi = ctx.toeplitz_range()
             n = torch.arange(n_lo, n_hi + 1, device=q.device).clamp_(-m, m).add_(m)
             bias = toeplitz(per_row[:, n], ctx)  # (H, T, S)
             if bias is not None:

@@ -125,6 +125,8 @@ def test_fire_rows_below_threshold_use_the_table(start: int) -> None:
     fire._by_distance = lambda c: calls.append(c.q_pos.shape[-1]) or table(c)
     fast = fire(ctx)
     assert calls == ([] if start == 41 else [8] if start == 30 else [4])
+    # No per-pair gather (its backward took 3.6 s of a 3.7 s step at 4x4096 on a GPU).
+    assert "IndexBackward0" not in backward_ops(fast)
     slow = fire.mlp(fire.inputs(ctx))
     keep = torch.arange(start + 8)[None, :] <= q_pos[0, :, None]  # unmasked pairs
     torch.testing.assert_close(fast * keep, slow * keep, atol=1e-6, rtol=1e-6)
@@ -134,6 +136,18 @@ def test_fire_rows_below_threshold_use_the_table(start: int) -> None:
     ]
     for g_fast, g_slow in zip(*grads, strict=True):
         torch.testing.assert_close(g_fast, g_slow, atol=1e-4, rtol=1e-4)
+
+
+def backward_ops(t: torch.Tensor) -> set[str]:
+    """The names of every backward node that produced ``t``."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    return {type(fn).__name__ for fn in seen}
 
 
 def identity_fire(threshold: float = 4.0) -> Fire:
