@@ -67,6 +67,12 @@ def run(
             c: (lambda c=c, m=model: generate(m, ids, new, temperature=0, use_cache=c))
             for c in (True, False)
         }
+        # On a GPU the cached step is replayed from a CUDA graph; its eager step beside it.
+        eager = (
+            {"cached-eager": lambda m=model: generate(m, ids, new, temperature=0, graphs=False)}
+            if device.type == "cuda"
+            else {}
+        )
         try:  # the first runs compile; one scheme's failure leaves the others measured
             differ = _first_difference(runs[True](), runs[False](), prompt)
         except Exception as e:  # reported in the row
@@ -82,9 +88,12 @@ def run(
         measure = {
             "uncached": lambda f=runs[False]: _timed(f) / new,
             "cached": lambda f=runs[True]: _timed(f) / new,
+            **{k: (lambda f=f: _timed(f) / new) for k, f in eager.items()},
         }
+        for f in eager.values():
+            f()  # its first run compiles what the graphs' run did not
         stats = interleaved(measure, baseline="uncached", rounds=rounds, warmup=0)
-        for name in ("uncached", "cached"):
+        for name in measure:
             s = stats[name]
             goal = GOAL if name == "cached" else None
             note = f"{1 / s['median_s']:,.0f} tok/s"

@@ -11,9 +11,12 @@ length as far as the encoder allows (learned absolute positions stop at ``max_le
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
+from posenc.decoding.graphs import GraphedStep
 from posenc.model import DecoderLM
 from posenc.model.streaming import Streaming
 from posenc.stop import check as check_stop
@@ -44,6 +47,7 @@ def generate(
     use_cache: bool = True,
     pad: Tensor | None = None,
     streaming: Streaming | None = None,
+    graphs: bool | None = None,
 ) -> Tensor:
     """Continue each prompt by ``new_tokens`` tokens.
 
@@ -64,6 +68,10 @@ def generate(
             step sees the first ``sinks`` tokens and the last ``window``, at positions
             re-indexed inside that cache; the same tokens with and without the cache.
             None: every token seen.
+        graphs: Replay the cached single-token step from a CUDA graph
+            (:mod:`posenc.decoding.graphs`; the same tokens, one launch per token).
+            None: on a CUDA device with the cache. A scheme whose step cannot be
+            replayed decodes eagerly.
 
     Returns:
         ``(B, P + N)``: the prompts and their continuations.
@@ -74,6 +82,13 @@ def generate(
             at different slots) or with a model it cannot apply to.
         StopRequested: :func:`posenc.stop.request_stop` was called during generation.
     """
+    if graphs is None:
+        graphs = use_cache and prompt.device.type == "cuda"
+    if graphs and (not use_cache or prompt.device.type != "cuda"):
+        raise ValueError(
+            f"graphs=True replays the cached step on a CUDA device; got use_cache={use_cache} "
+            f"on {prompt.device.type}: pass graphs=None (automatic) or False"
+        )
     if prompt.dim() != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must be (B, P) token ids with P >= 1, got {tuple(prompt.shape)}")
     if new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
@@ -93,9 +108,9 @@ def generate(
             "tokens of every row; decode rows of different lengths one at a time"
         )
     if streaming is None:  # any model that decodes (a test's stand-in too)
-        return _continue(model, prompt, new_tokens, temperature, top_k, gen, use_cache, pad)
+        return _continue(model, prompt, new_tokens, temperature, top_k, gen, use_cache, pad, graphs)
     with model.streaming(streaming):
-        return _continue(model, prompt, new_tokens, temperature, top_k, gen, use_cache, pad)
+        return _continue(model, prompt, new_tokens, temperature, top_k, gen, use_cache, pad, graphs)
 
 
 def _continue(
@@ -107,15 +122,27 @@ def _continue(
     gen: torch.Generator | None,
     use_cache: bool,
     pad: Tensor | None,
+    graphs: bool,
 ) -> Tensor:
     """:func:`generate`'s loop, its arguments checked."""
     out = prompt
     # The static cache holds the prompt and every token fed back (the last one is not).
     cache = model.new_cache(prompt.shape[1] + max(new_tokens - 1, 0), pad) if use_cache else None
+    step: Callable[[Tensor], Tensor] | None = None
+    if cache is not None:
+
+        def step(ids: Tensor) -> Tensor:
+            return model(ids, cache=cache)[:, -1]
+
+        if graphs:
+            step = GraphedStep(step, cache)
     step_in = prompt
-    for _ in range(new_tokens):
+    for n in range(new_tokens):
         check_stop("generation")
-        logits = model(step_in, cache=cache)[:, -1] if cache is not None else model(out)[:, -1]
+        if step is None:
+            logits = model(out)[:, -1]
+        else:  # the prompt's step has its own shape: eager
+            logits = model(step_in, cache=cache)[:, -1] if n == 0 else step(step_in)
         tok = next_token(logits, temperature=temperature, top_k=top_k, generator=gen)[:, None]
         out = torch.cat((out, tok), dim=1)
         step_in = tok

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from posenc.decoding import lm as lm_mod
+from posenc.decoding.graphs import GraphedStep
 from posenc.decoding.lm import generate, next_token
 from posenc.model import DecoderLM
 from posenc.model.streaming import Streaming
@@ -74,6 +76,50 @@ def test_generation_refuses_bad_arguments() -> None:
         generate(model, torch.zeros(1, 2, dtype=torch.long), 3, top_k=0)
     with pytest.raises(ValueError, match="max_len=1024"):  # before any work
         generate(model, torch.zeros(1, 2, dtype=torch.long), 1023)
+
+
+def test_graphs_need_the_cache_on_a_cuda_device() -> None:
+    """Replaying the step from a CUDA graph is automatic on a GPU; asked for elsewhere it
+    is refused in one line that says what to pass instead."""
+    model = DecoderLM(vocab_size=23, encoder="rope", **SIZES).eval()
+    prompt = torch.randint(0, 23, (1, 4))
+    for kwargs in ({"graphs": True}, {"graphs": True, "use_cache": False}):
+        with pytest.raises(ValueError, match="graphs=None") as err:
+            generate(model, prompt, 3, **kwargs)
+        assert "\n" not in str(err.value)
+    assert torch.equal(
+        generate(model, prompt, 6, temperature=0),
+        generate(model, prompt, 6, temperature=0, graphs=False),
+    )
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("name", ["none", "rope", "alibi", "t5", "xl", "fire", "path"])
+def test_graphed_step_gives_the_eager_tokens_on_cuda(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the cached step replays from a CUDA graph: the same greedy tokens as the
+    eager step, past the training length; a scheme whose step reads the device (FIRE's
+    eager threshold) or replaces cache buffers stays eager, saying why."""
+    steps: list[GraphedStep] = []
+    monkeypatch.setattr(
+        lm_mod, "GraphedStep", lambda *a: steps.append(GraphedStep(*a)) or steps[-1]
+    )
+    torch.manual_seed(0)
+    model = DecoderLM(vocab_size=50, encoder=name, d_model=64, n_heads=4, n_layers=2).cuda().eval()
+    prompt = torch.randint(0, 50, (2, 7), device="cuda")
+    graphed = generate(model, prompt, 40, temperature=0)
+    eager = generate(model, prompt, 40, temperature=0, graphs=False)
+    assert torch.equal(graphed, eager)
+    (step,) = steps
+    if name in ("fire", "path"):  # may stay eager, and then says why
+        assert step.graph is not None or step.eager_because
+    else:
+        assert step.graph is not None, step.eager_because
 
 
 def test_generate_command_on_a_trained_checkpoint(tmp_path: Path) -> None:
