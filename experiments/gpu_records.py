@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"gpu_records: {args.write} {e}", file=sys.stderr)
         return 2
-    print(f"gpu_records: wrote the tables of {len(records)} records into {args.write}")
+    print(f"gpu_records: wrote the tables of {len(records)} record(s) into {args.write}")
     return 0
 
 
