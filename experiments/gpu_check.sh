@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check (#34): what a researcher gets on one GPU, in at most about 12 minutes
+# The GPU check: what a researcher gets on one GPU, in at most about 12 minutes
 # on an H200 (the sections' limits add up to 740 s; GPU_CHECK_SECTIONS splits it into
 # calls). Prints one table and writes gpu_check.json (plus each section's log and JSON)
-# to OUT_DIR (default outputs/gpu_check/<date-time>).
+# to OUT_DIR (default outputs/gpu_check/<date-time>). gpu_check.json is the run's record
+# (card, torch version, date, the command with every GPU_CHECK_* setting): copied to
+# docs/gpu/, it feeds the tables of docs/performance.md (experiments/gpu_records.py).
 #
 #   experiments/gpu_check.sh [OUT_DIR]
 #
@@ -24,10 +26,10 @@
 # GPU_CHECK_SECTIONS=tests,flex (say) runs only those; GPU_CHECK_MODES=eager leaves the
 # compiled steps out of steps_4096; GPU_CHECK_ENCODERS=rope,t5 (say) measures those
 # (and `none`) in the step sections, =all every registered one (default: the eleven
-# of #34). The limits below come from the runs of 2026-11-26/27 on an H200 (compiling
-# the kernels is most of the time); a section past its limit keeps the rows it measured
-# and the table says so; the tests run with -v, so their results survive a pytest that
-# does not exit.
+# that are not data-dependent). The limits below come from the runs of 2026-11-26/27 on
+# an H200 (compiling the kernels is most of the time); a section past its limit keeps
+# the rows it measured and the table says so; the tests run with -v, so their results
+# survive a pytest that does not exit.
 # Every figure is a ratio against `none` measured in the same run (bench.py's sections
 # steps, flex and decode with --sizes gpu: experiments/bench_steps.py, bench_decode.py).
 #
@@ -66,8 +68,9 @@ run_section() {
 }
 
 BENCH=("$PY" experiments/bench.py)  # timeout runs programs, not shell functions
-# The eleven schemes of #34 by default; the data-dependent ones (cope, fox, path,
-# selective, stickbreak) take minutes more at 4x4096: GPU_CHECK_ENCODERS=all adds them.
+# By default the eleven schemes that are not data-dependent; the data-dependent ones
+# (cope, fox, path, selective, stickbreak) take minutes more at 4x4096:
+# GPU_CHECK_ENCODERS=all adds them.
 ENCODERS=${GPU_CHECK_ENCODERS:-none,learned,sinusoidal,rope,xpos,shaw,xl,xl_fold,deberta,alibi,t5,fire}
 if [ "$ENCODERS" = all ]; then
     ENCODERS=$("$PY" -c "from posenc.encoders import available; print(','.join(available()))")
@@ -77,7 +80,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     echo "gpu_check: no CUDA GPU here ($("$PY" -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1)); ran the CPU-runnable parts only, at the quick sizes, into $OUT"
     run_section steps_quick 120 "${BENCH[@]}" --quick --threads 1 --sections steps,flex --json "$OUT/steps_quick.json"
     run_section decode_quick 90 "${BENCH[@]}" --quick --threads 1 --sections decode --json "$OUT/decode_quick.json"
-    "$PY" experiments/gpu_check_report.py "$OUT" --cpu || echo "gpu_check: the report failed (see above)"
+    "$PY" experiments/gpu_check_report.py "$OUT" --cpu --script-args "$@" || echo "gpu_check: the report failed (see above)"
     exit 0
 fi
 
@@ -112,5 +115,5 @@ else
         --modes eager --json "$OUT/steps_1024.json"
 fi
 want profile && run_section profile 60 "$PY" experiments/profile_step.py "${GPU_CHECK_PROFILE:-fire}"
-"$PY" experiments/gpu_check_report.py "$OUT" || echo "gpu_check: the report failed (see above)"
+"$PY" experiments/gpu_check_report.py "$OUT" --script-args "$@" || echo "gpu_check: the report failed (see above)"
 exit 0
