@@ -13,9 +13,11 @@ instead of stopping the benchmark).
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +37,23 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor, prompt: int) -> int | No
     if torch.equal(a, b):
         return None
     return int((a != b).any(0).nonzero()[0, 0]) - prompt
+
+
+@contextmanager
+def _logged(name: str) -> Iterator[list[str]]:
+    """The messages logger ``name`` writes at INFO and above inside the block."""
+    seen: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _timed(fn) -> float:
@@ -92,6 +111,8 @@ def run(
         }
         for f in eager.values():
             f()  # its first run compiles what the graphs' run did not
+        with _logged("posenc.decoding.graphs") as why_eager:
+            runs[True]()  # says why, when its step cannot be replayed
         stats = interleaved(measure, baseline="uncached", rounds=rounds, warmup=0)
         for name in measure:
             s = stats[name]
@@ -99,6 +120,8 @@ def run(
             note = f"{1 / s['median_s']:,.0f} tok/s"
             if differ is not None:
                 note += f"; tokens differ from new token {differ} on"
+            if name == "cached" and why_eager:
+                note += f"; {why_eager[-1]}"
             rows.append(
                 Row(
                     f"{name}: LM {enc}, {new} new after {prompt}",

@@ -17,6 +17,7 @@ with the same tokens.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 
@@ -24,6 +25,8 @@ import torch
 from torch import Tensor
 
 from posenc.model.cache import KVCache, LayerCache
+
+log = logging.getLogger(__name__)
 
 
 def _layers(cache: KVCache) -> list[tuple[int, LayerCache]]:
@@ -89,9 +92,9 @@ class GraphedStep:
                 torch.cuda.set_sync_debug_mode(previous)
         syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
         if syncs:
-            self.eager_because = f"the step reads the device: {str(syncs[0].message)[:120]}"
+            self._stay_eager(f"the step waits for the device ({str(syncs[0].message)[:160]})")
         elif _buffers(self.cache) != before:
-            self.eager_because = "the step replaces cache buffers"
+            self._stay_eager("the step replaces cache buffers")
         return logits
 
     def _on_side_stream(self, ids: Tensor) -> Tensor:
@@ -114,15 +117,20 @@ class GraphedStep:
                 self.logits = self.step(self.ids)
         except RuntimeError as e:  # a capture that failed ran nothing: undo and go on eagerly
             self._restore(before)
-            self.eager_because = f"capture failed: {str(e).splitlines()[0][:120]}"
+            self._stay_eager(f"its capture failed ({str(e).splitlines()[0][:160]})")
             return self.step(ids)
         if _buffers(self.cache) != identities:  # replaced after all: never computed
             self._restore(before)
-            self.eager_because = "the step replaces cache buffers"
+            self._stay_eager("the step replaces cache buffers")
             return self.step(ids)
         self.graph = graph
         graph.replay()
         return self.logits
+
+    def _stay_eager(self, why: str) -> None:
+        """Decode eagerly from now on, and say why (once per generation, at INFO)."""
+        self.eager_because = why
+        log.info("decoding without a CUDA graph: %s", why)
 
     def _restore(self, before: dict[int, dict[str, Tensor]]) -> None:
         """Put back the buffers a capture replaced (its tensors were never computed)."""

@@ -118,8 +118,12 @@ def rope_frequencies(rot_dim: int, base: float | Tensor = 10000.0, device=None) 
             f"choose head_dim and fraction so that head_dim * fraction is even"
         )
     i = torch.arange(rot_dim // 2, device=device, dtype=torch.float64)
-    base = torch.as_tensor(base, dtype=torch.float64, device=device)
-    return (base[..., None] ** (-2.0 * i / rot_dim)).float()  # (..., R/2) for a (...) base
+    exponent = -2.0 * i / rot_dim
+    if isinstance(base, Tensor):
+        return (base.double()[..., None] ** exponent).float()  # (..., R/2) for a (...) base
+    # A number stays on the host: a tensor made of it would be a copy to the device at
+    # every decoding step, which a CUDA graph cannot replay.
+    return torch.pow(float(base), exponent).float()
 
 
 def rope_factors(cos: Tensor, sin: Tensor, layout: str) -> Tensor:
