@@ -561,6 +561,14 @@ class AlgoTask(Group):
 TASKS: dict[str, type[Group]] = {"lm": LMTask, "mt": MTTask, "algo": AlgoTask}
 
 
+def _compile_setting(key: str, value: Any) -> list[str]:
+    """``model.compile``: true, false, or ``auto`` (:mod:`posenc.training.compiling`)."""
+    if isinstance(value, bool) or value == "auto":
+        return []
+    why = "auto: compiled when training on a GPU where measured faster"
+    return [f"{key}={value!r}: allowed auto, true or false ({why})"]
+
+
 @dataclass(frozen=True)
 class Model(Group):
     """``model``: the shared transformer (``conf/model/{lm,mt,algo}.yaml``)."""
@@ -577,7 +585,7 @@ class Model(Group):
         " (the range positions are drawn from in training) or null (off)",
         optional=True,
     )
-    compile: bool = key(False)
+    compile: bool | str = key("auto", _compile_setting)
     score_budget_mib: float = key(8, "num>=0", " (MiB; 0: no query blocking)")
     qkv_bias: bool = key(True)
     # attention modifiers for any scheme (posenc/model/modifiers.py)

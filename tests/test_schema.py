@@ -109,7 +109,7 @@ def test_every_preset_composes_the_values_it_always_did(name: str) -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("model.compile=yes", "model.compile='yes': must be true or false"),
+        ("model.compile=yes", "model.compile='yes': allowed auto, true or false"),
         ("task.seq_len='128'", "task.seq_len='128': must be a positive integer"),
         ("task.optim.lr='1e-3'", "task.optim.lr='1e-3': must be a positive number"),
         ("task.eval.passkey.samples='20'", "task.eval.passkey.samples='20': must be a positive"),

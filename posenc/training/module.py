@@ -20,7 +20,8 @@ Net = TypeVar("Net", bound=nn.Module)
 class TaskModule(pl.LightningModule, Generic[Net]):
     """A LightningModule around one model of :mod:`posenc.model`: built from the
     encoder's config and the sizes of ``conf/model``, compiled in place when
-    ``compile: true`` (``torch.compile`` of its forward: checkpoints keep their keys),
+    ``compile: true`` (``torch.compile`` of its forward: checkpoints keep their keys;
+    ``auto`` is decided when training starts, :mod:`posenc.training.compiling`),
     trained with AdamW and the task's schedule (:attr:`optim` over :attr:`max_steps`,
     also saved by the subclass's ``save_hyperparameters``)."""
 
@@ -40,7 +41,7 @@ class TaskModule(pl.LightningModule, Generic[Net]):
         Args:
             net: :class:`~posenc.model.DecoderLM` or :class:`~posenc.model.EncoderDecoder`.
             encoder: The encoder's Hydra config (``_target_`` + ``_partial_``).
-            model: ``conf/model``: the sizes, and ``compile``.
+            model: ``conf/model``: the sizes, and ``compile`` (true compiles here).
             optim: ``task.optim``.
             max_steps: The schedule's length (``trainer.max_steps``).
             kwargs: The rest of ``net``'s arguments (vocabularies, shared embeddings).
@@ -48,7 +49,7 @@ class TaskModule(pl.LightningModule, Generic[Net]):
         self.optim, self.max_steps = optim, max_steps
         sizes = {k: v for k, v in model.items() if k != "compile"}
         self.model = net(encoder=instantiate(encoder), **kwargs, **sizes)
-        if model.get("compile"):
+        if model.get("compile") is True:  # "auto" waits for the device (AutoCompile)
             self.model.compile()
         self.n_params = count_parameters(self.model)
 

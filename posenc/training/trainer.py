@@ -25,7 +25,7 @@ from posenc import stop
 from posenc.errors import CheckpointError
 from posenc.results import MetricName
 from posenc.schema import Group, Run, untyped
-from posenc.training import checkpoints, gate
+from posenc.training import checkpoints, compiling, gate
 from posenc.training.callbacks import PlainProgress, StepProgressBar, Throughput
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,8 @@ def build_trainer(
     ``best.ckpt`` by the task's ``monitor`` metric at each validation, and ``last.ckpt``
     every ``checkpoint_every_n_steps`` steps and at the end of training, for resuming.
     With ``task.learned`` set, the learnability gate (:mod:`posenc.training.gate`) watches
-    every validation.
+    every validation; with ``model.compile=auto``, :mod:`posenc.training.compiling`
+    decides at the start of training whether to compile the model.
 
     Args:
         cfg: The run's config.
@@ -174,6 +175,9 @@ def build_trainer(
     learned = gate.callback(cfg)
     if learned is not None:
         callbacks.append(learned)
+    auto = compiling.callback(cfg.model.compile, encoder_label(cfg))
+    if auto is not None:
+        callbacks.append(auto)
     bar = bool(cfg.trainer.get("enable_progress_bar", True)) and sys.stdout.isatty()
     # Without a bar (a log file, or the bar turned off) a plain line every few steps, so
     # a run never shows nothing until its end.

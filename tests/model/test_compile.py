@@ -194,7 +194,8 @@ def test_score_budget_sets_cpu_query_blocking(budget: float) -> None:
 
 def test_model_compile_option_compiles_in_place() -> None:
     """``model.compile=true`` compiles the model's forward in place: the parameters and
-    checkpoint keys stay those of the eager model."""
+    checkpoint keys stay those of the eager model. ``false`` and ``auto`` build it eager
+    (``auto`` decides once training starts: tests/training/test_compiling.py)."""
     from posenc.tasks.lm import LMTask
 
     sizes = dict(n_layers=1, d_model=16, n_heads=2, d_ff=32, dropout=0.0)
@@ -207,10 +208,11 @@ def test_model_compile_option_compiles_in_place() -> None:
             max_steps=1,
             seq_len=8,
         )
-        for flag in (False, True)
+        for flag in (False, True, "auto")
     ]
     assert tasks[0].model._compiled_call_impl is None
     assert tasks[1].model._compiled_call_impl is not None
+    assert tasks[2].model._compiled_call_impl is None
     assert list(tasks[0].state_dict()) == list(tasks[1].state_dict())
 
 
