@@ -154,6 +154,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the explicit softmax through plain autograd instead of its written-out backward",
     )
     p.add_argument(
+        "--flex-tiles",
+        metavar="M,N",
+        help="forward tiles of the compiled FlexAttention on a GPU (BLOCK_M,BLOCK_N)",
+    )
+    p.add_argument(
         "--pool",
         nargs="+",
         type=Path,
@@ -227,6 +232,7 @@ def header(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "encoders": args.encoders,
         "sections": args.sections,
         "plain_softmax": args.plain_softmax,
+        "flex_tiles": args.flex_tiles,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -372,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
         from posenc.model import backends
 
         backends.HAND_WRITTEN_BACKWARD = False
+    if args.flex_tiles:
+        from posenc.model import backends
+
+        m, n = (int(x) for x in args.flex_tiles.split(","))
+        backends.FLEX_KERNEL_OPTIONS.update(BLOCK_M=m, BLOCK_N=n)
     device = resolve_device(args.device)
     meta = header(args, device)
     print(f"# posenc benchmark\n\ncommand: `{meta['command']}`")

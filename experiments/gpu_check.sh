@@ -25,7 +25,8 @@
 #               H200 on 2026-11-27): experiments/profile_step.py, in profile.log
 # GPU_CHECK_SECTIONS=tests,flex (say) runs only those; GPU_CHECK_MODES=eager leaves the
 # compiled steps out of steps_4096; GPU_CHECK_ENCODERS=rope,t5 (say) measures those
-# (and `none`) in the step sections, =all every registered one (default: the eleven
+# (and `none`) in the step sections, =all every registered one; GPU_CHECK_FLEX_TILES=64,128
+# (say) gives the flex section's compiled FlexAttention those forward tiles (default: the eleven
 # that are not data-dependent). The limits below come from the runs of 2026-11-26/27 on
 # an H200 (compiling the kernels is most of the time); a section past its limit keeps
 # the rows it measured and the table says so; the tests run with -v, so their results
@@ -104,7 +105,8 @@ want tests && TORCHINDUCTOR_COMPILE_THREADS=1 run_section tests 150 "$PY" -m pyt
     -v --tb=line -rfE --junitxml="$OUT/tests.xml" tests/model
 want steps_4096 && run_section steps_4096 260 "${BENCH[@]}" --sizes gpu --sections steps --lengths 4096 --encoders "$ENCODERS" \
     --modes "${GPU_CHECK_MODES:-eager,compiled}" --json "$OUT/steps_4096.json"
-want flex && run_section flex 120 "${BENCH[@]}" --sizes gpu --sections flex --json "$OUT/flex.json"
+want flex && run_section flex 120 "${BENCH[@]}" --sizes gpu --sections flex \
+    ${GPU_CHECK_FLEX_TILES:+--flex-tiles "$GPU_CHECK_FLEX_TILES"} --json "$OUT/flex.json"
 want decode && run_section decode 90 "${BENCH[@]}" --sizes gpu --sections decode --encoders none,rope,alibi,t5 \
     --json "$OUT/decode.json"
 if [ "${GPU_CHECK_COMPILED_1024:-0}" = 1 ]; then

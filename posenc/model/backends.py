@@ -176,6 +176,13 @@ COMPILED_FLEX_DEVICES = {"cuda"}
 #: Past dynamo's default of 8 for one function it would fall back to the unfused eager
 #: kernel with a warning, so its calls raise the limit.
 FLEX_RECOMPILE_LIMIT = 64
+#: Tiles of the compiled FlexAttention's forward kernel on a GPU (``kernel_options``:
+#: ``BLOCK_M`` queries by ``BLOCK_N`` keys); empty: torch's choice. Without any score
+#: term, FlexAttention trained at 0.72x SDPA's speed with torch's tiles and 1.05x with
+#: 64 x 128 on an H200 (one layer, 4x4096, four heads of 64: docs/gpu/, the probe of
+#: 2026-11-28); whole training steps have not been measured with them, so the default
+#: stays torch's. ``experiments/bench.py --flex-tiles 64,128`` sets them.
+FLEX_KERNEL_OPTIONS: dict[str, int] = {}
 _compiled_flex: Callable[..., Tensor] | None = None
 
 
@@ -306,10 +313,13 @@ def flex_attend(
     if not eager:
         kernel, limit = compiled_flex_attention(), _compiled_call_config()
     sink = mods is not None and mods.sink is not None
+    tiles = (
+        {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS and q.is_cuda else {}
+    )
     with limit:
         out = kernel(
             q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
-            **(LSE_REQUEST if sink else {}),
+            **(LSE_REQUEST if sink else {}), **tiles,
         )  # fmt: skip
     if mods is None or not sink:
         return cast(Tensor, out)

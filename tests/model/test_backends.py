@@ -321,6 +321,28 @@ def test_auto_path_on_a_gpu(name: str) -> None:
     assert pos.flex_trains is False
 
 
+def test_flex_tiles_reach_the_gpu_kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FLEX_KERNEL_OPTIONS`` (bench.py --flex-tiles) goes to the compiled GPU kernel as
+    ``kernel_options``; a CPU call never gets them (its kernel has no such tiles), and
+    its output is unchanged."""
+    calls: list[dict] = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return flex_module.flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "flex_attention", spy)
+    q, k, v = (torch.randn(1, 2, 16, 16) for _ in range(3))
+    plain = backends.flex_attend(q, k, v, None, scale=0.25, mask=None, eager=True)
+    monkeypatch.setitem(backends.FLEX_KERNEL_OPTIONS, "BLOCK_M", 64)
+    tiled = backends.flex_attend(q, k, v, None, scale=0.25, mask=None, eager=True)
+    assert [("kernel_options" in c) for c in calls] == [False, False]
+    torch.testing.assert_close(tiled, plain)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    backends.flex_attend(q, k, v, None, scale=0.25, mask=None, eager=True)
+    assert calls[-1]["kernel_options"] == {"BLOCK_M": 64}
+
+
 # ------------------------------------------------------------------ on a GPU (skipped here)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
