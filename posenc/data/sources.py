@@ -219,7 +219,7 @@ def _wikitext_fix(cache: Path) -> str:
     """How to get WikiText-103 into ``cache`` (the Hugging Face cache under the data folder)."""
     return (
         f'install it with pip install "posenc[hf]" and run once with network: the first run '
-        f"downloads WikiText-103 (about 190 MB) into {cache}; without network here, copy that "
+        f"downloads WikiText-103 (a few hundred MB) into {cache}; without network here, copy that "
         f"folder from a machine that has it and set HF_DATASETS_OFFLINE=1, or train on your "
         f"own text with data=text_files"
     )

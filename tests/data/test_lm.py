@@ -426,7 +426,7 @@ def test_wikitext103_offline_says_where_the_data_goes(
     monkeypatch.setenv("POSENC_DATA_DIR", str(tmp_path))
 
     def offline(*args: Any, **kwargs: Any) -> None:
-        raise ConnectionError("Couldn't reach 'wikitext' on the Hub (LocalEntryNotFoundError)\nmore")
+        raise ConnectionError("Couldn't reach 'wikitext' on the Hub (offline)\nmore lines")
 
     with pytest.raises(DataError) as err:
         wikitext103(root=tmp_path, loader=offline)
