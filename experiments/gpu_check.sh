@@ -23,6 +23,12 @@
 #   profile     the top operators of one eager training step at 4x4096 of
 #               GPU_CHECK_PROFILE (default fire, whose eager step took 3.7 s on an
 #               H200 on 2026-11-27): experiments/profile_step.py, in profile.log
+#   lm_gpu      (only when GPU_CHECK_SECTIONS names it) experiment=lm_gpu's full training
+#               step, data loader included, as run.py trains it, on a synthetic corpus
+#               written on the fly: steady-state tokens/s and peak memory against `none`
+#               for GPU_CHECK_PRESET_ENCODERS (default none,rope,alibi,t5,xl), columns
+#               "preset step" and "preset memory" (experiments/bench_preset.py). Needs
+#               hydra (the wheels below); trains a 16k BPE vocabulary first
 # GPU_CHECK_SECTIONS=tests,flex (say) runs only those; GPU_CHECK_MODES=eager leaves the
 # compiled steps out of steps_4096; GPU_CHECK_ENCODERS=rope,t5 (say) measures those
 # (and `none`) in the step sections, =all every registered one; GPU_CHECK_FLEX_TILES=64,128
@@ -116,6 +122,9 @@ else
     want steps_1024 && run_section steps_1024 60 "${BENCH[@]}" --sizes gpu --sections steps --lengths 1024 --encoders "$ENCODERS" \
         --modes eager --json "$OUT/steps_1024.json"
 fi
+# Off by default: not in want's default list.
+want lm_gpu && run_section lm_gpu 420 "$PY" experiments/bench_preset.py --preset lm_gpu \
+    --encoders "${GPU_CHECK_PRESET_ENCODERS:-none,rope,alibi,t5,xl}" --json "$OUT/lm_gpu.json"
 want profile && run_section profile 60 "$PY" experiments/profile_step.py "${GPU_CHECK_PROFILE:-fire}"
 "$PY" experiments/gpu_check_report.py "$OUT" --script-args "$@" || echo "gpu_check: the report failed (see above)"
 exit 0

@@ -178,6 +178,12 @@ def collect(out: Path) -> tuple[dict[str, dict[str, float | None]], dict[str, An
             put(m["enc"], f"{m['mode']} path T={m['t']}", row["ratio"])
             if "vs_explicit" in row["raw"]:
                 put(m["enc"], f"flex/explicit T={m['t']}", row["raw"]["vs_explicit"])
+        for row in _rows(report, "preset"):  # bench_preset.py: a preset's full step
+            m = WHAT.match(row["what"])
+            if not m or row["ratio"] is None:
+                continue
+            put(m["enc"], f"preset step T={m['t']}", row["ratio"])
+            put(m["enc"], f"preset memory T={m['t']}", row["raw"].get("peak_ratio"))
         cached: dict[str, float] = {}
         for row in _rows(report, "decode"):
             m = DECODE.match(row["what"])
@@ -207,6 +213,8 @@ ORDER = [
     "flex/explicit",
     "cached decode",
     "cached/uncached",
+    "preset step",
+    "preset memory",
 ]
 
 

@@ -11,6 +11,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -287,3 +288,31 @@ def test_bench_streaming_prints_both_paths_and_equal_nlls() -> None:
     assert proc.returncode == 2
     assert "encoder 'learned': streaming does not apply:" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_preset_times_the_full_step_of_lm_gpu_on_a_synthetic_corpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """experiments/bench_preset.py at tiny sizes on the CPU: a row per encoder, `none`
+    first; steady-state tokens/s are the tokens of a step over its seconds; the ratio is
+    against `none`; no GPU memory figure without a GPU; only the JSON is left behind."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_preset
+
+    out = tmp_path / "lm_gpu.json"
+    args = ["--quick", "--encoders", "alibi", "--warmup", "1", "--steps", "2"]
+    args += ["--corpus-chars", "20000", "--json", str(out)]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its corpus and runs go here
+    assert bench_preset.main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["meta"]["preset"] == "lm_gpu"
+    rows = report["sections"]["preset"]["rows"]
+    assert [r["what"] for r in rows] == ["step: none @ 4x32", "step: alibi @ 4x32"]
+    none, alibi = (r["raw"] for r in rows)
+    for raw in (none, alibi):
+        assert raw["tokens_per_step"] == 4 * 32 and raw["steps"] == 2
+        assert raw["tokens_per_s"] == pytest.approx(128 / raw["seconds_per_step"])
+        assert raw["peak_memory_mib"] is None and raw["n_params"] > 0
+    assert rows[0]["ratio"] == pytest.approx(1.0)
+    assert rows[1]["ratio"] == pytest.approx(alibi["tokens_per_s"] / none["tokens_per_s"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lm_gpu.json"]

@@ -179,7 +179,7 @@ def skip_reason(c: Command) -> str | None:
         return "needs a SLURM cluster"
     if "trainer.accelerator=gpu" in words or "model.compile=true" in words:
         return "needs a GPU"
-    if re.search(r"\bdata=(wikitext103|wmt14|iwslt)\b", words):
+    if re.search(r"\b(data=(wikitext103|wmt14|iwslt)|experiment=lm_gpu)\b", words):
         return "downloads a dataset from the Hugging Face hub"
     if "encoder=my_kerple" in words:
         return (

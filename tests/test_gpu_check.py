@@ -114,6 +114,23 @@ def test_gpu_check_report_judges_the_gpu_goals_where_measured(tmp_path: Path) ->
     assert out["sections"]["flex"]["status"] == "timed out"
 
 
+def test_gpu_check_report_puts_a_presets_full_step_in_columns_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """bench_preset.py's rows (the lm_gpu section): tokens/s and peak memory against
+    `none` at the preset's length, apart from the 4x4096 step's columns and goals."""
+    rows = [
+        _steps_row("step: none @ 64x512", 1.0, peak_ratio=1.0),
+        _steps_row("step: t5 @ 64x512", 0.8, peak_ratio=1.5),
+    ]
+    _report(tmp_path, "lm_gpu", "preset", rows, started="2026-11-28 22:00:00")
+    (tmp_path / "lm_gpu.status").write_text("0 300 420\n")
+    out = _run_report(tmp_path)
+    assert out["columns"] == ["preset step T=512", "preset memory T=512"]
+    assert out["table"]["t5"] == {"preset step T=512": 0.8, "preset memory T=512": 1.5}
+    assert "| t5 | 0.80 | 1.50 |" in out["stdout"] and out["goals"] == []
+
+
 def test_gpu_check_report_records_the_date_and_the_command(tmp_path: Path) -> None:
     """The record says when (the earliest section start) and how: every GPU_CHECK_*
     setting, then gpu_check.sh with the arguments it passed on (by default OUT)."""

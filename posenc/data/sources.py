@@ -205,14 +205,24 @@ def _join_wikitext(rows: Sequence[str]) -> str:
 
 
 def _hf_load_dataset(*args: Any, **kwargs: Any) -> Any:
-    try:
-        from datasets import load_dataset
-    except ImportError as err:
-        raise ImportError(
-            "wikitext103 needs the Hugging Face 'datasets' package, which is not installed. "
-            "Install it with: pip install posenc[hf]"
-        ) from err
+    """``datasets.load_dataset(*args, **kwargs)``, imported lazily.
+
+    Raises:
+        ImportError: ``datasets`` is not installed.
+    """
+    from datasets import load_dataset
+
     return load_dataset(*args, **kwargs)
+
+
+def _wikitext_fix(cache: Path) -> str:
+    """How to get WikiText-103 into ``cache`` (the Hugging Face cache under the data folder)."""
+    return (
+        f'install it with pip install "posenc[hf]" and run once with network: the first run '
+        f"downloads WikiText-103 (a few hundred MB) into {cache}; without network here, copy that "
+        f"folder from a machine that has it and set HF_DATASETS_OFFLINE=1, or train on your "
+        f"own text with data=text_files"
+    )
 
 
 def wikitext103(
@@ -232,11 +242,24 @@ def wikitext103(
         ``{"train", "val", "test"}`` -> text (see :func:`_join_wikitext` for the cleaning).
 
     Raises:
-        ImportError: ``datasets`` is not installed (``pip install posenc[hf]``).
-        DataError: The loaded dataset lacks a split or a split is empty.
+        DataError: ``datasets`` is not installed, the data could not be downloaded or found
+            in the cache (one line each, saying how to get it), the loaded dataset lacks a
+            split, or a split is empty.
     """
+    cache = data_dir(root) / "hf"
     load = loader if loader is not None else _hf_load_dataset
-    ds = load("wikitext", "wikitext-103-raw-v1", cache_dir=str(data_dir(root) / "hf"))
+    try:
+        ds = load("wikitext", "wikitext-103-raw-v1", cache_dir=str(cache))
+    except ImportError as err:
+        raise DataError(
+            f"data=wikitext103 needs the Hugging Face 'datasets' package, which is not "
+            f"installed; {_wikitext_fix(cache)}."
+        ) from err
+    except OSError as err:  # no network (ConnectionError), not in the cache (FileNotFoundError)
+        raise DataError(
+            f"data=wikitext103: WikiText-103 could not be loaded ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else 'no message'}); {_wikitext_fix(cache)}."
+        ) from err
     out: dict[str, str] = {}
     for ours, theirs in (("train", "train"), ("val", "validation"), ("test", "test")):
         try:

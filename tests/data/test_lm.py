@@ -25,6 +25,7 @@ from posenc.data.lm import (
 )
 from posenc.data.sources import text_files, tinyshakespeare, wikitext103
 from posenc.data.tokenizers import CharTokenizer, build_tokenizer
+from posenc.errors import DataError
 
 # (n_tokens, length, stride): strides dividing and not dividing L, stride == L with and without
 # a partial tail, stride 1, and streams holding exactly one window.
@@ -407,6 +408,29 @@ def test_wikitext103_joins_and_cleans_with_fake_loader(tmp_path: Path) -> None:
 def test_wikitext103_without_datasets_says_how_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A user error (one line, no traceback from run.py) naming the package, the install
+    command and the folder the data goes to."""
+    monkeypatch.setenv("POSENC_DATA_DIR", str(tmp_path))
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
-    with pytest.raises(ImportError, match=r"pip install posenc\[hf\]"):
+    with pytest.raises(DataError) as err:
         wikitext103(root=tmp_path)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "'datasets' package" in message and 'pip install "posenc[hf]"' in message
+    assert str(tmp_path / "hf") in message and "data=text_files" in message
+
+
+def test_wikitext103_offline_says_where_the_data_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POSENC_DATA_DIR", str(tmp_path))
+
+    def offline(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("Couldn't reach 'wikitext' on the Hub (offline)\nmore lines")
+
+    with pytest.raises(DataError) as err:
+        wikitext103(root=tmp_path, loader=offline)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "ConnectionError: Couldn't reach 'wikitext'" in message
+    assert str(tmp_path / "hf") in message and "HF_DATASETS_OFFLINE=1" in message

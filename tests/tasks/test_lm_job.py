@@ -10,7 +10,7 @@ import pytest
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc.train import train
-from tests.conftest import ENCODER_YAMLS, TINY, command_line, compose_run
+from tests.conftest import ENCODER_YAMLS, TINY, command_line, compose_config, compose_run
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +127,39 @@ def test_a_variant_with_a_label_is_recorded_under_it_beside_its_parent(tmp_path:
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert (m["encoder"], m["encoder_class"]) == ("rope_qknorm", "RoPE")
     assert m["config"]["model"]["qk_norm"] is True and m["config"]["label"] == "rope_qknorm"
+
+
+def test_the_lm_gpu_preset_trains_end_to_end_on_a_tiny_text(tmp_path: Path) -> None:
+    """experiment=lm_gpu with its data swapped for a small text and its sizes shrunk
+    (its BPE tokenizer, bf16 mixed precision and 1x..16x evaluation kept): a finite
+    perplexity at every length, from the preset's model and optimiser settings."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    line = " ".join(words[(i * 3) % 8] for i in range(12)) + ".\n"
+    lines = [" ".join(words[(i * j) % 8] for i in range(12)) + ".\n" for j in range(1, 40)]
+    (tmp_path / "train.txt").write_text(line * 40 + "".join(lines) * 4)
+    (tmp_path / "val.txt").write_text("".join(lines))
+    tiny = [o for o in TINY if not o.startswith(("task.eval.", "task.seq_len", "trainer.max"))]
+    cfg = compose_config(
+        tmp_path,
+        "experiment=lm_gpu",
+        "data=text_files",
+        f"data.source.train={tmp_path / 'train.txt'}",
+        f"data.source.val={tmp_path / 'val.txt'}",
+        "task.eval.splits=[val]",
+        "task.eval.max_tokens=64",
+        "tokenizer.vocab_size=64",
+        *tiny,
+        "task.seq_len=8",
+        "task.eval.sliding_stride=4",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+    )
+    assert cfg.model.n_layers == 1 and cfg.trainer.precision == "bf16-mixed"
+    assert list(cfg.task.eval.multipliers) == [1, 2, 4, 8, 16]
+    train(cfg)
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert m["eval_lengths"] == [8, 16, 32, 64, 128] and m["train_steps"] == 2
+    for length in m["eval_lengths"]:
+        for key in (f"val/ppl@{length}", f"val/ppl_sw@{length}"):
+            assert math.isfinite(m["metrics"][key]) and 1.0 < m["metrics"][key] < 64.0, key
+    assert m["config"]["tokenizer"] == {"kind": "bpe", "vocab_size": 64}
