@@ -161,6 +161,13 @@ def command_line(tmp_path: Path, *overrides: str) -> Iterator[DictConfig]:
         HydraConfig.instance().cfg = None  # later tests run outside Hydra
 
 
+def compose_hydra(*overrides: str) -> DictConfig:
+    """The real config with ``overrides``, its ``hydra`` node included (a sweep preset's
+    ``hydra.sweeper.params``, the launcher)."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
 def compose_config(tmp_path: Path, *overrides: str) -> DictConfig:
     """The real config with only ``overrides`` (every task's own sizes), writing into
     tmp_path."""

@@ -1,21 +1,19 @@
-"""The smoke sweep for real (one job deliberately broken), its report, and the launchers."""
+"""The smoke sweep for real (one job deliberately broken), its report, the launchers and
+the checks of a sweep before launch (presets: test_sweep_presets.py; signals:
+test_sweep_signals.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
 import errno
-import itertools
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -25,12 +23,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import Tensor
 
 from posenc import cli as run
-from posenc.config import validate
 from posenc.encoders.none import NoPositions
 from posenc.errors import CheckpointError
 from posenc.report import build_report
 from posenc.training.rundir import space_for_error_record
-from tests.conftest import ENCODER_YAMLS, ROOT, VARIANT_YAMLS
+from tests.conftest import ROOT, compose_hydra
 
 
 class BrokenEncoder(NoPositions):
@@ -143,84 +140,7 @@ def test_report_lists_the_failures_and_draws(sweep: Path) -> None:
     assert all(p.stat().st_size > 1000 for p in pngs)
 
 
-# ----------------------------------------------------------------------------- presets, launchers
-def compose_hydra(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=True)
-
-
-@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml")))
-def test_sweep_presets(preset: str, tmp_path: Path) -> None:
-    """Every job of a preset's grid (first seed) composes and passes the config checks,
-    so a preset cannot hold a job that is refused (a causal-only scheme in translation,
-    an encoder without a YAML). The arms are encoders, or variants (conf/variant/: an
-    encoder, possibly trained on randomized positions)."""
-    params = OmegaConf.to_container(compose_hydra(f"sweep={preset}").hydra.sweeper.params)
-    arm = "encoder" if "encoder" in params else "+variant"
-    grid = str(params[arm]).split(",")
-    known = ENCODER_YAMLS if arm == "encoder" else VARIANT_YAMLS
-    assert len(set(grid)) == len(grid) and set(grid) <= set(known), grid
-    axes = {key: str(values).split(",") for key, values in params.items() if key != "seed"}
-    first_seed = [f"seed={str(params['seed']).split(',')[0]}"] if "seed" in params else []
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        for values in itertools.product(*axes.values()):
-            job = [f"{key}={value}" for key, value in zip(axes, values, strict=True)]
-            validate(
-                compose(
-                    "config",
-                    overrides=[
-                        f"sweep={preset}",
-                        *job,
-                        *first_seed,
-                        f"paths.output_dir={tmp_path}",
-                        f"paths.cache_dir={tmp_path}",
-                    ],
-                )
-            )
-
-
-#: Variants that set an encoder option (name: encoder, the options it sets).
-#: Variants that set options: name -> (encoder, its options, model options, label).
-OPTION_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any], str | None]] = {
-    "stickbreak_value": ("stickbreak", {"remainder": "value"}, {}, None),
-    "rope_nope4": ("mix", {"layers": ["rope", "rope", "rope", "none"]}, {}, "rope_nope4"),
-    "nope_rope4": ("mix", {"layers": ["none", "none", "none", "rope"]}, {}, "nope_rope4"),
-    "rope_none_heads": ("mix", {"heads": ["rope", "none"]}, {}, "rope_none_heads"),
-    "prope75": ("rope", {"p": 0.75}, {}, "prope75"),
-    "rope_qknorm": ("rope", {}, {"qk_norm": True}, "rope_qknorm"),
-    "none_ssmax": ("none", {}, {"logit_scale": "ssmax"}, "none_ssmax"),
-    "rope_sinks": ("rope", {}, {"sinks": True}, "rope_sinks"),
-    "alibi_dape": ("dape", {"base": "alibi"}, {}, "alibi_dape"),
-    "kerple_dape": ("dape", {"base": "kerple"}, {}, "kerple_dape"),
-}
-
-
-def test_every_encoder_is_a_variant_and_rand_variants_randomize() -> None:
-    """conf/variant/<encoder>.yaml selects that encoder and nothing else; <e>_rand.yaml
-    selects e and trains it on randomized positions; an option variant selects its
-    encoder with those options and model options (a plain variant leaves both at their
-    defaults) and names its label, which a plain variant leaves unset."""
-    assert set(ENCODER_YAMLS) <= set(VARIANT_YAMLS)
-    model = compose_hydra().model
-    for name in VARIANT_YAMLS:
-        cfg = compose_hydra(f"+variant={name}")
-        default = (name.removesuffix("_rand"), {}, {}, None)
-        base, options, model_options, label = OPTION_VARIANTS.get(name, default)
-        assert cfg.hydra.runtime.choices.encoder == base
-        assert (cfg.model.random_positions is not None) == name.endswith("_rand"), name
-        plain = compose_hydra(f"encoder={base}").encoder
-        assert {k: cfg.encoder[k] for k in options} == options, name
-        assert {k: v for k, v in cfg.encoder.items() if k not in options} == {
-            k: v for k, v in plain.items() if k not in options
-        }, name
-        mine = {k: v for k, v in cfg.model.items() if k != "random_positions"}
-        assert mine == {
-            k: model_options.get(k, v) for k, v in model.items() if k != "random_positions"
-        }, name
-        assert cfg.label == label, name
-    assert compose_hydra("+variant=stickbreak").encoder.remainder == "head_bias"
-
-
+# ---------------------------------------------------------------------------------- launchers
 def test_ddp_is_refused_inside_a_local_multirun() -> None:
     assert [run.local_processes(d) for d in (1, 2, "2", "auto", "0,1", [0, 1, 2], -1)] == [
         1,
@@ -303,71 +223,6 @@ def test_slurm_launcher_renders_one_task_per_device(
         assert f"#SBATCH {line}\n" in sbatch, line
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-def test_a_killed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
-    """SIGKILL of one job's process (as the out-of-memory killer does) in a local_parallel
-    sweep: the other jobs finish, the dead one gets an error.json saying how it ended,
-    and the report names it."""
-    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
-    from tests.conftest import TINY
-
-    tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check"))]
-    out = tmp_path / "multirun"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "run.py",
-            "-m",
-            "hydra/launcher=local_parallel",
-            *tiny,
-            "encoder=none,rope,alibi",
-            "trainer.max_steps=150",
-            "trainer.val_check_interval=50",
-            f"hydra.sweep.dir={out}",
-            f"paths.cache_dir={tmp_path / 'cache'}",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    # Jobs run two at a time in joblib workers (children of the sweep), each job in a
-    # process of its own (a grandchild): kill one once training has begun.
-    victim, deadline = None, time.monotonic() + 240
-    while victim is None and proc.poll() is None and time.monotonic() < deadline:
-        jobs = [g for c in _children(proc.pid) for g in _children(c)]
-        if jobs and list(out.glob("*/tb")):
-            victim = jobs[0]
-        time.sleep(0.05)
-    assert victim is not None, "no job process found"
-    os.kill(victim, signal.SIGKILL)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    dirs = sorted(d for d in out.iterdir() if d.is_dir())
-    results = {
-        d.name: [p.name for p in (d / "metrics.json", d / "error.json") if p.exists()] for d in dirs
-    }
-    assert sorted(map(tuple, results.values())) == [
-        ("error.json",),
-        ("metrics.json",),
-        ("metrics.json",),
-    ], results
-    dead = next(d for d in dirs if (d / "error.json").exists())
-    record = json.loads((dead / "error.json").read_text())
-    assert record["error_type"] == "JobKilled"
-    assert "killed by SIGKILL" in record["message"]
-    build_report(out)
-    report = (out / "report" / "report.md").read_text()
-    assert f"| {dead.name} | failed |" in report and "killed by SIGKILL" in report
-
-
 def test_a_multirun_from_an_empty_folder_makes_its_own_sweep_dir(tmp_path: Path) -> None:
     """``python run.py -m ...`` as the README prints it, without ``hydra.sweep.dir``, from
     an empty folder: the sweep directory comes from conf/config.yaml (it failed with
@@ -395,152 +250,6 @@ def test_a_multirun_from_an_empty_folder_makes_its_own_sweep_dir(tmp_path: Path)
     assert len(sweeps) == 2 and all(s.name.startswith("smoke_") for s in sweeps), sweeps
     for s in sweeps:
         assert [p.parent.name for p in s.glob("*/metrics.json")] == ["0_lm_none_seed0"]
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _start_sweep_and_wait(
-    out: Path, cache: Path, *overrides: str, ckpts: int, encoders: str = "none,rope"
-) -> subprocess.Popen:
-    """A tiny sweep (two jobs, ``encoder=none,rope``, 300 steps, a checkpoint every step)
-    in its own process group, as a terminal starts it, once ``ckpts`` jobs have saved."""
-    from tests.conftest import TINY
-
-    tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check"))]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "run.py",
-            "-m",
-            *overrides,
-            *tiny,
-            f"encoder={encoders}",
-            "trainer.max_steps=300",
-            "trainer.val_check_interval=300",
-            "checkpoint_every_n_steps=1",
-            f"hydra.sweep.dir={out}",
-            f"paths.cache_dir={cache}",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 240
-    while len(list(out.glob("*/checkpoints/last.ckpt"))) < ckpts and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    return proc
-
-
-def _family(pid: int) -> list[int]:
-    """``pid``'s children and grandchildren (a sweep's workers and their jobs)."""
-    family = list(_children(pid))
-    return family + [g for c in family for g in _children(c)]
-
-
-def _none_outlives(family: list[int]) -> None:
-    # (the pool's resource tracker ends on its own once the sweep's process has gone)
-    deadline = time.monotonic() + 10
-    while [p for p in family if _alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in family if _alive(p)], "processes outlived the sweep"
-
-
-def _resume_command(err: str) -> list[str]:
-    """The command a stopped sweep printed to continue it, to run as printed."""
-    resume = err.split("Continue the sweep with:\n", 1)[1].splitlines()[0].split()
-    assert resume[:2] == ["python", "run.py"] and resume[-1] == "resume=true", resume
-    return [sys.executable, *resume[1:]]
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-def test_sigterm_to_a_parallel_sweep_stops_its_jobs_and_says_how_to_resume(tmp_path: Path) -> None:
-    """SIGTERM to a ``local_parallel`` sweep: both running jobs save ``last.ckpt`` and
-    stop, no worker or job process outlives the sweep, which exits 143 printing the
-    command that continues it; that command finishes both jobs from their checkpoints,
-    and run once more skips them (#38: the jobs ran on as
-    orphans and wrote metrics.json after the sweep had "ended")."""
-    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
-    out = tmp_path / "multirun"
-    proc = _start_sweep_and_wait(out, tmp_path / "cache", "hydra/launcher=local_parallel", ckpts=2)
-    family = _family(proc.pid)
-    os.kill(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 143, err[-3000:]
-    _none_outlives(family)
-    assert err.count("stopped by SIGTERM; progress is saved in") == 2, err[-3000:]
-    assert not list(out.glob("*/metrics.json"))
-    # As printed, with checkpoints less often (a setting a resumed run may change).
-    resume = [*_resume_command(err), "checkpoint_every_n_steps=1000"]
-    again = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert len(list(out.glob("*/metrics.json"))) == 2
-    for d in out.glob("*/checkpoints"):  # each continued from where it stopped
-        log = (d.parent / "run.log").read_text()
-        assert "SIGTERM at step" in log and f"continuing from {d / 'last.ckpt'}" in log, log
-    before = {p: p.read_bytes() for p in out.glob("*/metrics.json")}
-    skipped = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert skipped.returncode == 0, skipped.stderr[-3000:]
-    said = skipped.stdout + skipped.stderr
-    assert said.count("finished already (metrics.json): skipped") == 2, said[-3000:]
-    assert {p: p.read_bytes() for p in out.glob("*/metrics.json")} == before
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-@pytest.mark.parametrize(("launcher", "running"), [("local_parallel", 2), ("basic", 1)])
-def test_ctrl_c_to_a_sweep_stops_it_as_sigterm_does_with_exit_130(
-    tmp_path: Path, launcher: str, running: int
-) -> None:
-    """SIGINT to a sweep's process group, as Ctrl-C in a terminal sends it: each running
-    job saves ``last.ckpt`` and says how to continue it, no process outlives the sweep,
-    which exits 130 printing the command that continues it, without a traceback (joblib's
-    KeyboardInterrupt traceback and exit status 1 before, with no resume command)."""
-    if launcher == "local_parallel":
-        pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        pytest.skip("SIGINT is ignored here, and so in the sweep this test starts")
-    out = tmp_path / "multirun"
-    proc = _start_sweep_and_wait(
-        out, tmp_path / "cache", f"hydra/launcher={launcher}", ckpts=running
-    )
-    family = _family(proc.pid)
-    os.killpg(proc.pid, signal.SIGINT)
-    said, err = proc.communicate(timeout=300)
-    said += err
-    assert proc.returncode == 130, said[-3000:]
-    _none_outlives(family)
-    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said[-3000:]
-    assert err.count("stopped by SIGINT; progress is saved in") == running, err[-3000:]
-    assert "sweep stopped by SIGINT (0 jobs finished)" in err, err[-3000:]
-    resume = _resume_command(err)
-    assert f"hydra/launcher={launcher}" in resume and f"hydra.sweep.dir={out}" in resume
-    assert not list(out.glob("*/metrics.json")) and not list(out.glob("*/.error.json*"))
-    for ckpt in out.glob("*/checkpoints/last.ckpt"):
-        log = (ckpt.parent.parent / "run.log").read_text()
-        assert "SIGINT at step" in log and f"saved {ckpt}" in log, log
-
-
-@pytest.mark.parametrize("preset", ["mt_length", "algo_content"])
-def test_a_presets_task_takes_the_task_keys_of_the_command_line(preset: str) -> None:
-    """A preset of one task selects it for the whole sweep, so the command line may set
-    that task's keys (``sweep=mt_length tokenizer.vocab_size=400`` was refused as a key
-    not in the LM task's config)."""
-    overrides = {
-        "mt_length": ["tokenizer.vocab_size=400", "task.max_len=64"],
-        "algo_content": ["task.test_per_size=8"],
-    }[preset]
-    cfg = compose_hydra(f"sweep={preset}", *overrides)
-    for o in overrides:
-        key, _, value = o.partition("=")
-        assert str(OmegaConf.select(cfg, key)) == value
 
 
 # ------------------------------------------------------------------------- checked before launch
@@ -828,31 +537,3 @@ def test_the_sweep_check_leaves_machine_checks_to_the_jobs(
     ) as cfg:
         assert run.sweep_problems(cfg) == []
     assert not cache.exists()
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-def test_a_sweep_smaller_than_its_pool_starts_no_idle_worker_that_ctrl_c_would_end(
-    tmp_path: Path,
-) -> None:
-    """One job with ``n_jobs=3``: no pool of three, whose two workers without a job would
-    end on Ctrl-C (KeyboardInterrupt) and make the pool kill the third with its job, in
-    the middle of saving; joblib runs the one job itself (``n_jobs=1``), and Ctrl-C saves
-    it and says so."""
-    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        pytest.skip("SIGINT is ignored here, and so in the sweep this test starts")
-    out = tmp_path / "multirun"
-    proc = _start_sweep_and_wait(
-        out,
-        tmp_path / "cache",
-        "hydra/launcher=local_parallel",
-        "hydra.launcher.n_jobs=3",
-        ckpts=1,
-        encoders="none",
-    )
-    os.killpg(proc.pid, signal.SIGINT)
-    said, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err[-3000:]
-    assert "Joblib.Parallel(n_jobs=1," in said, said[-3000:]
-    assert err.count("stopped by SIGINT; progress is saved in") == 1, err[-3000:]
-    assert not list(out.glob("*/.error.json*"))
