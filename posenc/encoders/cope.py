@@ -33,13 +33,24 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly
 from posenc.encoders.registry import register
 
+#: Queries per block of :func:`cope_term`. The term's intermediates (gates, counts,
+#: their indices and weights, two reads of the table) come to about 16 float32
+#: ``(B, H, T, S)`` tensors, all kept for the backward pass when built at once. Built a
+#: block of queries at a time, and recomputed in the backward pass while training
+#: (activation checkpointing), only one block's exist at any time, and the backward
+#: pass keeps the inputs and the ``(B, H, T, S)`` result.
+COPE_BLOCK = 256
+
 
 def cope_term(q: Tensor, k: Tensor, table: Tensor, visible: Tensor, scale: float) -> Tensor:
-    """CoPE's position logits, ``(B, H, T, S)`` in the units of the scaled score.
+    """CoPE's position logits, ``(B, H, T, S)`` in the units of the scaled score, in
+    ``q``'s dtype, computed :data:`COPE_BLOCK` queries at a time (each query's count
+    reads only its own row of gates).
 
     Args:
         q: ``(B, H, T, D)`` queries. k: ``(B, H, S, D)`` keys.
@@ -47,6 +58,21 @@ def cope_term(q: Tensor, k: Tensor, table: Tensor, visible: Tensor, scale: float
         visible: ``(B|1, 1, T, S)`` bool, the keys each query may see.
         scale: The content score's multiplier ``1 / sqrt(D)``.
     """
+    t = q.shape[-2]
+    blocks = []
+    for start in range(0, t, COPE_BLOCK):
+        rows = (q[..., start : start + COPE_BLOCK, :], k, table)
+        seen = visible[..., start : start + COPE_BLOCK, :]
+        if torch.is_grad_enabled():
+            blocks.append(checkpoint(_cope_rows, *rows, seen, scale, use_reentrant=False))
+        else:
+            blocks.append(_cope_rows(*rows, seen, scale))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
+
+
+def _cope_rows(q: Tensor, k: Tensor, table: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """:func:`cope_term` for the queries of ``q``, at once."""
+    out_dtype = q.dtype
     acc = torch.promote_types(q.dtype, torch.float32)
     q, k = q.to(acc), k.to(acc)
     gates = torch.sigmoid((q @ k.transpose(-1, -2)) * scale) * visible  # (B, H, T, S)
@@ -58,7 +84,7 @@ def cope_term(q: Tensor, k: Tensor, table: Tensor, visible: Tensor, scale: float
     lo_i = lo.long()
     hi_i = counts.detach().ceil().long()
     term = at_int.gather(-1, lo_i) * (1 - w) + at_int.gather(-1, hi_i) * w
-    return term * scale
+    return (term * scale).to(out_dtype)
 
 
 class _CopeAttention(AttentionPositional):
@@ -71,7 +97,7 @@ class _CopeAttention(AttentionPositional):
         self.table = nn.Parameter(torch.zeros(head_dim, npos))  # the authors' start: 0
 
     def score_bias(self, q: Tensor, k: Tensor, ctx: AttentionContext) -> Tensor:
-        return cope_term(q, k, self.table, ctx.visible(), self.scale(q.shape[-1])).to(q.dtype)
+        return cope_term(q, k, self.table, ctx.visible(), self.scale(q.shape[-1]))
 
 
 @register("cope")

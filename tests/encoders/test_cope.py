@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from posenc.encoders import build
+from posenc.encoders import cope as cope_mod
 from posenc.encoders.base import AttnKind
 from posenc.encoders.cope import cope_term
 
@@ -48,6 +49,28 @@ def test_position_logits_from_the_formula(limit: int) -> None:
     want = _by_hand(q, k, table, D**-0.5, limit)
     keep = visible.expand_as(got)
     torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_query_blocks_give_the_whole_term(grad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In blocks of 3 queries (recomputed in the backward pass when training) the term,
+    and the gradients of queries, keys and table, equal the term built at once."""
+    torch.manual_seed(2)
+    t, limit = 8, 5
+    q = torch.randn(2, H, t, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, H, t, D, dtype=torch.float64, requires_grad=True)
+    table = torch.randn(D, limit + 1, dtype=torch.float64, requires_grad=True)
+    visible = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    weights = torch.randn(2, H, t, t, dtype=torch.float64)
+    results = []
+    for block in (t, 3):
+        monkeypatch.setattr(cope_mod, "COPE_BLOCK", block)
+        with torch.set_grad_enabled(grad):
+            term = cope_term(q, k, table, visible, D**-0.5)
+        grads = torch.autograd.grad((term * weights).sum(), (q, k, table)) if grad else ()
+        results.append((term.detach(), *grads))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 def test_a_masked_key_counts_nothing() -> None:
