@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Generic, TypeVar, cast, get_args
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from posenc.data.algo import GRIDS, PROBLEMS, SHAPES, Options, longest_sequence
-from posenc.data.algo_problems import problem_default
+from posenc.data.algo_problems import DEFAULTS, problem_default
 from posenc.data.algo_retrieval import HAYSTACKS
 from posenc.data.buckets import check_edges
 from posenc.data.tokenizers import TOKENIZER_KINDS
@@ -76,6 +76,9 @@ SPECS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "[0,1]": (lambda v: number(v) and 0 <= v <= 1, "must be a number in [0, 1]"),
     "finite[0,1]": (lambda v: finite(v) and 0 <= v <= 1, "must be a number in [0, 1]"),
     "bool": (lambda v: isinstance(v, bool), "must be true or false"),
+    "int[2,26]": (lambda v: integer(v) and 2 <= v <= 26, "must be an integer in 2..26"),
+    "auto|bool": (lambda v: isinstance(v, bool) or v == "auto", "allowed auto, true or false"),
+    "auto|finite>=1": (lambda v: v == "auto" or (finite(v) and v >= 1), "must be auto or >= 1"),
 }
 
 
@@ -351,13 +354,8 @@ class LMEval(Group):
     context_extension: list[str] = key([], _extension_methods)
     extension_factor: float | str = key(
         "auto",
-        lambda k, v: (
-            []
-            if v == "auto" or (finite(v) and v >= 1)
-            else [
-                f"{k}={v!r}: must be auto (s = max(1, eval length / task.seq_len)) or a number >= 1"
-            ]
-        ),
+        "auto|finite>=1",
+        says="must be auto (s = max(1, eval length / task.seq_len)) or a number >= 1",
     )
     streaming: StreamingEval = group(
         StreamingEval,
@@ -471,22 +469,7 @@ def _generic(name: str) -> Any:
 class AlgoTask(Group):
     """``task`` for ``task=algo``: a generated algorithmic problem."""
 
-    per_problem = (
-        "train_lengths",
-        "test_multiple",
-        "bucket_width",
-        "symbols",
-        "reverse_digits",
-        "data_tokens",
-        "pairs",
-        "queries",
-        "key_vocab",
-        "value_vocab",
-        "chains",
-        "hops",
-        "val_per_size",
-        "test_per_size",
-    )
+    per_problem = tuple(k.removeprefix("task.") for k in DEFAULTS if k.startswith("task."))
     #: What ``best.ckpt`` keeps: fixed for this task (translation's are keys).
     monitor: ClassVar[str] = "val/loss"
     monitor_mode: ClassVar[str] = "min"
@@ -510,14 +493,9 @@ class AlgoTask(Group):
     bucket_width: int = key(_generic("bucket_width"), "int>0")
     symbols: int = key(
         _generic("symbols"),
-        lambda k, v: (
-            []
-            if integer(v) and 2 <= v <= 26
-            else [
-                f"{k}={v!r}: must be an integer in 2..26 (letters of the problems that draw "
-                "letters, e.g. copy, reverse_string; variables of count)"
-            ]
-        ),
+        "int[2,26]",
+        " (letters of the problems that draw letters, e.g. copy, reverse_string; "
+        "variables of count)",
     )
     reverse_digits: bool = key(_generic("reverse_digits"))
     data_tokens: int = key(_generic("data_tokens"), "int>0")
@@ -540,18 +518,8 @@ class AlgoTask(Group):
 
     def options(self) -> Options:
         """The instance options (:class:`posenc.data.algo.Options`)."""
-        return Options(
-            symbols=self.symbols,
-            reverse_digits=self.reverse_digits,
-            data_tokens=self.data_tokens,
-            pairs=self.pairs,
-            queries=self.queries,
-            key_vocab=self.key_vocab,
-            value_vocab=self.value_vocab,
-            haystack=self.haystack,
-            chains=self.chains,
-            hops=self.hops,
-        )
+        mine = keys(type(self))
+        return Options(**{k: getattr(self, k) for k in Options.__dataclass_fields__ if k in mine})
 
     def longest(self, size: int) -> int:
         """Positions an instance of ``size`` takes."""
@@ -559,14 +527,6 @@ class AlgoTask(Group):
 
 
 TASKS: dict[str, type[Group]] = {"lm": LMTask, "mt": MTTask, "algo": AlgoTask}
-
-
-def _compile_setting(key: str, value: Any) -> list[str]:
-    """``model.compile``: true, false, or ``auto`` (:mod:`posenc.training.compiling`)."""
-    if isinstance(value, bool) or value == "auto":
-        return []
-    why = "auto: compiled when training on a GPU where measured faster"
-    return [f"{key}={value!r}: allowed auto, true or false ({why})"]
 
 
 @dataclass(frozen=True)
@@ -585,7 +545,10 @@ class Model(Group):
         " (the range positions are drawn from in training) or null (off)",
         optional=True,
     )
-    compile: bool | str = key("auto", _compile_setting)
+    # true, false, or auto (posenc/training/compiling.py)
+    compile: bool | str = key(
+        "auto", "auto|bool", " (auto: compiled when training on a GPU where measured faster)"
+    )
     score_budget_mib: float = key(8, "num>=0", " (MiB; 0: no query blocking)")
     qkv_bias: bool = key(True)
     # attention modifiers for any scheme (posenc/model/modifiers.py)
