@@ -76,6 +76,14 @@ SPECS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "[0,1]": (lambda v: number(v) and 0 <= v <= 1, "must be a number in [0, 1]"),
     "finite[0,1]": (lambda v: finite(v) and 0 <= v <= 1, "must be a number in [0, 1]"),
     "bool": (lambda v: isinstance(v, bool), "must be true or false"),
+    "betas": (
+        lambda v: (
+            isinstance(v, ListConfig | list)
+            and len(v) == 2
+            and all(finite(b) and 0 <= b < 1 for b in v)
+        ),
+        "must be two numbers in [0, 1) (Adam's beta1, beta2)",
+    ),
     "int[2,26]": (lambda v: integer(v) and 2 <= v <= 26, "must be an integer in 2..26"),
     "auto|bool": (lambda v: isinstance(v, bool) or v == "auto", "allowed auto, true or false"),
     "auto|finite>=1": (lambda v: v == "auto" or (finite(v) and v >= 1), "must be auto or >= 1"),
@@ -171,9 +179,10 @@ def key(default: Any, check: str | tuple[str, ...] | Check = "", hint: str = "",
 def group(
     cls: type[Group], says: str = "must be a mapping", optional: bool = False, **defaults: Any
 ) -> Any:
-    """A nested group; ``says``: the message when the value is not a mapping. Its default:
-    ``cls`` with ``defaults`` (the task's own, e.g. its optimiser), or None when
-    ``optional`` and none are given."""
+    """A nested group; ``says``: the message when the value is not a mapping (``{keys}``
+    in it: the group's keys). Its default: ``cls`` with ``defaults`` (the task's own, e.g.
+    its optimiser), or None when ``optional`` and none are given."""
+    says = says.replace("{keys}", ", ".join(cast(Any, cls).__dataclass_fields__))
     meta = {"group": cls, "says": says, "optional": optional}
     if optional and not defaults:
         return field(default=None, metadata=meta)
@@ -237,26 +246,12 @@ class Optim(Group):
     """``task.optim``: AdamW and its learning-rate schedule (every task)."""
 
     lr: float = key(1e-3, "finite>0", " (finite; e.g. 1e-3)")
-    betas: list[float] = key(
-        [0.9, 0.99],
-        lambda k, v: [] if _betas(v) else [f"{k}={v!r}: {BETAS}"],
-    )
+    betas: list[float] = key([0.9, 0.99], "betas", ", e.g. [0.9, 0.99]")
     weight_decay: float = key(0.1, "finite>=0", " (0: no decay)")
     warmup_steps: int = key(100, "int>=0", " (0: no warmup)")
     schedule: str = key("cosine", SCHEDULES)
     min_lr_ratio: float = key(
         0.1, "finite[0,1]", " (the cosine schedule ends at lr * min_lr_ratio)"
-    )
-
-
-BETAS = "must be two numbers in [0, 1) (Adam's beta1, beta2), e.g. [0.9, 0.99]"
-
-
-def _betas(v: Any) -> bool:
-    return (
-        isinstance(v, ListConfig | list)
-        and len(v) == 2
-        and all(finite(b) and 0 <= b < 1 for b in v)
     )
 
 
@@ -332,6 +327,9 @@ class StreamingEval(Group):
     )
 
 
+LM_GROUP = "must be a mapping with keys {keys} (see conf/task/lm.yaml)"
+
+
 @dataclass(frozen=True)
 class LMEval(Group):
     """``task.eval``: perplexity beyond the training length, and passkey retrieval."""
@@ -357,16 +355,8 @@ class LMEval(Group):
         "auto|finite>=1",
         says="must be auto (s = max(1, eval length / task.seq_len)) or a number >= 1",
     )
-    streaming: StreamingEval = group(
-        StreamingEval,
-        f"must be a mapping with keys {', '.join(StreamingEval.__dataclass_fields__)} "
-        "(see conf/task/lm.yaml)",
-    )
-    passkey: Passkey = group(
-        Passkey,
-        f"must be a mapping with keys {', '.join(Passkey.__dataclass_fields__)} "
-        "(see conf/task/lm.yaml)",
-    )
+    streaming: StreamingEval = group(StreamingEval, LM_GROUP)
+    passkey: Passkey = group(Passkey, LM_GROUP)
 
 
 @dataclass(frozen=True)
