@@ -252,8 +252,11 @@ def _task_problems(cfg: DictConfig) -> list[str]:
 def _longest(cfg: DictConfig) -> tuple[Any, str, str] | None:
     """The longest training sequence, how a message names it, and its key: an LM's
     ``task.seq_len``, a translation's ``task.max_len``, or an algorithmic task's largest
-    training instance in positions (None while the task's own keys have problems)."""
+    training instance in positions (None while the task's own keys, or its name, have
+    problems)."""
     t = cfg.task
+    if t.name not in schema.TASKS:
+        return None
     if t.name != "algo":
         key = "seq_len" if t.name == "lm" else "max_len"
         return t.get(key), f"task.{key}={t.get(key)}", key
