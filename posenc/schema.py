@@ -703,22 +703,10 @@ def untyped(cfg: Run[Any] | DictConfig) -> DictConfig:
 
 def typed(cfg: DictConfig) -> Run[Any]:
     """The typed run of a validated config (:func:`posenc.config.validate`)."""
-    task = TASKS[cfg.task.name]
-    return cast(
-        Run[Any],
-        build(
-            Run,
-            cfg,
-            task=build(task, cfg.task),
-            model=build(MODELS[cfg.task.name], cfg.model),
-            tokenizer=cfg.get("tokenizer"),
-            encoder=cfg.encoder,
-            trainer=cfg.trainer,
-            data=cfg.get("data"),
-            paths=cfg.paths,
-            raw=cfg,
-        ),
-    )
+    name, groups = cfg.task.name, ("tokenizer", "encoder", "trainer", "data", "paths")
+    task, model = build(TASKS[name], cfg.task), build(MODELS[name], cfg.model)
+    mappings = {k: cfg.get(k) for k in groups}  # the instantiated groups stay mappings
+    return cast(Run[Any], build(Run, cfg, task=task, model=model, raw=cfg, **mappings))
 
 
 # --- the schema Hydra composes with ---
