@@ -435,10 +435,10 @@ def _max_len(cfg: DictConfig) -> list[str]:
                 f"lower task.test_multiple"
             )
         return out
-    key = "seq_len" if name == "lm" else "max_len"
-    if t[key] > max_len:
+    longest, _, key = _longest(cfg) or (0, "", "")  # the task's keys are valid here
+    if longest > max_len:
         return out + [
-            f"task.{key}={t[key]}: longer than encoder.max_len={max_len}; raise "
+            f"task.{key}={longest}: longer than encoder.max_len={max_len}; raise "
             f"encoder.max_len or lower task.{key}"
         ]
     if name == "mt" or t.eval.get("skip_unsupported", True):
