@@ -241,16 +241,41 @@ def _gate(cfg: DictConfig) -> list[str]:
     return out
 
 
+def _task_problems(cfg: DictConfig) -> list[str]:
+    """The task's own keys against its schema (an LM task's translation keys aside: the
+    LM's check names them as translation options). The rules that tie a task key to
+    another group's wait until these pass."""
+    skip = MT_TASK_KEYS if cfg.task.name == "lm" else ()
+    return schema.problems(cfg.task, schema.TASKS[cfg.task.name], "task.", skip=skip)
+
+
+def _longest(cfg: DictConfig) -> tuple[Any, str, str] | None:
+    """The longest training sequence, how a message names it, and its key: an LM's
+    ``task.seq_len``, a translation's ``task.max_len``, or an algorithmic task's largest
+    training instance in positions (None while the task's own keys, or its name, have
+    problems)."""
+    t = cfg.task
+    if t.name not in schema.TASKS:
+        return None
+    if t.name != "algo":
+        key = "seq_len" if t.name == "lm" else "max_len"
+        return t.get(key), f"task.{key}={t.get(key)}", key
+    if _task_problems(cfg):
+        return None
+    longest = schema.build(schema.AlgoTask, t).longest(t.train_lengths[-1])
+    where = f"{longest} positions at the largest of task.train_lengths"
+    return longest, f"the longest training sequence ({where})", "train_lengths"
+
+
 def _task(cfg: DictConfig, machine: bool = True) -> list[str]:
     """``task``: the schema of the task, then the rules that tie its keys together (and,
     with ``machine``, an algorithmic task's memory on this machine)."""
     t, name = cfg.task, cfg.task.name
-    skip = MT_TASK_KEYS if name == "lm" else ()
-    out = schema.problems(t, schema.TASKS[name], "task.", skip=skip)
+    out = _task_problems(cfg)
     if name == "lm":
         out += [
             unknown_key(cfg, k, OmegaConf.select(cfg, k))
-            for k in [f"task.{k}" for k in skip if k in t]
+            for k in [f"task.{k}" for k in MT_TASK_KEYS if k in t]
             + [f"model.{k}" for k in MT_MODEL_KEYS if k in cfg.model]
         ]
         return out + ([] if out else _lm(cfg))
@@ -323,29 +348,18 @@ def _algo(cfg: DictConfig, machine: bool = True) -> list[str]:
 def _random_positions(cfg: DictConfig) -> list[str]:
     """``model.random_positions`` (Ruoss et al. 2023) must cover the longest training
     sequence."""
-    n, problems = cfg.model.get("random_positions"), list[str]()
-    if not (integer(n) and n > 0):
-        return problems  # null (off), or refused by the schema
-    if cfg.task.name == "algo":
-        key = "train_lengths"
-        if schema.problems(cfg.task, schema.AlgoTask, "task."):
-            return problems  # the task's own problems come first
-        longest = schema.build(schema.AlgoTask, cfg.task).longest(cfg.task.train_lengths[-1])
-    else:
-        key = "seq_len" if cfg.task.name == "lm" else "max_len"
-        longest = cfg.task.get(key)
-    if isinstance(longest, int) and n < longest and cfg.task.name == "algo":
-        problems.append(
-            f"model.random_positions={n}: smaller than the longest training sequence "
-            f"({longest} positions at the largest of task.train_lengths); it must be at "
-            f"least that (e.g. 8-16x)"
-        )
-    elif isinstance(longest, int) and n < longest:
-        problems.append(
-            f"model.random_positions={n}: smaller than task.{key}={longest}; it must be at "
-            f"least the longest training sequence (e.g. 8-16x task.{key})"
-        )
-    return problems
+    n = cfg.model.get("random_positions")
+    # null (off), refused by the schema, or the task's own problems come first
+    found = _longest(cfg) if integer(n) and n > 0 else None
+    if found is None or not isinstance(found[0], int) or n >= found[0]:
+        return []
+    _, context, key = found
+    at_least = "that" if key == "train_lengths" else "the longest training sequence"
+    scale = "" if key == "train_lengths" else f" task.{key}"
+    return [
+        f"model.random_positions={n}: smaller than {context}; it must be at least {at_least} "
+        f"(e.g. 8-16x{scale})"
+    ]
 
 
 def _window(cfg: DictConfig) -> list[str]:
@@ -360,17 +374,8 @@ def _window(cfg: DictConfig) -> list[str]:
     name = cfg.task.name
     if name == "mt" or (name == "algo" and cfg.task.get("shape") == "encdec"):
         return [NO_WINDOW_IN_TRANSLATOR.format(window=window)]
-    if name == "algo":
-        if schema.problems(cfg.task, schema.AlgoTask, "task."):
-            return []  # the task's own problems come first
-        longest = schema.build(schema.AlgoTask, cfg.task).longest(cfg.task.train_lengths[-1])
-        context = (
-            f"the longest training sequence ({longest} positions at the largest of "
-            f"task.train_lengths)"
-        )
-    else:
-        longest = cfg.task.get("seq_len")
-        context = f"task.seq_len={longest}"
+    found = _longest(cfg)  # None: the task's own problems come first
+    longest, context, _ = found or (None, "", "")
     if integer(longest) and window >= longest:
         return [
             f"model.window={window}: not smaller than {context}, so every query would see "
@@ -418,8 +423,7 @@ def _max_len(cfg: DictConfig) -> list[str]:
             f"model.random_positions={n}: larger than encoder.max_len={max_len}, so the "
             f"learned table cannot embed the drawn positions; raise encoder.max_len to {n}"
         )
-    skip = MT_TASK_KEYS if name == "lm" else ()
-    if schema.problems(t, schema.TASKS[name], "task.", skip=skip):
+    if _task_problems(cfg):
         return out
     if name == "algo":
         m, hi = t.test_multiple, t.train_lengths[-1]
@@ -431,10 +435,10 @@ def _max_len(cfg: DictConfig) -> list[str]:
                 f"lower task.test_multiple"
             )
         return out
-    key = "seq_len" if name == "lm" else "max_len"
-    if t[key] > max_len:
+    longest, _, key = _longest(cfg) or (0, "", "")  # the task's keys are valid here
+    if longest > max_len:
         return out + [
-            f"task.{key}={t[key]}: longer than encoder.max_len={max_len}; raise "
+            f"task.{key}={longest}: longer than encoder.max_len={max_len}; raise "
             f"encoder.max_len or lower task.{key}"
         ]
     if name == "mt" or t.eval.get("skip_unsupported", True):
@@ -451,6 +455,17 @@ def _max_len(cfg: DictConfig) -> list[str]:
                 f"task.eval.skip_unsupported=true to record NaN for them"
             )
     return out
+
+
+#: Lightning's knobs whose rule is the value's own (null: Lightning's default). Its
+#: positive-integer knobs at 0 fail deep inside it (ZeroDivisionError).
+TRAINER: dict[str, schema.Check] = {
+    "gradient_clip_val": schema.rule("finite>=0", ", or null for no clipping", optional=True),
+    **dict.fromkeys(
+        ("accumulate_grad_batches", "log_every_n_steps", "num_nodes"),
+        schema.rule("int>0", optional=True),
+    ),
+}
 
 
 def trainer(cfg: DictConfig) -> list[str]:
@@ -471,16 +486,7 @@ def trainer(cfg: DictConfig) -> list[str]:
             f"trainer.max_steps={steps}: posenc runs are bounded by steps (with -1 "
             f"Lightning would train for 1000 epochs); give a positive max_steps"
         )
-    clip = t.get("gradient_clip_val")
-    if clip is not None and not (finite(clip) and clip >= 0):
-        problems.append(
-            f"trainer.gradient_clip_val={clip!r}: must be a number >= 0, or null for no clipping"
-        )
-    # Lightning's own positive-integer knobs: 0 fails deep inside it (ZeroDivisionError).
-    for key in ("accumulate_grad_batches", "log_every_n_steps", "num_nodes"):
-        value = t.get(key)
-        if value is not None and not (integer(value) and value >= 1):
-            problems.append(f"trainer.{key}={value!r}: must be a positive integer")
+    problems += [p for k, check in TRAINER.items() for p in check(f"trainer.{k}", t.get(k))]
     _val_check_interval(t, problems)
     return problems
 

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Generic, TypeVar, cast, get_args
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from posenc.data.algo import GRIDS, PROBLEMS, SHAPES, Options, longest_sequence
-from posenc.data.algo_problems import problem_default
+from posenc.data.algo_problems import DEFAULTS, problem_default
 from posenc.data.algo_retrieval import HAYSTACKS
 from posenc.data.buckets import check_edges
 from posenc.data.tokenizers import TOKENIZER_KINDS
@@ -76,6 +76,17 @@ SPECS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "[0,1]": (lambda v: number(v) and 0 <= v <= 1, "must be a number in [0, 1]"),
     "finite[0,1]": (lambda v: finite(v) and 0 <= v <= 1, "must be a number in [0, 1]"),
     "bool": (lambda v: isinstance(v, bool), "must be true or false"),
+    "betas": (
+        lambda v: (
+            isinstance(v, ListConfig | list)
+            and len(v) == 2
+            and all(finite(b) and 0 <= b < 1 for b in v)
+        ),
+        "must be two numbers in [0, 1) (Adam's beta1, beta2)",
+    ),
+    "int[2,26]": (lambda v: integer(v) and 2 <= v <= 26, "must be an integer in 2..26"),
+    "auto|bool": (lambda v: isinstance(v, bool) or v == "auto", "allowed auto, true or false"),
+    "auto|finite>=1": (lambda v: v == "auto" or (finite(v) and v >= 1), "must be auto or >= 1"),
 }
 
 
@@ -168,9 +179,10 @@ def key(default: Any, check: str | tuple[str, ...] | Check = "", hint: str = "",
 def group(
     cls: type[Group], says: str = "must be a mapping", optional: bool = False, **defaults: Any
 ) -> Any:
-    """A nested group; ``says``: the message when the value is not a mapping. Its default:
-    ``cls`` with ``defaults`` (the task's own, e.g. its optimiser), or None when
-    ``optional`` and none are given."""
+    """A nested group; ``says``: the message when the value is not a mapping (``{keys}``
+    in it: the group's keys). Its default: ``cls`` with ``defaults`` (the task's own, e.g.
+    its optimiser), or None when ``optional`` and none are given."""
+    says = says.replace("{keys}", ", ".join(cast(Any, cls).__dataclass_fields__))
     meta = {"group": cls, "says": says, "optional": optional}
     if optional and not defaults:
         return field(default=None, metadata=meta)
@@ -234,26 +246,12 @@ class Optim(Group):
     """``task.optim``: AdamW and its learning-rate schedule (every task)."""
 
     lr: float = key(1e-3, "finite>0", " (finite; e.g. 1e-3)")
-    betas: list[float] = key(
-        [0.9, 0.99],
-        lambda k, v: [] if _betas(v) else [f"{k}={v!r}: {BETAS}"],
-    )
+    betas: list[float] = key([0.9, 0.99], "betas", ", e.g. [0.9, 0.99]")
     weight_decay: float = key(0.1, "finite>=0", " (0: no decay)")
     warmup_steps: int = key(100, "int>=0", " (0: no warmup)")
     schedule: str = key("cosine", SCHEDULES)
     min_lr_ratio: float = key(
         0.1, "finite[0,1]", " (the cosine schedule ends at lr * min_lr_ratio)"
-    )
-
-
-BETAS = "must be two numbers in [0, 1) (Adam's beta1, beta2), e.g. [0.9, 0.99]"
-
-
-def _betas(v: Any) -> bool:
-    return (
-        isinstance(v, ListConfig | list)
-        and len(v) == 2
-        and all(finite(b) and 0 <= b < 1 for b in v)
     )
 
 
@@ -329,6 +327,9 @@ class StreamingEval(Group):
     )
 
 
+LM_GROUP = "must be a mapping with keys {keys} (see conf/task/lm.yaml)"
+
+
 @dataclass(frozen=True)
 class LMEval(Group):
     """``task.eval``: perplexity beyond the training length, and passkey retrieval."""
@@ -351,24 +352,11 @@ class LMEval(Group):
     context_extension: list[str] = key([], _extension_methods)
     extension_factor: float | str = key(
         "auto",
-        lambda k, v: (
-            []
-            if v == "auto" or (finite(v) and v >= 1)
-            else [
-                f"{k}={v!r}: must be auto (s = max(1, eval length / task.seq_len)) or a number >= 1"
-            ]
-        ),
+        "auto|finite>=1",
+        says="must be auto (s = max(1, eval length / task.seq_len)) or a number >= 1",
     )
-    streaming: StreamingEval = group(
-        StreamingEval,
-        f"must be a mapping with keys {', '.join(StreamingEval.__dataclass_fields__)} "
-        "(see conf/task/lm.yaml)",
-    )
-    passkey: Passkey = group(
-        Passkey,
-        f"must be a mapping with keys {', '.join(Passkey.__dataclass_fields__)} "
-        "(see conf/task/lm.yaml)",
-    )
+    streaming: StreamingEval = group(StreamingEval, LM_GROUP)
+    passkey: Passkey = group(Passkey, LM_GROUP)
 
 
 @dataclass(frozen=True)
@@ -471,22 +459,7 @@ def _generic(name: str) -> Any:
 class AlgoTask(Group):
     """``task`` for ``task=algo``: a generated algorithmic problem."""
 
-    per_problem = (
-        "train_lengths",
-        "test_multiple",
-        "bucket_width",
-        "symbols",
-        "reverse_digits",
-        "data_tokens",
-        "pairs",
-        "queries",
-        "key_vocab",
-        "value_vocab",
-        "chains",
-        "hops",
-        "val_per_size",
-        "test_per_size",
-    )
+    per_problem = tuple(k.removeprefix("task.") for k in DEFAULTS if k.startswith("task."))
     #: What ``best.ckpt`` keeps: fixed for this task (translation's are keys).
     monitor: ClassVar[str] = "val/loss"
     monitor_mode: ClassVar[str] = "min"
@@ -510,14 +483,9 @@ class AlgoTask(Group):
     bucket_width: int = key(_generic("bucket_width"), "int>0")
     symbols: int = key(
         _generic("symbols"),
-        lambda k, v: (
-            []
-            if integer(v) and 2 <= v <= 26
-            else [
-                f"{k}={v!r}: must be an integer in 2..26 (letters of the problems that draw "
-                "letters, e.g. copy, reverse_string; variables of count)"
-            ]
-        ),
+        "int[2,26]",
+        " (letters of the problems that draw letters, e.g. copy, reverse_string; "
+        "variables of count)",
     )
     reverse_digits: bool = key(_generic("reverse_digits"))
     data_tokens: int = key(_generic("data_tokens"), "int>0")
@@ -540,18 +508,8 @@ class AlgoTask(Group):
 
     def options(self) -> Options:
         """The instance options (:class:`posenc.data.algo.Options`)."""
-        return Options(
-            symbols=self.symbols,
-            reverse_digits=self.reverse_digits,
-            data_tokens=self.data_tokens,
-            pairs=self.pairs,
-            queries=self.queries,
-            key_vocab=self.key_vocab,
-            value_vocab=self.value_vocab,
-            haystack=self.haystack,
-            chains=self.chains,
-            hops=self.hops,
-        )
+        mine = keys(type(self))
+        return Options(**{k: getattr(self, k) for k in Options.__dataclass_fields__ if k in mine})
 
     def longest(self, size: int) -> int:
         """Positions an instance of ``size`` takes."""
@@ -559,14 +517,6 @@ class AlgoTask(Group):
 
 
 TASKS: dict[str, type[Group]] = {"lm": LMTask, "mt": MTTask, "algo": AlgoTask}
-
-
-def _compile_setting(key: str, value: Any) -> list[str]:
-    """``model.compile``: true, false, or ``auto`` (:mod:`posenc.training.compiling`)."""
-    if isinstance(value, bool) or value == "auto":
-        return []
-    why = "auto: compiled when training on a GPU where measured faster"
-    return [f"{key}={value!r}: allowed auto, true or false ({why})"]
 
 
 @dataclass(frozen=True)
@@ -585,7 +535,10 @@ class Model(Group):
         " (the range positions are drawn from in training) or null (off)",
         optional=True,
     )
-    compile: bool | str = key("auto", _compile_setting)
+    # true, false, or auto (posenc/training/compiling.py)
+    compile: bool | str = key(
+        "auto", "auto|bool", " (auto: compiled when training on a GPU where measured faster)"
+    )
     score_budget_mib: float = key(8, "num>=0", " (MiB; 0: no query blocking)")
     qkv_bias: bool = key(True)
     # attention modifiers for any scheme (posenc/model/modifiers.py)
@@ -750,22 +703,10 @@ def untyped(cfg: Run[Any] | DictConfig) -> DictConfig:
 
 def typed(cfg: DictConfig) -> Run[Any]:
     """The typed run of a validated config (:func:`posenc.config.validate`)."""
-    task = TASKS[cfg.task.name]
-    return cast(
-        Run[Any],
-        build(
-            Run,
-            cfg,
-            task=build(task, cfg.task),
-            model=build(MODELS[cfg.task.name], cfg.model),
-            tokenizer=cfg.get("tokenizer"),
-            encoder=cfg.encoder,
-            trainer=cfg.trainer,
-            data=cfg.get("data"),
-            paths=cfg.paths,
-            raw=cfg,
-        ),
-    )
+    name, groups = cfg.task.name, ("tokenizer", "encoder", "trainer", "data", "paths")
+    task, model = build(TASKS[name], cfg.task), build(MODELS[name], cfg.model)
+    mappings = {k: cfg.get(k) for k in groups}  # the instantiated groups stay mappings
+    return cast(Run[Any], build(Run, cfg, task=task, model=model, raw=cfg, **mappings))
 
 
 # --- the schema Hydra composes with ---

@@ -223,6 +223,17 @@ def test_every_problem_of_a_bad_optimiser_is_listed_at_once(tmp_path: Path) -> N
     ]
 
 
+def test_an_unknown_task_name_is_not_compared_with_another_tasks_lengths(tmp_path: Path) -> None:
+    """Under a refused task.name the config's lengths belong to no task: the window and the
+    random positions are not measured against them (the LM's seq_len here)."""
+    cfg = _compose(tmp_path, "task.name=abc model.window=100000 model.random_positions=2")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert [line.strip().split(":")[0] for line in str(err.value).splitlines()[1:]] == [
+        "task.name='abc'"
+    ]
+
+
 def _leaves(cfg: DictConfig) -> list[str]:
     container = OmegaConf.to_container(cfg, resolve=False)
     out: list[str] = []
