@@ -316,3 +316,21 @@ def test_bench_preset_times_the_full_step_of_lm_gpu_on_a_synthetic_corpus(
     assert rows[0]["ratio"] == pytest.approx(1.0)
     assert rows[1]["ratio"] == pytest.approx(alibi["tokens_per_s"] / none["tokens_per_s"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lm_gpu.json"]
+
+
+def test_bench_saved_counts_what_a_step_keeps_against_none(capsys: pytest.CaptureFixture) -> None:
+    """bench_saved.py: a row per encoder with its saved bytes and speed against `none`;
+    `none` itself at 1.0x, and a score term (CoPE's) keeps more than no term."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_saved
+
+    assert bench_saved.main(["cope", "--length", "64", "--rounds", "1"]) == 0
+    rows = {
+        cells[0]: cells[1:]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ") and not line.startswith("| encoder")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    assert set(rows) == {"none", "cope"}
+    assert rows["none"][1] == "1.0x" and rows["none"][3] == "1.000"
+    assert float(rows["cope"][1].rstrip("x")) > 1.0
