@@ -128,21 +128,21 @@ def _continue(
     out = prompt
     # The static cache holds the prompt and every token fed back (the last one is not).
     cache = model.new_cache(prompt.shape[1] + max(new_tokens - 1, 0), pad) if use_cache else None
-    step: Callable[[Tensor], Tensor] | None = None
-    if cache is not None:
 
-        def step(ids: Tensor) -> Tensor:
-            return model(ids, cache=cache)[:, -1]
+    def cached(ids: Tensor) -> Tensor:
+        return model(ids, cache=cache)[:, -1]
 
-        if graphs:
-            step = GraphedStep(step, cache)
+    # The prompt's step has its own shape (eager); the one-token steps may replay a graph.
+    step: Callable[[Tensor], Tensor] = cached
+    if cache is not None and graphs:
+        step = GraphedStep(cached, cache)
     step_in = prompt
     for n in range(new_tokens):
         check_stop("generation")
-        if step is None:
+        if cache is None:
             logits = model(out)[:, -1]
-        else:  # the prompt's step has its own shape: eager
-            logits = model(step_in, cache=cache)[:, -1] if n == 0 else step(step_in)
+        else:
+            logits = cached(step_in) if n == 0 else step(step_in)
         tok = next_token(logits, temperature=temperature, top_k=top_k, generator=gen)[:, None]
         out = torch.cat((out, tok), dim=1)
         step_in = tok
