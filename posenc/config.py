@@ -12,18 +12,21 @@ download.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 import math
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from posenc import schema
 from posenc.data.algo import PROBLEMS
@@ -68,9 +71,9 @@ def validate(cfg: DictConfig, machine: bool = True) -> None:
             other machines, and a CUDA query in the process that forks them would break
             CUDA in every job.
     """
+    cfg = resolved(cfg)
     problems: list[str] = []
-    missing = OmegaConf.missing_keys(cfg)
-    problems += [f"{k}: required but not set (add {k}=... to the command)" for k in sorted(missing)]
+    guarded(problems, "config", lambda: problems.extend(_missing(cfg)))
     name = cfg.task.name
     groups: list[tuple[str, Callable[[DictConfig], list[str]]]] = [
         ("config keys", _unknown_keys),
@@ -97,6 +100,46 @@ def validate(cfg: DictConfig, machine: bool = True) -> None:
         raise ConfigError(problem_message(problems), problems)
 
 
+def resolved(cfg: DictConfig) -> DictConfig:
+    """``cfg``, or a copy with each interpolation outside ``hydra`` replaced by its value.
+
+    The checks read many keys more than once, and OmegaConf parses an interpolation again
+    at every read (``task.*`` of ``task=algo`` are ``${posenc_problem:...}``): checking a
+    sweep's jobs spent most of its time there. An interpolation that does not resolve
+    (a missing value, an unknown problem) stays as it was, for the checks to report.
+    """
+    if not any(OmegaConf.is_interpolation(node, key) for node, key in _leaves(cfg)):
+        return cfg
+    out = copy.deepcopy(cfg)
+    for node, key in _leaves(out):
+        if OmegaConf.is_interpolation(node, key):
+            with contextlib.suppress(Exception):
+                value = node[key]
+                node[key] = (
+                    OmegaConf.to_container(value, resolve=True)
+                    if OmegaConf.is_config(value)
+                    else value
+                )
+    return out
+
+
+def _leaves(cfg: DictConfig) -> Iterator[tuple[Any, Any]]:
+    """(container, key) of every value in ``cfg`` outside ``hydra``, interpolations not
+    followed, missing and None groups not entered."""
+    pending: list[DictConfig | ListConfig] = [cfg]
+    while pending:
+        node = pending.pop()
+        keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+        for key in [k for k in keys if not (node is cfg and k == "hydra")]:
+            child = node._get_node(key)  # type: ignore[arg-type]
+            if not OmegaConf.is_interpolation(node, key) and (  # type: ignore[arg-type]
+                isinstance(child, DictConfig | ListConfig)
+                and not (child._is_missing() or child._is_none())
+            ):
+                pending.append(child)
+            yield node, key
+
+
 def guarded(problems: list[str], section: str, check: Callable[[], None]) -> None:
     """Run ``check()``; if it raises on an unexpected value, report ``section`` instead.
 
@@ -106,10 +149,22 @@ def guarded(problems: list[str], section: str, check: Callable[[], None]) -> Non
     try:
         check()
     except Exception as err:
-        problems.append(
-            f"{section}: a value has the wrong type ({type(err).__name__}: {err}); "
-            f"compare it with conf/ and the README"
-        )
+        if isinstance(err, InterpolationResolutionError):  # one line, however many checks read it
+            said = str(err).splitlines()[0]
+            line = f"{err.full_key}: its interpolation does not resolve ({said}); set a value"
+        else:
+            line = (
+                f"{section}: a value has the wrong type ({type(err).__name__}: {err}); "
+                f"compare it with conf/ and the README"
+            )
+        problems += [line] if line not in problems else []
+
+
+def _missing(cfg: DictConfig) -> list[str]:
+    return [
+        f"{k}: required but not set (add {k}=... to the command)"
+        for k in sorted(OmegaConf.missing_keys(cfg))
+    ]
 
 
 def _params(fn: Any, drop: tuple[str, ...] = ()) -> list[str]:

@@ -234,6 +234,39 @@ def test_an_unknown_task_name_is_not_compared_with_another_tasks_lengths(tmp_pat
     ]
 
 
+def test_the_checks_read_the_interpolations_resolved_once_with_the_same_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``task=algo``'s sizes are ``${posenc_problem:...}`` interpolations, parsed again at
+    every read: the checks read a copy with them resolved. The config given is left as it
+    is, an interpolation that does not resolve stays for the checks, which name it in one
+    line (not a traceback), and the verdict is the one the unresolved config gets."""
+    cfg = _compose(tmp_path, "task=algo task.problem=count")
+    out = checks.resolved(cfg)
+    assert OmegaConf.is_interpolation(cfg.task, "train_lengths")
+    assert not OmegaConf.is_interpolation(out.task, "train_lengths")
+    assert OmegaConf.to_container(out, resolve=True) == OmegaConf.to_container(cfg, resolve=True)
+    assert checks.resolved(out) is out  # nothing left to resolve: no copy
+
+    bad = _compose(tmp_path, "task=algo task.train_lengths=${nowhere} model.n_heads=3")
+    kept = checks.resolved(bad)
+    assert OmegaConf.is_interpolation(kept.task, "train_lengths")
+    assert not OmegaConf.is_interpolation(kept.task, "test_multiple")
+    verdicts = []
+    for resolve in (checks.resolved, lambda c: c):
+        monkeypatch.setattr(checks, "resolved", resolve)
+        with pytest.raises(ConfigError) as err:
+            validate(bad)
+        verdicts.append(str(err.value))
+    assert verdicts[0] == verdicts[1]
+    lines = verdicts[0].splitlines()[1:]
+    assert lines[0].strip() == (
+        "task.train_lengths: its interpolation does not resolve "
+        "(Interpolation key 'nowhere' not found); set a value"
+    )
+    assert any(line.strip().startswith("model.n_heads=3") for line in lines), lines
+
+
 def _leaves(cfg: DictConfig) -> list[str]:
     container = OmegaConf.to_container(cfg, resolve=False)
     out: list[str] = []
