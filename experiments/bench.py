@@ -58,7 +58,7 @@ FULL: dict[str, Any] = {
     "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512, "dropout": 0.0},
     "vocab": 65,
     "train": {"shapes": [(8, 256), (2, 1024)], "rounds": 5, "steps": 2},
-    "memory": {"train_length": 128, "multiplier": 16, "batch": 4, "rounds": 1},
+    "memory": {"train_length": 128, "multiplier": 16, "batch": 4, "rounds": 1, "encoders": None},
     "overhead": {"encoder": "rope", "batch": 8, "length": 256, "steps": 10, "rounds": 5},
     "compile": {
         "shape": (8, 256),
@@ -82,7 +82,14 @@ QUICK: dict[str, Any] = {
     "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "d_ff": 128, "dropout": 0.0},
     "vocab": 65,
     "train": {"shapes": [(4, 64), (1, 256)], "rounds": 2, "steps": 1},
-    "memory": {"train_length": 32, "multiplier": 16, "batch": 2, "rounds": 1},
+    # A fresh process per encoder (its peak RSS): three, not all, to stay quick.
+    "memory": {
+        "train_length": 32,
+        "multiplier": 16,
+        "batch": 2,
+        "rounds": 1,
+        "encoders": ["none", "rope", "xl"],
+    },
     "overhead": {"encoder": "rope", "batch": 4, "length": 64, "steps": 3, "rounds": 2},
     "compile": {
         "shape": (4, 64),
@@ -114,7 +121,7 @@ GPU: dict[str, Any] = {
     "model": {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "dropout": 0.0},
     "vocab": 256,
     "train": {"shapes": [(16, 1024), (4, 4096)], "rounds": 3, "steps": 3},
-    "memory": {"train_length": 256, "multiplier": 16, "batch": 4, "rounds": 1},
+    "memory": {"train_length": 256, "multiplier": 16, "batch": 4, "rounds": 1, "encoders": None},
     "overhead": {"encoder": "rope", "batch": 16, "length": 1024, "steps": 10, "rounds": 3},
     "compile": {
         "shape": (4, 4096),
@@ -285,7 +292,8 @@ def run_section(
             "train_length": m["train_length"],
             "device": str(device),
         }
-        return bench_memory.run(script=script, encoders=available(), cfg=cfg, rounds=m["rounds"])
+        encoders = m["encoders"] or available()
+        return bench_memory.run(script=script, encoders=encoders, cfg=cfg, rounds=m["rounds"])
     import bench_overhead
 
     return bench_overhead.run(model_cfg=model, vocab=vocab, device=device, **sizes["overhead"])
