@@ -19,7 +19,11 @@ from posenc.model import DecoderLM, EncoderDecoder, streaming
 from posenc.model.streaming import Streaming
 from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS
 
-SIZES = dict(d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0)
+#: One layer: dynamo traces each layer of the stack again, and they run the same code;
+#: what needs more layers (a mix of schemes, local and global layers) asks for them.
+SIZES = dict(d_model=32, n_heads=4, n_layers=1, d_ff=64, dropout=0.0)
+#: ``encoder=mix``'s default: RoPE with NoPE in every 4th layer.
+MIX_LAYERS = {"n_layers": 4}
 #: A short length, and one past the causal query block of score-term schemes (128), so
 #: their blocked path is traced too.
 LENGTHS = (16, 300)
@@ -40,7 +44,7 @@ def test_sliding_window_traces_as_one_graph(name: str) -> None:
     """A local layer and a global one with the modifiers, in training past the query
     blocks: one graph, the eager outputs, gradients everywhere."""
     model = DecoderLM(
-        vocab_size=11, encoder=name, **SIZES, **MODIFIERS, window=7,
+        vocab_size=11, encoder=name, **{**SIZES, "n_layers": 2}, **MODIFIERS, window=7,
         window_layers=["local", "global"],
     )  # fmt: skip
     ids = torch.randint(0, 11, (2, 300))
@@ -53,7 +57,9 @@ def test_sliding_window_traces_as_one_graph(name: str) -> None:
 @pytest.mark.parametrize("t", LENGTHS)
 @pytest.mark.parametrize("name", ENCODER_YAMLS)
 def test_decoder_lm_traces_as_one_graph(name: str, t: int) -> None:
-    model = DecoderLM(vocab_size=11, encoder=name, **SIZES)
+    model = DecoderLM(
+        vocab_size=11, encoder=name, **{**SIZES, **(MIX_LAYERS if name == "mix" else {})}
+    )
     ids = torch.randint(0, 11, (2, t))
     out = _compiled(model)(ids)
     torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-5)
@@ -65,7 +71,8 @@ def test_decoder_lm_traces_as_one_graph(name: str, t: int) -> None:
 @pytest.mark.parametrize("name", BIDIRECTIONAL_YAMLS)
 def test_encoder_decoder_traces_as_one_graph(name: str, t: int) -> None:
     """Bidirectional, causal and cross attention, with source padding."""
-    model = EncoderDecoder(src_vocab_size=13, tgt_vocab_size=13, encoder=name, **SIZES)
+    sizes = {**SIZES, **(MIX_LAYERS if name == "mix" else {})}
+    model = EncoderDecoder(src_vocab_size=13, tgt_vocab_size=13, encoder=name, **sizes)
     src, tgt = torch.randint(0, 13, (2, t)), torch.randint(0, 13, (2, t // 2))
     src_valid = torch.ones(2, t, dtype=torch.bool)
     src_valid[1, t // 2 :] = False
@@ -285,7 +292,7 @@ def test_cached_decode_step_compiles_once(case: str) -> None:
     model = DecoderLM(
         vocab_size=11,
         encoder=functools.partial(get(name), **settings),
-        **{**SIZES, "n_layers": 1},
+        **SIZES,
         **options,
     ).eval()
     with torch.no_grad():
@@ -312,7 +319,7 @@ def _check_step_compiles_once(model: DecoderLM, ids: torch.Tensor, prefill: int)
 def test_streaming_traces_as_one_graph_and_its_step_compiles_once(name: str) -> None:
     """StreamingLLM's full pass (past its query blocks: one query at a time here) is one
     graph, and its cached step compiles at most twice over 40 steps; eager's logits."""
-    model = DecoderLM(vocab_size=11, encoder=name, **{**SIZES, "n_layers": 1}).eval()
+    model = DecoderLM(vocab_size=11, encoder=name, **SIZES).eval()
     ids = torch.randint(0, 11, (2, 48))
     with torch.no_grad(), model.streaming(Streaming(sinks=2, window=6)):
         blocks = mock.patch.object(streaming, "BLOCK_BYTES", 2 * 4 * 4 * 48 * 8)  # 8 queries
@@ -325,9 +332,7 @@ def test_streaming_traces_as_one_graph_and_its_step_compiles_once(name: str) -> 
 def test_translation_decode_step_compiles_once(name: str) -> None:
     """The decoder's cached step with cross-attention and source padding: the first
     step computes the encoder output's keys, the later ones reuse them; 2 graphs."""
-    model = EncoderDecoder(
-        src_vocab_size=13, tgt_vocab_size=13, encoder=name, **{**SIZES, "n_layers": 1}
-    ).eval()
+    model = EncoderDecoder(src_vocab_size=13, tgt_vocab_size=13, encoder=name, **SIZES).eval()
     torch._dynamo.reset()
     backend, graphs = _counting_backend()
     step = torch.compile(model.decode, fullgraph=True, backend=backend, dynamic=False)
@@ -360,7 +365,7 @@ def test_compiled_model_generates_what_eager_generates(case: str) -> None:
 
     name, settings = STEP_CASES[case]
     eager = DecoderLM(
-        vocab_size=11, encoder=functools.partial(get(name), **settings), **{**SIZES, "n_layers": 1}
+        vocab_size=11, encoder=functools.partial(get(name), **settings), **SIZES
     ).eval()
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
@@ -381,9 +386,7 @@ def test_compiled_translator_decodes_what_eager_decodes(name: str) -> None:
     reordered and dropped as sentences finish) and greedy decoding give eager's output."""
     from posenc.decoding.encdec import beam_search, greedy
 
-    eager = EncoderDecoder(
-        src_vocab_size=13, tgt_vocab_size=13, encoder=name, **{**SIZES, "n_layers": 1}
-    ).eval()
+    eager = EncoderDecoder(src_vocab_size=13, tgt_vocab_size=13, encoder=name, **SIZES).eval()
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
     compiled.compile(backend="eager")
