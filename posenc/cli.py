@@ -107,20 +107,21 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
         return []
     groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
     choices = []
-    for o in parsed:
-        if o.key_or_group in groups and o.type is OverrideType.CHANGE:
+    for o in parsed:  # a group chosen (encoder=rope) or added (+variant=fox)
+        if o.key_or_group in groups and o.type in (OverrideType.CHANGE, OverrideType.ADD):
             value = next(iter(o.sweep_iterator())) if o.is_sweep_override() else o.value()
-            choices.append(f"{o.key_or_group}={value}")
+            plus = "+" if o.type is OverrideType.ADD else ""
+            choices.append(f"{plus}{o.key_or_group}={value}")
     try:
         cfg = _compose(config_dir, choices)
         # A sweep preset's own grid (hydra.sweeper.params, e.g. sweep=mt_length sets
         # task=mt): its first value of each group the command line leaves open.
-        given = {c.partition("=")[0] for c in choices}
+        given = {c.lstrip("+").partition("=")[0] for c in choices}
         params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
         more = [
             f"{k}={str(v).split(',')[0].strip()}"
             for k, v in params.items()
-            if k in groups and k not in given
+            if k.lstrip("+") in groups and k.lstrip("+") not in given
         ]
         if more:
             cfg = _compose(config_dir, [*choices, *more])

@@ -110,10 +110,21 @@ def test_a_misspelled_key_gets_the_nearest_key(tmp_path: Path) -> None:
         "model.d_modle: no such key; did you mean model.d_model?",
         "task.optim.lrr: no such key; did you mean task.optim.lr?",
     ]
-    # Sweeps take their first choice; a key of the chosen encoder is known.
-    assert misspelled_keys(["-m", "encoder=rope,alibi", "encoder.base=500", "seed=0,1"], conf) == []
+    # Sweeps take their first choice; a key of the chosen encoder is known. (run.py passes
+    # the words without flags such as -m.)
+    assert misspelled_keys(["encoder=rope,alibi", "encoder.base=500", "seed=0,1"], conf) == []
     assert misspelled_keys(["encoder=shaw", "encoder.max_distnce=4"], conf) == [
         "encoder.max_distnce: no such key; did you mean encoder.max_distance?"
+    ]
+    # A group added with + (a sweep's arms are variants), on the command line or in the
+    # preset's grid, is composed too: fox's own option is known, a misspelling is not.
+    fox = ["sweep=algo_length", "+variant=fox", "encoder.bias_init=spread"]
+    assert misspelled_keys(fox, conf) == []
+    assert misspelled_keys([*fox[:2], "encoder.bias_initt=spread"], conf) == [
+        "encoder.bias_initt: no such key; did you mean encoder.bias_init?"
+    ]
+    assert misspelled_keys(["sweep=algo_length", "encoder.bias_init=spread"], conf) == [
+        "encoder.bias_init: no such key; encoder has _partial_, _target_"  # none's, the first arm
     ]
     # What Hydra itself reports better (bad syntax, unknown groups) is left to it.
     assert misspelled_keys(["model.d_model=[", "encoder=nope"], conf) == []
