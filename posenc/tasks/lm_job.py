@@ -175,8 +175,8 @@ def extension_setting(
     the sinks and window of ``task.eval.streaming``, the same at every length."""
     seq_len = cfg.task.seq_len
     if method == "streaming":
-        sinks = cfg.task.eval.streaming.sinks
-        return StreamingExtension(method, sinks, streaming_window(cfg.task))
+        s = cfg.task.eval.streaming
+        return StreamingExtension(method, s.sinks, streaming_window(s.window, s.sinks, seq_len))
     factor = cfg.task.eval.extension_factor
     if factor == "auto":
         factor = 1.0 if method == "dynamic_ntk" else max(1.0, length / seq_len)
