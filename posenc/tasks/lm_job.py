@@ -159,7 +159,7 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
         trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
     elif best:  # the passkey evaluation scores the best weights too
         task.load_state_dict(checkpoints.load(best)["state_dict"])
-    verdict = gate.result(cfg, trainer, fitted.val)
+    verdict = gate.result(trainer, fitted.val)
     held = verdict.gate
     retrieves = verdict.learned if held is not None and held.metric == gate.PASSKEY else None
     passkey = lm_passkey.evaluate(cfg, dm, task.model, trainer.strategy.root_device, retrieves)
