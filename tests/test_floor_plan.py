@@ -1,7 +1,9 @@
 """The floor plan of docs/design.md ("Layout") is the code's: every room it lists exists,
 every module of posenc/ is in a room, and every import of posenc (at module level, in a
 function, or for types only) points to a room on a lower floor or stays in its own room.
-So there is no import cycle between rooms, and no function-level import that dodges one."""
+So there is no import cycle between rooms, and no function-level import that dodges one.
+And the LM job's config, followed through the calls that pass it on, enters few modules
+(:class:`Walk`)."""
 
 from __future__ import annotations
 
@@ -395,15 +397,16 @@ class Walk:
             entered.setdefault(where, path)
             if isinstance(fn, ast.ClassDef):  # no __init__ of its own (a dataclass)
                 continue
+            # The class whose ``self`` this is (a method may be defined in a base).
             cls = target.partition(":")[2].rpartition(".")[0]
+            owner = f"{target.partition(':')[0]}:{cls}" if cls else ""
             local = self.environment(fn, env)
             for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
-                for callee, bound in self.calls(where, cls, call, local):
+                for callee, bound in self.calls(where, owner, call, local):
                     step = f"{callee}({', '.join(bound)})"
                     queue.append((callee, bound, [*path, step]))
             stored = {k: v for k, v in local.items() if k.startswith("self.")}
-            if cls and stored:
-                owner = f"{target.partition(':')[0]}:{cls}"
+            if owner and stored:
                 for name in self.methods(owner):
                     queue.append(
                         (f"{owner}.{name}", stored, [*path, f"{owner}.{name}({', '.join(stored)})"])
@@ -411,9 +414,11 @@ class Walk:
         return entered
 
     def calls(
-        self, module: str, cls: str, call: ast.Call, env: dict[str, Config]
+        self, module: str, owner: str, call: ast.Call, env: dict[str, Config]
     ) -> list[tuple[str, dict[str, Config]]]:
-        """The callee (``pkg.mod:name``) of ``call`` and its parameters bound to config."""
+        """The callee (``pkg.mod:name``) of ``call`` in ``module``, in a method of class
+        ``owner`` (``pkg.mod:Class``; empty in a function), and its parameters bound to
+        config."""
         func = call.func
         receiver: Config | None = None
         callee: str | None = None
@@ -421,15 +426,15 @@ class Walk:
             receiver = self.kind(func.value, env)
             if receiver and receiver[0] in self.fields:  # a method of a schema group
                 callee = f"{self.package}.schema:{receiver[0]}.{func.attr}"
-            elif isinstance(func.value, ast.Name) and func.value.id == "self" and cls:
-                callee = f"{module}:{cls}.{func.attr}"
-            elif isinstance(func.value, ast.Call) and dotted(func.value.func) == "super" and cls:
-                owner = self.definition(f"{module}:{cls}")
-                found = bases(owner[1]) if owner and isinstance(owner[1], ast.ClassDef) else []
+            elif isinstance(func.value, ast.Name) and func.value.id == "self" and owner:
+                callee = f"{owner}.{func.attr}"
+            elif isinstance(func.value, ast.Call) and dotted(func.value.func) == "super" and owner:
+                cls = self.definition(owner)
+                found = bases(cls[1]) if cls and isinstance(cls[1], ast.ClassDef) else []
                 callee = next(
                     (
                         f"{b}.{func.attr}"
-                        for b in (self.resolve(module, x) for x in found)
+                        for b in (self.resolve(cls[0] if cls else module, x) for x in found)
                         if b and ":" in b
                     ),
                     None,
@@ -450,7 +455,8 @@ class Walk:
         if not any(args) and not any(keywords.values()) and not receiver:
             return []
         if isinstance(fn, ast.ClassDef):  # entered, with nothing of its own to walk
-            return [(callee, {"fields": next(t for t in [*args, *keywords.values()] if t)})]
+            given = next((t for t in [*args, *keywords.values()] if t), receiver)
+            return [(callee, {"fields": given})] if given else []
         params = [p.arg for p in [*fn.args.posonlyargs, *fn.args.args]]
         method = "." in callee.partition(":")[2]
         bound: dict[str, Config] = {}
