@@ -16,7 +16,6 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from posenc import schema
 from posenc.data.lm import LMDataModule
 from posenc.data.passkey import DOC, PasskeyFormat
 from posenc.data.tokenizers import Tokenizer
@@ -24,7 +23,6 @@ from posenc.eval.passkey import evaluate_length, greedy
 from posenc.model import DecoderLM
 from posenc.plots import heatmap_figure
 from posenc.results import MetricName, Metrics, Passkey
-from posenc.schema import Run
 from posenc.training.gate import PASSKEY
 
 log = logging.getLogger(__name__)
@@ -33,11 +31,6 @@ log = logging.getLogger(__name__)
 def metric_name(split: str, length: int) -> MetricName:
     """``test/passkey@512``: accuracy at length 512, mean over depths."""
     return MetricName.of(split, "passkey", length)
-
-
-def passkey_format(cfg: Run[schema.LMTask], dm: LMDataModule) -> PasskeyFormat:
-    """The run's passkey format (its tokenizer, ``task.eval.passkey.key_len``)."""
-    return PasskeyFormat(dm.tokenizer, int(cfg.task.eval.passkey.key_len))
 
 
 @dataclass(frozen=True)
