@@ -357,14 +357,15 @@ def _lm(cfg: DictConfig) -> list[str]:
             f"task.eval.streaming.sinks={sinks}: leaves no window within task.seq_len="
             f"{t.seq_len} (window null is seq_len - sinks); give sinks < {t.seq_len}"
         ]
-    problem = sizes_problem(sinks, streaming_window(t), t.seq_len, "task.eval.streaming.")
+    window = streaming_window(t.eval.streaming.window, sinks, t.seq_len)
+    problem = sizes_problem(sinks, window, t.seq_len, "task.eval.streaming.")
     return out + ([problem] if problem else [])
 
 
-def streaming_window(task: Any) -> int:
-    """``task.eval.streaming.window``, its null read as ``task.seq_len - sinks``."""
-    window = task.eval.streaming.window
-    return task.seq_len - task.eval.streaming.sinks if window is None else window
+def streaming_window(window: int | None, sinks: int, seq_len: int) -> int:
+    """StreamingLLM's window (``task.eval.streaming.window``), its null read as
+    ``seq_len - sinks`` (``task.seq_len``, ``task.eval.streaming.sinks``)."""
+    return seq_len - sinks if window is None else window
 
 
 def _mt(cfg: DictConfig) -> list[str]:

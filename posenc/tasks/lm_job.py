@@ -118,6 +118,22 @@ def lm_task(
     return task
 
 
+def passkey_settings(cfg: Run[schema.LMTask]) -> lm_passkey.Settings:
+    """The passkey grid's settings (``task.eval.passkey``) and how it is decoded."""
+    t, p = cfg.task, cfg.task.eval.passkey
+    return lm_passkey.Settings(
+        key_len=int(p.key_len),
+        lengths=schema.passkey_lengths(t),
+        depths=[float(d) for d in p.depths],
+        samples=int(p.samples),
+        seed=int(p.seed),
+        measure_unlearned=bool(p.measure_unlearned),
+        splits=list(t.eval.splits),
+        seq_len=int(t.seq_len),
+        batch_size=int(t.eval_batch_size),
+    )
+
+
 def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
     """Language modeling: fit, then perplexity at every evaluation length and protocol."""
     dm = lm_datamodule(cfg)
@@ -126,11 +142,12 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
     if not cfg.eval_only:
         dm.check_batch(on_cpu=on_cpu(cfg))
     mix = 0.0 if cfg.eval_only else cfg.task.passkey_mix
-    if schema.passkey_lengths(cfg.task) or mix:
+    passkey = passkey_settings(cfg)
+    if passkey.lengths or mix:
         refuse(
             passkey_problems(
-                schema.passkey_lengths(cfg.task),
-                lm_passkey.passkey_format(cfg, dm).min_length(),
+                passkey.lengths,
+                passkey.format(dm.tokenizer).min_length(),
                 {s: dm.lm_split_tokens(s).numel() for s in dm.splits},
                 cfg.task.eval.splits,
                 mix,
@@ -148,7 +165,7 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
         dm,
         tokenizer,
         to_payload(dm.tokenizer),
-        lm_passkey.validation_callbacks(cfg, dm),
+        [lm_passkey.PasskeyValidation(passkey, dm)] if mix else [],
     )
     trainer, best = fitted.trainer, fitted.best
     # Evaluation beyond the training context: one loader per (split, length, protocol,
@@ -159,11 +176,11 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
         trainer.test(task, dataloaders=loaders, ckpt_path=best or None, verbose=False)
     elif best:  # the passkey evaluation scores the best weights too
         task.load_state_dict(checkpoints.load(best)["state_dict"])
-    verdict = gate.result(cfg, trainer, fitted.val)
+    verdict = gate.result(trainer, fitted.val)
     held = verdict.gate
     retrieves = verdict.learned if held is not None and held.metric == gate.PASSKEY else None
-    passkey = lm_passkey.evaluate(cfg, dm, task.model, trainer.strategy.root_device, retrieves)
-    return finish_lm(cfg, run_dir, task, fitted, throughput, skipped, passkey)
+    grid = lm_passkey.evaluate(passkey, dm, task.model, trainer.strategy.root_device, retrieves)
+    return finish_lm(cfg, run_dir, task, fitted, throughput, skipped, grid)
 
 
 def extension_setting(
@@ -175,8 +192,8 @@ def extension_setting(
     the sinks and window of ``task.eval.streaming``, the same at every length."""
     seq_len = cfg.task.seq_len
     if method == "streaming":
-        sinks = cfg.task.eval.streaming.sinks
-        return StreamingExtension(method, sinks, streaming_window(cfg.task))
+        s = cfg.task.eval.streaming
+        return StreamingExtension(method, s.sinks, streaming_window(s.window, s.sinks, seq_len))
     factor = cfg.task.eval.extension_factor
     if factor == "auto":
         factor = 1.0 if method == "dynamic_ntk" else max(1.0, length / seq_len)

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 
-from posenc import schema
 from posenc.data.lm import LMDataModule
 from posenc.data.passkey import DOC, PasskeyFormat
+from posenc.data.tokenizers import Tokenizer
 from posenc.eval.passkey import evaluate_length, greedy
 from posenc.model import DecoderLM
 from posenc.plots import heatmap_figure
 from posenc.results import MetricName, Metrics, Passkey
-from posenc.schema import Run
 from posenc.training.gate import PASSKEY
 
 log = logging.getLogger(__name__)
@@ -33,13 +33,41 @@ def metric_name(split: str, length: int) -> MetricName:
     return MetricName.of(split, "passkey", length)
 
 
-def passkey_format(cfg: Run[schema.LMTask], dm: LMDataModule) -> PasskeyFormat:
-    """The run's passkey format (its tokenizer, ``task.eval.passkey.key_len``)."""
-    return PasskeyFormat(dm.tokenizer, int(cfg.task.eval.passkey.key_len))
+@dataclass(frozen=True)
+class Settings:
+    """What the passkey evaluation and :class:`PasskeyValidation` read from the run (the
+    LM job reads them: :func:`posenc.tasks.lm_job.passkey_settings`).
+
+    Attributes:
+        key_len: Letters per key (``task.eval.passkey.key_len``).
+        lengths: The grid's lengths in tokens (empty: the evaluation is off).
+        depths: The needle's relative depths.
+        samples: Instances per cell.
+        seed: The instances' seed.
+        measure_unlearned: Evaluate beyond the training length a run that missed its
+            passkey gate.
+        splits: The evaluated splits (``task.eval.splits``).
+        seq_len: The training length (``task.seq_len``).
+        batch_size: Instances decoded at once (``task.eval_batch_size``).
+    """
+
+    key_len: int
+    lengths: list[int]
+    depths: list[float]
+    samples: int
+    seed: int
+    measure_unlearned: bool
+    splits: list[str]
+    seq_len: int
+    batch_size: int
+
+    def format(self, tokenizer: Tokenizer) -> PasskeyFormat:
+        """The passkey format with ``tokenizer`` (raises as :class:`PasskeyFormat` does)."""
+        return PasskeyFormat(tokenizer, self.key_len)
 
 
 def evaluate(
-    cfg: Run[schema.LMTask],
+    settings: Settings,
     dm: LMDataModule,
     model: DecoderLM,
     device: torch.device,
@@ -55,7 +83,7 @@ def evaluate(
     longest part of such a run.
 
     Args:
-        cfg: The run config (``task.eval.passkey``).
+        settings: The grid and how it is decoded.
         dm: The set-up data module (tokenizer, split streams).
         model: The LM to evaluate (put in eval mode and moved to ``device`` here).
         device: Where decoding runs.
@@ -68,25 +96,24 @@ def evaluate(
         the evaluation is off), the ``<split>/passkey@L`` scalars, the skipped metrics with
         their reasons.
     """
-    lengths = schema.passkey_lengths(cfg.task)
+    s, lengths = settings, settings.lengths
     if not lengths:
         return {}, {}, {}
-    p = cfg.task.eval.passkey
-    depths = [float(d) for d in p.depths]
-    fmt = passkey_format(cfg, dm)
+    depths = s.depths
+    fmt = s.format(dm.tokenizer)
     model = model.to(device).eval()
     limit, enc_name = model.encoder.max_length, type(model.encoder).__name__
-    unlearned = learned is False and not p.measure_unlearned
+    unlearned = learned is False and not s.measure_unlearned
     metrics: dict[str, float] = {}
     skipped: dict[str, str] = {}
     grids: dict[str, list[list[float]]] = {}
-    for split in cfg.task.eval.splits:
+    for split in s.splits:
         stream = dm.lm_split_tokens(split)
         rows = []
         for length in lengths:
             name = metric_name(split, length)
             reason = None
-            if unlearned and length > cfg.task.seq_len:
+            if unlearned and length > s.seq_len:
                 reason = (
                     "the run missed its passkey gate (task.learned); "
                     f"length {length} not evaluated (task.eval.passkey.measure_unlearned=true "
@@ -109,9 +136,9 @@ def evaluate(
                 stream,
                 length,
                 depths,
-                samples=p.samples,
-                seed=p.seed,
-                batch_size=cfg.task.eval_batch_size,
+                samples=s.samples,
+                seed=s.seed,
+                batch_size=s.batch_size,
                 device=device,
                 log=partial(log.info, "%s %s", split),  # log(line): "<split> <line>"
             )
@@ -124,8 +151,8 @@ def evaluate(
     block = {
         "doc": DOC,
         "key_len": fmt.key_len,
-        "samples": int(p.samples),
-        "seed": int(p.seed),
+        "samples": s.samples,
+        "seed": s.seed,
         "lengths": lengths,
         "depths": depths,
         "accuracy": grids,  # split -> [length][depth]
@@ -165,18 +192,18 @@ class PasskeyValidation(pl.Callback):
     key length), with filler from the validation text, decoded greedily with the cache.
 
     Args:
-        cfg: The run config (``task.seq_len``, ``task.eval.passkey``).
+        settings: The grid's settings (depths, samples, seed, key length, training length,
+            batch size).
         dm: The set-up data module.
     """
 
-    def __init__(self, cfg: Run[schema.LMTask], dm: LMDataModule) -> None:
-        p = cfg.task.eval.passkey
-        self.fmt = passkey_format(cfg, dm)
+    def __init__(self, settings: Settings, dm: LMDataModule) -> None:
+        self.fmt = settings.format(dm.tokenizer)
         self.stream = dm.lm_split_tokens("val")
-        self.length = int(cfg.task.seq_len)
-        self.depths = [float(d) for d in p.depths]
-        self.samples, self.seed = int(p.samples), int(p.seed)
-        self.batch_size = int(cfg.task.eval_batch_size)
+        self.length = settings.seq_len
+        self.depths = settings.depths
+        self.samples, self.seed = settings.samples, settings.seed
+        self.batch_size = settings.batch_size
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -194,10 +221,3 @@ class PasskeyValidation(pl.Callback):
         )
         # The same instances and weights on every rank: the same value, no sync needed.
         pl_module.log(PASSKEY, sum(acc) / len(acc))
-
-
-def validation_callbacks(cfg: Run[schema.LMTask], dm: LMDataModule) -> list[pl.Callback]:
-    """:class:`PasskeyValidation` for a run trained on the passkey mix (none otherwise)."""
-    if not cfg.task.passkey_mix or cfg.eval_only:
-        return []
-    return [PasskeyValidation(cfg, dm)]

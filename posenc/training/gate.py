@@ -24,7 +24,7 @@ import pytorch_lightning as pl
 
 from posenc import results
 from posenc.results import MetricName, Record, Standing
-from posenc.schema import AlgoTask, Gate, LMTask, MTTask, Run, keys
+from posenc.schema import AlgoTask, Gate, LMTask, MTTask, keys
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,8 @@ class LearnedGate(pl.Callback):
         self.threshold = float(threshold)
         self.stop = stop
         self.learned_step: int | None = None
+        #: The gate as the run's record holds it (the threshold as the config gave it).
+        self.record = results.Gate(MetricName(metric), threshold, stop)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self.metric not in trainer.callback_metrics:
@@ -128,16 +130,9 @@ def stopped(trainer: pl.Trainer) -> bool:
     return bool(found) and found[0].stop and found[0].learned_step == trainer.global_step
 
 
-def callback(cfg: Run[Any]) -> LearnedGate | None:
-    """The run's gate callback (None without ``task.learned``)."""
-    gate: Gate | None = cfg.task.learned
-    if gate is None:
-        return None
-    return LearnedGate(gate.metric, gate.threshold, gate.stop)
-
-
-def result(cfg: Run[Any], trainer: pl.Trainer, val: dict[str, float]) -> Standing:
-    """The run's standing at its gate, for its record (:class:`posenc.results.Standing`):
+def result(trainer: pl.Trainer, val: dict[str, float]) -> Standing:
+    """The run's standing at its gate (the trainer's :class:`LearnedGate`), for its record
+    (:class:`posenc.results.Standing`):
 
     - ``gate``: ``{metric, threshold, stop}``, or None for a task without one;
     - ``learned``: whether the metric met the threshold at the run's last validation (the
@@ -147,18 +142,16 @@ def result(cfg: Run[Any], trainer: pl.Trainer, val: dict[str, float]) -> Standin
       it once and lost it by the end: ``learned`` false with a ``learned_step``.
 
     Args:
-        cfg: The run config.
-        trainer: The trainer, with the gate among its callbacks.
+        trainer: The trainer, with the gate among its callbacks when the run has one.
         val: The last validation's metrics (:class:`posenc.training.trainer.RunState`).
     """
-    gate: Gate | None = cfg.task.learned
-    if gate is None:
-        return Standing()
     found = [c for c in trainer.callbacks if isinstance(c, LearnedGate)]  # type: ignore[attr-defined]
-    value = val.get(gate.metric)
-    learned = None if value is None else met(gate.metric, value, gate.threshold)
-    held = results.Gate(MetricName(gate.metric), gate.threshold, gate.stop)
-    return Standing(held, learned, found[0].learned_step if found else None)
+    if not found:
+        return Standing()
+    held = found[0]
+    value = val.get(held.metric)
+    learned = None if value is None else met(held.metric, value, held.threshold)
+    return Standing(held.record, learned, held.learned_step)
 
 
 def describe(record: Record) -> str | None:

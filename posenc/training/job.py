@@ -91,7 +91,7 @@ def record(
     time, in seconds), throughput, peak memory and the resolved config."""
     mem, mem_kind = peak_memory_mb(task.device)
     trainer = fitted.trainer
-    standing = gate.result(cfg, trainer, fitted.val)
+    standing = gate.result(trainer, fitted.val)
     config = cast(dict[str, Any], OmegaConf.to_container(untyped(cfg), resolve=True))
     return replace(
         fields,

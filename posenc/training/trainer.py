@@ -172,9 +172,9 @@ def build_trainer(
         throughput,
         *extra,
     ]
-    learned = gate.callback(cfg)
+    learned = cfg.task.learned
     if learned is not None:
-        callbacks.append(learned)
+        callbacks.append(gate.LearnedGate(learned.metric, learned.threshold, learned.stop))
     auto = compiling.callback(cfg.model.compile, encoder_label(cfg))
     if auto is not None:
         callbacks.append(auto)

@@ -11,8 +11,7 @@ import pytest
 from posenc.data.lm import PasskeyDraw
 from posenc.eval.passkey import evaluate_length, greedy
 from posenc.tasks.lm import LMTask
-from posenc.tasks.lm_job import lm_datamodule
-from posenc.tasks.lm_passkey import passkey_format
+from posenc.tasks.lm_job import lm_datamodule, passkey_settings
 from posenc.train import train
 from posenc.training.trainer import load_for_eval
 from tests.conftest import compose_run
@@ -56,7 +55,7 @@ def test_validation_scores_retrieval_at_1x_on_the_validation_split(rope: Path) -
     model = load_for_eval(LMTask, cfg, dm.vocab_size).model.eval()
     acc = evaluate_length(
         greedy(model),
-        passkey_format(cfg, dm),
+        passkey_settings(cfg).format(dm.tokenizer),
         dm.lm_split_tokens("val"),
         64,
         [0.0, 0.5, 1.0],
@@ -96,7 +95,7 @@ def test_grid_equals_a_fresh_evaluation_of_the_best_checkpoint(rope: Path) -> No
     for length, row in zip([64, 128], m["passkey"]["accuracy"]["test"], strict=True):
         acc = evaluate_length(
             greedy(model),
-            passkey_format(cfg, dm),
+            passkey_settings(cfg).format(dm.tokenizer),
             dm.lm_split_tokens("test"),
             length,
             [0.0, 0.5, 1.0],
