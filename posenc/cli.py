@@ -31,7 +31,7 @@ from hydra.core.config_loader import ConfigLoader
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
@@ -109,7 +109,10 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
     choices = []
     for o in parsed:  # a group chosen (encoder=rope) or added (+variant=fox)
         if o.key_or_group in groups and o.type in (OverrideType.CHANGE, OverrideType.ADD):
-            value = next(iter(o.sweep_iterator())) if o.is_sweep_override() else o.value()
+            try:
+                value = next(iter(o.sweep_iterator())) if o.is_sweep_override() else o.value()
+            except HydraException:  # glob(...) of a group lists it through Hydra's loader
+                continue
             plus = "+" if o.type is OverrideType.ADD else ""
             choices.append(f"{plus}{o.key_or_group}={value}")
     try:
