@@ -193,7 +193,6 @@ class Walk:
     def __init__(self, root: Path, package: str = "posenc") -> None:
         self.root, self.package = root, package
         self._trees: dict[str, ast.Module | None] = {}
-        self.visited: list[str] = []  # each function walked, with its bound names
         self.fields = self._schema_fields()
 
     # modules and names
@@ -392,7 +391,6 @@ class Walk:
             if state in seen or found is None:
                 continue
             seen.add(state)
-            self.visited.append(f"{target}{sorted(env)}")
             where, fn = found
             entered.setdefault(where, path)
             if isinstance(fn, ast.ClassDef):  # no __init__ of its own (a dataclass)
