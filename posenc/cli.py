@@ -7,6 +7,7 @@ printed, exit status 128 + the signal's number.
 """
 
 import contextlib
+import copy
 import difflib
 import json
 import logging
@@ -20,14 +21,13 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn, cast
+from typing import Any, NoReturn, cast
 
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra.core.config_loader import ConfigLoader
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -531,7 +531,6 @@ def sweep_problems(
     jobs = sweep_jobs(config) if jobs is None else jobs
     varying = {o.partition("=")[0] for o in jobs[0]} if jobs else set()
     varying = {k for k in varying if len({o for j in jobs for o in j if o.startswith(k + "=")}) > 1}
-    loader = GlobalHydra.instance().config_loader()
     hydra_config = HydraConfig.instance()
     master = hydra_config.cfg
     refused = []
@@ -539,10 +538,12 @@ def sweep_problems(
     # seed >= 0 share one check.
     checked: dict[tuple[str, ...], list[str]] = {}
     try:
-        for job in jobs:
-            same = tuple(o for o in job if not re.fullmatch(r"seed=\d+", o))
-            if same not in checked:
-                checked[same] = _job_problems(loader, config, job)
+        unseeded = [tuple(o for o in job if not re.fullmatch(r"seed=\d+", o)) for job in jobs]
+        for same, (job, cfg) in zip(
+            unseeded, job_configs(config, jobs, lambda i: unseeded[i] not in checked), strict=True
+        ):
+            if cfg is not None:
+                checked[same] = _job_problems(cfg)
             if checked[same]:
                 name = " ".join(o for o in job if o.partition("=")[0] in varying) or " ".join(job)
                 refused.append((name, checked[same]))
@@ -551,15 +552,58 @@ def sweep_problems(
     return refused
 
 
-def _job_problems(loader: ConfigLoader, config: DictConfig, job: list[str]) -> list[str]:
-    """The problems :func:`posenc.config.validate` finds in one job of the sweep."""
-    cfg = loader.load_sweep_config(master_config=config, sweep_overrides=list(job))
-    HydraConfig.instance().set_config(cfg)  # ${hydra:...} of this job, as its launcher does
-    with open_dict(cfg):
-        del cfg["hydra"]
+def job_configs(
+    config: DictConfig,
+    jobs: list[list[str]],
+    wanted: Callable[[int], bool] = lambda i: True,
+) -> Iterator[tuple[list[str], DictConfig | None]]:
+    """``(job, its config)`` for each job of the sweep ``config``, in order, as its
+    launcher composes it (``load_sweep_config``), or None for the jobs whose index
+    ``wanted`` declines (asked as the jobs come: a job may decline what an earlier one
+    found). Hydra builds a config from the group overrides (``encoder=...``,
+    ``+variant=...``) and then applies the others (``key=value``) to it: so each distinct
+    choice of groups is composed once and each job gets a copy with its values applied by
+    Hydra's own function (chomsky's 300 jobs have 10 such choices; composing each job took
+    minutes). Each config comes without its ``hydra``, which is set as the current one
+    (``${hydra:...}`` reads it): its group choices'."""
+    loader = GlobalHydra.instance().config_loader()
+    parse = OverridesParser.create(config_loader=loader).parse_overrides
+    repo = cast(Any, loader).repository
+    composed: dict[tuple[str, ...], tuple[DictConfig, Any]] = {}
+    for i, job in enumerate(jobs):
+        if not wanted(i):
+            yield job, None
+            continue
+        parsed = parse(list(job))
+        # Hydra's own test of a group override (hydra._internal.defaults_list.Overrides)
+        group = [
+            repo.group_exists(o.key_or_group) and not isinstance(o.value(), dict) for o in parsed
+        ]
+        groups = tuple(str(o.input_line) for o, g in zip(parsed, group, strict=True) if g)
+        if groups not in composed:
+            cfg = loader.load_sweep_config(config, list(groups))
+            HydraConfig.instance().set_config(cfg)  # its own copy of cfg.hydra
+            with open_dict(cfg):
+                del cfg["hydra"]
+            composed[groups] = cfg, HydraConfig.instance().cfg
+        cfg, hydra = composed[groups]
+        cfg, HydraConfig.instance().cfg = copy.deepcopy(cfg), hydra
+        # (a value for hydra.* changes how the job is run, not what it is)
+        values = [
+            o
+            for o, g in zip(parsed, group, strict=True)
+            if not g and not o.key_or_group.startswith("hydra.")
+        ]
+        type(loader)._apply_overrides_to_config(values, cfg)  # type: ignore[attr-defined]
+        yield job, cfg
+
+
+def _job_problems(cfg: DictConfig) -> list[str]:
+    """The problems :func:`posenc.config.validate` finds in one job's config."""
     try:
         tuned.apply(cfg)
-        validate(cfg, machine=False)  # the jobs check their machine themselves
+        # the jobs check their machine themselves; the config is this check's own copy
+        validate(cfg, machine=False, copy=False)
     except ConfigError as err:
         return err.problems
     return []

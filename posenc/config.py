@@ -13,12 +13,12 @@ download.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import math
 import re
 import tempfile
 from collections.abc import Callable, Iterator
+from copy import deepcopy
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,7 @@ MT_MODEL_KEYS = schema.MT_MODEL_KEYS
 UNKNOWN = object()
 
 
-def validate(cfg: DictConfig, machine: bool = True) -> None:
+def validate(cfg: DictConfig, machine: bool = True, copy: bool = True) -> None:
     """Raise :class:`ConfigError` listing every problem found in ``cfg``.
 
     Each group of checks runs under :func:`guarded`, so a value of a type no check
@@ -70,8 +70,10 @@ def validate(cfg: DictConfig, machine: bool = True) -> None:
             check before launch (:class:`posenc.cli.SweepCheck`): its jobs may run on
             other machines, and a CUDA query in the process that forks them would break
             CUDA in every job.
+        copy: False: ``cfg`` is the caller's to spend, and its interpolations are
+            replaced by their values in place (a copy less for each job of a sweep).
     """
-    cfg = resolved(cfg)
+    cfg = resolved(cfg, copy)
     problems: list[str] = []
     guarded(problems, "config", lambda: problems.extend(_missing(cfg)))
     name = cfg.task.name
@@ -100,8 +102,9 @@ def validate(cfg: DictConfig, machine: bool = True) -> None:
         raise ConfigError(problem_message(problems), problems)
 
 
-def resolved(cfg: DictConfig) -> DictConfig:
-    """``cfg``, or a copy with each interpolation outside ``hydra`` replaced by its value.
+def resolved(cfg: DictConfig, copy: bool = True) -> DictConfig:
+    """``cfg``, or a copy (``cfg`` itself unless ``copy``) with each interpolation outside
+    ``hydra`` replaced by its value.
 
     The checks read many keys more than once, and OmegaConf parses an interpolation again
     at every read (``task.*`` of ``task=algo`` are ``${posenc_problem:...}``): checking a
@@ -110,7 +113,7 @@ def resolved(cfg: DictConfig) -> DictConfig:
     """
     if not any(OmegaConf.is_interpolation(node, key) for node, key in _leaves(cfg)):
         return cfg
-    out = copy.deepcopy(cfg)
+    out = deepcopy(cfg) if copy else cfg
     for node, key in _leaves(out):
         if OmegaConf.is_interpolation(node, key):
             with contextlib.suppress(Exception):

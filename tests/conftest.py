@@ -192,3 +192,19 @@ def run_py(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedP
         text=True,
         timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def multirun_config(*overrides: str) -> Iterator[DictConfig]:
+    """The config of ``python run.py -m <overrides>`` as a sweep's callbacks see it (its
+    command line in ``hydra.overrides.task``), with Hydra initialized."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        plain = [o for o in overrides if "," not in o]
+        cfg = compose("config", overrides=plain, return_hydra_config=True)
+        with open_dict(cfg):
+            cfg.hydra.overrides.task = list(overrides)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            yield cfg
+        finally:
+            HydraConfig.instance().cfg = None  # later tests run outside Hydra

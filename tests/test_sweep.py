@@ -4,7 +4,6 @@ test_sweep_signals.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import errno
 import json
@@ -12,14 +11,11 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf, open_dict
 from torch import Tensor
 
 from posenc import cli as run
@@ -27,7 +23,7 @@ from posenc.encoders.none import NoPositions
 from posenc.errors import CheckpointError
 from posenc.report import build_report
 from posenc.training.rundir import space_for_error_record
-from tests.conftest import ROOT, compose_hydra
+from tests.conftest import ROOT, compose_hydra, multirun_config
 
 
 class BrokenEncoder(NoPositions):
@@ -253,22 +249,6 @@ def test_a_multirun_from_an_empty_folder_makes_its_own_sweep_dir(tmp_path: Path)
 
 
 # ------------------------------------------------------------------------- checked before launch
-@contextlib.contextmanager
-def multirun_config(*overrides: str) -> Iterator[DictConfig]:
-    """The config of ``python run.py -m <overrides>`` as a sweep's callbacks see it (its
-    command line in ``hydra.overrides.task``), with Hydra initialized."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        plain = [o for o in overrides if "," not in o]
-        cfg = compose("config", overrides=plain, return_hydra_config=True)
-        with open_dict(cfg):
-            cfg.hydra.overrides.task = list(overrides)
-        HydraConfig.instance().set_config(cfg)
-        try:
-            yield cfg
-        finally:
-            HydraConfig.instance().cfg = None  # later tests run outside Hydra
-
-
 def run_sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     """``python run.py -m <overrides>`` from ``tmp_path``, its sweep and cache there."""
     return subprocess.run(
@@ -537,3 +517,34 @@ def test_the_sweep_check_leaves_machine_checks_to_the_jobs(
     ) as cfg:
         assert run.sweep_problems(cfg) == []
     assert not cache.exists()
+
+
+def test_the_sweep_check_composes_each_job_as_its_launcher_does() -> None:
+    """The check composes each choice of groups once and applies each job's values to a
+    copy: every job's config equals Hydra's own composition of it (``load_sweep_config``,
+    as a launcher makes it), and ``${hydra:...}`` reads that job's choices. The grid mixes
+    groups (``+variant``) and values, one of them an interpolation."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = (
+        "sweep=algo_content",
+        "+variant=rope,learned_rand",
+        "experiment=algo_count,algo_flipflop",
+        "task.test_per_size=8,${task.val_per_size}",
+        "seed=0,1",
+        "+label=${hydra:runtime.choices.encoder}",
+    )
+    with multirun_config(*overrides) as cfg:
+        jobs = run.sweep_jobs(cfg)
+        assert len(jobs) == 16
+        loader = GlobalHydra.instance().config_loader()
+        for job, mine in run.job_configs(cfg, jobs):
+            assert mine is not None
+            theirs = loader.load_sweep_config(cfg, list(job))
+            with open_dict(theirs):
+                del theirs["hydra"]
+            assert OmegaConf.to_yaml(mine) == OmegaConf.to_yaml(theirs), job
+            encoder = next(o for o in job if o.startswith("+variant=")).split("=")[1]
+            assert mine.label == encoder.removesuffix("_rand"), job
+        declined = [c for _, c in run.job_configs(cfg, jobs, lambda i: i % 2 == 0)]
+        assert [c is None for c in declined] == [i % 2 == 1 for i in range(16)]

@@ -3,73 +3,39 @@ and the variants (conf/variant/) the grids are made of."""
 
 from __future__ import annotations
 
-import copy
-import itertools
-from collections.abc import Iterator
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
+from posenc import cli
 from posenc.config import validate
-from tests.conftest import ENCODER_YAMLS, ROOT, VARIANT_YAMLS, compose_hydra
+from tests.conftest import ENCODER_YAMLS, ROOT, VARIANT_YAMLS, compose_hydra, multirun_config
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml")))
 def test_sweep_presets(preset: str, tmp_path: Path) -> None:
     """Every job of a preset's grid (first seed) composes and passes the config checks,
-    so a preset cannot hold a job that is refused (a causal-only scheme in translation,
-    an encoder without a YAML). The arms are encoders, or variants (conf/variant/: an
-    encoder, possibly trained on randomized positions)."""
+    this machine's included, so a preset cannot hold a job that is refused (a causal-only
+    scheme in translation, an encoder without a YAML). The arms are encoders, or variants
+    (conf/variant/: an encoder, possibly trained on randomized positions). The jobs'
+    configs are the sweep check's (:func:`posenc.cli.job_configs`, tested equal to Hydra's
+    own composition)."""
     params = OmegaConf.to_container(compose_hydra(f"sweep={preset}").hydra.sweeper.params)
     arm = "encoder" if "encoder" in params else "+variant"
     grid = str(params[arm]).split(",")
     known = ENCODER_YAMLS if arm == "encoder" else VARIANT_YAMLS
     assert len(set(grid)) == len(grid) and set(grid) <= set(known), grid
-    axes = {key: str(values).split(",") for key, values in params.items() if key != "seed"}
     first_seed = [f"seed={str(params['seed']).split(',')[0]}"] if "seed" in params else []
     fixed = [*first_seed, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}"]
-    jobs = [
-        [f"{key}={value}" for key, value in zip(axes, values, strict=True)]
-        for values in itertools.product(*axes.values())
-    ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        for cfg in job_configs([f"sweep={preset}"], jobs, fixed):
-            validate(cfg)
-        # the shortcut's config is compose()'s (the last job's here: one compose more)
-        last = compose("config", overrides=[f"sweep={preset}", *jobs[-1], *fixed])
-        assert OmegaConf.to_yaml(cfg) == OmegaConf.to_yaml(last)
-
-
-def job_configs(head: list[str], jobs: list[list[str]], tail: list[str]) -> Iterator[DictConfig]:
-    """``compose("config", overrides=[*head, *job, *tail])`` for each job, composing once
-    per distinct choice of config groups (chomsky's 300 jobs have 10): Hydra builds the
-    defaults list from the group overrides alone and applies the others (``key=value``)
-    to the composed config afterwards, as done here to a copy of it, with Hydra's own
-    function (the configs are equal, checked for every job of every preset when this was
-    written). Hydra must be initialized."""
-    repo = GlobalHydra.instance().config_loader().repository
-
-    def is_group(o: Override) -> bool:  # Hydra's own test (defaults_list.Overrides)
-        return repo.group_exists(o.key_or_group) and not isinstance(o.value(), dict)
-
-    parse = OverridesParser.create().parse_overrides
-    composed: dict[tuple[str, ...], DictConfig] = {}
-    for job in jobs:
-        parsed = parse(job)
-        groups = tuple(o.input_line for o in parsed if is_group(o))
-        values = [o for o in parsed if not is_group(o)]
-        if groups not in composed:
-            composed[groups] = compose("config", overrides=[*head, *groups, *tail])
-        cfg = copy.deepcopy(composed[groups])
-        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
-        yield cfg
+    with multirun_config(f"sweep={preset}", *fixed) as sweep:
+        jobs = cli.sweep_jobs(sweep)
+        axes = [str(values).split(",") for key, values in params.items() if key != "seed"]
+        assert len(jobs) == math.prod(map(len, axes))
+        for _, cfg in cli.job_configs(sweep, jobs):
+            validate(cast(DictConfig, cfg), copy=False)
 
 
 #: Variants that set an encoder option (name: encoder, the options it sets).
