@@ -326,6 +326,10 @@ class StreamingEval(Group):
         None, "int>0", " (null: task.seq_len - sinks, the training length in all)", optional=True
     )
 
+    def window_at(self, seq_len: int) -> int:
+        """The window, its null read as ``seq_len - sinks`` (``task.seq_len``)."""
+        return seq_len - self.sinks if self.window is None else self.window
+
 
 LM_GROUP = "must be a mapping with keys {keys} (see conf/task/lm.yaml)"
 
@@ -555,10 +559,6 @@ class Model(Group):
     share_embeddings: bool = key(True)
 
 
-#: Model keys only a translation model reads.
-MT_MODEL_KEYS = ("n_enc_layers", "n_dec_layers")
-
-
 @dataclass(frozen=True)
 class Tokenizer(Group):
     """``tokenizer``: its kind and vocabulary; further keys go to the tokenizer."""
@@ -635,6 +635,9 @@ MODELS: dict[str, type[Model]] = {
     ),
     "algo": preset(Model, "AlgoModel", n_layers=2, d_model=64, d_ff=256),
 }
+#: Keys only the translation task reads (``task.*``, ``model.*``).
+MT_TASK_KEYS = tuple(k for k in keys(MTTask) if k not in keys(LMTask))
+MT_MODEL_KEYS = ("n_enc_layers", "n_dec_layers")
 #: The model keys each task's model takes (the others are refused).
 MODEL_KEYS = {
     "lm": tuple(k for k in keys(Model) if k not in (*MT_MODEL_KEYS, "share_embeddings")),
