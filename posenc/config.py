@@ -17,7 +17,6 @@ import copy
 import inspect
 import math
 import re
-import tempfile
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -29,11 +28,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from posenc import schema
-from posenc.data.algo import PROBLEMS
+from posenc.data.algo import PROBLEMS, memory_problem
 from posenc.data.algo_problems import check as check_problem
-from posenc.data.algo_problems import grid_sizes, longest_sequence
-from posenc.data.lm import physical_memory
 from posenc.data.sources import missing_splits, missing_test
+from posenc.data.tokenizers import cache_problems
 from posenc.encoders import registry
 from posenc.encoders.base import AttnKind
 from posenc.errors import ConfigError, problem_message
@@ -82,7 +80,7 @@ def validate(cfg: DictConfig, machine: bool = True) -> None:
         ("config keys", _unknown_keys),
         ("eval_only, ckpt_path, init_from", _run_keys),
         ("trainer", trainer),
-        *([("paths.cache_dir", lambda c: cache_dir(c.paths.cache_dir))] if machine else []),
+        *([("paths.cache_dir", lambda c: cache_problems(c.paths.cache_dir))] if machine else []),
         *([("tokenizer", _tokenizer)] if name in ("lm", "mt") else []),
     ]:
         guarded(problems, section, partial(keys, cfg))
@@ -412,7 +410,7 @@ def _algo(cfg: DictConfig, model: Any, machine: bool, t: schema.AlgoTask) -> lis
     if not machine or model is None:
         return out
     test_hi = int(math.floor(t.test_multiple * hi))
-    problem = algo_memory(t, model.n_heads, model.n_layers, on_cpu(cfg), test_hi)
+    problem = memory_problem(t, model.n_heads, model.n_layers, on_cpu(cfg), test_hi)
     return out + ([problem] if problem else [])
 
 
@@ -571,74 +569,3 @@ def _val_check_interval(t: DictConfig, problems: list[str]) -> None:
         f"steps between validations), a time DD:HH:MM:SS, or a fraction in (0, 1] "
         f"of an epoch{fraction}"
     )
-
-
-def cache_dir(path: Any) -> list[str]:
-    """``paths.cache_dir`` (``POSENC_CACHE_DIR``) must be a folder posenc can write to: it is
-    created if missing, and a temporary file is written and removed."""
-    key = "paths.cache_dir"
-    if not isinstance(path, str) or not path:
-        return [f"{key}={path!r}: must be a folder path (or set POSENC_CACHE_DIR)"]
-    folder = Path(path).expanduser()
-    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        where = "is a file" if blocker == folder else f"is inside {blocker}, which is a file"
-        return [
-            f"{key}={path}: {where}, not a folder; point paths.cache_dir (or "
-            f"POSENC_CACHE_DIR) at a folder"
-        ]
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        return [
-            f"{key}={path}: cannot write there ({err.strerror or err}); point "
-            f"paths.cache_dir (or POSENC_CACHE_DIR) at a writable folder"
-        ]
-    return []
-
-
-def algo_memory(t: Any, n_heads: int, n_layers: int, cpu: bool, test_hi: int) -> str | None:
-    """The problem with an algorithmic task's sizes that would exhaust the memory, or None:
-    its test set (``task.test_per_size`` instances of every size of the test grid up to
-    ``test_hi``, for each test distribution, held in memory) or, on a CPU (``cpu``), the
-    attention scores of one training batch at the largest training size
-    (``batch x heads x T^2`` per layer, kept for the backward pass).
-
-    Args:
-        t: The task, typed and its keys checked (:class:`posenc.schema.AlgoTask`).
-        n_heads: ``model.n_heads``.
-        n_layers: ``model.n_layers``.
-        cpu: Whether training runs on the CPU.
-        test_hi: The largest test size.
-    """
-    ram = physical_memory()
-    if not ram:
-        return None
-    problem, (lo, hi), options = PROBLEMS[t.problem], t.train_lengths, t.options()
-    grid = problem.grid if t.test_sizes == "auto" else t.test_sizes
-    sizes = grid_sizes(problem, lo, hi, test_hi, grid, options)
-    # int64 token ids, input and target, of every instance of every distribution
-    positions = sum(longest_sequence(problem, n, t.shape, options) for n in sizes)
-    test_bytes = t.test_per_size * len(problem.variants) * positions * 8 * 2
-    if test_bytes > ram / 4:
-        where = f"every size {sizes[0]}..{sizes[-1]}" if grid == "every" else f"sizes {sizes}"
-        return (
-            f"task.train_lengths=[{lo},{hi}]: its test set ({t.test_per_size} instances "
-            f"of {where}, task.test_multiple={t.test_multiple}) needs "
-            f"{test_bytes / 2**30:.1f} GiB, over a quarter of this machine's "
-            f"{ram / 2**30:.1f} GiB; lower the largest size, task.test_multiple or "
-            f"task.test_per_size"
-        )
-    longest = longest_sequence(problem, hi, t.shape, options)
-    scores = t.batch_size * n_heads * longest**2 * 4 * n_layers
-    if cpu and scores > ram:
-        return (
-            f"task.train_lengths=[{lo},{hi}]: a training batch at size {hi} ({longest} "
-            f"positions) holds {t.batch_size} x {n_heads} heads x {longest}^2 attention "
-            f"scores in each of {n_layers} layers: {scores / 2**30:.1f} GiB, more than "
-            f"this machine's {ram / 2**30:.1f} GiB; lower the largest size or "
-            f"task.batch_size"
-        )
-    return None
