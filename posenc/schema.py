@@ -26,7 +26,7 @@ import dataclasses
 import difflib
 import inspect
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar, Generic, TypeVar, cast, get_args
@@ -210,8 +210,7 @@ G = TypeVar("G", bound="Group")
 
 
 class Group:
-    """Read like the ``DictConfig`` it was built from: ``g.key``, ``g["key"]``,
-    ``g.get("key", default)``, ``"key" in g``, ``list(g)``."""
+    """A typed config group: its keys are fields, read as ``g.key``."""
 
     #: Fields that are not keys of the config (set by :func:`build`).
     internal: tuple[str, ...] = ()
@@ -219,18 +218,6 @@ class Group:
     open: bool = False
     #: Keys whose default is the chosen problem's own (``${posenc_problem:task.<key>}``).
     per_problem: tuple[str, ...] = ()
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return getattr(self, name, default)
-
-    def __getitem__(self, name: str) -> Any:
-        return getattr(self, name)
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self.given()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.given())
 
     def given(self) -> tuple[str, ...]:
         """The keys the config set (the others hold the field's default)."""
