@@ -47,6 +47,8 @@ from posenc.training.trainer import on_cpu
 #: Lightning's time-based ``val_check_interval``, ``DD:HH:MM:SS``.
 _DURATION = re.compile(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}")
 
+#: A typed task (one whose own keys passed).
+Task = schema.LMTask | schema.MTTask | schema.AlgoTask
 #: A value not known (a key named by an error that does not give it).
 UNKNOWN = object()
 
@@ -275,13 +277,16 @@ def _task_keys(cfg: DictConfig) -> list[str]:
     return out
 
 
-Typed = tuple[str, Callable[[], list[str]]]
+#: A rule between keys: the section a failure names, and the check.
+Rule = tuple[str, Callable[[], list[str]]]
 
 
-def _cross(cfg: DictConfig, model: Any, task: Any, machine: bool) -> list[Typed]:
+def _cross(
+    cfg: DictConfig, model: schema.Model | None, task: Task | None, machine: bool
+) -> list[Rule]:
     """The rules that tie keys together, as (section, check), each on the typed groups it
     reads: only those whose own keys passed (None: refused)."""
-    out: list[Typed] = []
+    out: list[Rule] = []
     if model is not None:
         out += [("model", partial(_model, model, cfg.task.name))]
         out += [("model.window", partial(_window, model, task))]
@@ -292,7 +297,8 @@ def _cross(cfg: DictConfig, model: Any, task: Any, machine: bool) -> list[Typed]
         rules["algo"] = partial(_algo, cfg, model, machine)
         out += [("task", partial(rules[cfg.task.name], task))]
         out += [("task.learned", partial(_gate, task))]
-        out += [("data", partial(_data, task, cfg.data))] if cfg.task.name != "algo" else []
+        if not isinstance(task, schema.AlgoTask):
+            out += [("data", partial(_data, task, cfg.data))]
     if model is not None and cfg.encoder.get("max_len") is not None:
         out += [("encoder.max_len", partial(_max_len, cfg.encoder.max_len, model, task))]
     return out
@@ -320,7 +326,7 @@ def _data(t: schema.LMTask | schema.MTTask, data: DictConfig) -> list[str]:
     return missing_splits(t.name, wanted, ("train", "val"), data.get("name"), *missing)
 
 
-def _gate(t: schema.LMTask | schema.MTTask | schema.AlgoTask) -> list[str]:
+def _gate(t: Task) -> list[str]:
     """``task.learned`` against the task: a metric it logs, a threshold on its scale."""
     if t.learned is None:
         return []
@@ -343,7 +349,7 @@ def _gate(t: schema.LMTask | schema.MTTask | schema.AlgoTask) -> list[str]:
     return out
 
 
-def _longest(t: schema.LMTask | schema.MTTask | schema.AlgoTask) -> tuple[int, str, str]:
+def _longest(t: Task) -> tuple[int, str, str]:
     """The longest training sequence, how a message names it, and its key: an LM's
     ``task.seq_len``, a translation's ``task.max_len``, or an algorithmic task's largest
     training instance in positions."""
@@ -397,7 +403,9 @@ def _mt(t: schema.MTTask) -> list[str]:
     return out
 
 
-def _algo(cfg: DictConfig, model: Any, machine: bool, t: schema.AlgoTask) -> list[str]:
+def _algo(
+    cfg: DictConfig, model: schema.Model | None, machine: bool, t: schema.AlgoTask
+) -> list[str]:
     """The problem's own rules for these sizes and (with ``machine`` and a checked
     ``model``) the memory of the test set."""
     if t.reverse_digits and t.problem != "addition":
@@ -414,12 +422,12 @@ def _algo(cfg: DictConfig, model: Any, machine: bool, t: schema.AlgoTask) -> lis
     return out + ([problem] if problem else [])
 
 
-def _encdec(t: Any) -> bool:
+def _encdec(t: Task) -> bool:
     """Whether task ``t`` trains an encoder-decoder (translation, or ``shape=encdec``)."""
     return isinstance(t, schema.MTTask) or (isinstance(t, schema.AlgoTask) and t.shape == "encdec")
 
 
-def _random_positions(m: schema.Model, t: Any) -> list[str]:
+def _random_positions(m: schema.Model, t: Task) -> list[str]:
     """``model.random_positions`` (Ruoss et al. 2023) must cover the longest training
     sequence."""
     n = m.random_positions
@@ -434,7 +442,7 @@ def _random_positions(m: schema.Model, t: Any) -> list[str]:
     ]
 
 
-def _window(m: schema.Model, t: Any) -> list[str]:
+def _window(m: schema.Model, t: Task | None) -> list[str]:
     """``model.window``: with ``model.window_layers``, a window somewhere; in a causal
     decoder only; shorter than the training sequences (a window that long is none); the
     last two once the task's keys passed (``t`` not None)."""
@@ -452,7 +460,7 @@ def _window(m: schema.Model, t: Any) -> list[str]:
     return []
 
 
-def _try_encoder(cfg: DictConfig, m: schema.Model, t: Any) -> list[str]:
+def _try_encoder(cfg: DictConfig, m: schema.Model, t: Task) -> list[str]:
     """Build the encoder once with the model sizes and make the attention hooks the task
     needs: the encoder's own checks (and refusals, e.g. causal-only schemes in a
     translation encoder) run here, before any data is loaded, and so does the model's
@@ -476,7 +484,7 @@ def _try_encoder(cfg: DictConfig, m: schema.Model, t: Any) -> list[str]:
     return [refusal for refusal in refusals if refusal][:1]
 
 
-def _max_len(max_len: Any, m: schema.Model, t: Any) -> list[str]:
+def _max_len(max_len: Any, m: schema.Model, t: Task | None) -> list[str]:
     """Every position a ``learned`` table (``encoder.max_len``) must hold: the drawn
     random positions, then, once the task's own keys are valid (``t`` not None), the
     training length, the evaluation lengths (unless those past the table are skipped) and
