@@ -16,7 +16,6 @@ import contextlib
 import inspect
 import math
 import re
-import tempfile
 from collections.abc import Callable, Iterator
 from copy import deepcopy
 from functools import partial
@@ -29,19 +28,18 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from posenc import schema
-from posenc.data.algo import PROBLEMS
+from posenc.data.algo import PROBLEMS, memory_problem
 from posenc.data.algo_problems import check as check_problem
-from posenc.data.algo_problems import grid_sizes
-from posenc.data.lm import physical_memory
 from posenc.data.sources import missing_splits, missing_test
+from posenc.data.tokenizers import cache_problems
 from posenc.encoders import registry
 from posenc.encoders.base import AttnKind
 from posenc.errors import ConfigError, problem_message
 from posenc.model.modifiers import Modifiers
 from posenc.model.streaming import sizes_problem
 from posenc.model.transformer import NO_WINDOW_IN_TRANSLATOR
-from posenc.model.window import layers_problem, window_problem
-from posenc.schema import finite, integer
+from posenc.model.window import window_problem
+from posenc.schema import MT_MODEL_KEYS, MT_TASK_KEYS, integer
 from posenc.training.gate import PASSKEY, PERCENT, metrics
 from posenc.training.rundir import missing_checkpoint
 from posenc.training.trainer import on_cpu
@@ -49,9 +47,8 @@ from posenc.training.trainer import on_cpu
 #: Lightning's time-based ``val_check_interval``, ``DD:HH:MM:SS``.
 _DURATION = re.compile(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}")
 
-#: Options that only the translation task reads (task.* and model.*).
-MT_TASK_KEYS = tuple(k for k in schema.keys(schema.MTTask) if k not in schema.keys(schema.LMTask))
-MT_MODEL_KEYS = schema.MT_MODEL_KEYS
+#: A typed task (one whose own keys passed).
+Task = schema.LMTask | schema.MTTask | schema.AlgoTask
 #: A value not known (a key named by an error that does not give it).
 UNKNOWN = object()
 
@@ -59,8 +56,10 @@ UNKNOWN = object()
 def validate(cfg: DictConfig, machine: bool = True, copy: bool = True) -> None:
     """Raise :class:`ConfigError` listing every problem found in ``cfg``.
 
-    Each group of checks runs under :func:`guarded`, so a value of a type no check
-    expected becomes a problem line naming its group, never a traceback.
+    First each group's own keys against the schema; then the rules that tie keys
+    together, on the typed groups whose own keys passed (:func:`_cross`). Each check runs
+    under :func:`guarded`, so a value of a type no check expected becomes a problem line
+    naming its group, never a traceback.
 
     Args:
         cfg: The composed run config.
@@ -75,31 +74,42 @@ def validate(cfg: DictConfig, machine: bool = True, copy: bool = True) -> None:
     """
     cfg = resolved(cfg, copy)
     problems: list[str] = []
-    guarded(problems, "config", lambda: problems.extend(_missing(cfg)))
+    guarded(problems, "config", lambda: _missing(cfg))
     name = cfg.task.name
-    groups: list[tuple[str, Callable[[DictConfig], list[str]]]] = [
-        ("config keys", _unknown_keys),
-        ("eval_only, ckpt_path, init_from", _run_keys),
-        ("model", _model),
-        ("model.random_positions", _random_positions),
-        ("model.window", _window),
-        ("trainer", trainer),
-    ]
-    groups += [("paths.cache_dir", lambda c: cache_dir(c.paths.cache_dir))] if machine else []
-    if name in schema.TASKS:
-        groups += [("task", partial(_task, machine=machine)), ("encoder.max_len", _max_len)]
-        groups += [("task.learned", _gate)]
-        groups += [("tokenizer", _tokenizer), ("data", _data)] if name != "algo" else []
-    else:
+    if name not in schema.TASKS:
         problems.append(
             f"task.name={name!r}: allowed lm, mt, algo (choose with task=lm, task=mt or task=algo)"
         )
-    for section, check in groups:
-        guarded(problems, section, partial(lambda c: problems.extend(c(cfg)), check))
-    if not problems:
-        guarded(problems, "encoder", lambda: problems.extend(_try_encoder(cfg)))
+    for section, keys in [
+        ("config keys", _unknown_keys),
+        ("eval_only, ckpt_path, init_from", _run_keys),
+        ("trainer", trainer),
+        *([("paths.cache_dir", lambda c: cache_problems(c.paths.cache_dir))] if machine else []),
+        *([("tokenizer", _tokenizer)] if name in ("lm", "mt") else []),
+    ]:
+        guarded(problems, section, partial(keys, cfg))
+    cls = schema.MODELS.get(name, schema.Model)
+    model = _typed(problems, "model", partial(_model_keys, cfg), cls, cfg.model)
+    task = _typed(problems, "task", partial(_task_keys, cfg), schema.TASKS.get(name), cfg.task)
+    for section, check in _cross(cfg, model, task, machine):
+        guarded(problems, section, check)
+    if not problems and model is not None and task is not None:
+        guarded(problems, "encoder", lambda: _try_encoder(cfg, model, task))
     if problems:
         raise ConfigError(problem_message(problems), problems)
+
+
+def _typed(
+    problems: list[str], section: str, check: Callable[[], list[str]], cls: Any, node: Any
+) -> Any:
+    """The typed group ``cls`` of ``node`` when ``check`` (its own keys against the
+    schema) finds nothing, else None, the problems added to ``problems``."""
+    if cls is None:
+        return None
+    found: list[str] = []
+    guarded(found, section, check)
+    problems += found
+    return None if found else schema.build(cls, node)
 
 
 def resolved(cfg: DictConfig, copy: bool = True) -> DictConfig:
@@ -143,14 +153,15 @@ def _leaves(cfg: DictConfig) -> Iterator[tuple[Any, Any]]:
             yield node, key
 
 
-def guarded(problems: list[str], section: str, check: Callable[[], None]) -> None:
-    """Run ``check()``; if it raises on an unexpected value, report ``section`` instead.
+def guarded(problems: list[str], section: str, check: Callable[[], list[str]]) -> None:
+    """Add the problems ``check()`` finds; if it raises on an unexpected value, report
+    ``section`` instead.
 
     The checks test the types they know about, so this is the net for the ones they do
     not: validation lists problems, it never crashes with a traceback of its own.
     """
     try:
-        check()
+        problems += check()
     except Exception as err:
         if isinstance(err, InterpolationResolutionError):  # one line, however many checks read it
             said = str(err).splitlines()[0]
@@ -177,16 +188,17 @@ def _params(fn: Any, drop: tuple[str, ...] = ()) -> list[str]:
 def _mix_entry_problems(encoder: DictConfig) -> list[str]:
     """The boolean options of ``encoder=mix``'s entries (``{name: fox, rope: maybe}``)
     that are not true or false, as :func:`_unknown_keys` checks the encoder's own."""
+    entries = [
+        (f"encoder.{key}[{i}].", entry)
+        for key in ("layers", "heads")
+        if OmegaConf.is_list(encoder.get(key))
+        for i, entry in enumerate(encoder[key])
+        # the mix itself names what is wrong with another entry
+        if OmegaConf.is_dict(entry) and entry.get("name") in registry.available()
+    ]
     out: list[str] = []
-    for key in ("layers", "heads"):
-        entries = encoder.get(key)
-        if not isinstance(entries, (list, tuple)) and not OmegaConf.is_list(entries):
-            continue
-        for i, entry in enumerate(entries):
-            if not OmegaConf.is_dict(entry) or entry.get("name") not in registry.available():
-                continue  # the mix itself names what is wrong with such an entry
-            init = registry.get(entry.name).__init__
-            out += schema.parameter_problems(entry, init, f"encoder.{key}[{i}].")
+    for at, entry in entries:
+        out += schema.parameter_problems(entry, registry.get(entry.name).__init__, at)
     return out
 
 
@@ -239,56 +251,97 @@ def _run_keys(cfg: DictConfig) -> list[str]:
     return out
 
 
-def _model(cfg: DictConfig) -> list[str]:
-    """``model``: the schema's keys for this task's model, ``n_heads | d_model``."""
-    m, name = cfg.model, cfg.task.name
+def _model_keys(cfg: DictConfig) -> list[str]:
+    """``model``: the schema's keys for this task's model."""
+    name = cfg.task.name
     refuse: tuple[str, ...] = () if name == "mt" else ("share_embeddings",)
     if name == "algo":  # the two shapes share conf/model/algo.yaml
         refuse += MT_MODEL_KEYS
-    skip = MT_MODEL_KEYS if name == "lm" else ()  # named by _task as translation options
-    out = schema.problems(m, schema.Model, "model.", skip=skip, refuse=refuse)
-    sizes = [m.get(k) for k in ("d_model", "n_heads")]
-    if all(integer(v) and v > 0 for v in sizes) and sizes[0] % sizes[1]:
-        out.append(f"model.n_heads={sizes[1]}: must divide model.d_model={sizes[0]}")
-    if name == "mt" and m.get("d_ff") is None:
-        out.append("model.d_ff=None: must be a positive integer")
-    return out
+    # under task=lm, _task_keys names them as translation options
+    skip = MT_MODEL_KEYS if name == "lm" else ()
+    return schema.problems(cfg.model, schema.Model, "model.", skip=skip, refuse=refuse)
 
 
 def _tokenizer(cfg: DictConfig) -> list[str]:
     return schema.problems(cfg.tokenizer, schema.Tokenizer, "tokenizer.")
 
 
-def _data(cfg: DictConfig) -> list[str]:
+def _task_keys(cfg: DictConfig) -> list[str]:
+    """The task's own keys against its schema; under ``task=lm`` a translation key (of
+    ``task`` or ``model``) is named as one."""
+    t, name = cfg.task, cfg.task.name
+    out = schema.problems(t, schema.TASKS[name], "task.", skip=MT_TASK_KEYS if name == "lm" else ())
+    if name == "lm":
+        out += [
+            unknown_key(cfg, k, OmegaConf.select(cfg, k))
+            for k in [f"task.{k}" for k in MT_TASK_KEYS if k in t]
+            + [f"model.{k}" for k in MT_MODEL_KEYS if k in cfg.model]
+        ]
+    return out
+
+
+#: A rule between keys: the section a failure names, and the check.
+Rule = tuple[str, Callable[[], list[str]]]
+
+
+def _cross(
+    cfg: DictConfig, model: schema.Model | None, task: Task | None, machine: bool
+) -> list[Rule]:
+    """The rules that tie keys together, as (section, check), each on the typed groups it
+    reads: only those whose own keys passed (None: refused)."""
+    out: list[Rule] = []
+    if model is not None:
+        out += [("model", partial(_model, model, cfg.task.name))]
+        out += [("model.window", partial(_window, model, task))]
+    if model is not None and task is not None:
+        out += [("model.random_positions", partial(_random_positions, model, task))]
+    if task is not None:
+        rules: dict[str, Callable[..., list[str]]] = {"lm": _lm, "mt": _mt}
+        rules["algo"] = partial(_algo, cfg, model, machine)
+        out += [("task", partial(rules[cfg.task.name], task))]
+        out += [("task.learned", partial(_gate, task))]
+        if not isinstance(task, schema.AlgoTask):
+            out += [("data", partial(_data, task, cfg.data))]
+    if model is not None and cfg.encoder.get("max_len") is not None:
+        out += [("encoder.max_len", partial(_max_len, cfg.encoder.max_len, model, task))]
+    return out
+
+
+def _model(m: schema.Model, name: str) -> list[str]:
+    """``n_heads`` divides ``d_model``; a translation model has a feed-forward size."""
+    out = []
+    if m.d_model % m.n_heads:
+        out.append(f"model.n_heads={m.n_heads}: must divide model.d_model={m.d_model}")
+    if name == "mt" and m.d_ff is None:
+        out.append("model.d_ff=None: must be a positive integer")
+    return out
+
+
+def _data(t: schema.LMTask | schema.MTTask, data: DictConfig) -> list[str]:
     """The splits the task evaluates must be in the data: a test split is refused here,
     before anything is read, where the source's arguments leave it out (own files
     without a test file, a test fraction of 0)."""
-    source = cfg.data.get("source")
+    source = data.get("source")
     missing = missing_test(source) if OmegaConf.is_dict(source) else None
     if not missing:
         return []
-    task = cfg.task.name
-    wanted = [cfg.task.eval_split] if task == "mt" else list(cfg.task.eval.splits)
-    return missing_splits(task, wanted, ("train", "val"), cfg.data.get("name"), *missing)
+    wanted = [t.eval_split] if isinstance(t, schema.MTTask) else t.eval.splits
+    return missing_splits(t.name, wanted, ("train", "val"), data.get("name"), *missing)
 
 
-def _gate(cfg: DictConfig) -> list[str]:
+def _gate(t: Task) -> list[str]:
     """``task.learned`` against the task: a metric it logs, a threshold on its scale."""
-    gate = cfg.task.get("learned")
-    if not OmegaConf.is_dict(gate):
-        return []  # null, or reported by the schema
-    allowed = metrics(schema.build(schema.TASKS[cfg.task.name], cfg.task))
-    metric, threshold = gate.get("metric"), gate.get("threshold")
+    if t.learned is None:
+        return []
+    allowed, metric, threshold = metrics(t), t.learned.metric, t.learned.threshold
     out = []
     if metric not in allowed:
         out.append(
-            f"task.learned.metric={metric!r}: allowed for task {cfg.task.name}: "
+            f"task.learned.metric={metric!r}: allowed for task {t.name}: "
             f"{', '.join(allowed)} (validation at the training length)"
         )
     elif allowed[metric]:
         out.append(f"task.learned.metric={metric}: {allowed[metric]}")
-    if not finite(threshold):
-        return out
     if metric in PERCENT and not 0 <= threshold <= 100:
         out.append(f"task.learned.threshold={threshold}: {metric} is in percent (0..100)")
     elif metric == PASSKEY and not 0 <= threshold <= 1:
@@ -299,53 +352,21 @@ def _gate(cfg: DictConfig) -> list[str]:
     return out
 
 
-def _task_problems(cfg: DictConfig) -> list[str]:
-    """The task's own keys against its schema (an LM task's translation keys aside: the
-    LM's check names them as translation options). The rules that tie a task key to
-    another group's wait until these pass."""
-    skip = MT_TASK_KEYS if cfg.task.name == "lm" else ()
-    return schema.problems(cfg.task, schema.TASKS[cfg.task.name], "task.", skip=skip)
-
-
-def _longest(cfg: DictConfig) -> tuple[Any, str, str] | None:
+def _longest(t: Task) -> tuple[int, str, str]:
     """The longest training sequence, how a message names it, and its key: an LM's
     ``task.seq_len``, a translation's ``task.max_len``, or an algorithmic task's largest
-    training instance in positions (None while the task's own keys, or its name, have
-    problems)."""
-    t = cfg.task
-    if t.name not in schema.TASKS:
-        return None
-    if t.name != "algo":
-        key = "seq_len" if t.name == "lm" else "max_len"
-        return t.get(key), f"task.{key}={t.get(key)}", key
-    if _task_problems(cfg):
-        return None
-    longest = schema.build(schema.AlgoTask, t).longest(t.train_lengths[-1])
-    where = f"{longest} positions at the largest of task.train_lengths"
-    return longest, f"the longest training sequence ({where})", "train_lengths"
+    training instance in positions."""
+    if isinstance(t, schema.AlgoTask):
+        longest = t.longest(t.train_lengths[-1])
+        where = f"{longest} positions at the largest of task.train_lengths"
+        return longest, f"the longest training sequence ({where})", "train_lengths"
+    key = "seq_len" if isinstance(t, schema.LMTask) else "max_len"
+    return getattr(t, key), f"task.{key}={getattr(t, key)}", key
 
 
-def _task(cfg: DictConfig, machine: bool = True) -> list[str]:
-    """``task``: the schema of the task, then the rules that tie its keys together (and,
-    with ``machine``, an algorithmic task's memory on this machine)."""
-    t, name = cfg.task, cfg.task.name
-    out = _task_problems(cfg)
-    if name == "lm":
-        out += [
-            unknown_key(cfg, k, OmegaConf.select(cfg, k))
-            for k in [f"task.{k}" for k in MT_TASK_KEYS if k in t]
-            + [f"model.{k}" for k in MT_MODEL_KEYS if k in cfg.model]
-        ]
-        return out + ([] if out else _lm(cfg))
-    if name == "mt":
-        return out + _mt(cfg)
-    return out + ([] if out else _algo(cfg, machine))
-
-
-def _lm(cfg: DictConfig) -> list[str]:
+def _lm(t: schema.LMTask) -> list[str]:
     """Lengths: each evaluation length at least a token; StreamingLLM's cache within the
     training length."""
-    t = cfg.task
     out = [
         f"task.eval.multipliers contains {m!r}: {m} * task.seq_len={t.seq_len} is below one "
         f"token; give multipliers >= {1 / t.seq_len:.3g}"
@@ -360,28 +381,24 @@ def _lm(cfg: DictConfig) -> list[str]:
             f"task.eval.streaming.sinks={sinks}: leaves no window within task.seq_len="
             f"{t.seq_len} (window null is seq_len - sinks); give sinks < {t.seq_len}"
         ]
-    window = streaming_window(t.eval.streaming.window, sinks, t.seq_len)
+    window = t.eval.streaming.window_at(t.seq_len)
     problem = sizes_problem(sinks, window, t.seq_len, "task.eval.streaming.")
     return out + ([problem] if problem else [])
 
 
-def streaming_window(window: int | None, sinks: int, seq_len: int) -> int:
-    """StreamingLLM's window (``task.eval.streaming.window``), its null read as
-    ``seq_len - sinks`` (``task.seq_len``, ``task.eval.streaming.sinks``)."""
-    return seq_len - sinks if window is None else window
-
-
-def _mt(cfg: DictConfig) -> list[str]:
-    t, out = cfg.task, []
-    if integer(t.max_tokens) and integer(t.max_len) and t.max_tokens < t.max_len:
+def _mt(t: schema.MTTask) -> list[str]:
+    """A batch holds the longest training pair; the checkpoint monitor's mode is its
+    metric's."""
+    out = []
+    if t.max_tokens < t.max_len:
         out.append(
             f"task.max_tokens={t.max_tokens}: smaller than task.max_len={t.max_len}, so the "
             "longest training pair would not fit in a batch"
         )
-    monitor, mode = t.get("monitor", "val/loss"), t.get("monitor_mode", "min")
-    if monitor in schema.MONITORS and mode != schema.MONITORS[monitor]:
-        out.append(f"task.monitor_mode={mode!r}: {monitor} needs {schema.MONITORS[monitor]}")
-    if monitor == "val/bleu" and t.val_bleu_sentences == 0:
+    needs = schema.MONITORS[t.monitor]
+    if t.monitor_mode != needs:
+        out.append(f"task.monitor_mode={t.monitor_mode!r}: {t.monitor} needs {needs}")
+    if t.monitor == "val/bleu" and t.val_bleu_sentences == 0:
         out.append(
             "task.monitor=val/bleu: needs task.val_bleu_sentences > 0 (it is 0); "
             "raise it or monitor val/loss"
@@ -389,9 +406,11 @@ def _mt(cfg: DictConfig) -> list[str]:
     return out
 
 
-def _algo(cfg: DictConfig, machine: bool = True) -> list[str]:
-    """The problem's own rules for these sizes and the memory of the test set."""
-    t = schema.build(schema.AlgoTask, cfg.task)
+def _algo(
+    cfg: DictConfig, model: schema.Model | None, machine: bool, t: schema.AlgoTask
+) -> list[str]:
+    """The problem's own rules for these sizes and (with ``machine`` and a checked
+    ``model``) the memory of the test set."""
     if t.reverse_digits and t.problem != "addition":
         return [
             f"task.reverse_digits=true: only the addition problem has digits to "
@@ -399,20 +418,25 @@ def _algo(cfg: DictConfig, machine: bool = True) -> list[str]:
         ]
     lo, hi = t.train_lengths
     out = check_problem(PROBLEMS[t.problem], t.shape, lo, hi, t.options(), t.lm_loss)
-    m = t.test_multiple
-    problem = algo_memory(t, cfg, lo, hi, int(math.floor(m * hi))) if machine else None
+    if not machine or model is None:
+        return out
+    test_hi = int(math.floor(t.test_multiple * hi))
+    problem = memory_problem(t, model.n_heads, model.n_layers, on_cpu(cfg), test_hi)
     return out + ([problem] if problem else [])
 
 
-def _random_positions(cfg: DictConfig) -> list[str]:
+def _encdec(t: Task) -> bool:
+    """Whether task ``t`` trains an encoder-decoder (translation, or ``shape=encdec``)."""
+    return isinstance(t, schema.MTTask) or (isinstance(t, schema.AlgoTask) and t.shape == "encdec")
+
+
+def _random_positions(m: schema.Model, t: Task) -> list[str]:
     """``model.random_positions`` (Ruoss et al. 2023) must cover the longest training
     sequence."""
-    n = cfg.model.get("random_positions")
-    # null (off), refused by the schema, or the task's own problems come first
-    found = _longest(cfg) if integer(n) and n > 0 else None
-    if found is None or not isinstance(found[0], int) or n >= found[0]:
+    n = m.random_positions
+    longest, context, key = _longest(t)
+    if n is None or n >= longest:
         return []
-    _, context, key = found
     at_least = "that" if key == "train_lengths" else "the longest training sequence"
     scale = "" if key == "train_lengths" else f" task.{key}"
     return [
@@ -421,36 +445,31 @@ def _random_positions(cfg: DictConfig) -> list[str]:
     ]
 
 
-def _window(cfg: DictConfig) -> list[str]:
+def _window(m: schema.Model, t: Task | None) -> list[str]:
     """``model.window``: with ``model.window_layers``, a window somewhere; in a causal
-    decoder only; shorter than the training sequences (a window that long is none)."""
-    window, layers = cfg.model.get("window"), cfg.model.get("window_layers")
-    if not (window is None or (integer(window) and window > 0)) or layers_problem(layers):
-        return []  # refused by the schema
-    problem = window_problem(window, layers)
-    if problem or window is None:
+    decoder only; shorter than the training sequences (a window that long is none); the
+    last two once the task's keys passed (``t`` not None)."""
+    problem = window_problem(m.window, m.window_layers)
+    if problem or m.window is None or t is None:
         return [problem] if problem else []
-    name = cfg.task.name
-    if name == "mt" or (name == "algo" and cfg.task.get("shape") == "encdec"):
-        return [NO_WINDOW_IN_TRANSLATOR.format(window=window)]
-    found = _longest(cfg)  # None: the task's own problems come first
-    longest, context, _ = found or (None, "", "")
-    if integer(longest) and window >= longest:
+    if _encdec(t):
+        return [NO_WINDOW_IN_TRANSLATOR.format(window=m.window)]
+    longest, context, _ = _longest(t)
+    if m.window >= longest:
         return [
-            f"model.window={window}: not smaller than {context}, so every query would see "
+            f"model.window={m.window}: not smaller than {context}, so every query would see "
             f"every key (no window); give model.window < {longest}, or model.window=null"
         ]
     return []
 
 
-def _try_encoder(cfg: DictConfig) -> list[str]:
+def _try_encoder(cfg: DictConfig, m: schema.Model, t: Task) -> list[str]:
     """Build the encoder once with the model sizes and make the attention hooks the task
     needs: the encoder's own checks (and refusals, e.g. causal-only schemes in a
     translation encoder) run here, before any data is loaded, and so does the model's
     refusal of attention modifiers the scheme's attention has no place for."""
-    m = cfg.model
     kinds = [AttnKind.CAUSAL]
-    if cfg.task.name == "mt" or cfg.task.get("shape") == "encdec":
+    if _encdec(t):
         kinds += [AttnKind.BIDIRECTIONAL, AttnKind.CROSS]
     mods = Modifiers(qk_norm=m.qk_norm, logit_scale=m.logit_scale, sinks=m.sinks)
     windowed = Modifiers(window=m.window, window_layers=m.window_layers)
@@ -468,39 +487,35 @@ def _try_encoder(cfg: DictConfig) -> list[str]:
     return [refusal for refusal in refusals if refusal][:1]
 
 
-def _max_len(cfg: DictConfig) -> list[str]:
+def _max_len(max_len: Any, m: schema.Model, t: Task | None) -> list[str]:
     """Every position a ``learned`` table (``encoder.max_len``) must hold: the drawn
-    random positions, then, once the task's own keys are valid, the training length, the
-    evaluation lengths (unless those past the table are skipped) and an algorithmic
-    task's largest test instance."""
-    max_len, t, name = cfg.encoder.get("max_len"), cfg.task, cfg.task.name
-    if max_len is None:
-        return []
-    out, n = [], cfg.model.get("random_positions")
-    if integer(n) and n > max_len:
+    random positions, then, once the task's own keys are valid (``t`` not None), the
+    training length, the evaluation lengths (unless those past the table are skipped) and
+    an algorithmic task's largest test instance."""
+    out, n = [], m.random_positions
+    if n is not None and n > max_len:
         out.append(
             f"model.random_positions={n}: larger than encoder.max_len={max_len}, so the "
             f"learned table cannot embed the drawn positions; raise encoder.max_len to {n}"
         )
-    if _task_problems(cfg):
+    if t is None:
         return out
-    if name == "algo":
-        m, hi = t.test_multiple, t.train_lengths[-1]
-        longest = schema.build(schema.AlgoTask, t).longest(int(math.floor(m * hi)))
+    if isinstance(t, schema.AlgoTask):
+        longest = t.longest(int(math.floor(t.test_multiple * t.train_lengths[-1])))
         if longest > max_len:
             out.append(
-                f"task.test_multiple={m}: the largest test instance takes {longest} "
-                f"positions, more than encoder.max_len={max_len}; raise encoder.max_len or "
-                f"lower task.test_multiple"
+                f"task.test_multiple={t.test_multiple}: the largest test instance takes "
+                f"{longest} positions, more than encoder.max_len={max_len}; raise "
+                f"encoder.max_len or lower task.test_multiple"
             )
         return out
-    longest, _, key = _longest(cfg) or (0, "", "")  # the task's keys are valid here
+    longest, _, key = _longest(t)
     if longest > max_len:
         return out + [
             f"task.{key}={longest}: longer than encoder.max_len={max_len}; raise "
             f"encoder.max_len or lower task.{key}"
         ]
-    if name == "mt" or t.eval.get("skip_unsupported", True):
+    if isinstance(t, schema.MTTask) or t.eval.skip_unsupported:
         return out
     for where, lengths in (
         ("task.eval.multipliers", schema.eval_lengths(t)),
@@ -565,76 +580,3 @@ def _val_check_interval(t: DictConfig, problems: list[str]) -> None:
         f"steps between validations), a time DD:HH:MM:SS, or a fraction in (0, 1] "
         f"of an epoch{fraction}"
     )
-
-
-def cache_dir(path: Any) -> list[str]:
-    """``paths.cache_dir`` (``POSENC_CACHE_DIR``) must be a folder posenc can write to: it is
-    created if missing, and a temporary file is written and removed."""
-    key = "paths.cache_dir"
-    if not isinstance(path, str) or not path:
-        return [f"{key}={path!r}: must be a folder path (or set POSENC_CACHE_DIR)"]
-    folder = Path(path).expanduser()
-    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        where = "is a file" if blocker == folder else f"is inside {blocker}, which is a file"
-        return [
-            f"{key}={path}: {where}, not a folder; point paths.cache_dir (or "
-            f"POSENC_CACHE_DIR) at a folder"
-        ]
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        return [
-            f"{key}={path}: cannot write there ({err.strerror or err}); point "
-            f"paths.cache_dir (or POSENC_CACHE_DIR) at a writable folder"
-        ]
-    return []
-
-
-def algo_memory(t: schema.AlgoTask, cfg: DictConfig, lo: int, hi: int, test_hi: int) -> str | None:
-    """The problem with an algorithmic task's sizes that would exhaust the memory, or None:
-    its test set (``task.test_per_size`` instances of every size of the test grid up to
-    ``test_hi``, for each test distribution, held in memory) or, on a CPU, the attention
-    scores of one training batch at the largest training size (``batch x heads x T^2``
-    per layer, kept for the backward pass).
-
-    Args:
-        t: The task, typed (its keys checked).
-        cfg: The run config (the model's sizes, the trainer's accelerator).
-        lo: The smallest training size.
-        hi: The largest training size.
-        test_hi: The largest test size.
-    """
-
-    ram = physical_memory()
-    if not ram:
-        return None
-    problem = PROBLEMS[t.problem]
-    grid = problem.grid if t.test_sizes == "auto" else t.test_sizes
-    sizes = grid_sizes(problem, lo, hi, test_hi, grid, t.options())
-    # int64 token ids, input and target, of every instance of every distribution
-    positions = sum(t.longest(n) for n in sizes)
-    test_bytes = t.test_per_size * len(problem.variants) * positions * 8 * 2
-    if test_bytes > ram / 4:
-        where = f"every size {sizes[0]}..{sizes[-1]}" if grid == "every" else f"sizes {sizes}"
-        return (
-            f"task.train_lengths=[{lo},{hi}]: its test set ({t.test_per_size} instances "
-            f"of {where}, task.test_multiple={t.test_multiple}) needs "
-            f"{test_bytes / 2**30:.1f} GiB, over a quarter of this machine's "
-            f"{ram / 2**30:.1f} GiB; lower the largest size, task.test_multiple or "
-            f"task.test_per_size"
-        )
-    longest = t.longest(hi)
-    m = cfg.model
-    scores = t.batch_size * m.n_heads * longest**2 * 4 * m.n_layers
-    if on_cpu(cfg) and scores > ram:
-        return (
-            f"task.train_lengths=[{lo},{hi}]: a training batch at size {hi} ({longest} "
-            f"positions) holds {t.batch_size} x {m.n_heads} heads x {longest}^2 attention "
-            f"scores in each of {m.n_layers} layers: {scores / 2**30:.1f} GiB, more than "
-            f"this machine's {ram / 2**30:.1f} GiB; lower the largest size or "
-            f"task.batch_size"
-        )
-    return None

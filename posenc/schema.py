@@ -26,7 +26,7 @@ import dataclasses
 import difflib
 import inspect
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar, Generic, TypeVar, cast, get_args
@@ -210,8 +210,7 @@ G = TypeVar("G", bound="Group")
 
 
 class Group:
-    """Read like the ``DictConfig`` it was built from: ``g.key``, ``g["key"]``,
-    ``g.get("key", default)``, ``"key" in g``, ``list(g)``."""
+    """A typed config group: its keys are fields, read as ``g.key``."""
 
     #: Fields that are not keys of the config (set by :func:`build`).
     internal: tuple[str, ...] = ()
@@ -219,18 +218,6 @@ class Group:
     open: bool = False
     #: Keys whose default is the chosen problem's own (``${posenc_problem:task.<key>}``).
     per_problem: tuple[str, ...] = ()
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return getattr(self, name, default)
-
-    def __getitem__(self, name: str) -> Any:
-        return getattr(self, name)
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self.given()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.given())
 
     def given(self) -> tuple[str, ...]:
         """The keys the config set (the others hold the field's default)."""
@@ -325,6 +312,10 @@ class StreamingEval(Group):
     window: int | None = key(
         None, "int>0", " (null: task.seq_len - sinks, the training length in all)", optional=True
     )
+
+    def window_at(self, seq_len: int) -> int:
+        """The window, its null read as ``seq_len - sinks`` (``task.seq_len``)."""
+        return seq_len - self.sinks if self.window is None else self.window
 
 
 LM_GROUP = "must be a mapping with keys {keys} (see conf/task/lm.yaml)"
@@ -555,10 +546,6 @@ class Model(Group):
     share_embeddings: bool = key(True)
 
 
-#: Model keys only a translation model reads.
-MT_MODEL_KEYS = ("n_enc_layers", "n_dec_layers")
-
-
 @dataclass(frozen=True)
 class Tokenizer(Group):
     """``tokenizer``: its kind and vocabulary; further keys go to the tokenizer."""
@@ -635,6 +622,9 @@ MODELS: dict[str, type[Model]] = {
     ),
     "algo": preset(Model, "AlgoModel", n_layers=2, d_model=64, d_ff=256),
 }
+#: Keys only the translation task reads (``task.*``, ``model.*``).
+MT_TASK_KEYS = tuple(k for k in keys(MTTask) if k not in keys(LMTask))
+MT_MODEL_KEYS = ("n_enc_layers", "n_dec_layers")
 #: The model keys each task's model takes (the others are refused).
 MODEL_KEYS = {
     "lm": tuple(k for k in keys(Model) if k not in (*MT_MODEL_KEYS, "share_embeddings")),

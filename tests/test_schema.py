@@ -31,7 +31,7 @@ TASKS = [
 
 def _plain(value: Any) -> Any:
     if isinstance(value, schema.Group):
-        return {k: _plain(value[k]) for k in value}
+        return {k: _plain(getattr(value, k)) for k in value.given()}
     return value
 
 
@@ -49,7 +49,7 @@ def test_the_typed_run_holds_exactly_the_composed_values(
     assert type(run.task) is schema.TASKS[cfg.task.name]
     assert isinstance(run.task.optim, schema.Optim) and isinstance(run.model, schema.Model)
     for k in ("seed", "eval_only", "resume", "checkpoint_every_n_steps"):
-        assert run[k] == composed[k]
+        assert getattr(run, k) == composed[k]
     assert run.raw is cfg and run.encoder is cfg.encoder and run.trainer is cfg.trainer
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.task.seq_len = 1  # type: ignore[misc]
@@ -61,7 +61,7 @@ def test_a_missing_key_takes_the_declared_default_and_is_not_listed(tmp_path: Pa
     del task.eval["skip_unsupported"]
     built = schema.build(schema.LMTask, task)
     assert built.eval.skip_unsupported is True  # the field's default
-    assert "skip_unsupported" not in built.eval and "splits" in built.eval
+    assert "skip_unsupported" not in built.eval.given() and "splits" in built.eval.given()
     assert "skip_unsupported" not in built.eval.as_dict()
 
 
@@ -72,7 +72,7 @@ def _plain_defaults(cls: type[schema.Group], only: tuple[str, ...] | None = None
     return {
         k: _plain(v) if not isinstance(v, schema.Group) else _plain_defaults(type(v))
         for k in names
-        for v in [made[k]]
+        for v in [getattr(made, k)]
     }
 
 

@@ -52,6 +52,7 @@ from posenc.data.algo_problems import (
     size_buckets,
     training_size,
 )
+from posenc.data.lm import physical_memory
 from posenc.data.mt import MTCollator
 from posenc.data.samplers import ShardSampler
 
@@ -472,3 +473,48 @@ class AlgoDataModule(pl.LightningDataModule):
         return self._eval(
             "test", self.test_sizes(), self.test_per_size, collate, self.problem.variants
         )
+
+
+def memory_problem(t: Any, n_heads: int, n_layers: int, cpu: bool, test_hi: int) -> str | None:
+    """The problem with an algorithmic task's sizes that would exhaust the memory, or None:
+    its test set (``task.test_per_size`` instances of every size of the test grid up to
+    ``test_hi``, for each test distribution, held in memory) or, on a CPU (``cpu``), the
+    attention scores of one training batch at the largest training size
+    (``batch x heads x T^2`` per layer, kept for the backward pass).
+
+    Args:
+        t: The task, typed and its keys checked (:class:`posenc.schema.AlgoTask`).
+        n_heads: ``model.n_heads``.
+        n_layers: ``model.n_layers``.
+        cpu: Whether training runs on the CPU.
+        test_hi: The largest test size.
+    """
+    ram = physical_memory()
+    if not ram:
+        return None
+    problem, (lo, hi), options = PROBLEMS[t.problem], t.train_lengths, t.options()
+    grid = problem.grid if t.test_sizes == "auto" else t.test_sizes
+    sizes = grid_sizes(problem, lo, hi, test_hi, grid, options)
+    # int64 token ids, input and target, of every instance of every distribution
+    positions = sum(longest_sequence(problem, n, t.shape, options) for n in sizes)
+    test_bytes = t.test_per_size * len(problem.variants) * positions * 8 * 2
+    if test_bytes > ram / 4:
+        where = f"every size {sizes[0]}..{sizes[-1]}" if grid == "every" else f"sizes {sizes}"
+        return (
+            f"task.train_lengths=[{lo},{hi}]: its test set ({t.test_per_size} instances "
+            f"of {where}, task.test_multiple={t.test_multiple}) needs "
+            f"{test_bytes / 2**30:.1f} GiB, over a quarter of this machine's "
+            f"{ram / 2**30:.1f} GiB; lower the largest size, task.test_multiple or "
+            f"task.test_per_size"
+        )
+    longest = longest_sequence(problem, hi, t.shape, options)
+    scores = t.batch_size * n_heads * longest**2 * 4 * n_layers
+    if cpu and scores > ram:
+        return (
+            f"task.train_lengths=[{lo},{hi}]: a training batch at size {hi} ({longest} "
+            f"positions) holds {t.batch_size} x {n_heads} heads x {longest}^2 attention "
+            f"scores in each of {n_layers} layers: {scores / 2**30:.1f} GiB, more than "
+            f"this machine's {ram / 2**30:.1f} GiB; lower the largest size or "
+            f"task.batch_size"
+        )
+    return None

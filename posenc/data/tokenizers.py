@@ -628,3 +628,29 @@ def fingerprints(tok: Tokenizer) -> tuple[str, ...]:
         whole = hashlib.sha256(tok._sp.serialized_model_proto()).hexdigest()
         return (fingerprint(tok), whole)
     return (fingerprint(tok),)
+
+
+def cache_problems(path: Any) -> list[str]:
+    """``paths.cache_dir`` (``POSENC_CACHE_DIR``) must be a folder posenc can write to: it is
+    created if missing, and a temporary file is written and removed."""
+    key = "paths.cache_dir"
+    if not isinstance(path, str) or not path:
+        return [f"{key}={path!r}: must be a folder path (or set POSENC_CACHE_DIR)"]
+    folder = Path(path).expanduser()
+    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        where = "is a file" if blocker == folder else f"is inside {blocker}, which is a file"
+        return [
+            f"{key}={path}: {where}, not a folder; point paths.cache_dir (or "
+            f"POSENC_CACHE_DIR) at a folder"
+        ]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        return [
+            f"{key}={path}: cannot write there ({err.strerror or err}); point "
+            f"paths.cache_dir (or POSENC_CACHE_DIR) at a writable folder"
+        ]
+    return []

@@ -14,7 +14,6 @@ from hydra.utils import instantiate
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc import schema
-from posenc.config import streaming_window
 from posenc.data.lm import LMDataModule
 from posenc.data.passkey import passkey_problems
 from posenc.data.samplers import ShardSampler
@@ -193,7 +192,7 @@ def extension_setting(
     seq_len = cfg.task.seq_len
     if method == "streaming":
         s = cfg.task.eval.streaming
-        return StreamingExtension(method, s.sinks, streaming_window(s.window, s.sinks, seq_len))
+        return StreamingExtension(method, s.sinks, s.window_at(seq_len))
     factor = cfg.task.eval.extension_factor
     if factor == "auto":
         factor = 1.0 if method == "dynamic_ntk" else max(1.0, length / seq_len)

@@ -229,7 +229,7 @@ def group_choice(cfg: Any, group: str) -> str:
 
     if HydraConfig.initialized():
         return HydraConfig.get().runtime.choices[group]
-    cls = get_class(cfg[group]._target_)
+    cls = get_class(getattr(cfg, group)._target_)
     return getattr(cls, "name", cls.__name__)
 
 

@@ -234,6 +234,18 @@ def test_an_unknown_task_name_is_not_compared_with_another_tasks_lengths(tmp_pat
     ]
 
 
+def test_the_rules_between_keys_read_only_groups_whose_own_keys_passed(tmp_path: Path) -> None:
+    """The rules that tie keys together read typed values: a group with a refused key
+    gets its own lines only, and the rules are applied once it is fixed."""
+    for overrides, expected in (
+        ("model.dropout=2 model.n_heads=3", ["model.dropout=2: must be a number in [0, 1)"]),
+        ("model.n_heads=3", ["model.n_heads=3: must divide model.d_model=16"]),
+    ):
+        with pytest.raises(ConfigError) as err:
+            validate(_compose(tmp_path, overrides))
+        assert [line.strip() for line in str(err.value).splitlines()[1:]] == expected
+
+
 def test_the_checks_read_the_interpolations_resolved_once_with_the_same_verdict(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -253,7 +265,7 @@ def test_the_checks_read_the_interpolations_resolved_once_with_the_same_verdict(
     assert OmegaConf.is_interpolation(kept.task, "train_lengths")
     assert not OmegaConf.is_interpolation(kept.task, "test_multiple")
     verdicts = []
-    for resolve in (checks.resolved, lambda c: c):
+    for resolve in (checks.resolved, lambda c, copy=True: c):
         monkeypatch.setattr(checks, "resolved", resolve)
         with pytest.raises(ConfigError) as err:
             validate(bad)
