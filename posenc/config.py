@@ -5,9 +5,9 @@ data modules that own it (:mod:`posenc.data`).
 Keys, types, choices and ranges are declared once, in :mod:`posenc.schema`; this module
 walks the config against it and adds the rules that tie keys together (``n_heads``
 divides ``d_model``, a training length fits a ``learned`` table, a gate's metric exists
-for its task, ...). Each problem is one line: the key, the value, what is allowed. All
-problems are reported together so a sweep with a typo fails in a second, not after a
-download.
+for its task, ...) on the typed groups whose own keys passed. Each problem is one line:
+the key, the value, what is allowed. The problems found are reported together, so a sweep
+with a typo fails in a second, not after a download.
 """
 
 from __future__ import annotations
