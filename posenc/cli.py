@@ -26,6 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn, cast
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
@@ -479,7 +480,8 @@ class SweepCheck(Callback):
             return
         tic = time.perf_counter()
         grid = sweep_jobs(config)
-        refused = sweep_problems(config, grid)
+        with _one_thread():
+            refused = sweep_problems(config, grid)
         n_jobs = len(grid)
         if not refused:
             log.info(
@@ -507,6 +509,20 @@ class SweepCheck(Callback):
             Path(str(config.hydra.sweep.dir)).rmdir()
         print("error: " + "\n".join(lines), file=sys.stderr)
         sys.exit(2)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Torch on one thread inside. The sweep's process forks its jobs afterwards
+    (:func:`_isolated`), and GNU OpenMP is not fork-safe: once a parallel op has started
+    its thread pool (building a T5 encoder's bucket table does), a forked job waits
+    forever at its own first parallel op, and a stop signal cannot reach it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def sweep_jobs(config: DictConfig) -> list[list[str]]:
