@@ -216,7 +216,8 @@ class Group:
     internal: tuple[str, ...] = ()
     #: True: keys the fields do not name are kept, not refused (options of a library).
     open: bool = False
-    #: Keys whose default is the chosen problem's own (``${posenc_problem:task.<key>}``).
+    #: Keys whose default is the chosen problem's own (``${posenc_problem:task.<key>}``;
+    #: a nested group's dotted, ``optim.lr``).
     per_problem: tuple[str, ...] = ()
 
     def given(self) -> tuple[str, ...]:
@@ -495,7 +496,9 @@ class AlgoTask(Group):
     learned: Gate | None = group(
         Gate, GATE, optional=True, metric="val/seq_acc", threshold=95.0, stop=True
     )
-    optim: Optim = group(Optim, lr=3e-3, betas=[0.9, 0.98], weight_decay=0.0, warmup_steps=50)
+    optim: Optim = group(
+        Optim, lr=_generic("optim.lr"), betas=[0.9, 0.98], weight_decay=0.0, warmup_steps=50
+    )
 
     def options(self) -> Options:
         """The instance options (:class:`posenc.data.algo.Options`)."""
@@ -708,12 +711,22 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return f.default
 
 
-def loose(cls: type[Group], name: str, drop: tuple[str, ...] = (), base: Any = None) -> type:
+def loose(
+    cls: type[Group],
+    name: str,
+    drop: tuple[str, ...] = (),
+    base: Any = None,
+    per_problem: tuple[str, ...] | None = None,
+    path: str = "task.",
+) -> type:
     """The structured config Hydra composes a group with: ``cls``'s keys (less ``drop``)
     and defaults (``base``'s values, an instance of ``cls``, where given), every value
     typed ``Any``. Composition then refuses a key the group lacks, and leaves each value
     as written (OmegaConf would read ``yes`` as true and ``"128"`` as 128, and posenc's
-    rules could no longer refuse them); :func:`problems` checks the values."""
+    rules could no longer refuse them); :func:`problems` checks the values. Keys in
+    ``per_problem`` (``cls.per_problem`` by default; dotted for a nested group's, e.g.
+    ``optim.lr``) default to the chosen problem's own, ``${posenc_problem:<path><key>}``."""
+    per_problem = cls.per_problem if per_problem is None else per_problem
     fields: list[tuple[str, Any, Any]] = []
     for f in dataclasses.fields(cast(Any, cls)):
         if f.name in cls.internal or f.name in drop:
@@ -722,11 +735,16 @@ def loose(cls: type[Group], name: str, drop: tuple[str, ...] = (), base: Any = N
         sub = f.metadata.get("group")
         if sub is not None:
             # a value that is not a mapping reaches the group's own message
-            inner = loose(sub, f"{name}_{f.name}", base=default)
+            mine = tuple(
+                k.removeprefix(f"{f.name}.") for k in per_problem if k.startswith(f"{f.name}.")
+            )
+            inner = loose(
+                sub, f"{name}_{f.name}", base=default, per_problem=mine, path=f"{path}{f.name}."
+            )
             made = field(default=None) if default is None else field(default_factory=inner)
             fields.append((f.name, Any, made))
-        elif f.name in cls.per_problem:  # resolved when the problem is known
-            fields.append((f.name, Any, field(default=f"${{posenc_problem:task.{f.name}}}")))
+        elif f.name in per_problem:  # resolved when the problem is known
+            fields.append((f.name, Any, field(default=f"${{posenc_problem:{path}{f.name}}}")))
         elif isinstance(default, list):
             fields.append((f.name, Any, field(default_factory=partial(list, default))))
         else:

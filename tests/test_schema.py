@@ -87,7 +87,11 @@ def test_every_default_has_one_home(task: str) -> None:
     if task == "algo":
         declared["learned"] = _plain(declared["learned"])
         for k in schema.AlgoTask.per_problem:  # the copy problem's own (algo_problems.py)
-            declared[k] = problem_default("copy", f"task.{k}")
+            *parents, leaf = k.split(".")  # optim.lr: a nested group's
+            node = declared
+            for p in parents:
+                node = node[p]
+            node[leaf] = problem_default("copy", f"task.{k}")
     mismatches = {k: (composed.get(k), v) for k, v in declared.items() if composed.get(k) != v}
     assert mismatches == {}
     model = schema.MODELS[task]

@@ -147,6 +147,7 @@ DEFAULTS: dict[str, Any] = {
     "task.hops": 2,
     "task.val_per_size": 16,
     "task.test_per_size": 24,
+    "task.optim.lr": 3e-3,
     "trainer.max_steps": 500,
     "trainer.val_check_interval": 250,
 }
@@ -401,7 +402,8 @@ CONTENT = (
             "task.train_lengths": [16, 32],
             "task.test_multiple": 4,
             "task.bucket_width": 16,
-            "trainer.max_steps": 1000,
+            "task.optim.lr": 1e-3,
+            "trainer.max_steps": 3000,
         },
         rules=_pair_rules,
     ),
