@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from posenc.data.algo_problems import PROBLEMS, problem_default
 from tests.conftest import ROOT
 
 DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
@@ -226,11 +227,29 @@ def sized(c: Command, kind: str, args: list[str]) -> list[str]:
     args = [f"task={kind}" if a.startswith("task=") and "," in a else a for a in args]
     given = {_key(a) for a in args}
     sizes = [s for s in SIZES[kind] if _key(s) not in given]
+    if kind == "algo":
+        sizes = [_smallest_sizes(args) if _key(s) == "task.train_lengths" else s for s in sizes]
     if "passkey" in " ".join(args):
         # a passkey instance (filler, key, question) needs about 70 characters: keep the
         # task's own 128
         sizes = [s for s in sizes if not s.startswith("task.seq_len=")]
-    return [*args, *sizes] if c.words[1] == "run.py" else args
+    # --cfg prints the config and trains nothing (and Hydra takes no override after it)
+    return [*args, *sizes] if c.words[1] == "run.py" and "--cfg" not in args else args
+
+
+def _smallest_sizes(args: list[str]) -> str:
+    """``task.train_lengths`` at the smallest training size of the problems a command
+    names (``experiment=algo_<p>``, ``task.problem=<p>``; mqar's prompts hold 4 pairs and
+    4 queries: 16 tokens), else 1..4."""
+    named = [
+        v.removeprefix("algo_").removesuffix("_gpu")
+        for a in args
+        if _key(a) in ("experiment", "task.problem")
+        for v in a.partition("=")[2].split(",")
+    ]
+    lows = [problem_default(p, "task.train_lengths")[0] for p in named if p in PROBLEMS]
+    low = max([1, *lows])
+    return f"task.train_lengths=[{low},{max(low, 4)}]"
 
 
 def _newest(paths: list[Path], what: str, c: Command) -> Path:
