@@ -359,6 +359,8 @@ def check_result(
         assert proc.stdout.startswith(prompt) and len(proc.stdout) > len(prompt) + 1, said
     elif "--help" in words:
         assert "posenc" in proc.stdout, said
+    elif "--cfg" in words:  # the composed config, printed
+        assert "task:" in proc.stdout, said
     else:
         new = set(folder.rglob("metrics.json")) - before
         assert new, f"no new metrics.json: {said}"
