@@ -1,4 +1,4 @@
-"""Performance benchmark of posenc's encoders (GitHub issue 6).
+"""Performance benchmark of posenc's encoders.
 
     python experiments/bench.py [--quick] [--json out.json] [--sections train,memory,...]
     python experiments/bench.py --pool run1.json run2.json ...
@@ -195,6 +195,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.lengths = [int(x) for x in args.lengths.split(",")]
         except ValueError:
             p.error(f"--lengths {args.lengths!r}: give comma-separated integers, e.g. 1024,4096")
+        sizes = SIZES[args.sizes]
+        have = sorted({t for name in ("train", "steps") for _, t in sizes[name]["shapes"]})
+        missing = [t for t in args.lengths if t not in have]
+        if missing:
+            p.error(
+                f"--lengths {','.join(map(str, missing))}: the {args.sizes} sizes measure "
+                f"lengths {', '.join(map(str, have))}; pick among them or use another --sizes"
+            )
     return args
 
 

@@ -158,6 +158,15 @@ def test_pooling_judges_goals_on_all_rounds(
     assert "0 goal(s) not met over the pooled rounds" in proc.stdout
 
 
+def test_lengths_the_sizes_do_not_measure_are_refused_with_those_they_do() -> None:
+    """``--lengths 128`` with the full sizes (256 and 1024) once ran nothing and ended in a
+    traceback; it is one line naming the lengths there are."""
+    cmd = [sys.executable, str(BENCH), "--sections", "steps", "--lengths", "128,1024"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--lengths 128: the full sizes measure lengths 256, 1024" in proc.stderr
+
+
 @pytest.mark.parametrize("case", ["one file", "not a report", "missing", "other config"])
 def test_pooling_refuses_bad_input(tmp_path: Path, case: str) -> None:
     good = tmp_path / "good.json"

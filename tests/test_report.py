@@ -212,9 +212,13 @@ def test_rerun_that_succeeded_counts_as_finished(tmp_path: Path) -> None:
 
 
 def test_empty_and_absent_dirs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rep = build_report(tmp_path)
-    assert not rep.runs and not rep.failures
-    assert "No metrics.json or error.json found" in (tmp_path / "report" / "report.md").read_text()
+    """A folder without runs is one line, not an empty report, and leaves no report
+    folder behind; so is a folder that does not exist."""
+    (tmp_path / "notes").mkdir()
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no runs under {tmp_path}: a run's folder holds metrics.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
     assert main([str(tmp_path / "nope")]) == 2
     assert "is not a directory" in capsys.readouterr().err
 

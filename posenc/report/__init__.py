@@ -495,11 +495,6 @@ def markdown(
             ),
         )
         out += [""]
-    if not runs and not failures:
-        out += [
-            f"No metrics.json or error.json found below {', '.join(f'`{r}`' for r in roots)}.",
-            "",
-        ]
     return "\n".join(out)
 
 
@@ -655,7 +650,7 @@ def build_report(
         The runs, failures, rows and the files written.
 
     Raises:
-        FileNotFoundError: A ``root`` is not a directory.
+        FileNotFoundError: A ``root`` is not a directory, or none holds a run.
         ValueError: Several directories and no ``out``, or a threshold outside (0, 100].
     """
     effective.check(threshold)
@@ -675,6 +670,12 @@ def build_report(
         runs += [x for x in found if x.dir not in seen]  # nested roots: each run once
         failures += [x for x in failed if x.dir not in seen]
         seen |= {x.dir for x in found} | {x.dir for x in failed}
+    if not runs and not failures:
+        where = ", ".join(map(str, roots))
+        raise FileNotFoundError(
+            f"no runs under {where}: a run's folder holds metrics.json (or error.json if it "
+            "failed), e.g. outputs/lm/rope/<date>_<time>_seed0_<id>; pass a sweep dir or outputs/"
+        )
     assign_arms(runs)  # same lr, tuned lr, or one table per rate of a grid
     rows = aggregate(runs)
     lr_grids = grids(runs, failures)
@@ -727,6 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     dirs = args.dir
     out = args.out if args.out is not None else dirs[0] / "report"
+    made = not out.exists()  # removed again if the report ends in an error
     try:
         # (a missing sweep directory, or several without --out, is build_report's message)
         if all(d.is_dir() for d in dirs) and (len(dirs) == 1 or args.out is not None):
@@ -745,6 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.dir, args.out, tensorboard=not args.no_tensorboard, threshold=args.threshold
         )
     except (FileNotFoundError, ValueError) as err:
+        if made and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
         print(f"error: {err}", file=sys.stderr)
         return 2
     status = Counter(f.status for f in rep.failures)

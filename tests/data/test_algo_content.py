@@ -405,6 +405,9 @@ def test_mqar_sizes_and_options_are_config_errors_naming_the_fix() -> None:
     msgs = check(p, "decoder", 16, 32, Options(queries=5, key_vocab=3))
     assert "task.queries=5: more than task.pairs=4" in msgs[0] and "at most 4" in msgs[0]
     assert msgs[1].startswith("task.key_vocab=3: fewer than task.pairs=4")
+    # more pairs than keys: the vocabularies are named, not an impossible length
+    msgs = check(p, "decoder", 16, 32, Options(pairs=100, queries=4))
+    assert len(msgs) == 2 and all("fewer than task.pairs=100" in m for m in msgs), msgs
     with pytest.raises(ValueError, match="must be at least 16 and a multiple of 2"):
         instance(p, 14, "k")
 
