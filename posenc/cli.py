@@ -480,6 +480,8 @@ class SweepCheck(Callback):
             return
         tic = time.perf_counter()
         grid = sweep_jobs(config)
+        if len(grid) > 1:  # a large grid takes a while (seconds per distinct composition)
+            log.info("checking the configs of %d jobs before starting any ...", len(grid))
         with _one_thread():
             refused = sweep_problems(config, grid)
         n_jobs = len(grid)
