@@ -231,18 +231,21 @@ def checkpoints_in(folder: Path) -> list[Path]:
 def missing_checkpoint(path: Path, key: str = "") -> str:
     """``[<key>=]<path>: no such file``, and what its folder holds instead (a run shorter
     than its validation interval has a ``last.ckpt`` but no ``best.ckpt``), so the
-    message names the checkpoint to give.
+    message names the checkpoint to give; for a folder (a run's, or its
+    ``checkpoints``), the checkpoints in it.
 
     Args:
         path: The checkpoint asked for.
         key: The option that gave it (``ckpt_path``), or "" for a positional argument.
     """
     given = f"{key}={path}" if key else str(path)
-    found = checkpoints_in(path.parent)
+    if path.is_dir():  # a run's folder, or its checkpoints folder
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        found, what = checkpoints_in(folder), "is a folder, not a checkpoint file"
+    else:
+        folder, found, what = path.parent, checkpoints_in(path.parent), "no such file"
     if not found:
-        return f"{given}: no such file"
+        return f"{given}: {what}"
     names = ", ".join(p.name for p in found)
-    return (
-        f"{given}: no such file; {path.parent} holds {names}: give "
-        f"{f'{key}=' if key else ''}{found[0]}"
-    )
+    option = f"{key}=" if key else ""
+    return f"{given}: {what}; {folder} holds {names}: give {option}{found[0]}"

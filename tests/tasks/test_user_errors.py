@@ -129,6 +129,19 @@ def test_a_missing_checkpoint_names_those_its_folder_holds(
         f"posenc.generate: {best}: no such file; {folder} holds last.ckpt: give "
         f"{folder / 'last.ckpt'}\n"
     )
+    # the run's folder, or its checkpoints folder, names the checkpoint in it
+    for given in (folder.parent, folder):
+        with pytest.raises(ConfigError) as err:
+            train(compose_run(tmp_path, f"init_from={given}"))
+        assert err.value.problems == [
+            f"init_from={given}: is a folder, not a checkpoint file; {folder} holds "
+            f"last.ckpt: give init_from={folder / 'last.ckpt'}"
+        ]
+    assert generate.main([str(tmp_path)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"posenc.generate: {tmp_path}: is a folder, not a checkpoint file\n"
+    )
 
 
 def test_parallel_files_of_unequal_length_are_a_user_error(tmp_path: Path) -> None:
