@@ -73,6 +73,11 @@ def search_dirs(overrides: list[str]) -> list[Path] | None:
     return found
 
 
+#: ``hydra/launcher`` options Hydra itself brings (``basic``) or a plugin does, beside the
+#: files of ``conf/hydra/launcher``.
+HYDRA_LAUNCHERS = ("basic", "joblib", "submitit_local", "submitit_slurm")
+
+
 def unknown_options(overrides: list[str], config_dir: Path) -> list[str]:
     """``encoder=rpoe``: an option that no file of its group holds, with the nearest one
     (Hydra says "Could not find" over several lines of search path, without one).
@@ -91,9 +96,11 @@ def unknown_options(overrides: list[str], config_dir: Path) -> list[str]:
     groups = {p.name for d in dirs for p in d.iterdir() if p.is_dir() and p.name != "hydra"}
     found = []
     for o in _parsed(overrides):
-        if o.key_or_group not in groups:
+        if o.key_or_group not in (*groups, "hydra/launcher"):
             continue
         options = sorted({n for d in dirs for n in group_options(d, o.key_or_group)})
+        if o.key_or_group == "hydra/launcher":
+            options = sorted({*options, *HYDRA_LAUNCHERS})
         for value in _choices(o):
             if value in options:
                 continue

@@ -30,6 +30,14 @@ def test_an_unknown_group_option_gets_the_nearest_one() -> None:
         "data=zzzz: no such option; allowed: "
         + ", ".join(p.stem for p in sorted((CONF / "data").glob("*.yaml")))
     ]
+    # the launcher: this project's files and those Hydra and its plugins bring
+    launchers = "basic, joblib, local_parallel, slurm, submitit_local, submitit_slurm"
+    assert preflight.unknown_options(["hydra/launcher=local_paralel"], CONF) == [
+        "hydra/launcher=local_paralel: no such option; did you mean "
+        f"hydra/launcher=local_parallel? allowed: {launchers}"
+    ]
+    for name in launchers.split(", "):
+        assert preflight.unknown_options([f"hydra/launcher={name}"], CONF) == []
 
 
 def test_options_of_a_search_path_folder_count(tmp_path: Path) -> None:
