@@ -581,7 +581,7 @@ def job_configs(
     found). Hydra builds a config from the group overrides (``encoder=...``,
     ``+variant=...``) and then applies the others (``key=value``) to it: so each distinct
     choice of groups is composed once and each job gets a copy with its values applied by
-    Hydra's own function (chomsky's 300 jobs have 10 such choices; composing each job took
+    Hydra's own function (chomsky's 900 jobs have 10 such choices; composing each job took
     minutes). Each config comes without its ``hydra``, which is set as the current one
     (``${hydra:...}`` reads it): its group choices'."""
     loader = GlobalHydra.instance().config_loader()
