@@ -219,6 +219,9 @@ def test_empty_and_absent_dirs(tmp_path: Path, capsys: pytest.CaptureFixture[str
     err = capsys.readouterr().err
     assert err.startswith(f"error: no runs under {tmp_path}: a run's folder holds metrics.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
+    with pytest.raises(FileNotFoundError, match="no runs under"):
+        build_report(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
     assert main([str(tmp_path / "nope")]) == 2
     assert "is not a directory" in capsys.readouterr().err
 

@@ -661,7 +661,6 @@ def build_report(
     if out is None and len(roots) != 1:
         raise ValueError(f"{len(roots)} directories: say where the report goes with --out DIR")
     out = (Path(out) if out is not None else roots[0] / "report").resolve()
-    out.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
     failures: list[Failure] = []
     seen: set[Path] = set()
@@ -676,6 +675,7 @@ def build_report(
             f"no runs under {where}: a run's folder holds metrics.json (or error.json if it "
             "failed), e.g. outputs/lm/rope/<date>_<time>_seed0_<id>; pass a sweep dir or outputs/"
         )
+    out.mkdir(parents=True, exist_ok=True)
     assign_arms(runs)  # same lr, tuned lr, or one table per rate of a grid
     rows = aggregate(runs)
     lr_grids = grids(runs, failures)
