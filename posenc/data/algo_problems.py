@@ -800,12 +800,13 @@ def check(
             f"task.lm_loss=true: {problem.name} has no language-model loss (only "
             f"{', '.join(lm)} has); drop it"
         )
+    least = problem.min_size(options)
     # no size fits options the rules refuse (more pairs than keys): those lines say why
-    if problem.min_size(options) < sys.maxsize and not problem.sizes(lo, hi, options):
-        rule = f"at least {problem.min_size(options)}"
+    if least < sys.maxsize and not problem.sizes(lo, hi, options):
+        rule = f"at least {least}"
         if problem.step > 1:
             rule += f" and a multiple of {problem.step}"
-        fit = max(problem.min_size(options), hi)
+        fit = max(least, hi)
         fit += -fit % problem.step
         found.append(
             f"task.train_lengths=[{lo}, {hi}]: holds no valid size of {problem.name} (a size "

@@ -241,9 +241,10 @@ def missing_checkpoint(path: Path, key: str = "") -> str:
     given = f"{key}={path}" if key else str(path)
     if path.is_dir():  # a run's folder, or its checkpoints folder
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        found, what = checkpoints_in(folder), "is a folder, not a checkpoint file"
+        what = "is a folder, not a checkpoint file"
     else:
-        folder, found, what = path.parent, checkpoints_in(path.parent), "no such file"
+        folder, what = path.parent, "no such file"
+    found = checkpoints_in(folder)
     if not found:
         return f"{given}: {what}"
     names = ", ".join(p.name for p in found)
