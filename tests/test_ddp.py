@@ -46,13 +46,32 @@ DDP = ["trainer.devices=2", "trainer.strategy=ddp"]
 PPL = ("test/ppl@16", "test/ppl_sw@16", "test/ppl@32", "test/ppl_sw@32")
 
 
-def run_py(run_dir: Path, cache: Path, *overrides: str) -> str:
+MT_TINY = [
+    "task=mt",
+    "model.n_layers=1",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_ff=32",
+    "tokenizer.vocab_size=400",
+    "task.max_len=64",
+    "task.max_tokens=512",
+    "task.eval_max_sentences=25",
+    "task.decode.beam_size=2",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=4",
+    "trainer.enable_progress_bar=false",
+    "trainer.accelerator=cpu",
+]
+
+
+def run_py(run_dir: Path, cache: Path, *overrides: str, base: list[str] = TINY) -> str:
     """``python run.py`` as a user would call it; returns the combined output."""
     proc = subprocess.run(
         [
             sys.executable,
             "run.py",
-            *TINY,
+            *base,
             f"hydra.run.dir={run_dir}",
             f"paths.cache_dir={cache}",
             *overrides,
@@ -121,3 +140,23 @@ def test_one_and_two_processes_give_the_same_perplexity(
         assert metrics(run_dir)["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-6)
     for name, curve in one["loss_by_position"].items():
         assert two["loss_by_position"][name] == pytest.approx(curve, abs=2e-5), name
+
+
+def test_translation_on_two_ranks_decodes_each_sentence_once_as_one_process_does(
+    tmp_path: Path,
+) -> None:
+    """Each rank decodes its shard of the test sentences; the run scores all of them (it
+    used to stop after training: rank zero held only its own shard)."""
+    cache = tmp_path / "cache"
+    run_py(tmp_path / "two", cache, *DDP, base=MT_TINY)
+    two = metrics(tmp_path / "two")
+    assert two["train_steps"] == 3 and two["n_sentences"] == 25
+    hyps = (tmp_path / "two" / "test.hyp.txt").read_text(encoding="utf-8")
+    assert len(hyps.splitlines()) == 25
+    ckpt = tmp_path / "two" / "checkpoints" / "best.ckpt"
+    run_py(tmp_path / "one", cache, "eval_only=true", f"ckpt_path={ckpt}", base=MT_TINY)
+    one = metrics(tmp_path / "one")
+    assert (tmp_path / "one" / "test.hyp.txt").read_text(encoding="utf-8") == hyps
+    assert one["buckets"] == two["buckets"]
+    for key in ("test/bleu", "test/chrf", "test/loss"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key

@@ -54,7 +54,12 @@ from posenc.data.algo_problems import (
 )
 from posenc.data.lm import physical_memory
 from posenc.data.mt import MTCollator
-from posenc.data.samplers import ShardSampler
+from posenc.data.samplers import (
+    EPOCH_STEPS,
+    BatchIndexSampler,
+    ShardSampler,
+    trainer_progress,
+)
 
 #: Layouts of an instance: decoder-only (BOS prompt SEP answer EOS, loss on the answer)
 #: or encoder-decoder (prompt -> answer).
@@ -131,8 +136,9 @@ class AlgoSet(Dataset):
 
 
 class TrainingStream(AlgoSet):
-    """``count`` training instances of sizes uniform over ``sizes``, drawn lazily from the
-    run's seed (item ``i`` is the same instance in every process)."""
+    """Training instances of sizes uniform over ``sizes``, drawn lazily from the run's seed
+    (item ``i`` is the same instance in every process, for any ``i``); ``count`` (one
+    process's ``max_steps`` batches) is its length."""
 
     def __init__(
         self,
@@ -341,27 +347,17 @@ class Batches(Dataset):
 
 
 class TrainingBatches(Dataset):
-    """Training batches by step: item ``i`` is the batch of step ``start + i``, made of
-    stream instances ``(start + i) * B .. (start + i + 1) * B - 1``, so a resumed run
-    continues the stream where it stopped."""
+    """Training batches by index: item ``j`` is batch ``j``, stream instances
+    ``j * B .. (j + 1) * B - 1``. Paired with a
+    :class:`posenc.data.samplers.BatchIndexSampler`, a resumed run continues the stream
+    where it stopped and DDP ranks draw distinct batches."""
 
-    def __init__(
-        self,
-        stream: TrainingStream,
-        batch_size: int,
-        steps: int,
-        start: int,
-        collate: Collate,
-    ) -> None:
+    def __init__(self, stream: TrainingStream, batch_size: int, collate: Collate) -> None:
         self.stream, self.batch_size, self.collate = stream, batch_size, collate
-        self.start, self.steps = start, max(steps - start, 1)
 
-    def __len__(self) -> int:
-        return self.steps
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        first = (self.start + i) * self.batch_size
-        return self.collate([self.stream[first + j] for j in range(self.batch_size)])
+    def __getitem__(self, j: int) -> dict[str, Any]:
+        first = j * self.batch_size
+        return self.collate([self.stream[first + i] for i in range(self.batch_size)])
 
 
 class AlgoDataModule(pl.LightningDataModule):
@@ -434,8 +430,8 @@ class AlgoDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        trainer = getattr(self, "trainer", None)
-        start = int(trainer.global_step) if trainer is not None else 0
+        """Batches drawn in order from the stream by the trainer's progress
+        (:class:`posenc.data.samplers.BatchIndexSampler`), ``EPOCH_STEPS`` an epoch."""
         stream = TrainingStream(
             self.problem,
             self.vocab,
@@ -444,8 +440,9 @@ class AlgoDataModule(pl.LightningDataModule):
             self.seed,
             self.options,
         )
-        data = TrainingBatches(stream, self.batch_size, self.steps, start, self.collate)
-        return torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
+        data = TrainingBatches(stream, self.batch_size, self.collate)
+        sampler = BatchIndexSampler(EPOCH_STEPS, trainer_progress(self), self.seed)
+        return torch.utils.data.DataLoader(data, batch_size=None, sampler=sampler)
 
     def _eval(
         self,

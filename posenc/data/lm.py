@@ -30,9 +30,10 @@ from typing import Any, NamedTuple
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from posenc.data.passkey import PasskeyFormat, seeded
+from posenc.data.samplers import EPOCH_STEPS, BatchIndexSampler, Progress, trainer_progress
 from posenc.data.sources import REQUIRED, SPLITS
 from posenc.data.tokenizers import (
     CharTokenizer,
@@ -251,21 +252,21 @@ def is_passkey_slot(index: int, mix: float) -> bool:
     return math.floor((index + 1) * mix) > math.floor(index * mix)
 
 
-class RandomOffsetSampler(Sampler[int | PasskeyDraw]):
-    """Uniform window offsets where the batch of training step ``s`` depends only on
-    ``(seed, s)``.
+class RandomOffsetSampler(BatchIndexSampler):
+    """Uniform window offsets where batch ``j`` of a run depends only on ``(seed, j)``.
 
-    Each iteration starts at the step returned by ``start_step()`` (the trainer's global
-    step), so a run resumed from a checkpoint draws exactly the batches an uninterrupted
-    run would have drawn, whatever the epoch bookkeeping. Draws happen in the main
+    The batches follow the trainer (:class:`posenc.data.samplers.BatchIndexSampler`): one
+    process draws batch ``j`` at its ``j``-th training batch, also after a resume or with
+    gradient accumulation, and DDP ranks draw distinct batches. Draws happen in the main
     process, so the result does not depend on ``num_workers``.
 
     Args:
         num_offsets: Number of valid offsets (``len(RandomWindows)``).
-        steps: Steps (batches) per iteration.
-        batch_size: Offsets per step.
+        steps: Batches per epoch (per rank).
+        batch_size: Offsets per batch.
         seed: Base seed.
-        start_step: Returns the step the next iteration starts at (default: always 0).
+        progress: :func:`posenc.data.samplers.trainer_progress`, or None (an iteration is
+            epoch 0, or the one ``set_epoch`` chose).
         passkey_mix: Fraction of slots that yield a :class:`PasskeyDraw` instead of their
             offset (see :func:`is_passkey_slot`); the other slots keep the offsets a run
             without the mix draws. For :class:`PasskeyMixWindows`.
@@ -277,31 +278,28 @@ class RandomOffsetSampler(Sampler[int | PasskeyDraw]):
         steps: int,
         batch_size: int,
         seed: int,
-        start_step: Callable[[], int] | None = None,
+        progress: Progress | None = None,
         passkey_mix: float = 0.0,
     ) -> None:
+        super().__init__(steps, progress, seed)
         self.num_offsets = num_offsets
-        self.steps = steps
         self.batch_size = batch_size
-        self.seed = seed
-        self.start_step = start_step or (lambda: 0)
         self.passkey_mix = passkey_mix
 
     def __len__(self) -> int:
         return self.steps * self.batch_size
 
-    def offsets(self, step: int) -> list[int]:
-        """The window offsets of training step ``step``."""
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (1 << 63))
+    def offsets(self, batch: int) -> list[int]:
+        """The window offsets of batch ``batch``."""
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + batch) % (1 << 63))
         return torch.randint(self.num_offsets, (self.batch_size,), generator=gen).tolist()
 
-    def __iter__(self) -> Iterator[int | PasskeyDraw]:
-        start = int(self.start_step())
-        for step in range(start, start + self.steps):
-            for i, offset in enumerate(self.offsets(step)):
-                g = step * self.batch_size + i
-                mixed = self.passkey_mix and is_passkey_slot(g, self.passkey_mix)
-                yield PasskeyDraw(g) if mixed else offset
+    def items(self, epoch: int, step: int) -> Iterator[int | PasskeyDraw]:
+        batch = self.batch_index(epoch, step)
+        for i, offset in enumerate(self.offsets(batch)):
+            g = batch * self.batch_size + i
+            mixed = self.passkey_mix and is_passkey_slot(g, self.passkey_mix)
+            yield PasskeyDraw(g) if mixed else offset
 
 
 class PasskeyMixWindows(RandomWindows):
@@ -514,7 +512,7 @@ class LMDataModule(pl.LightningDataModule):
         eval_lengths: Sequence[int] | None = None,
         sliding_stride: int | None = None,
         eval_max_tokens: int | None = None,
-        train_steps_per_epoch: int = 1000,
+        train_steps_per_epoch: int = EPOCH_STEPS,
         num_workers: int = 0,
         seed: int = 0,
         passkey_mix: float = 0.0,
@@ -694,11 +692,6 @@ class LMDataModule(pl.LightningDataModule):
             **kwargs,
         )
 
-    def _global_step(self) -> int:
-        """The attached trainer's step (restored before loaders are built on resume)."""
-        trainer = getattr(self, "trainer", None)
-        return int(trainer.global_step) if trainer is not None else 0
-
     def train_dataloader(self) -> DataLoader[Batch]:
         """Random training windows.
 
@@ -725,7 +718,7 @@ class LMDataModule(pl.LightningDataModule):
             self.train_steps_per_epoch,
             self.batch_size,
             self.seed,
-            start_step=self._global_step,
+            progress=trainer_progress(self),
             passkey_mix=self.passkey_mix,
         )
         return self._loader(dataset, batch_size=self.batch_size, sampler=sampler)

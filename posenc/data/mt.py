@@ -22,7 +22,7 @@ from pytorch_lightning.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from posenc.data.buckets import bucket_of, check_edges
-from posenc.data.samplers import TokenBucketSampler
+from posenc.data.samplers import TokenBucketSampler, trainer_progress
 from posenc.data.sources import SPLITS, ParallelCorpus
 from posenc.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_settings
 from posenc.errors import DataError
@@ -360,7 +360,12 @@ class MTDataModule(pl.LightningDataModule):
         ds = self._dataset(split)
         costs = [max(len(s), len(t) + 1) for s, t in zip(ds.src, ds.tgt, strict=True)]
         sampler = TokenBucketSampler(
-            costs, self.max_tokens, shuffle=shuffle, seed=self.seed, chunk_size=self.shuffle_chunk
+            costs,
+            self.max_tokens,
+            shuffle=shuffle,
+            seed=self.seed,
+            chunk_size=self.shuffle_chunk,
+            progress=trainer_progress(self) if shuffle else None,
         )
         tok = self.tokenizer
         return DataLoader(

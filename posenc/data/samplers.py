@@ -1,40 +1,91 @@
-"""Samplers: batches by token budget with length bucketing (translation training and
-evaluation), and shards for evaluation under DDP."""
+"""Samplers. Training: the batches of a step depend only on the step, whatever stopped
+and resumed the run, and each DDP rank draws its own ones (:class:`TrainingSampler`,
+:class:`BatchIndexSampler`; by token budget with length bucketing for translation,
+:class:`TokenBucketSampler`). Evaluation: shards that take every item exactly once
+(:class:`ShardSampler`, and :class:`TokenBucketSampler` without shuffling).
+
+Every sampler here is a ``DistributedSampler`` that splits its work over the ranks itself,
+so Lightning leaves it in place instead of wrapping it in its own, which pads evaluation
+shards with repeated items and, in training, would index a resumed iteration out of range.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence, Sized
-from typing import cast
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, DistributedSampler
+
+#: Batches per epoch (per rank) of the tasks whose training data is an endless stream
+#: (language modeling, algorithmic problems). Their epoch is only a unit of Lightning's
+#: loop; it is fixed, not derived from ``max_steps``, so that a run continued to more steps
+#: draws the batches a longer run would have drawn.
+EPOCH_STEPS = 1000
+
+#: What a training sampler reads when an iteration starts: the optimizer steps taken so
+#: far and ``accumulate_grad_batches`` (see :func:`trainer_progress`).
+Progress = Callable[[], tuple[int, int]]
 
 
-class ShardSampler(DistributedSampler):
-    """Rank ``r`` of ``W`` takes items ``r, r + W, r + 2W, ...``: every item exactly once.
+def trainer_progress(owner: object) -> Progress:
+    """The progress of the trainer attached to ``owner`` (a data module), read when called;
+    ``(0, 1)`` while none is attached. Lightning restores the step of a checkpoint before it
+    iterates the training loader, so a resumed run reads where it stopped."""
 
-    torch's ``DistributedSampler`` repeats items so that every rank gets the same number;
-    summed metrics (``TokenNLL``) would then score those windows twice and a 2-process
-    perplexity would differ from the 1-process one. Here ranks may differ by one item,
-    which evaluation tolerates: it runs no collective per batch, only the metric sync at
-    the end of the epoch, which every rank reaches.
+    def read() -> tuple[int, int]:
+        trainer = getattr(owner, "trainer", None)
+        if trainer is None:
+            return 0, 1
+        return int(trainer.global_step), int(trainer.accumulate_grad_batches)
 
-    Being a ``DistributedSampler`` subclass tells Lightning the loader is already sharded,
-    so it does not wrap it in a padding sampler. The world size and rank are read when
-    iterating, not here, because a loader may be built before Lightning starts the process
-    group (``trainer.test`` in an ``eval_only`` run launches the ranks).
+    return read
+
+
+def position(
+    steps: int, accumulate: int, epoch_steps: int | Callable[[int], int]
+) -> tuple[int, int]:
+    """The epoch, and the batch within it, that a rank has reached after ``steps`` optimizer
+    steps.
+
+    Lightning steps the optimizer after every ``accumulate`` batches and after the last
+    batch of an epoch, so an epoch of ``n`` batches takes ``ceil(n / accumulate)`` steps.
 
     Args:
-        dataset: The dataset to shard (only its length is used).
-    """
+        steps: Optimizer steps taken (``trainer.global_step``).
+        accumulate: ``trainer.accumulate_grad_batches``.
+        epoch_steps: Batches per epoch (this rank's), or a function of the epoch.
 
-    def __init__(self, dataset: Sized) -> None:
+    Returns:
+        ``(epoch, batch)``: the next batch to draw is batch ``batch`` of epoch ``epoch``.
+    """
+    if accumulate < 1:
+        raise ValueError(f"accumulate must be a positive int, got {accumulate}.")
+    if isinstance(epoch_steps, int):
+        per_epoch = max(-(-epoch_steps // accumulate), 1)
+        epoch, rest = divmod(steps, per_epoch)
+        return epoch, rest * accumulate
+    epoch = 0
+    while True:
+        n = epoch_steps(epoch)
+        per_epoch = -(-n // accumulate)
+        if steps < per_epoch or n == 0:
+            return epoch, steps * accumulate
+        steps -= per_epoch
+        epoch += 1
+
+
+class _RankAware(DistributedSampler):
+    """A ``DistributedSampler`` that reads the world size and rank when iterating, not when
+    built: a loader may be built before Lightning starts the process group (``trainer.test``
+    in an ``eval_only`` run launches the ranks)."""
+
+    def __init__(self, *, shuffle: bool, seed: int = 0) -> None:
         # DistributedSampler.__init__ is skipped on purpose: it needs a process group now.
-        self.dataset = cast(Dataset, dataset)  # the base class's type; only len() is read
-        self.shuffle = False  # read by Lightning to decide whether a loader shuffles
-        self.drop_last = False
-        self.seed = 0
+        self.shuffle = shuffle  # read by Lightning to decide whether a loader shuffles
+        self.drop_last = shuffle
+        self.seed = int(seed)
         self.epoch = 0
 
     @property
@@ -45,6 +96,39 @@ class ShardSampler(DistributedSampler):
     def rank(self) -> int:  # type: ignore[override]
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch a sampler without a progress function iterates (Lightning calls this
+        every epoch; training samplers with one follow the trainer's step instead)."""
+        self.epoch = int(epoch)
+
+
+def all_ranks(items: list[Any]) -> list[Any]:
+    """``items`` of every rank, concatenated in rank order (this rank's alone outside DDP):
+    the outputs of an evaluation whose shards each rank decoded."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(items)
+    gathered: list[list[Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in (part or [])]
+
+
+class ShardSampler(_RankAware):
+    """Rank ``r`` of ``W`` takes items ``r, r + W, r + 2W, ...``: every item exactly once.
+
+    torch's ``DistributedSampler`` repeats items so that every rank gets the same number;
+    summed metrics (``TokenNLL``) would then score those windows twice and a 2-process
+    perplexity would differ from the 1-process one. Here ranks may differ by one item,
+    which evaluation tolerates: it runs no collective per batch, only the metric sync at
+    the end of the epoch, which every rank reaches.
+
+    Args:
+        dataset: The dataset to shard (only its length is used).
+    """
+
+    def __init__(self, dataset: Sized) -> None:
+        super().__init__(shuffle=False)
+        self.dataset = cast(Dataset, dataset)  # the base class's type; only len() is read
+
     def _indices(self) -> range:
         return range(self.rank, len(cast(Sized, self.dataset)), self.num_replicas)
 
@@ -54,9 +138,78 @@ class ShardSampler(DistributedSampler):
     def __len__(self) -> int:
         return len(self._indices())
 
-    def set_epoch(self, epoch: int) -> None:
-        """Kept for the ``DistributedSampler`` interface; the order never changes."""
-        self.epoch = epoch
+
+class TrainingSampler(_RankAware):
+    """Training: each iteration starts where the trainer is, so that the batch of a step
+    depends only on the step.
+
+    An iteration (an epoch) reads ``progress()`` and draws from the batch :func:`position`
+    names to the end of that epoch. So a run resumed from a checkpoint draws the batches an
+    uninterrupted one draws, wherever in an epoch it stopped, and gradient accumulation
+    does not draw a batch twice (a global step counts ``accumulate_grad_batches`` batches).
+    Without ``progress`` an iteration is the whole epoch :meth:`set_epoch` chose.
+
+    Subclasses say how many batches each epoch has (:meth:`epoch_steps`, per rank) and what
+    a step yields (:meth:`items`); ``len()`` is epoch 0's count, which Lightning reads once
+    as the length of every epoch.
+
+    Args:
+        progress: :func:`trainer_progress` of the data module, or None.
+        seed: Base seed.
+    """
+
+    def __init__(self, progress: Progress | None = None, seed: int = 0) -> None:
+        super().__init__(shuffle=True, seed=seed)
+        self.progress = progress
+
+    def epoch_steps(self, epoch: int) -> int:
+        """This rank's batches in ``epoch``."""
+        raise NotImplementedError
+
+    def items(self, epoch: int, step: int) -> Iterable[Any]:
+        """What this rank yields for batch ``step`` of ``epoch``."""
+        raise NotImplementedError
+
+    def start(self) -> tuple[int, int]:
+        """The epoch and batch the next iteration starts at."""
+        if self.progress is None:
+            return self.epoch, 0
+        steps, accumulate = self.progress()
+        return position(steps, accumulate, self.epoch_steps)
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, first = self.start()
+        for step in range(first, self.epoch_steps(epoch)):
+            yield from self.items(epoch, step)
+
+
+class BatchIndexSampler(TrainingSampler):
+    """The global index of each training batch, for a dataset whose item ``j`` is batch ``j``
+    of an endless stream: rank ``r`` of ``W`` at batch ``s`` of epoch ``e`` draws batch
+    ``(e * steps + s) * W + r``, so the ranks never draw the same batch and one process
+    draws batch ``j`` at its ``j``-th step.
+
+    Args:
+        steps: Batches per epoch, per rank.
+        progress: :func:`trainer_progress`, or None.
+    """
+
+    def __init__(self, steps: int, progress: Progress | None = None, seed: int = 0) -> None:
+        super().__init__(progress, seed)
+        self.steps = int(steps)
+
+    def epoch_steps(self, epoch: int) -> int:
+        return self.steps
+
+    def batch_index(self, epoch: int, step: int) -> int:
+        """The global index of this rank's batch ``step`` of ``epoch``."""
+        return (epoch * self.steps + step) * self.num_replicas + self.rank
+
+    def items(self, epoch: int, step: int) -> Iterable[Any]:
+        return (self.batch_index(epoch, step),)
+
+    def __len__(self) -> int:
+        return self.steps
 
 
 def _pack(order: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -81,27 +234,31 @@ def _pack(order: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list
     return batches
 
 
-class TokenBucketSampler(Sampler[list[int]]):
+class TokenBucketSampler(TrainingSampler):
     """Yields batches of dataset indices whose padded size stays within a token budget.
 
     Every batch satisfies ``len(batch) * max(lengths[i] for i in batch) <= max_tokens``
     (except a single example longer than the budget, which is yielded alone).
 
-    With ``shuffle=True`` each epoch: the indices are randomly permuted, cut into chunks of
-    ``chunk_size``, each chunk is sorted by length (stable, so equal lengths stay in random
-    order) and packed, and the batch order is shuffled. All randomness comes from
-    ``seed + epoch``, so a run is reproducible and :meth:`set_epoch` changes the order.
-    With ``shuffle=False`` all indices are sorted by length (ties by index) and batches come
-    shortest first, which is what evaluation wants.
+    With ``shuffle=True`` (training) each epoch: the indices are randomly permuted, cut into
+    chunks of ``chunk_size``, each chunk is sorted by length (stable, so equal lengths stay
+    in random order) and packed, and the batch order is shuffled. All randomness comes from
+    ``seed + epoch``, so a run is reproducible. Rank ``r`` of ``W`` takes batches
+    ``r, r + W, ...`` of the epoch, the same number on every rank (the last
+    ``len % W`` batches of an epoch, a different few each epoch, are left out). Which epoch
+    and batch an iteration starts at follows the trainer (:class:`TrainingSampler`).
+    With ``shuffle=False`` (evaluation) all indices are sorted by length (ties by index),
+    batches come shortest first, and rank ``r`` takes batches ``r, r + W, ...``: every
+    example exactly once.
 
     ``chunk_size=None`` (the default) uses one chunk holding everything. Then the number of
     batches depends only on the multiset of lengths and is the same every epoch, which matters
     because Lightning reads ``len(dataloader)`` once and ends every epoch after that many
-    batches: with smaller chunks the count varies by epoch, so an epoch that packs into more
-    batches than the first one would skip its last batches.
+    batches: with smaller chunks the count varies by epoch, and an epoch that packs into more
+    batches than the first one stops at the first one's count.
 
     Use it as the ``sampler`` of a ``DataLoader`` with ``batch_size=None`` (the dataset's
-    ``__getitem__`` then receives index lists), so Lightning finds it and calls ``set_epoch``.
+    ``__getitem__`` then receives index lists).
 
     Args:
         lengths: Per-example cost in tokens (for translation, the longer of the padded source
@@ -110,6 +267,8 @@ class TokenBucketSampler(Sampler[list[int]]):
         shuffle: Shuffle (training) or sort deterministically (evaluation).
         seed: Base seed of the per-epoch shuffling.
         chunk_size: Examples per sorting chunk when shuffling; ``None`` means all of them.
+        progress: For training, :func:`trainer_progress` of the data module; None iterates
+            the epoch :meth:`set_epoch` chose from its start.
     """
 
     def __init__(
@@ -120,6 +279,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         shuffle: bool,
         seed: int = 0,
         chunk_size: int | None = None,
+        progress: Progress | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens}.")
@@ -129,28 +289,25 @@ class TokenBucketSampler(Sampler[list[int]]):
             )
         if any(length < 0 for length in lengths):
             raise ValueError("lengths must be non-negative token counts.")
+        super().__init__(progress, seed)
+        self.shuffle = self.drop_last = shuffle
         self.lengths = list(lengths)
         self.max_tokens = int(max_tokens)
-        self.shuffle = shuffle
-        self.seed = int(seed)
         self.chunk_size = chunk_size
-        self.epoch = 0
-        self._cache: tuple[int, list[list[int]]] | None = None
+        self._cache: dict[int, list[list[int]]] = {}  # epoch 0's and the latest epoch's
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose shuffled order :meth:`__iter__` yields next."""
-        self.epoch = int(epoch)
-
-    def batches(self) -> list[list[int]]:
-        """All batches of the current epoch, in the order they will be yielded."""
-        if self._cache is not None and self._cache[0] == self.epoch:
-            return self._cache[1]
+    def batches(self, epoch: int | None = None) -> list[list[int]]:
+        """All batches of ``epoch`` (default: the one :meth:`set_epoch` chose) over all
+        ranks, in order."""
+        epoch = self.epoch if epoch is None else epoch
+        if epoch in self._cache:
+            return self._cache[epoch]
         n = len(self.lengths)
         if not self.shuffle:
             order = sorted(range(n), key=lambda i: (self.lengths[i], i))
             batches = _pack(order, self.lengths, self.max_tokens)
         else:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            gen = torch.Generator().manual_seed(self.seed + epoch)
             perm = torch.randperm(n, generator=gen).tolist()
             size = n if self.chunk_size is None else self.chunk_size
             batches = []
@@ -158,11 +315,30 @@ class TokenBucketSampler(Sampler[list[int]]):
                 chunk = sorted(perm[start : start + size], key=self.lengths.__getitem__)
                 batches.extend(_pack(chunk, self.lengths, self.max_tokens))
             batches = [batches[j] for j in torch.randperm(len(batches), generator=gen).tolist()]
-        self._cache = (self.epoch, batches)
+        self._cache = {e: b for e, b in self._cache.items() if e == 0} | {epoch: batches}
         return batches
 
+    def epoch_steps(self, epoch: int) -> int:
+        first = len(self.batches(0)) // self.num_replicas
+        if self.chunk_size is None:  # the same count every epoch
+            return first
+        return min(len(self.batches(epoch)) // self.num_replicas, first)
+
+    def start(self) -> tuple[int, int]:
+        if self.progress is None or self.chunk_size is not None:
+            return super().start()
+        steps, accumulate = self.progress()
+        return position(steps, accumulate, self.epoch_steps(0))
+
+    def items(self, epoch: int, step: int) -> Iterable[list[int]]:
+        return (self.batches(epoch)[step * self.num_replicas + self.rank],)
+
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches())
+        if self.shuffle:
+            return super().__iter__()
+        return iter(self.batches()[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        return len(self.batches())
+        if self.shuffle:
+            return self.epoch_steps(0)
+        return len(range(self.rank, len(self.batches()), self.num_replicas))

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torchmetrics.aggregation import SumMetric
 
+from posenc.data.samplers import all_ranks
 from posenc.decoding.encdec import Decoded, beam_search, greedy, output_limits
 from posenc.eval.bleu import corpus_scores
 from posenc.model import EncoderDecoder
@@ -228,7 +229,7 @@ class MTTask(TaskModule[EncoderDecoder]):
 
     def on_validation_epoch_end(self) -> None:
         self._log_sums("val")
-        hyps, self._val_hyps = self._val_hyps, []
+        hyps, self._val_hyps = all_ranks(self._val_hyps), []
         dm = getattr(self.trainer, "datamodule", None)
         if self.val_bleu_sentences == 0 or dm is None or not hasattr(dm, "references"):
             return
@@ -243,7 +244,7 @@ class MTTask(TaskModule[EncoderDecoder]):
                 "validation sentences; use limit_val_batches=1.0",
                 self.val_bleu_sentences,
             )
-        # Rank-local under DDP: each rank decodes its own shard of the sentences.
+        # Every rank scores the sentences all ranks decoded: the same value everywhere.
         self.log("val/bleu", bleu, prog_bar=True, rank_zero_only=True)
 
     def configure_test(
@@ -270,3 +271,4 @@ class MTTask(TaskModule[EncoderDecoder]):
 
     def on_test_epoch_end(self) -> None:
         self._log_sums("test")
+        self.test_hyps = all_ranks(self.test_hyps)  # each rank decoded its shard

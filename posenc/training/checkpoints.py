@@ -124,6 +124,7 @@ ADDED_LATER = {
     "model.window": None,
     "model.window_layers": None,
     "label": None,  # a run's name in results; older runs were named by their encoder
+    "trainer.accumulate_grad_batches": 1,
 }
 
 

@@ -42,12 +42,15 @@ class _DropNoise(logging.Filter):
 
 def quiet_third_party() -> None:
     """Silence what libraries print on every run that the user cannot act on: Lightning's
-    logger tip and its ``_pytree`` deprecation warning (from inside Lightning)."""
+    logger tip, its ``_pytree`` deprecation warning (from inside Lightning), and its warning
+    that a run resumed inside an epoch may draw other batches: posenc's training samplers
+    start where the trainer's step says (:class:`posenc.data.samplers.TrainingSampler`)."""
     for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
             logger.addFilter(_DropNoise())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended")
 
 
 class RunState(pl.Callback):
@@ -100,6 +103,7 @@ class RunState(pl.Callback):
     ) -> None:
         if self.tokenizer is not None:
             checkpoints.check_tokenizer(str(trainer.ckpt_path), checkpoint, self.tokenizer)
+        _start_the_next_epoch_afresh(checkpoint)
         self.val = dict((checkpoint.get("posenc") or {}).get("val") or {}) or self.val
         state = checkpoint.get("posenc_rng")
         if state is None:
@@ -107,6 +111,29 @@ class RunState(pl.Callback):
         torch.set_rng_state(state["cpu"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _start_the_next_epoch_afresh(checkpoint: dict[str, Any]) -> None:
+    """Zero the batch counts of an epoch that ended before the checkpoint was saved.
+
+    A checkpoint saved after ``fit`` returned at the last batch of an epoch (posenc's final
+    ``last.ckpt`` when ``max_steps`` falls on an epoch's end) keeps that epoch's batch counts
+    with the epoch itself marked complete. Lightning restores them as the next epoch's
+    progress, ends that epoch after one batch, and steps the optimizer on it alone with
+    gradient accumulation: a run continued from the checkpoint would part from one that
+    never stopped. This does at load what Lightning does when a new epoch starts.
+    """
+    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    batches, epochs = loop.get("epoch_loop.batch_progress"), loop.get("epoch_progress")
+    if not batches or not epochs or not batches.get("is_last_batch"):
+        return
+    current = batches["current"]
+    if (
+        current["completed"] == current["ready"]
+        and epochs["current"]["completed"] == (epochs["current"]["ready"])
+    ):  # the batch finished and so did its epoch
+        batches["current"] = dict.fromkeys(current, 0)
+        batches["is_last_batch"] = False
 
 
 def run_state(trainer: pl.Trainer) -> RunState:

@@ -165,7 +165,7 @@ def test_train_batches_are_seeded_random_crops(shakespeare: str, tmp_path: Path)
     assert len(loader) == 5
     # Step s's batch depends only on (seed, s): an iteration that starts at step 2 (a
     # resumed run) yields what an uninterrupted one yields as its third batch.
-    loader.sampler.start_step = lambda: 2
+    loader.sampler.progress = lambda: (2, 1)  # two optimizer steps, no accumulation
     resumed = iter(loader)
     assert torch.equal(next(resumed)["input"], a[2]["input"])
     assert not torch.equal(next(resumed)["input"], a[2]["input"])

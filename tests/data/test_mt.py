@@ -189,12 +189,14 @@ def test_token_bucket_sampler_covers_each_index_once_within_budget(chunk_size: i
     orders = []
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
-        batches = list(sampler)
-        assert len(batches) == len(sampler)
+        batches = sampler.batches(epoch)
         assert sorted(_flat(batches)) == list(range(1000))
+        # An epoch yields its batches up to epoch 0's count, which Lightning reads once.
+        assert list(sampler) == batches[: len(sampler)] and len(sampler) == len(sampler.batches(0))
         assert all(len(b) * max(lengths[i] for i in b) <= 240 for b in batches)
         orders.append(_flat(batches))
     assert orders[0] != orders[1]
+    assert chunk_size is None or len(sampler.batches(0)) != len(sampler.batches(1))  # capped
     sampler.set_epoch(0)
     assert _flat(list(sampler)) == orders[0]  # deterministic from seed + epoch
     again = TokenBucketSampler(lengths, 240, shuffle=True, seed=7, chunk_size=chunk_size)
@@ -346,13 +348,25 @@ def test_eval_loader_is_length_sorted_and_restorable(tmp_path: Path) -> None:
         restore_order([0, 0], ["a", "b"])
 
 
-def test_lightning_sets_the_sampler_epoch(tmp_path: Path) -> None:
+def test_the_train_loader_follows_the_trainers_step(tmp_path: Path) -> None:
     loader = _toy_module(tmp_path).train_dataloader()
-    first = [b["index"].tolist() for b in loader]
-    _set_sampler_epoch(loader, 1)  # what Lightning's fit loop calls at each epoch start
-    assert loader.sampler.epoch == 1
-    second = [b["index"].tolist() for b in loader]
+
+    def epoch(steps: int, accumulate: int = 1) -> list[list[int]]:
+        loader.sampler.progress = lambda: (steps, accumulate)  # what the trainer reports
+        return [b["index"].tolist() for b in loader]
+
+    first = epoch(0)
+    n = len(first)
+    assert n == len(loader) > 2
+    second = epoch(n)  # one epoch done: the next one, shuffled anew
     assert first != second and sorted(sum(first, [])) == sorted(sum(second, []))
+    assert epoch(n + 2) == second[2:]  # resumed two steps into the second epoch
+    assert epoch(1) == first[1:]
+    # Two batches a step: the last step of an epoch may take one, then the next epoch.
+    assert epoch(-(-n // 2), accumulate=2) == second
+    assert epoch(1, accumulate=2) == first[2:]
+    _set_sampler_epoch(loader, 5)  # Lightning's call at each epoch start changes nothing
+    assert epoch(0) == first
 
 
 def test_multi30k_module_with_train_short_test_long(tmp_path: Path) -> None:

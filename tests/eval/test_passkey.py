@@ -205,9 +205,9 @@ def test_sampler_replaces_the_requested_fraction(mix: float) -> None:
     assert [x for i, x in enumerate(mixed) if i not in set(draws)] == [
         x for i, x in enumerate(plain) if i not in set(draws)
     ]
-    # A resumed sampler (start at step 20) draws what the uninterrupted one drew.
+    # A resumed sampler (at step 20) draws what the uninterrupted one drew.
     resumed = list(
-        RandomOffsetSampler(1000, 30, 16, seed=3, start_step=lambda: 20, passkey_mix=mix)
+        RandomOffsetSampler(1000, 50, 16, seed=3, progress=lambda: (20, 1), passkey_mix=mix)
     )
     assert resumed == mixed[20 * 16 :]
     assert all(is_passkey_slot(i, mix) == (i in set(draws)) for i in range(800))

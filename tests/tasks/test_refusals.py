@@ -93,7 +93,7 @@ REFUSED = [
         r"1..300000, task.test_multiple=3\) needs \d+\.\d GiB",
     ),
     (
-        "+trainer.accumulate_grad_batches=0",
+        "trainer.accumulate_grad_batches=0",
         r"trainer.accumulate_grad_batches=0: must be a positive integer",
     ),
     (
@@ -133,7 +133,7 @@ REFUSED = [
 #: Allowed edge values: they must pass the same checks.
 ACCEPTED = [
     "task=algo task.train_lengths=[1,64]",
-    "+trainer.accumulate_grad_batches=2",
+    "trainer.accumulate_grad_batches=2",
     "task.optim.warmup_steps=0",
     "task.optim.min_lr_ratio=0",
     "task.optim.min_lr_ratio=1",

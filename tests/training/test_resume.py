@@ -1,0 +1,85 @@
+"""A run stopped and continued from its checkpoint ends with the weights of a run that was
+never stopped: every task, two batches a step (gradient accumulation), translation across
+epochs. What makes it so: each training sampler starts where the trainer's step says
+(tests/data/test_samplers.py checks that against Lightning's loop)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from posenc.train import train
+from tests.conftest import TINY, compose_config
+
+SIZES = {
+    "lm": [*TINY, "encoder=rope", "model.dropout=0.1"],
+    "mt": [
+        "task=mt",
+        "model.n_layers=1",
+        "model.d_model=16",
+        "model.n_heads=2",
+        "model.d_ff=32",
+        "tokenizer.vocab_size=400",
+        "task.max_len=10",  # the 25 shortest pairs: epochs of 6 batches
+        "task.max_tokens=48",
+        "task.val_bleu_sentences=2",
+        "task.eval_max_sentences=2",
+        "task.decode.beam_size=1",
+    ],
+    "algo": [
+        "task=algo",
+        "model.n_layers=1",
+        "model.d_model=16",
+        "model.n_heads=2",
+        "model.d_ff=32",
+        "task.train_lengths=[1,4]",
+        "task.batch_size=8",
+        "task.val_per_size=2",
+        "task.test_per_size=2",
+    ],
+}
+# A large rate from the first step, so that one batch drawn otherwise changes the weights,
+# on a schedule that does not depend on max_steps (the stopped run has fewer).
+SHARP = [
+    "task.optim.lr=1e-2",
+    "task.optim.warmup_steps=1",
+    "task.optim.schedule=inverse_sqrt",
+    "trainer.accumulate_grad_batches=2",
+    "trainer.val_check_interval=4",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "++trainer.enable_progress_bar=false",
+]
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+
+
+@pytest.mark.parametrize("task", sorted(SIZES))
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(
+    task: str, tmp_path: Path
+) -> None:
+    def run(name: str, steps: int, *extra: str) -> dict:
+        return train(
+            compose_config(
+                tmp_path / name,
+                *SIZES[task],
+                *SHARP,
+                f"trainer.max_steps={steps}",
+                f"paths.cache_dir={tmp_path / 'cache'}",
+                *extra,
+            )
+        )
+
+    whole = run("whole", 8)
+    run("stopped", 3)  # batch 6 of 16: mid-epoch for lm and algo, an epoch's end for mt
+    stopped = tmp_path / "stopped" / "run" / "checkpoints" / "last.ckpt"
+    resumed = run("resumed", 8, f"ckpt_path={stopped}")
+    assert whole["train_steps"] == resumed["train_steps"] == 8
+    a, b = _weights(tmp_path / "whole" / "run"), _weights(tmp_path / "resumed" / "run")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-6, msg=key)
