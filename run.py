@@ -30,7 +30,8 @@ if __name__ == "__main__":
         sys.exit(2)
     typos = misspelled_keys(args, conf)
     if typos:
-        print("error: " + "\n  ".join(["unknown keys:", *typos]), file=sys.stderr)
+        head = typos if len(typos) == 1 else ["keys the config cannot take:", *typos]
+        print("error: " + "\n  ".join(head), file=sys.stderr)
         sys.exit(2)
     # +tuned=<report dir>: a missing or malformed file fails once, before a sweep starts.
     problem = check_argument(sys.argv[1:])

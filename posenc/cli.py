@@ -85,7 +85,8 @@ def register_resolvers() -> None:
 
 def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
     """Overrides that set a key the composed config lacks, each with the nearest existing
-    key: Hydra would refuse them with "not in struct" and no suggestion.
+    key: Hydra would refuse them with "not in struct" and no suggestion. And ``+key=value``
+    for a key the config has (Hydra refuses it over three lines).
 
     The config is composed with the command's group choices (a sweep's first value of
     each, then a sweep preset's own first values); anything this check cannot parse is
@@ -136,6 +137,13 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
     found = []
     for o in parsed:
         key = o.key_or_group
+        if o.type is OverrideType.ADD and key not in groups:
+            if OmegaConf.select(cfg, key, default=UNKNOWN) is not UNKNOWN:
+                found.append(
+                    f"+{key}: {key} is already in the config; set it without the +: "
+                    f"{(o.input_line or key).lstrip('+')}"
+                )
+            continue
         if o.type is not OverrideType.CHANGE or key in groups:
             continue
         if "." not in key:  # a top-level key or a config group (encoder=, task=, ...)

@@ -126,6 +126,12 @@ def test_a_misspelled_key_gets_the_nearest_key(tmp_path: Path) -> None:
     assert misspelled_keys(["sweep=algo_length", "encoder.bias_init=spread"], conf) == [
         "encoder.bias_init: no such key; encoder has _partial_, _target_"  # none's, the first arm
     ]
+    # A key the config has, added with + (an older command line): one line with the fix.
+    assert misspelled_keys(["+trainer.accumulate_grad_batches=2", "+variant=fox"], conf) == [
+        "+trainer.accumulate_grad_batches: trainer.accumulate_grad_batches is already in the "
+        "config; set it without the +: trainer.accumulate_grad_batches=2"
+    ]
+    assert misspelled_keys(["+trainer.detect_anomaly=true", "++trainer.max_steps=4"], conf) == []
     # What Hydra itself reports better (bad syntax, unknown groups) is left to it.
     assert misspelled_keys(["model.d_model=[", "encoder=nope"], conf) == []
     out = _run(tmp_path, "model.d_modle=64")
