@@ -42,15 +42,19 @@ class _DropNoise(logging.Filter):
 
 def quiet_third_party() -> None:
     """Silence what libraries print on every run that the user cannot act on: Lightning's
-    logger tip, its ``_pytree`` deprecation warning (from inside Lightning), and its warning
-    that a run resumed inside an epoch may draw other batches: posenc's training samplers
-    start where the trainer's step says (:class:`posenc.data.samplers.TrainingSampler`)."""
+    logger tip, its ``_pytree`` deprecation warning (from inside Lightning), its warning
+    that a run resumed inside an epoch may draw other batches (posenc's training samplers
+    start where the trainer's step says: :class:`posenc.data.samplers.TrainingSampler`),
+    and, when training goes on from a checkpoint in a new folder (``ckpt_path=``), that
+    the old folder's best score is not carried over: the new folder's ``best.ckpt`` is the
+    best of its own validations, as intended."""
     for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
             logger.addFilter(_DropNoise())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended")
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
 
 class RunState(pl.Callback):
@@ -224,9 +228,20 @@ def build_trainer(
 
 
 def best_checkpoint(trainer: pl.Trainer) -> str:
-    """The path of ``best.ckpt`` (empty before the first one is saved): the trainer's
-    first checkpoint callback is :func:`build_trainer`'s ``best`` ModelCheckpoint."""
-    return cast(ModelCheckpoint, trainer.checkpoint_callback).best_model_path
+    """The path of this run's ``best.ckpt`` (empty before the first one is saved): the
+    trainer's first checkpoint callback is :func:`build_trainer`'s ``best`` ModelCheckpoint.
+
+    Training on from a checkpoint of another folder (``ckpt_path=``), Lightning restores
+    that folder's best path; until this run validates, it is not this run's best."""
+    callback = cast(ModelCheckpoint, trainer.checkpoint_callback)
+    best = callback.best_model_path
+    if (
+        best
+        and callback.dirpath
+        and Path(best).parent.resolve() != Path(callback.dirpath).resolve()
+    ):
+        return ""
+    return best
 
 
 def to_dict(node: Group | DictConfig) -> dict[str, Any]:

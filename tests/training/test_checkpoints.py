@@ -23,7 +23,7 @@ from posenc.errors import CacheError, CheckpointError
 from posenc.train import train
 from posenc.training import checkpoints, digests
 from posenc.training.rundir import write_failure
-from posenc.training.trainer import command_line_keys
+from posenc.training.trainer import best_checkpoint, command_line_keys
 from tests.conftest import ROOT, TINY, command_line, compose_run
 
 
@@ -250,6 +250,25 @@ def test_resume_may_train_longer_and_evaluate_otherwise(trained: Path, tmp_path:
     )
     assert out["train_steps"] == 5
     assert "test/ppl@32" in out["metrics"]
+
+
+def test_a_run_continued_in_a_new_folder_tests_its_own_best_not_the_old_folders(
+    tmp_path: Path,
+) -> None:
+    """Lightning restores the old folder's best path from the checkpoint; until the new run
+    validates, testing it would evaluate the old run's weights under the new run's name."""
+    from types import SimpleNamespace
+
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    callback = ModelCheckpoint(dirpath=tmp_path / "new" / "checkpoints", filename="best")
+    trainer = SimpleNamespace(checkpoint_callback=callback)
+    callback.best_model_path = str(tmp_path / "old" / "checkpoints" / "best.ckpt")
+    assert best_checkpoint(trainer) == ""  # the final weights are tested instead
+    callback.best_model_path = str(tmp_path / "new" / "checkpoints" / "best.ckpt")
+    assert best_checkpoint(trainer) == callback.best_model_path
+    callback.best_model_path = ""
+    assert best_checkpoint(trainer) == ""
 
 
 def _damage(path: Path, offset: int, n: int = 4096) -> None:
