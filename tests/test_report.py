@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -469,6 +470,15 @@ def test_welch_p_values_by_hand() -> None:
     assert welch_p([1.0], [2.0, 3.0]) is None  # n = 1: no test
     assert welch_p([100, 100], [100, 100]) == 1.0  # no spread, equal: a tie
     assert welch_p([100, 100], [90, 90]) == 0.0  # no spread, different: a difference
+    # One side without spread (up to float rounding, which scipy warned about): the other
+    # side's one-sample t, (2 - 5) / (1 / sqrt 3) with 2 degrees of freedom.
+    one_sided = 2 * student.sf(3 * math.sqrt(3), 2)
+    assert one_sided == pytest.approx(0.0351, abs=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert welch_p([1, 2, 3], [5, 5, 5 + 1e-14]) == pytest.approx(one_sided, rel=1e-9)
+        assert welch_p([5, 5, 5], [1, 2, 3]) == pytest.approx(one_sided, rel=1e-9)
+        assert welch_p([128.0, 128.0, 128.0000000000001], [128, 128, 128]) == 1.0
 
 
 def test_holm_and_marks_by_hand() -> None:
