@@ -224,7 +224,20 @@ def build_trainer(
         default_root_dir=str(run_dir),
         plugins=plugins,
         enable_progress_bar=bar,
+        **validation_in_batches(cfg.trainer),
     )
+
+
+def validation_in_batches(trainer: Any) -> dict[str, Any]:
+    """``trainer.val_check_interval`` in batches, as Lightning counts it: posenc's is in
+    optimizer steps, like ``max_steps`` and ``checkpoint_every_n_steps``, so that
+    ``trainer.accumulate_grad_batches`` does not make a run validate more often. A time or
+    a fraction of an epoch passes unchanged (empty: nothing to override)."""
+    every = trainer.get("val_check_interval")
+    accumulate = int(trainer.get("accumulate_grad_batches") or 1)
+    if accumulate == 1 or isinstance(every, bool) or not isinstance(every, int):
+        return {}
+    return {"val_check_interval": every * accumulate}
 
 
 def best_checkpoint(trainer: pl.Trainer) -> str:

@@ -83,3 +83,21 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_the_validation_interval_stays_in_optimizer_steps() -> None:
+    """Lightning counts val_check_interval in batches; posenc's is in steps, as max_steps."""
+    from omegaconf import OmegaConf
+
+    from posenc.training.trainer import validation_in_batches
+
+    def batches(**trainer: object) -> dict:
+        return validation_in_batches(OmegaConf.create(trainer))
+
+    assert batches(val_check_interval=500, accumulate_grad_batches=4) == {
+        "val_check_interval": 2000
+    }
+    assert batches(val_check_interval=500, accumulate_grad_batches=1) == {}
+    assert batches(val_check_interval="00:00:10:00", accumulate_grad_batches=4) == {}
+    assert batches(val_check_interval=0.5, accumulate_grad_batches=4) == {}
+    assert batches(val_check_interval=None, accumulate_grad_batches=4) == {}
