@@ -54,12 +54,7 @@ from posenc.data.algo_problems import (
 )
 from posenc.data.lm import physical_memory
 from posenc.data.mt import MTCollator
-from posenc.data.samplers import (
-    EPOCH_STEPS,
-    BatchIndexSampler,
-    ShardSampler,
-    trainer_progress,
-)
+from posenc.data.samplers import ENDLESS, BatchIndexSampler, ShardSampler, trainer_progress
 
 #: Layouts of an instance: decoder-only (BOS prompt SEP answer EOS, loss on the answer)
 #: or encoder-decoder (prompt -> answer).
@@ -431,7 +426,8 @@ class AlgoDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         """Batches drawn in order from the stream by the trainer's progress
-        (:class:`posenc.data.samplers.BatchIndexSampler`), ``EPOCH_STEPS`` an epoch."""
+        (:class:`posenc.data.samplers.BatchIndexSampler`), in one endless epoch
+        (:data:`posenc.data.samplers.ENDLESS`)."""
         stream = TrainingStream(
             self.problem,
             self.vocab,
@@ -441,7 +437,7 @@ class AlgoDataModule(pl.LightningDataModule):
             self.options,
         )
         data = TrainingBatches(stream, self.batch_size, self.collate)
-        sampler = BatchIndexSampler(EPOCH_STEPS, trainer_progress(self), self.seed)
+        sampler = BatchIndexSampler(ENDLESS, trainer_progress(self), self.seed)
         return torch.utils.data.DataLoader(data, batch_size=None, sampler=sampler)
 
     def _eval(

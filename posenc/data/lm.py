@@ -287,7 +287,7 @@ class RandomOffsetSampler(BatchIndexSampler):
         self.passkey_mix = passkey_mix
 
     def __len__(self) -> int:
-        return self.steps * self.batch_size
+        return self.epoch_steps() * self.batch_size
 
     def offsets(self, batch: int) -> list[int]:
         """The window offsets of batch ``batch``."""

@@ -18,11 +18,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
-#: Batches per epoch (per rank) of the tasks whose training data is an endless stream
-#: (language modeling, algorithmic problems). Their epoch is only a unit of Lightning's
-#: loop; it is fixed, not derived from ``max_steps``, so that a run continued to more steps
-#: draws the batches a longer run would have drawn.
+#: Batches per epoch (per rank) of language modeling, whose training data is an endless
+#: stream: its epoch is only a unit of Lightning's loop.
 EPOCH_STEPS = 1000
+
+#: Batches in the single epoch of a run whose data never repeats (algorithmic problems):
+#: ``max_steps`` ends it. One epoch, whatever ``max_steps``: each epoch's iterator draws
+#: once from the global generator, so more epochs would move the dropout masks and random
+#: positions of every later step, and a run continued to more steps would part from one
+#: that was that long from the start.
+ENDLESS = 1 << 40
 
 #: What a training sampler reads when an iteration starts: the optimizer steps taken so
 #: far and ``accumulate_grad_batches`` (see :func:`trainer_progress`).
@@ -43,37 +48,28 @@ def trainer_progress(owner: object) -> Progress:
     return read
 
 
-def position(
-    steps: int, accumulate: int, epoch_steps: int | Callable[[int], int]
-) -> tuple[int, int]:
+def position(steps: int, accumulate: int, epoch_steps: int) -> tuple[int, int]:
     """The epoch, and the batch within it, that a rank has reached after ``steps`` optimizer
     steps.
 
     Lightning steps the optimizer after every ``accumulate`` batches and after the last
-    batch of an epoch, so an epoch of ``n`` batches takes ``ceil(n / accumulate)`` steps.
+    batch of an epoch, so an epoch of ``n`` batches takes ``ceil(n / accumulate)`` steps
+    (posenc's training epochs are multiples of ``accumulate``: see
+    :meth:`TrainingSampler.epoch_steps`).
 
     Args:
         steps: Optimizer steps taken (``trainer.global_step``).
         accumulate: ``trainer.accumulate_grad_batches``.
-        epoch_steps: Batches per epoch (this rank's), or a function of the epoch.
+        epoch_steps: Batches per epoch (this rank's), the same every epoch.
 
     Returns:
         ``(epoch, batch)``: the next batch to draw is batch ``batch`` of epoch ``epoch``.
     """
     if accumulate < 1:
         raise ValueError(f"accumulate must be a positive int, got {accumulate}.")
-    if isinstance(epoch_steps, int):
-        per_epoch = max(-(-epoch_steps // accumulate), 1)
-        epoch, rest = divmod(steps, per_epoch)
-        return epoch, rest * accumulate
-    epoch = 0
-    while True:
-        n = epoch_steps(epoch)
-        per_epoch = -(-n // accumulate)
-        if steps < per_epoch or n == 0:
-            return epoch, steps * accumulate
-        steps -= per_epoch
-        epoch += 1
+    per_epoch = max(-(-epoch_steps // accumulate), 1)
+    epoch, rest = divmod(steps, per_epoch)
+    return epoch, rest * accumulate
 
 
 class _RankAware(DistributedSampler):
@@ -149,9 +145,12 @@ class TrainingSampler(_RankAware):
     does not draw a batch twice (a global step counts ``accumulate_grad_batches`` batches).
     Without ``progress`` an iteration is the whole epoch :meth:`set_epoch` chose.
 
-    Subclasses say how many batches each epoch has (:meth:`epoch_steps`, per rank) and what
-    a step yields (:meth:`items`); ``len()`` is epoch 0's count, which Lightning reads once
-    as the length of every epoch.
+    Every epoch has the same number of batches, a multiple of ``accumulate_grad_batches``
+    (:meth:`epoch_steps`): Lightning reads ``len()`` once as the length of every epoch, and
+    counts accumulation within an epoch but validation intervals across epochs, so an
+    accumulation window never spans two epochs and validation falls between two steps.
+    Subclasses give the count before that rounding (:meth:`base_steps`) and what a step
+    yields (:meth:`items`).
 
     Args:
         progress: :func:`trainer_progress` of the data module, or None.
@@ -162,35 +161,48 @@ class TrainingSampler(_RankAware):
         super().__init__(shuffle=True, seed=seed)
         self.progress = progress
 
-    def epoch_steps(self, epoch: int) -> int:
-        """This rank's batches in ``epoch``."""
+    def base_steps(self) -> int:
+        """This rank's batches in an epoch, before rounding up to whole steps."""
         raise NotImplementedError
 
     def items(self, epoch: int, step: int) -> Iterable[Any]:
         """What this rank yields for batch ``step`` of ``epoch``."""
         raise NotImplementedError
 
+    def accumulate(self) -> int:
+        """Batches a step (``trainer.accumulate_grad_batches``; 1 without a trainer)."""
+        return self.progress()[1] if self.progress is not None else 1
+
+    def epoch_steps(self) -> int:
+        """This rank's batches in every epoch: :meth:`base_steps`, rounded up to a multiple
+        of :meth:`accumulate` (unchanged without accumulation)."""
+        a = self.accumulate()
+        return -(-self.base_steps() // a) * a
+
     def start(self) -> tuple[int, int]:
         """The epoch and batch the next iteration starts at."""
         if self.progress is None:
             return self.epoch, 0
         steps, accumulate = self.progress()
-        return position(steps, accumulate, self.epoch_steps)
+        return position(steps, accumulate, self.epoch_steps())
 
     def __iter__(self) -> Iterator[Any]:
         epoch, first = self.start()
-        for step in range(first, self.epoch_steps(epoch)):
+        for step in range(first, self.epoch_steps()):
             yield from self.items(epoch, step)
+
+    def __len__(self) -> int:
+        return self.epoch_steps()
 
 
 class BatchIndexSampler(TrainingSampler):
     """The global index of each training batch, for a dataset whose item ``j`` is batch ``j``
     of an endless stream: rank ``r`` of ``W`` at batch ``s`` of epoch ``e`` draws batch
-    ``(e * steps + s) * W + r``, so the ranks never draw the same batch and one process
-    draws batch ``j`` at its ``j``-th step.
+    ``(e * E + s) * W + r`` (``E`` = :meth:`epoch_steps`), so the ranks never draw the same
+    batch and one process draws batch ``j`` at its ``j``-th training batch.
 
     Args:
-        steps: Batches per epoch, per rank.
+        steps: Batches per epoch, per rank (rounded up to whole steps).
         progress: :func:`trainer_progress`, or None.
     """
 
@@ -198,18 +210,15 @@ class BatchIndexSampler(TrainingSampler):
         super().__init__(progress, seed)
         self.steps = int(steps)
 
-    def epoch_steps(self, epoch: int) -> int:
+    def base_steps(self) -> int:
         return self.steps
 
     def batch_index(self, epoch: int, step: int) -> int:
         """The global index of this rank's batch ``step`` of ``epoch``."""
-        return (epoch * self.steps + step) * self.num_replicas + self.rank
+        return (epoch * self.epoch_steps() + step) * self.num_replicas + self.rank
 
     def items(self, epoch: int, step: int) -> Iterable[Any]:
         return (self.batch_index(epoch, step),)
-
-    def __len__(self) -> int:
-        return self.steps
 
 
 def _pack(order: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -252,10 +261,10 @@ class TokenBucketSampler(TrainingSampler):
     example exactly once.
 
     ``chunk_size=None`` (the default) uses one chunk holding everything. Then the number of
-    batches depends only on the multiset of lengths and is the same every epoch, which matters
-    because Lightning reads ``len(dataloader)`` once and ends every epoch after that many
-    batches: with smaller chunks the count varies by epoch, and an epoch that packs into more
-    batches than the first one stops at the first one's count.
+    batches depends only on the multiset of lengths and is the same every epoch. With
+    smaller chunks it varies by epoch, and since Lightning reads ``len(dataloader)`` once,
+    every training epoch has epoch 0's count (rounded up to whole steps with gradient
+    accumulation): a longer epoch stops there, a shorter one repeats its first batches.
 
     Use it as the ``sampler`` of a ``DataLoader`` with ``batch_size=None`` (the dataset's
     ``__getitem__`` then receives index lists).
@@ -295,6 +304,7 @@ class TokenBucketSampler(TrainingSampler):
         self.max_tokens = int(max_tokens)
         self.chunk_size = chunk_size
         self._cache: dict[int, list[list[int]]] = {}  # epoch 0's and the latest epoch's
+        self._epoch_cache: tuple[int, int, list[list[int]]] = (-1, 0, [])
 
     def batches(self, epoch: int | None = None) -> list[list[int]]:
         """All batches of ``epoch`` (default: the one :meth:`set_epoch` chose) over all
@@ -318,27 +328,47 @@ class TokenBucketSampler(TrainingSampler):
         self._cache = {e: b for e, b in self._cache.items() if e == 0} | {epoch: batches}
         return batches
 
-    def epoch_steps(self, epoch: int) -> int:
-        first = len(self.batches(0)) // self.num_replicas
-        if self.chunk_size is None:  # the same count every epoch
-            return first
-        return min(len(self.batches(epoch)) // self.num_replicas, first)
+    def base_steps(self) -> int:
+        n, ranks = len(self.batches(0)), self.num_replicas
+        if n < ranks:
+            raise ValueError(
+                f"the training data packs into {n} batches of max_tokens={self.max_tokens}, "
+                f"fewer than the {ranks} processes; lower max_tokens or use fewer devices."
+            )
+        return n // ranks
 
-    def start(self) -> tuple[int, int]:
-        if self.progress is None or self.chunk_size is not None:
-            return super().start()
-        steps, accumulate = self.progress()
-        return position(steps, accumulate, self.epoch_steps(0))
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """All ranks' batches of ``epoch``: its shuffled batches, cut or cycled to
+        :meth:`epoch_steps` per rank (an epoch that packs into fewer than epoch 0, with
+        ``chunk_size``, or into fewer than whole steps, repeats its first batches)."""
+        need = self.epoch_steps() * self.num_replicas
+        if self._epoch_cache[:2] != (epoch, need):
+            batches = self.batches(epoch)
+            self._epoch_cache = (epoch, need, [batches[i % len(batches)] for i in range(need)])
+        return self._epoch_cache[2]
 
     def items(self, epoch: int, step: int) -> Iterable[list[int]]:
-        return (self.batches(epoch)[step * self.num_replicas + self.rank],)
+        return (self.epoch_batches(epoch)[step * self.num_replicas + self.rank],)
+
+    def _shard(self) -> list[list[int]]:
+        """Evaluation: this rank's batches, ``r, r + W, ...``; a set of fewer batches than
+        ranks goes one example a batch, so that every rank has one."""
+        batches, ranks = self.batches(), self.num_replicas
+        if len(batches) < ranks:
+            batches = [[i] for batch in batches for i in batch]
+        if len(batches) < ranks:
+            raise ValueError(
+                f"{len(batches)} examples cannot be split over {ranks} processes; "
+                f"evaluate with fewer devices."
+            )
+        return batches[self.rank :: ranks]
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.shuffle:
             return super().__iter__()
-        return iter(self.batches()[self.rank :: self.num_replicas])
+        return iter(self._shard())
 
     def __len__(self) -> int:
         if self.shuffle:
-            return self.epoch_steps(0)
-        return len(range(self.rank, len(self.batches()), self.num_replicas))
+            return super().__len__()
+        return len(self._shard())

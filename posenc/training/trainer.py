@@ -77,6 +77,7 @@ class RunState(pl.Callback):
         self.record = record
         self.tokenizer = tokenizer
         self.val: dict[str, float] = {}
+        self._rng: dict[str, Any] | None = None  # a resumed run's, until training starts
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -107,37 +108,61 @@ class RunState(pl.Callback):
     ) -> None:
         if self.tokenizer is not None:
             checkpoints.check_tokenizer(str(trainer.ckpt_path), checkpoint, self.tokenizer)
-        _start_the_next_epoch_afresh(checkpoint)
+        align_loop_state(checkpoint, int(trainer.accumulate_grad_batches))
         self.val = dict((checkpoint.get("posenc") or {}).get("val") or {}) or self.val
-        state = checkpoint.get("posenc_rng")
-        if state is None:
-            return
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        self._rng = checkpoint.get("posenc_rng")
+        _set_rng(self._rng)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Resumed inside an epoch: Lightning has just built the epoch's iterator again, and
+        # a loader without a generator of its own draws its seed from the global one. An
+        # uninterrupted run drew it when the epoch began, before the checkpoint: set the
+        # state again. (At an epoch's start the draw is the one it would make now.)
+        if self._rng is not None and trainer.fit_loop.epoch_loop.batch_progress.current.ready:
+            _set_rng(self._rng)
+        self._rng = None
 
 
-def _start_the_next_epoch_afresh(checkpoint: dict[str, Any]) -> None:
-    """Zero the batch counts of an epoch that ended before the checkpoint was saved.
+def _set_rng(state: dict[str, Any] | None) -> None:
+    if state is None:
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
-    A checkpoint saved after ``fit`` returned at the last batch of an epoch (posenc's final
-    ``last.ckpt`` when ``max_steps`` falls on an epoch's end) keeps that epoch's batch counts
-    with the epoch itself marked complete. Lightning restores them as the next epoch's
-    progress, ends that epoch after one batch, and steps the optimizer on it alone with
-    gradient accumulation: a run continued from the checkpoint would part from one that
-    never stopped. This does at load what Lightning does when a new epoch starts.
+
+def align_loop_state(checkpoint: dict[str, Any], accumulate: int) -> None:
+    """Make a checkpoint's batch counts agree with where its training samplers go on.
+
+    The samplers go on from the trainer's step (:func:`posenc.data.samplers.position`);
+    Lightning from its own counts of the epoch's batches, which two kinds of checkpoint
+    leave elsewhere:
+
+    - saved after ``fit`` returned at the last batch of an epoch (posenc's final
+      ``last.ckpt`` when ``max_steps`` falls on an epoch's end): the counts of the epoch
+      just done, with the epoch marked complete. Lightning would take them as the next
+      epoch's, end it after one batch and, with gradient accumulation, step on that batch
+      alone. They are zeroed, as Lightning does when an epoch starts.
+    - saved inside an accumulation window (SIGTERM between two batches of one step): the
+      window's batches had no step, so the samplers draw them again; the counts go back to
+      the window's start, or the epoch would end that many batches early. (Their dropout
+      masks differ from the first time: the RNG state is the one after them.)
     """
     loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
     batches, epochs = loop.get("epoch_loop.batch_progress"), loop.get("epoch_progress")
-    if not batches or not epochs or not batches.get("is_last_batch"):
+    if not batches or not epochs:
         return
     current = batches["current"]
-    if (
-        current["completed"] == current["ready"]
-        and epochs["current"]["completed"] == (epochs["current"]["ready"])
-    ):  # the batch finished and so did its epoch
+    epoch_done = epochs["current"]["completed"] == epochs["current"]["ready"]
+    if batches.get("is_last_batch") and current["completed"] == current["ready"] and epoch_done:
         batches["current"] = dict.fromkeys(current, 0)
         batches["is_last_batch"] = False
+        return
+    back = current["completed"] % accumulate
+    if back and current["completed"] == current["ready"]:
+        for counts in (current, batches["total"]):
+            for key in counts:
+                counts[key] -= back
 
 
 def run_state(trainer: pl.Trainer) -> RunState:

@@ -37,11 +37,12 @@ def test_ranks_partition_the_items_without_padding(
     assert sum(map(len, shards)) == 13
 
 
-def _lightning_positions(epochs: list[int], accumulate: int) -> list[tuple[int, int]]:
-    """Where a rank is after each optimizer step, walking the loop as Lightning runs it:
-    a step after every ``accumulate`` batches and after the last batch of an epoch."""
+def _lightning_positions(epochs: int, n: int, accumulate: int) -> list[tuple[int, int]]:
+    """Where a rank is after each optimizer step, walking the loop as Lightning runs it
+    over epochs of ``n`` batches: a step after every ``accumulate`` batches of an epoch and
+    after its last batch."""
     at = [(0, 0)]
-    for epoch, n in enumerate(epochs):
+    for epoch in range(epochs):
         for batch in range(n):
             if (batch + 1) % accumulate == 0 or batch == n - 1:
                 at.append((epoch + 1, 0) if batch == n - 1 else (epoch, batch + 1))
@@ -49,14 +50,30 @@ def _lightning_positions(epochs: list[int], accumulate: int) -> list[tuple[int, 
 
 
 @pytest.mark.parametrize("accumulate", [1, 2, 3, 4])
-def test_position_is_where_lightnings_loop_is_after_each_step(accumulate: int) -> None:
-    for epochs in ([5, 5, 5, 5], [7, 4, 9, 6, 3]):
-        expected = _lightning_positions(epochs, accumulate)
-        for steps, at in enumerate(expected[:-1]):
-            assert position(steps, accumulate, lambda e, ep=epochs: ep[e]) == at, steps
-            if len(set(epochs)) == 1:
-                assert position(steps, accumulate, epochs[0]) == at, steps
+@pytest.mark.parametrize("n", [4, 5, 7])
+def test_position_is_where_lightnings_loop_is_after_each_step(accumulate: int, n: int) -> None:
+    expected = _lightning_positions(4, n, accumulate)
+    for steps, at in enumerate(expected[:-1]):
+        assert position(steps, accumulate, n) == at, steps
     assert position(5, 2, 4) == (2, 2)  # 2 steps an epoch: 5 = 2 + 2 + 1
+
+
+def test_training_epochs_are_whole_steps() -> None:
+    """An epoch is a multiple of accumulate_grad_batches, so that no accumulation window
+    spans two epochs (Lightning steps at an epoch's end) and validation, counted in
+    batches across epochs, falls between two steps."""
+    assert len(BatchIndexSampler(5)) == len(BatchIndexSampler(5, progress=lambda: (0, 1))) == 5
+    sampler = BatchIndexSampler(5, progress=lambda: (0, 2))
+    assert len(sampler) == 6 and list(sampler) == list(range(6))
+    sampler.progress = lambda: (3, 2)  # 3 steps of 2: the next epoch
+    assert list(sampler) == list(range(6, 12))
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 30) for _ in range(400)]
+    plain = TokenBucketSampler(lengths, 120, shuffle=True, seed=1, progress=lambda: (0, 1))
+    n = len(plain)
+    three = TokenBucketSampler(lengths, 120, shuffle=True, seed=1, progress=lambda: (0, 3))
+    whole = -(-n // 3) * 3
+    assert len(three) == whole and list(three) == [*list(plain), *list(plain)][:whole]
 
 
 def _ranks(world: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:

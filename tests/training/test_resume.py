@@ -1,5 +1,5 @@
 """A run stopped and continued from its checkpoint ends with the weights of a run that was
-never stopped: every task, two batches a step (gradient accumulation), translation across
+never stopped: every task, with gradient accumulation and dropout, translation across
 epochs. What makes it so: each training sampler starts where the trainer's step says
 (tests/data/test_samplers.py checks that against Lightning's loop)."""
 
@@ -30,6 +30,7 @@ SIZES = {
     ],
     "algo": [
         "task=algo",
+        "model.dropout=0.1",
         "model.n_layers=1",
         "model.d_model=16",
         "model.n_heads=2",
@@ -40,13 +41,15 @@ SIZES = {
         "task.test_per_size=2",
     ],
 }
+# Batches a step: 3 does not divide the language model's epoch of 1000 batches, 4 not
+# translation's of 6 here (their epochs are rounded up to whole steps).
+ACCUMULATE = {"lm": 3, "mt": 4, "algo": 2}
 # A large rate from the first step, so that one batch drawn otherwise changes the weights,
 # on a schedule that does not depend on max_steps (the stopped run has fewer).
 SHARP = [
     "task.optim.lr=1e-2",
     "task.optim.warmup_steps=1",
     "task.optim.schedule=inverse_sqrt",
-    "trainer.accumulate_grad_batches=2",
     "trainer.val_check_interval=4",
     "trainer.limit_val_batches=2",
     "trainer.log_every_n_steps=1",
@@ -68,6 +71,7 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(
                 tmp_path / name,
                 *SIZES[task],
                 *SHARP,
+                f"trainer.accumulate_grad_batches={ACCUMULATE[task]}",
                 f"trainer.max_steps={steps}",
                 f"paths.cache_dir={tmp_path / 'cache'}",
                 *extra,
@@ -75,7 +79,7 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(
         )
 
     whole = run("whole", 8)
-    run("stopped", 3)  # batch 6 of 16: mid-epoch for lm and algo, an epoch's end for mt
+    run("stopped", 3)  # inside an epoch (mt: 12 batches, epochs of 8), dropout on
     stopped = tmp_path / "stopped" / "run" / "checkpoints" / "last.ckpt"
     resumed = run("resumed", 8, f"ckpt_path={stopped}")
     assert whole["train_steps"] == resumed["train_steps"] == 8
@@ -101,3 +105,38 @@ def test_the_validation_interval_stays_in_optimizer_steps() -> None:
     assert batches(val_check_interval="00:00:10:00", accumulate_grad_batches=4) == {}
     assert batches(val_check_interval=0.5, accumulate_grad_batches=4) == {}
     assert batches(val_check_interval=None, accumulate_grad_batches=4) == {}
+
+
+def _loops(ready: int, completed: int, last: bool, epochs_done: int) -> dict:
+    count = {"ready": ready, "started": ready, "processed": ready, "completed": completed}
+    return {
+        "loops": {
+            "fit_loop": {
+                "epoch_loop.batch_progress": {
+                    "total": {k: v + 100 for k, v in count.items()},
+                    "current": count,
+                    "is_last_batch": last,
+                },
+                "epoch_progress": {"current": {"ready": 1, "completed": epochs_done}},
+            }
+        }
+    }
+
+
+def test_a_checkpoints_batch_counts_are_set_where_the_samplers_go_on() -> None:
+    from posenc.training.trainer import align_loop_state
+
+    def aligned(ckpt: dict, accumulate: int) -> dict:
+        align_loop_state(ckpt, accumulate)
+        return ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+
+    # Saved after fit returned at an epoch's end: the next epoch starts from nothing.
+    done = aligned(_loops(6, 6, last=True, epochs_done=1), 2)
+    assert done["current"] == dict.fromkeys(done["current"], 0) and not done["is_last_batch"]
+    # SIGTERM after 7 batches of 3 a step: back to the window's start, batch 6.
+    inside = aligned(_loops(7, 7, last=False, epochs_done=0), 3)
+    assert inside["current"]["ready"] == inside["current"]["completed"] == 6
+    assert inside["total"]["ready"] == 106
+    # At a step, or saved by Lightning at a batch's end (completed one behind): unchanged.
+    assert aligned(_loops(6, 6, last=False, epochs_done=0), 3)["current"]["ready"] == 6
+    assert aligned(_loops(7, 6, last=False, epochs_done=0), 3)["current"]["ready"] == 7
