@@ -136,6 +136,17 @@ TINY = [
 ]
 
 
+# A translation model small enough for CI (each test adds its data and decoding sizes).
+MT_SMALL = [
+    "task=mt",
+    "model.n_layers=1",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_ff=32",
+    "tokenizer.vocab_size=400",
+]
+
+
 def compose_run(tmp_path: Path, *overrides: str) -> DictConfig:
     """The real config, composed as run.py would, with a tiny model, writing into tmp_path."""
     return compose_config(tmp_path, *TINY, *overrides)

@@ -19,7 +19,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from posenc.train import train
-from tests.conftest import ROOT
+from tests.conftest import MT_SMALL, ROOT
 
 pytestmark = pytest.mark.ddp
 
@@ -47,12 +47,7 @@ PPL = ("test/ppl@16", "test/ppl_sw@16", "test/ppl@32", "test/ppl_sw@32")
 
 
 MT_TINY = [
-    "task=mt",
-    "model.n_layers=1",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.d_ff=32",
-    "tokenizer.vocab_size=400",
+    *MT_SMALL,
     "task.max_len=64",
     "task.max_tokens=512",
     "task.eval_max_sentences=25",

@@ -15,16 +15,11 @@ from omegaconf import DictConfig
 from posenc.config import ConfigError, validate
 from posenc.train import train
 from posenc.training.checkpoints import CheckpointError
-from tests.conftest import BIDIRECTIONAL_YAMLS, ROOT
+from tests.conftest import BIDIRECTIONAL_YAMLS, MT_SMALL, ROOT
 
 N_TEST = 12  # test sentences decoded per run
 TINY = [
-    "task=mt",
-    "model.n_layers=1",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.d_ff=32",
-    "tokenizer.vocab_size=400",
+    *MT_SMALL,
     "task.max_len=64",
     "task.max_tokens=512",
     "task.val_bleu_sentences=4",

@@ -11,17 +11,12 @@ import pytest
 import torch
 
 from posenc.train import train
-from tests.conftest import TINY, compose_config
+from tests.conftest import MT_SMALL, TINY, compose_config
 
 SIZES = {
     "lm": [*TINY, "encoder=rope", "model.dropout=0.1"],
     "mt": [
-        "task=mt",
-        "model.n_layers=1",
-        "model.d_model=16",
-        "model.n_heads=2",
-        "model.d_ff=32",
-        "tokenizer.vocab_size=400",
+        *MT_SMALL,
         "task.max_len=10",  # the 25 shortest pairs: epochs of 6 batches
         "task.max_tokens=48",
         "task.val_bleu_sentences=2",
