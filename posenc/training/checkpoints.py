@@ -432,6 +432,35 @@ def differences(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, 
     }
 
 
+def _scheme(target: Any) -> Any:
+    """An encoder's registry name (``rope``) from its ``_target_``; the value itself when
+    it names no scheme (or is :data:`UNSET`)."""
+    try:
+        return str(get_object(str(target)).name)
+    except Exception:  # not importable, or not a registered scheme: show it as it is
+        return target
+
+
+def _collapsed(diff: dict[str, tuple[Any, Any]]) -> dict[str, tuple[Any, Any]]:
+    """A checkpoint of another task: its ``task.name`` line alone (the other keys follow
+    from the task); of another scheme: one ``encoder`` line naming both schemes, not a
+    line for each option of either."""
+    if "task.name" in diff:
+        return {"task.name": diff["task.name"]}
+    target = diff.get("encoder._target_")
+    if target is None:
+        return diff
+    rest = {k: v for k, v in diff.items() if not _under(k, ("encoder",))}
+    return {"encoder": (_scheme(target[0]), _scheme(target[1])), **rest}
+
+
+def _fix(diff: dict[str, tuple[Any, Any]]) -> str:
+    """The overrides that give the checkpoint's values (``encoder=rope task=lm``)."""
+    names = {"encoder": "encoder", "task.name": "task"}
+    given = [f"{names.get(k, k)}={v[0]}" for k, v in diff.items() if v[0] != UNSET]
+    return " ".join(given[:4]) + (" ..." if len(given) > 4 else "")
+
+
 def _lines(diff: dict[str, tuple[Any, Any]]) -> str:
     def line(k: str, v: tuple[Any, Any]) -> str:
         text = f"{k}: checkpoint {v[0]!r}, config {v[1]!r}"
@@ -474,6 +503,7 @@ def check_config(
     }
     if resume:
         bad = {k: v for k, v in diff.items() if not _under(k, RESUME_MAY_CHANGE) or _trains(k, cfg)}
+        bad = _collapsed(bad)
         if bad:
             raise CheckpointError(
                 f"resume from {path}: the config differs from the run's in keys the "
@@ -482,12 +512,13 @@ def check_config(
                 f"run from its weights with init_from={path} (fresh optimiser and schedule)."
             )
         return {}
-    bad = {k: v for k, v in diff.items() if _under(k, MODEL_DEFINING)}
+    bad = _collapsed({k: v for k, v in diff.items() if _under(k, MODEL_DEFINING)})
     if bad:
+        fix = _fix(bad)
         raise CheckpointError(
             f"eval_only with {path}: the checkpoint holds another model than the config "
-            f"describes:\n  {_lines(bad)}\nGive the settings it was trained with (they are "
-            f"in its run directory's .hydra/config.yaml)."
+            f"describes:\n  {_lines(bad)}\nGive the settings it was trained with"
+            f"{f' ({fix})' if fix else ''}; all are in its run directory's .hydra/config.yaml."
         )
     return {k: v for k, v in diff.items() if _under(k, NO_EFFECT_IN_EVAL)}
 

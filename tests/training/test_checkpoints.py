@@ -36,7 +36,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 MISMATCHED_EVAL = [
-    ("encoder=alibi", "encoder._target_: checkpoint 'posenc.encoders.rope.RoPE'"),
+    ("encoder=alibi", "encoder: checkpoint 'rope', config 'alibi'"),
     ("model.d_model=32", "model.d_model: checkpoint 16, config 32"),
     ("model.n_layers=3", "model.n_layers: checkpoint 1, config 3"),
     ("encoder.layout=half", "encoder.layout: checkpoint 'interleaved', config 'half'"),
@@ -57,6 +57,34 @@ def test_eval_only_refuses_a_checkpoint_of_another_model(
 
 #: TINY without the model's sizes: what a user types to evaluate a checkpoint.
 NO_SIZES = [o for o in TINY if not o.startswith("model.")]
+
+
+def test_a_checkpoint_of_another_scheme_or_task_is_named_in_one_line_with_the_fix(
+    trained: Path, tmp_path: Path
+) -> None:
+    """Not a line for each option of either scheme (RoPE's fourteen), nor for each key
+    that follows from another task: the scheme or task, and the override that fits."""
+    ckpt = trained / "checkpoints" / "best.ckpt"
+    cases = [
+        ("encoder=alibi", "encoder: checkpoint 'rope', config 'alibi'", "(encoder=rope)"),
+        ("task=mt", "task.name: checkpoint 'lm', config 'mt'", "(task=lm)"),
+    ]
+    for i, (override, line, fix) in enumerate(cases):
+        rest = (
+            [o for o in NO_SIZES if not o.startswith("task.")]
+            if override == "task=mt"
+            else NO_SIZES
+        )
+        with (
+            command_line(
+                tmp_path / str(i), *rest, override, "eval_only=true", f"ckpt_path={ckpt}"
+            ) as cfg,
+            pytest.raises(CheckpointError) as err,
+        ):
+            train(cfg)
+        listed = [x for x in str(err.value).splitlines() if x.startswith("  ")]
+        assert listed == [f"  {line}"], str(err.value)
+        assert f"trained with {fix}" in str(err.value)
 
 
 def test_eval_only_takes_the_model_sizes_from_the_checkpoint(trained: Path, tmp_path: Path) -> None:
