@@ -175,43 +175,77 @@ def sweep_resume_command(sweep_dir: Path, argv: list[str]) -> str:
     return " ".join(["python", argv[0], *args, f"hydra.sweep.dir={sweep_dir}", "resume=true"])
 
 
-def _write_failure(job_dir: Path) -> str | None:
-    """What a failed write was (``"no space left on device"``), from the job's
-    ``error.json``, or None."""
+def _error(job_dir: Path) -> dict[str, Any]:
+    """A failed job's ``error.json`` (empty when unreadable)."""
     try:
-        found = json.loads((job_dir / "error.json").read_text()).get("write_failure")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return str(found).partition(": ")[0] if found else None
+        found = json.loads((job_dir / "error.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+#: Distinct causes of failure a sweep's summary prints (the rest are counted), and the
+#: characters it shows of each (a bug's message may quote a whole tensor).
+CAUSES_SHOWN = 3
+LONGEST = 1000
+
+
+def sweep_lines(root: Path, argv: list[str]) -> list[str]:
+    """What a sweep prints when it ends: how many jobs have results and how many failed;
+    the failures grouped by cause (a job that could not write its files by what went
+    wrong, any other by its error's message, each with one job's ``error.json``), and the
+    command that reruns the failed jobs once the cause is mended; the report's command
+    when there is something to report.
+
+    Args:
+        root: The sweep's directory.
+        argv: The sweep's command line (``sys.argv``).
+    """
+    jobs = [d for d in root.iterdir() if d.is_dir() and d.name != "report"] if root.is_dir() else []
+    done = sum((d / "metrics.json").exists() for d in jobs)
+    failed = [d for d in jobs if (d / "error.json").exists() and not (d / "metrics.json").exists()]
+    out = [
+        f"sweep finished: {done} of {len(jobs)} jobs have results, {len(failed)} failed "
+        f"(error.json), in {root}"
+    ]
+    if done:
+        out.append(f"report: python -m posenc.report {root}")
+    writes: Counter[str] = Counter()
+    others: dict[str, list[Path]] = {}
+    for job in sorted(failed):
+        error = _error(job)
+        if error.get("write_failure"):
+            writes[str(error["write_failure"]).partition(": ")[0]] += 1
+        else:
+            cause = (
+                f"{error.get('error_type', 'unreadable error.json')}: {error.get('message', '')}"
+            )
+            cause = " ".join(cause.split())
+            cause = cause if len(cause) <= LONGEST else cause[: LONGEST - 3] + "..."
+            others.setdefault(cause, []).append(job)
+    resume = sweep_resume_command(root, argv)
+    for cause, n in writes.items():
+        out.append(
+            f"{n} of the failed jobs could not write their files: {cause}. Make room (or "
+            f"fix the folder), then continue the sweep with:\n  {resume}"
+        )
+    ranked = sorted(others.items(), key=lambda kv: -len(kv[1]))
+    for cause, where in ranked[:CAUSES_SHOWN]:
+        out.append(f"{len(where)} failed with {cause} (e.g. {where[0] / 'error.json'})")
+    if len(ranked) > CAUSES_SHOWN:
+        rest = sum(len(w) for _, w in ranked[CAUSES_SHOWN:])
+        causes = len(ranked) - CAUSES_SHOWN
+        out.append(
+            f"{rest} more failed, {causes} other cause{'s' * (causes > 1)} (their error.json)"
+        )
+    if others:
+        out.append(f"once mended, rerun the failed jobs (the others are kept) with:\n  {resume}")
+    return out
 
 
 class SweepSummary(Callback):
     """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): when a multirun ends,
-    say how many jobs finished or failed and print the command that makes its report; jobs
-    that failed because a file could not be written (a full disk) are counted by cause,
-    with the command that continues the sweep once that is mended."""
+    print :func:`sweep_lines`."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        root = Path(str(config.hydra.sweep.dir))
-        jobs = (
-            [d for d in root.iterdir() if d.is_dir() and d.name != "report"]
-            if root.is_dir()
-            else []
-        )
-        done = sum((d / "metrics.json").exists() for d in jobs)
-        failed = [
-            d for d in jobs if (d / "error.json").exists() and not (d / "metrics.json").exists()
-        ]
-        print(
-            f"sweep finished: {done} of {len(jobs)} jobs have results, {len(failed)} failed "
-            f"(error.json), in {root}\nreport: python -m posenc.report {root}",
-            flush=True,
-        )
-        causes = Counter(c for c in map(_write_failure, failed) if c)
-        for cause, n in causes.items():
-            print(
-                f"{n} of the failed jobs could not write their files: {cause}. Make room (or "
-                f"fix the folder), then continue the sweep with:\n  "
-                f"{sweep_resume_command(root, sys.argv)}",
-                flush=True,
-            )
+        print("\n".join(sweep_lines(Path(str(config.hydra.sweep.dir)), sys.argv)), flush=True)

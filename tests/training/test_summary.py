@@ -14,7 +14,7 @@ import torch
 
 from posenc.results import from_json
 from posenc.train import train
-from posenc.training.summary import summary
+from posenc.training.summary import summary, sweep_lines
 from tests.conftest import ROOT, compose_run
 
 
@@ -175,3 +175,53 @@ def test_an_overflowed_result_shows_as_inf_not_as_a_gap(tmp_path: Path) -> None:
     }
     lines = summary(from_json(result), tmp_path).splitlines()
     assert lines[2].split() == ["ppl", "inf", "-"]
+
+
+def _failed(job: Path, error_type: str, message: str, write_failure: str | None = None) -> None:
+    job.mkdir(parents=True)
+    record = {"error_type": error_type, "message": message, "write_failure": write_failure}
+    (job / "error.json").write_text(json.dumps(record))
+
+
+def test_a_sweeps_summary_groups_the_failures_by_cause_with_the_rerun_command(
+    tmp_path: Path,
+) -> None:
+    """Three jobs refused for the same missing file and one for another reason: each cause
+    once, most frequent first, with one job's error.json and the command that reruns the
+    failed jobs; no report command when no job has results."""
+    for i in range(3):
+        _failed(tmp_path / f"{i}_lm_rope_seed{i}", "DataUnavailableError", "no data file x")
+    _failed(tmp_path / "3_lm_alibi_seed0", "ConfigError", "task.seq_len=0: must be\n positive")
+    lines = sweep_lines(tmp_path, ["run.py", "-m", "encoder=rope,alibi", "seed=0,1,2"])
+    assert (
+        lines[0]
+        == f"sweep finished: 0 of 4 jobs have results, 4 failed (error.json), in {tmp_path}"
+    )
+    assert lines[1] == (
+        f"3 failed with DataUnavailableError: no data file x "
+        f"(e.g. {tmp_path / '0_lm_rope_seed0' / 'error.json'})"
+    )
+    assert lines[2].startswith("1 failed with ConfigError: task.seq_len=0: must be positive (e.g.")
+    assert lines[3] == (
+        "once mended, rerun the failed jobs (the others are kept) with:\n  python run.py -m "
+        f"encoder=rope,alibi seed=0,1,2 hydra.sweep.dir={tmp_path} resume=true"
+    )
+    assert len(lines) == 4 and not any(line.startswith("report:") for line in lines)
+
+
+def test_a_sweeps_summary_counts_write_failures_and_names_the_report(tmp_path: Path) -> None:
+    """A job with results brings the report's command; a job that could not write its
+    files is counted by cause (a full disk), not by its message; a fifth distinct error
+    is counted, not shown."""
+    (tmp_path / "0_lm_rope_seed0").mkdir()
+    (tmp_path / "0_lm_rope_seed0" / "metrics.json").write_text("{}")
+    _failed(tmp_path / "1_a", "CheckpointError", "could not write", "no space left on device: /x")
+    for i in range(4):
+        _failed(tmp_path / f"{2 + i}_b", "RuntimeError", f"bug {i}")
+    lines = sweep_lines(tmp_path, ["run.py", "-m"])
+    assert lines[1] == f"report: python -m posenc.report {tmp_path}"
+    assert lines[2].startswith("1 of the failed jobs could not write their files: no space left")
+    assert [line.split(" (e.g.")[0] for line in lines[3:6]] == [
+        f"1 failed with RuntimeError: bug {i}" for i in range(3)
+    ]
+    assert lines[6] == "1 more failed, 1 other cause (their error.json)"
