@@ -131,6 +131,14 @@ def run(args: argparse.Namespace) -> str:
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ValueError(f"the prompt {args.prompt!r} encodes to no tokens; give some text")
+    if tokenizer.unk_id in ids:
+        unknown = sorted({c for c in args.prompt if tokenizer.encode(c) == [tokenizer.unk_id]})
+        print(
+            f"posenc.generate: note: the tokenizer does not know {''.join(unknown)!r} of the "
+            f"prompt; the model reads it as its unknown token (printed as "
+            f"{tokenizer.decode([tokenizer.unk_id])!r})",
+            file=sys.stderr,
+        )
     out = generate(
         model.model.eval(),
         torch.tensor([ids]),

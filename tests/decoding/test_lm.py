@@ -167,6 +167,11 @@ def test_generate_command_on_a_trained_checkpoint(
     assert generate_main([str(ckpt), *sampling, "--no-cache"]) == 0
     text = capsys.readouterr().out
     assert proc.stdout == text and text.startswith("ROMEO:") and len(text) > 40
+    # A character the tokenizer never saw is read as its unknown token, and said so.
+    assert generate_main([str(ckpt), "--prompt", "ROMEO\u2122", "--tokens", "2"]) == 0
+    said = capsys.readouterr()
+    assert said.out.startswith("ROMEO\ufffd"), said.out
+    assert "does not know '\u2122' of the prompt" in said.err and said.err.count("\n") == 1
     # Bad input is refused by main() itself: one line, status 2, no traceback.
     damaged = tmp_path / "damaged.ckpt"
     damaged.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
