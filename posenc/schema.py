@@ -101,8 +101,12 @@ def rule(
         test, message = SPECS[spec]
 
     def check(key: str, value: Any) -> list[str]:
-        ok = (optional and value is None) or test(value)
-        return [] if ok else [f"{key}={value!r}: {says or message}{hint}"]
+        if (optional and value is None) or test(value):
+            return []
+        near = (
+            suggest(value, list(spec)) if isinstance(spec, tuple) and isinstance(value, str) else ""
+        )
+        return [f"{key}={value!r}: {near}{says or message}{hint}"]
 
     return check
 

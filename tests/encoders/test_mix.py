@@ -166,6 +166,10 @@ ALLOWED = ", ".join(mixable())
             "{name: rope, base: 1000000}",
         ),
         (
+            {"layers": ["none", "rope", {"name": "rope", "base": -1}]},
+            "encoder.layers[2]: rope: base must be > 1, got -1",
+        ),
+        (
             {"layers": None, "heads": ["rope", "none", "alibi"]},
             "encoder.heads lists 3 schemes but model.n_heads=4: the heads split into equal "
             "groups, so list a number of schemes that divides 4",
@@ -183,7 +187,18 @@ ALLOWED = ", ".join(mixable())
             "layers=['rope'], heads=['rope', 'none'])",
         ),
     ],
-    ids=["unknown", "empty", "absolute", "nested", "option", "no_name", "heads", "tokens", "both"],
+    ids=[
+        "unknown",
+        "empty",
+        "absolute",
+        "nested",
+        "option",
+        "no_name",
+        "value",
+        "heads",
+        "tokens",
+        "both",
+    ],
 )
 def test_refusals_are_one_line(settings: dict, message: str) -> None:
     with pytest.raises(ValueError) as err:

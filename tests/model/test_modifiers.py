@@ -240,7 +240,7 @@ def test_schemes_that_own_their_attention_refuse_the_logit_options(tmp_path) -> 
     with pytest.raises(ConfigError) as err:
         train(compose_run(tmp_path, "model.logit_scale=ssmaxx"))
     assert str(err.value).splitlines()[1:] == [
-        "  model.logit_scale='ssmaxx': allowed none, log_length, ssmax"
+        "  model.logit_scale='ssmaxx': did you mean 'ssmax'? allowed none, log_length, ssmax"
     ]
     validate(compose_run(tmp_path, "encoder=selective", "model.qk_norm=true"))
     with pytest.raises(ValueError, match="logit_scale=log_length: the Selective encoder"):

@@ -409,6 +409,7 @@ def test_a_small_model_learns_flipflop(tmp_path: Path) -> None:
     ("override", "message"),
     [
         ("task.problem=divide", "task.problem='divide': allowed copy, reverse"),
+        ("task.problem=sortt", "task.problem='sortt': did you mean 'sort'? allowed copy, reverse"),
         ("task.shape=seq2seq", "task.shape='seq2seq': allowed decoder"),
         ("task.train_lengths=[5,2]", "task.train_lengths=[5, 2]: must be [lo, hi]"),
         ("task.symbols=30", "task.symbols=30: must be an integer in 2..26"),
