@@ -302,9 +302,15 @@ def ppl_vs_length(
     axes[0][-1].legend(
         list(named.values()), list(named), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0)
     )
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    titled(fig, title, fontsize=10)
     return fig
+
+
+def titled(fig: Figure, title: str, fontsize: float | None = None) -> None:
+    """The figure's title over its panels, the panels laid out below it (``tight_layout``
+    alone lets a tall grid's top row run into the title)."""
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
 
 
 def label_log_axis(ax: Any) -> None:
@@ -687,8 +693,7 @@ def passkey_heatmaps(
         heatmap_figure(grid, lengths, depths, train_len, label, ax=ax, blank=blank, xlabel=xlabel)
     for ax in panels[len(means) :]:
         ax.axis("off")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    titled(fig, title, fontsize=10)
     return fig
 
 
@@ -756,8 +761,7 @@ def accuracy_vs_size(
         )
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, ncol=2, loc="upper right")
-    fig.suptitle(title)
-    fig.tight_layout()
+    titled(fig, title)
     return fig
 
 
