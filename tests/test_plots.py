@@ -28,3 +28,19 @@ def test_ppl_figure_with_no_finite_value_is_drawn_empty() -> None:
     fig.canvas.draw()
     assert [t.get_text() for t in fig.axes[0].texts] == ["no value to draw"]
     assert "ppl@16 = inf, ppl@32 = inf" in fig.texts[0].get_text()
+
+
+def test_a_grid_of_heat_maps_keeps_its_title_above_every_panel() -> None:
+    """Sixteen schemes' heat maps, four to a row: the figure's title ends above the top
+    row's panel titles (``tight_layout`` alone laid the panels over it)."""
+    from posenc.plots import passkey_heatmaps
+
+    lengths, pairs = [32, 64, 128, 256, 512, 1024, 2048], [2, 4, 8, 16]
+    grid = [[0.5] * len(pairs) for _ in lengths]
+    means = {f"scheme{i}": (lengths, pairs, grid, 3, ["skipped"] * len(lengths)) for i in range(16)}
+    fig = passkey_heatmaps(means, 32, "a title over sixteen panels", xlabel="pairs")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    title = fig._suptitle.get_window_extent(renderer)  # type: ignore[union-attr]
+    tops = [ax.title.get_window_extent(renderer).y1 for ax in fig.axes if ax.get_title()]
+    assert len(tops) >= 16 and title.y0 >= max(tops), (title.y0, max(tops))
