@@ -46,6 +46,7 @@ from posenc.data.algo_problems import problem_default
 from posenc.errors import RunDirError, UserError
 from posenc.train import train
 from posenc.training.rundir import (
+    forget_refused_run,
     release_error_space,
     space_for_error_record,
     write_failure,
@@ -731,12 +732,14 @@ def run_job(cfg: DictConfig) -> None:
     """
     _handle_stop_signals()
     if HydraConfig.get().mode != RunMode.MULTIRUN:
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        fresh = not run_dir.exists() or not any(run_dir.iterdir())
         try:
             train(cfg)
         except UserError as err:
             print(f"error: {err}", file=sys.stderr)
-            with contextlib.suppress(OSError):  # the run directory, if nothing is in it
-                Path(HydraConfig.get().runtime.output_dir).rmdir()
+            if fresh:  # a refused run leaves no folder that reads as a run killed early
+                forget_refused_run(run_dir)
             sys.exit(2)
         except (SIGTERMException, Terminated, stop.StopRequested):
             _terminated(cfg)

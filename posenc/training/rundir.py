@@ -147,6 +147,8 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
 
 #: What a run writes into its directory before its first checkpoint.
 RUN_FILES = (".hydra", "run.log", "tb", "error.json")
+#: The job record :func:`record_job` writes in ``.hydra``.
+RECORD_FILES = {"config.yaml", "hydra.yaml", "overrides.yaml"}
 
 
 def guard_run_dir(run_dir: Path, resuming: bool, resume_requested: bool = False) -> None:
@@ -216,6 +218,31 @@ def record_job(cfg: DictConfig, run_dir: Path) -> None:
             logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
         )
         root.addHandler(handler)
+
+
+def forget_refused_run(run_dir: Path) -> None:
+    """Remove what :func:`record_job` wrote for a run refused before it did anything else
+    (a checkpoint of another model, data that cannot be had): the job record and the log,
+    then the directory, when nothing else is in it. A directory holding anything more
+    (TensorBoard logs, a checkpoint, another run's files) is left as it is.
+    """
+    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - {".hydra", "run.log"}:
+        return
+    record = run_dir / ".hydra"
+    if record.is_dir() and {p.name for p in record.iterdir()} - RECORD_FILES:
+        return
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        if Path(handler.baseFilename).parent == run_dir.resolve():
+            root.removeHandler(handler)
+            handler.close()
+    with contextlib.suppress(OSError):
+        for name in RECORD_FILES:
+            (record / name).unlink(missing_ok=True)
+        if record.is_dir():
+            record.rmdir()
+        (run_dir / "run.log").unlink(missing_ok=True)
+        run_dir.rmdir()
 
 
 def checkpoints_in(folder: Path) -> list[Path]:

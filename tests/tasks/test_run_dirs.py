@@ -84,6 +84,28 @@ def test_bad_input_is_one_message_without_a_traceback(tmp_path: Path) -> None:
     assert not list((tmp_path / "outputs").rglob("*_seed0_*"))
 
 
+def test_a_run_refused_after_its_record_is_written_leaves_no_folder(tmp_path: Path) -> None:
+    """A checkpoint of another model is refused once the run has written its job record and
+    log: the folder goes again (the report would list it as a run killed early), while a
+    folder that held a run's files before keeps them."""
+    cache = f"paths.cache_dir={tmp_path / 'cache'}"
+    done = _run(tmp_path, "encoder=rope", f"hydra.run.dir={tmp_path / 'trained'}", cache)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ckpt = tmp_path / "trained" / "checkpoints" / "best.ckpt"
+    fresh, crashed = tmp_path / "fresh", tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "run.log").write_text("a crashed run's log\n")
+    for folder, extra in ((fresh, []), (crashed, ["resume=true"])):
+        refused = _run(
+            tmp_path, "encoder=alibi", "eval_only=true", f"ckpt_path={ckpt}",
+            f"hydra.run.dir={folder}", cache, *extra,
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert "encoder: checkpoint 'rope', config 'alibi'" in refused.stderr
+    assert not fresh.exists()
+    assert (crashed / "run.log").read_text().startswith("a crashed run's log")
+
+
 @pytest.mark.parametrize("leftover", RUN_FILES)
 def test_a_directory_with_another_runs_files_is_refused_unless_resuming(
     tmp_path: Path, leftover: str
