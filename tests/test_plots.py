@@ -33,7 +33,7 @@ def test_ppl_figure_with_no_finite_value_is_drawn_empty() -> None:
 def test_a_grid_of_heat_maps_keeps_its_title_above_every_panel() -> None:
     """Sixteen schemes' heat maps, four to a row: the figure's title ends above the top
     row's panel titles (``tight_layout`` alone laid the panels over it)."""
-    from posenc.plots import passkey_heatmaps
+    from posenc.plots import close, passkey_heatmaps
 
     lengths, pairs = [32, 64, 128, 256, 512, 1024, 2048], [2, 4, 8, 16]
     grid = [[0.5] * len(pairs) for _ in lengths]
@@ -43,4 +43,5 @@ def test_a_grid_of_heat_maps_keeps_its_title_above_every_panel() -> None:
     renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
     title = fig._suptitle.get_window_extent(renderer)  # type: ignore[union-attr]
     tops = [ax.title.get_window_extent(renderer).y1 for ax in fig.axes if ax.get_title()]
+    close(fig)
     assert len(tops) >= 16 and title.y0 >= max(tops), (title.y0, max(tops))
