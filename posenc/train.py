@@ -77,6 +77,8 @@ def checkpoint_model(cfg: DictConfig, saved: dict[str, Any], given: set[str]) ->
         CheckpointError: The command line set a model key to another value than the
             checkpoint's (both values named, on one line).
     """
+    if (saved.get("task") or {}).get("name", cfg.task.name) != cfg.task.name:
+        return {}  # a checkpoint of another task is refused later, in one line
     flat = {
         k: v
         for k, v in checkpoints.flat(saved).items()

@@ -60,10 +60,12 @@ NO_SIZES = [o for o in TINY if not o.startswith("model.")]
 
 
 def test_a_checkpoint_of_another_scheme_or_task_is_named_in_one_line_with_the_fix(
-    trained: Path, tmp_path: Path
+    trained: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Not a line for each option of either scheme (RoPE's fourteen), nor for each key
-    that follows from another task: the scheme or task, and the override that fits."""
+    that follows from another task: the scheme or task, and the override that fits; an
+    LM's sizes are not taken into a translation run first."""
+    caplog.set_level(logging.INFO, logger="posenc")
     ckpt = trained / "checkpoints" / "best.ckpt"
     cases = [
         ("encoder=alibi", "encoder: checkpoint 'rope', config 'alibi'", "(encoder=rope)"),
@@ -85,6 +87,9 @@ def test_a_checkpoint_of_another_scheme_or_task_is_named_in_one_line_with_the_fi
         listed = [x for x in str(err.value).splitlines() if x.startswith("  ")]
         assert listed == [f"  {line}"], str(err.value)
         assert f"trained with {fix}" in str(err.value)
+        if override == "task=mt":
+            assert "the model as" not in caplog.text, caplog.text
+        caplog.clear()
 
 
 def test_eval_only_takes_the_model_sizes_from_the_checkpoint(trained: Path, tmp_path: Path) -> None:
