@@ -208,12 +208,11 @@ class Mix(PositionalEncoder):
         sizes = dict(d_model=d_model // groups, n_heads=n_heads // groups, n_layers=n_layers)
         self.names = [name for name, _ in distinct]
         built = []
-        for member in distinct:  # a member's own refusal names the entry it came from
-            at = next(i for i, e in enumerate(entries) if _same(e, member))
+        for m, (name, options) in enumerate(distinct):
             try:
-                built.append(registry.build(member[0], **sizes, **member[1]))
-            except (ValueError, TypeError) as err:
-                raise type(err)(f"{key}[{at}]: {err}") from None
+                built.append(registry.build(name, **sizes, **options))
+            except (ValueError, TypeError) as err:  # named by the entry it first came from
+                raise type(err)(f"{key}[{self.slot_member.index(m)}]: {err}") from None
         self.members = nn.ModuleList(built)  # trained and saved with the model
         self.schemes = built  # the same modules, typed
         self._declare(built)

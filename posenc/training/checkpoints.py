@@ -456,8 +456,9 @@ def _collapsed(diff: dict[str, tuple[Any, Any]]) -> dict[str, tuple[Any, Any]]:
 
 def _fix(diff: dict[str, tuple[Any, Any]]) -> str:
     """The overrides that give the checkpoint's values (``encoder=rope task=lm``)."""
-    names = {"encoder": "encoder", "task.name": "task"}
-    given = [f"{names.get(k, k)}={v[0]}" for k, v in diff.items() if v[0] != UNSET]
+    given = [
+        f"{'task' if k == 'task.name' else k}={v[0]}" for k, v in diff.items() if v[0] != UNSET
+    ]
     return " ".join(given[:4]) + (" ..." if len(given) > 4 else "")
 
 
