@@ -6,25 +6,29 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from posenc.cli import misspelled_keys, register_resolvers, run_job
 from posenc.preflight import missing_launcher, resume_without_folder, unknown_options
-from posenc.tuned import check_argument
-
-register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from posenc.cli import register_resolvers, run_job
+
+    register_resolvers()  # a sweep's worker process runs this function, not the lines below
     run_job(cfg)
 
 
 if __name__ == "__main__":
     conf = Path(__file__).parent / "conf"
     args = [a for a in sys.argv[1:] if not a.startswith("-")]
-    # Each one line: an unknown group option, a launcher not installed, resume=true
-    # without the folder to resume.
+    # Each one line. Before torch and Lightning are imported (a second, not ten): an
+    # unknown group option, a launcher not installed.
     problems = unknown_options(args, conf) + missing_launcher(args)
-    problems = problems or resume_without_folder(sys.argv[1:], conf)
+    if not problems:
+        from posenc.cli import misspelled_keys, register_resolvers
+        from posenc.tuned import check_argument
+
+        register_resolvers()  # the schema the composed config is checked against
+        problems = resume_without_folder(sys.argv[1:], conf)  # resume=true, no folder
     if problems:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         sys.exit(2)

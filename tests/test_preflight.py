@@ -5,6 +5,8 @@ without the folder to resume, each one line and exit status 2."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -61,6 +63,23 @@ def test_run_py_says_an_unknown_option_in_one_line(tmp_path: Path) -> None:
         f"error: encoder=rpoe: no such option; did you mean encoder=rope? allowed: {ENCODERS}\n"
     )
     assert not (tmp_path / "outputs").exists()
+
+
+def test_an_unknown_option_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
+    """The commonest typo costs a second, not the ten that importing torch and Lightning
+    takes on a laptop: run.py checks group options and launchers before those imports."""
+    code = (
+        f"import atexit, runpy, sys; sys.path.insert(0, {str(ROOT)!r}); "
+        "atexit.register(lambda: print(sorted({'torch', 'pytorch_lightning'} & set(sys.modules)))); "
+        f"sys.argv = ['run.py', 'encoder=rpoe']; runpy.run_path({str(ROOT / 'run.py')!r}, "
+        "run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: encoder=rpoe: no such option")
+    assert proc.stdout == "[]\n"
 
 
 @pytest.mark.parametrize(("launcher", "extra"), [("local_parallel", "joblib"), ("slurm", "slurm")])
