@@ -70,7 +70,8 @@ def test_an_unknown_option_is_refused_before_torch_is_imported(tmp_path: Path) -
     takes on a laptop: run.py checks group options and launchers before those imports."""
     code = (
         f"import atexit, runpy, sys; sys.path.insert(0, {str(ROOT)!r}); "
-        "atexit.register(lambda: print(sorted({'torch', 'pytorch_lightning'} & set(sys.modules)))); "
+        "heavy = {'torch', 'pytorch_lightning'}; "
+        "atexit.register(lambda: print(sorted(heavy & set(sys.modules)))); "
         f"sys.argv = ['run.py', 'encoder=rpoe']; runpy.run_path({str(ROOT / 'run.py')!r}, "
         "run_name='__main__')"
     )
