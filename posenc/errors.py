@@ -5,6 +5,11 @@ with status 2 (a multirun job records it in ``error.json`` and the sweep goes on
 Anything else is a bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
 
 class UserError(Exception):
     """Bad input or environment: the message says what is wrong and how to fix it."""
@@ -65,3 +70,15 @@ def refuse(problems: list[str]) -> None:
     """Raise :class:`ConfigError` with ``problems`` (a line each), if there are any."""
     if problems:
         raise ConfigError(problem_message(problems), problems)
+
+
+def suggest(name: str, allowed: Sequence[str]) -> str:
+    """``did you mean 'x'? `` for the allowed name nearest ``name``; "" if none is near."""
+    close = difflib.get_close_matches(name, list(allowed), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def unknown_value(what: str, value: object, allowed: Sequence[str]) -> str:
+    """``unknown <what> 'v'; did you mean 'x'? allowed: a, b``: a value outside a choice."""
+    hint = suggest(value, allowed) if isinstance(value, str) else ""
+    return f"unknown {what} {value!r}; {hint}allowed: {', '.join(allowed)}"

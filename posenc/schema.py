@@ -23,7 +23,6 @@ before anything is written.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -39,6 +38,7 @@ from posenc.data.algo_retrieval import HAYSTACKS
 from posenc.data.buckets import check_edges
 from posenc.data.tokenizers import TOKENIZER_KINDS
 from posenc.encoders.rope import SCALINGS
+from posenc.errors import suggest
 from posenc.model.modifiers import LOGIT_SCALES
 from posenc.model.window import layers_problem
 
@@ -600,11 +600,6 @@ class Run(Group, Generic[T]):
 
 
 # --- walking a composed config ---
-
-
-def suggest(name: str, allowed: list[str]) -> str:
-    close = difflib.get_close_matches(name, allowed, n=1)
-    return f"did you mean {close[0]!r}? " if close else ""
 
 
 def unknown(prefix: str, given: list[str], allowed: list[str]) -> list[str]:

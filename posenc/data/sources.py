@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.data.download import data_dir, fetch, read_text
-from posenc.errors import DataError, DataFileNotFound, refuse
+from posenc.errors import DataError, DataFileNotFound, refuse, unknown_value
 
 __all__ = [
     "REQUIRED",
@@ -333,8 +333,8 @@ def multi30k(
     """
     if direction not in MULTI30K_DIRECTIONS:
         raise ValueError(
-            f"unknown Multi30k direction {direction!r}; allowed: {', '.join(MULTI30K_DIRECTIONS)}"
-            " (source-target language codes)."
+            unknown_value("Multi30k direction", direction, MULTI30K_DIRECTIONS)
+            + " (source-target language codes)."
         )
     src_lang, tgt_lang = direction.split("-")
     out: ParallelCorpus = {}

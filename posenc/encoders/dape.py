@@ -57,6 +57,7 @@ from posenc.encoders.base import (
     AttnKind,
     PositionalEncoder,
 )
+from posenc.errors import unknown_value
 
 #: The score-bias schemes DAPE's paper and code put the MLP on.
 BASES = ("alibi", "kerple", "fire")
@@ -170,7 +171,7 @@ class Dape(PositionalEncoder):
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if base not in BASES:
             raise ValueError(
-                f"dape: unknown base {base!r}; allowed: {', '.join(BASES)} (the score-bias "
+                f"dape: {unknown_value('base', base, BASES)} (the score-bias "
                 f"scheme the MLP adapts), e.g. encoder.base=kerple"
             )
         if isinstance(mlp_width, bool) or not isinstance(mlp_width, int) or mlp_width < 1:

@@ -70,6 +70,7 @@ from posenc.encoders.offsets import (
     window_parts,
 )
 from posenc.encoders.registry import register
+from posenc.errors import unknown_value
 
 # What prepare leaves for the hooks: the shared table, the rows of the distances lo..
 # (c2p's, p2c's), their flat ends and the far keys' rows.
@@ -464,13 +465,9 @@ class DebertaRelative(PositionalEncoder):
                 f"[4, 2 * (max_distance - 1)) = [4, {2 * (max_distance - 1)})"
             )
         if p2c_row not in P2C_ROWS:
-            raise ValueError(
-                f"deberta: unknown p2c_row {p2c_row!r}; allowed: {', '.join(P2C_ROWS)}"
-            )
+            raise ValueError(f"deberta: {unknown_value('p2c_row', p2c_row, P2C_ROWS)}")
         if far_keys not in FAR_KEYS:
-            raise ValueError(
-                f"deberta: unknown far_keys {far_keys!r}; allowed: {', '.join(FAR_KEYS)}"
-            )
+            raise ValueError(f"deberta: {unknown_value('far_keys', far_keys, FAR_KEYS)}")
         self.p2c_row = p2c_row
         self.far_keys = far_keys
         self.max_distance = max_distance

@@ -77,6 +77,7 @@ from posenc.encoders.fox_pro import FoxPro
 from posenc.encoders.offsets import pair_distance
 from posenc.encoders.registry import register
 from posenc.encoders.rope import RoPE, _RotateQK
+from posenc.errors import unknown_value
 
 # What with_input leaves for the score term: the cumulative log gates G, (B, H, T) and (B, H, S).
 GATE_Q: Slot[Tensor] = Slot("fox_q", query_dim=2)
@@ -266,7 +267,7 @@ class FoX(CausalOnly):
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if gate not in GATES:
             raise ValueError(
-                f"fox: unknown gate {gate!r}; allowed: {', '.join(GATES)} (full is the paper's "
+                f"fox: {unknown_value('gate', gate, GATES)} (full is the paper's "
                 f"data-dependent forget gate)"
             )
         _check_init(gate, bias_init, decay_time_min, decay_time_max)
@@ -305,7 +306,7 @@ def _check_init(gate: str, bias_init: str, t_min: float, t_max: float) -> None:
     """
     if bias_init not in BIAS_INITS:
         raise ValueError(
-            f"fox: unknown bias_init {bias_init!r}; allowed: {', '.join(BIAS_INITS)} (zero is "
+            f"fox: {unknown_value('bias_init', bias_init, BIAS_INITS)} (zero is "
             f"the authors' full-gate start, spread their decay times over heads)"
         )
     if bias_init == "spread" and gate == "fixed":

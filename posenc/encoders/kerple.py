@@ -41,6 +41,7 @@ from posenc.encoders.base import (
 )
 from posenc.encoders.offsets import pair_distance
 from posenc.encoders.registry import register
+from posenc.errors import unknown_value
 
 FORMS = ("log", "power")
 #: The authors' floor for every parameter (``self.eps``).
@@ -138,7 +139,7 @@ class Kerple(PositionalEncoder):
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if form not in FORMS:
-            raise ValueError(f"kerple: unknown form {form!r}; allowed: {', '.join(FORMS)}")
+            raise ValueError(f"kerple: {unknown_value('form', form, FORMS)}")
         self.form = form
         self.per_layer = per_layer
         self.kernel = None if per_layer else KerpleParameters(n_heads, form)

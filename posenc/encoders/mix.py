@@ -40,6 +40,7 @@ from posenc.encoders.base import (
     Slot,
     dense_parts,
 )
+from posenc.errors import suggest
 
 #: For each member, the names of its context entries and whether its keys are stable.
 MEMBERS: Slot[tuple[tuple[tuple[str, ...], bool], ...]] = Slot("mix.members")
@@ -130,7 +131,10 @@ def _mixable(key: str, name: str) -> type[PositionalEncoder]:
     if name == "mix":
         raise ValueError(f"{key}='mix': a mix cannot hold a mix; list its schemes instead")
     if name not in registry.available():
-        raise ValueError(f"{key}={name!r}: unknown scheme; allowed: {', '.join(mixable())}")
+        raise ValueError(
+            f"{key}={name!r}: unknown scheme; {suggest(name, mixable())}"
+            f"allowed: {', '.join(mixable())}"
+        )
     cls = registry.get(name)
     if _embeds(cls):
         raise ValueError(

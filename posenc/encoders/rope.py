@@ -90,6 +90,7 @@ from posenc.encoders.base import (
     Slot,
 )
 from posenc.encoders.registry import register
+from posenc.errors import unknown_value
 
 LAYOUTS = ("interleaved", "half")
 #: Context-extension methods (``scaling``); see the module docstring.
@@ -137,7 +138,7 @@ def rope_factors(cos: Tensor, sin: Tensor, layout: str) -> Tensor:
         return torch.complex(cos, sin)
     if layout == "half":
         return torch.stack((torch.stack((cos, cos), -2), torch.stack((-sin, sin), -2)))
-    raise ValueError(f"rope: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+    raise ValueError(f"rope: {unknown_value('layout', layout, LAYOUTS)}")
 
 
 #: The position axis of :func:`rope_factors` per layout (for cutting blocks of queries).
@@ -217,7 +218,7 @@ def apply_rope(
         ``(B, H, T, D)`` in ``x.dtype``.
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"rope: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+        raise ValueError(f"rope: {unknown_value('layout', layout, LAYOUTS)}")
     half = cos.shape[-1]
     rot = x[..., : 2 * half].to(torch.promote_types(x.dtype, torch.float32))
     if factors is None:
@@ -276,8 +277,9 @@ class Scaling:
 
     def __post_init__(self) -> None:
         if self.method not in SCALINGS + TRAINED_SCALINGS:
-            names = ", ".join(SCALINGS + TRAINED_SCALINGS)
-            raise ValueError(f"rope: unknown scaling {self.method!r}; allowed: {names}")
+            raise ValueError(
+                f"rope: {unknown_value('scaling', self.method, SCALINGS + TRAINED_SCALINGS)}"
+            )
         f = self.factor
         if isinstance(f, bool) or not isinstance(f, int | float) or not math.isfinite(f) or f < 1:
             raise ValueError(
@@ -302,7 +304,7 @@ class Scaling:
             ("yarn_temper", self.yarn_temper, YARN_TEMPERS),
         ):
             if value not in allowed:
-                raise ValueError(f"rope: unknown {key} {value!r}; allowed: {', '.join(allowed)}")
+                raise ValueError(f"rope: {unknown_value(key, value, allowed)}")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(
                 f"rope: need 0 < low_freq_factor < high_freq_factor, got "
@@ -541,7 +543,7 @@ class RoPE(PositionalEncoder):
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if layout not in LAYOUTS:
-            raise ValueError(f"rope: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+            raise ValueError(f"rope: {unknown_value('layout', layout, LAYOUTS)}")
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"rope: fraction must be in (0, 1], got {fraction}")
         if base <= 1.0:

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from posenc.encoders.base import PositionalEncoder
 from posenc.encoders.registry import register
+from posenc.errors import unknown_value
 
 LAYOUTS = ("interleaved", "concat", "concat_marian")
 #: ``amplitude`` values that are not numbers.
@@ -73,7 +74,7 @@ def sinusoid(
     if dim % 2:
         raise ValueError(f"sinusoidal features need an even dimension, got {dim}")
     if layout not in LAYOUTS:
-        raise ValueError(f"unknown sinusoid layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+        raise ValueError(unknown_value("sinusoid layout", layout, LAYOUTS))
     inv_freq = sinusoid_frequencies(dim, base, layout, device=positions.device)
     angle = positions.to(torch.float32)[..., None] * inv_freq  # (*, dim/2)
     if layout == "interleaved":
@@ -108,9 +109,7 @@ class Sinusoidal(PositionalEncoder):
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if layout not in LAYOUTS:
-            raise ValueError(
-                f"sinusoidal: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}"
-            )
+            raise ValueError(f"sinusoidal: {unknown_value('layout', layout, LAYOUTS)}")
         if d_model % 2:
             raise ValueError(f"sinusoidal: d_model must be even, got {d_model}")
         if isinstance(amplitude, str):

@@ -60,6 +60,7 @@ from torch import Tensor, nn
 
 from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly
 from posenc.encoders.registry import register
+from posenc.errors import unknown_value
 
 #: Where what is left of the stick goes (module docstring).
 REMAINDERS = ("head_bias", "value")
@@ -192,7 +193,7 @@ class StickBreaking(CausalOnly):
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if remainder not in REMAINDERS:
             raise ValueError(
-                f"stickbreak: unknown remainder {remainder!r}; allowed: {', '.join(REMAINDERS)} "
+                f"stickbreak: {unknown_value('remainder', remainder, REMAINDERS)} "
                 f"(head_bias is the authors' model layer, value the query's own value)"
             )
         self.attend_current = attend_current

@@ -39,6 +39,7 @@ from torch import Tensor
 from posenc.encoders.base import AttentionContext, AttentionPositional, CausalOnly
 from posenc.encoders.registry import register
 from posenc.encoders.rope import LAYOUTS, put_rotation_tables, rope_frequencies, rotate_qk
+from posenc.errors import unknown_value
 
 
 def xpos_zeta(rot_dim: int, gamma: float = 0.4, device=None) -> Tensor:
@@ -89,7 +90,7 @@ class XPos(CausalOnly):
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if layout not in LAYOUTS:
-            raise ValueError(f"xpos: unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+            raise ValueError(f"xpos: {unknown_value('layout', layout, LAYOUTS)}")
         if self.head_dim % 2:
             raise ValueError(
                 f"xpos: the head dim d_model / n_heads = {d_model} / {n_heads} = "

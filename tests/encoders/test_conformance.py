@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from posenc import encoders
+from posenc.config import ConfigError, validate
 from posenc.encoders.base import AttentionPositional, AttnKind, CausalOnly
 from posenc.model import DecoderLM, EncoderDecoder
 from posenc.model.attention import Attention
@@ -20,6 +21,7 @@ from tests.conftest import (
     CAUSAL_ONLY,
     ENCODER_YAMLS,
     ROOT,
+    compose_run,
     identity_attention,
     run_self,
 )
@@ -59,6 +61,34 @@ def test_unknown_encoder_names_the_choices() -> None:
     names = ", ".join(encoders.available())
     with pytest.raises(ValueError, match=f"unknown encoder 'alibii'; available: {names}"):
         encoders.get("alibii")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ["encoder=rope", "encoder.layout=interleave"],
+            "rope: unknown layout 'interleave'; did you mean 'interleaved'? "
+            "allowed: interleaved, half",
+        ),
+        (
+            ["encoder=fox", "encoder.bias_init=spred"],
+            "fox: unknown bias_init 'spred'; did you mean 'spread'? allowed: zero, spread",
+        ),
+        (
+            ["encoder=rope", "encoder.scaling=yarm"],
+            "rope: unknown scaling 'yarm'; did you mean 'yarn'? allowed: none, linear",
+        ),
+        (["encoder=kerple", "encoder.form=xyz"], "kerple: unknown form 'xyz'; allowed: log, power"),
+    ],
+)
+def test_an_encoder_option_outside_its_choices_gets_the_nearest(
+    tmp_path, overrides: list[str], line: str
+) -> None:
+    """The encoders' own choices answer a near miss as the config's keys do."""
+    with pytest.raises(ConfigError) as err:
+        validate(compose_run(tmp_path, *overrides))
+    assert str(err.value).splitlines()[1].startswith(f"  encoder: {line}"), str(err.value)
 
 
 @pytest.mark.parametrize("name", ENCODER_YAMLS)

@@ -137,7 +137,7 @@ ALLOWED = ", ".join(mixable())
     [
         (
             {"layers": ["rope", "rpoe"]},
-            f"encoder.layers[1]='rpoe': unknown scheme; allowed: {ALLOWED}",
+            f"encoder.layers[1]='rpoe': unknown scheme; did you mean 'rope'? allowed: {ALLOWED}",
         ),
         (
             {"layers": []},
@@ -257,7 +257,10 @@ def test_a_bad_mix_is_refused_before_training(tmp_path: Path) -> None:
     assert (
         done.stderr.strip()
         .splitlines()[-1]
-        .endswith(f"encoder: encoder.layers[1]='rpoe': unknown scheme; allowed: {ALLOWED}")
+        .endswith(
+            f"encoder: encoder.layers[1]='rpoe': unknown scheme; did you mean 'rope'? "
+            f"allowed: {ALLOWED}"
+        )
     )
     assert not [p for p in (tmp_path / "outputs" / "lm").rglob("*") if p.is_file()]
 
