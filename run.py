@@ -6,12 +6,18 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from posenc.preflight import missing_launcher, resume_without_folder, unknown_options
+from posenc.preflight import (
+    missing_launcher,
+    misspelled_keys,
+    register_resolvers,
+    resume_without_folder,
+    unknown_options,
+)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from posenc.cli import register_resolvers, run_job
+    from posenc.cli import run_job
 
     register_resolvers()  # a sweep's worker process runs this function, not the lines below
     run_job(cfg)
@@ -20,15 +26,12 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     conf = Path(__file__).parent / "conf"
     args = [a for a in sys.argv[1:] if not a.startswith("-")]
-    # Each one line. Before torch and Lightning are imported (a second, not ten): an
-    # unknown group option, a launcher not installed.
+    # Each one line, before torch and Lightning are imported (a second, not ten): an
+    # unknown group option, a launcher not installed, resume=true without its folder, a
+    # key the config does not have.
+    register_resolvers()  # the schema the composed config is checked against
     problems = unknown_options(args, conf) + missing_launcher(args)
-    if not problems:
-        from posenc.cli import misspelled_keys, register_resolvers
-        from posenc.tuned import check_argument
-
-        register_resolvers()  # the schema the composed config is checked against
-        problems = resume_without_folder(sys.argv[1:], conf)  # resume=true, no folder
+    problems = problems or resume_without_folder(sys.argv[1:], conf)
     if problems:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         sys.exit(2)
@@ -38,6 +41,8 @@ if __name__ == "__main__":
         print("error: " + "\n  ".join(head), file=sys.stderr)
         sys.exit(2)
     # +tuned=<report dir>: a missing or malformed file fails once, before a sweep starts.
+    from posenc.tuned import check_argument
+
     problem = check_argument(sys.argv[1:])
     if problem:
         print(f"error: {problem}", file=sys.stderr)

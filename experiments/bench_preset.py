@@ -41,8 +41,8 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from posenc.cli import register_resolvers  # noqa: E402  (after the path: run from anywhere)
 from posenc.errors import UserError  # noqa: E402
+from posenc.preflight import register_resolvers  # noqa: E402  (after the path: run from anywhere)
 from posenc.train import train  # noqa: E402
 from posenc.training import job  # noqa: E402
 

@@ -49,8 +49,6 @@ _DURATION = re.compile(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}")
 
 #: A typed task (one whose own keys passed).
 Task = schema.LMTask | schema.MTTask | schema.AlgoTask
-#: A value not known (a key named by an error that does not give it).
-UNKNOWN = object()
 
 
 def validate(cfg: DictConfig, machine: bool = True, copy: bool = True) -> None:
@@ -220,20 +218,6 @@ def _unknown_keys(cfg: DictConfig) -> list[str]:
     return out + schema.parameter_problems(cfg.trainer, pl.Trainer.__init__, "trainer.")
 
 
-def unknown_key(cfg: Any, key: str, value: Any = UNKNOWN) -> str:
-    """The line that refuses ``key`` (dotted, with its ``value`` where known), which the
-    composed ``cfg`` has no place for: a translation option under ``task=lm`` says so,
-    any other key gets its group's keys and the nearest one."""
-    parent, _, leaf = key.rpartition(".")
-    given = "" if value is UNKNOWN else f"={value!r}"
-    mt_only = {f"task.{k}" for k in MT_TASK_KEYS} | {f"model.{k}" for k in MT_MODEL_KEYS}
-    if key in mt_only and cfg.task.name == "lm":
-        return f"{key}{given}: a translation option, but task.name=lm; remove it or run task=mt"
-    node = OmegaConf.select(cfg, parent) if parent else cfg
-    allowed = [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []  # noqa: SIM118
-    return schema.unknown(f"{parent}." if parent else "", [leaf], allowed)[0]
-
-
 def _run_keys(cfg: DictConfig) -> list[str]:
     out: list[str] = []
     ckpt, init = cfg.ckpt_path, cfg.get("init_from")
@@ -273,7 +257,7 @@ def _task_keys(cfg: DictConfig) -> list[str]:
     out = schema.problems(t, schema.TASKS[name], "task.", skip=MT_TASK_KEYS if name == "lm" else ())
     if name == "lm":
         out += [
-            unknown_key(cfg, k, OmegaConf.select(cfg, k))
+            schema.unknown_key(cfg, k, OmegaConf.select(cfg, k))
             for k in [f"task.{k}" for k in MT_TASK_KEYS if k in t]
             + [f"model.{k}" for k in MT_MODEL_KEYS if k in cfg.model]
         ]

@@ -11,8 +11,20 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import os
+import re
+import secrets
 from pathlib import Path
 from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Glob, OverrideType
+from hydra.errors import ConfigCompositionException, HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from posenc import schema
+from posenc.data.algo_problems import problem_default
 
 #: The launcher options of ``conf/hydra/launcher``: the Hydra plugin each needs and the
 #: ``pip install`` extra (``pyproject.toml``) that brings it.
@@ -24,8 +36,6 @@ LAUNCHER_PLUGINS = {
 
 def _parsed(overrides: list[str]) -> list[Any]:
     """Hydra's parse of the overrides (none of ``hydra.*``), each that it can parse."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parser, out = OverridesParser.create(), []
     for o in overrides:
         if "=" in o and not o.startswith(("hydra.", "-")):  # not --cfg's value (job)
@@ -39,8 +49,6 @@ def _parsed(overrides: list[str]) -> list[Any]:
 def _choices(override: Any) -> list[str]:
     """The option names an override of a group asks for (each value of a sweep); none
     for a ``glob(...)``, a deletion or ``null``."""
-    from hydra.core.override_parser.types import Glob, OverrideType
-
     if override.type is OverrideType.DEL or isinstance(override.value(), Glob):
         return []
     values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
@@ -56,8 +64,6 @@ def group_options(config_dir: Path, group: str) -> list[str]:
 def search_dirs(overrides: list[str]) -> list[Path] | None:
     """The config folders ``hydra.searchpath=[file://...]`` adds (their options count
     too); None when it names one that cannot be listed here (``pkg://``)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     found: list[Path] = []
     for o in overrides:
         if not o.startswith(("hydra.searchpath=", "+hydra.searchpath=", "++hydra.searchpath=")):
@@ -173,12 +179,8 @@ def resume_without_folder(
 
 def _composed(overrides: list[str], config_dir: Path) -> Any:
     """The config (with Hydra's) the overrides make; None if it cannot be composed."""
-    from hydra import compose, initialize_config_dir
-
-    choices = [o for o in overrides if not o.startswith("hydra")]
     try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            return compose("config", overrides=choices, return_hydra_config=True)
+        return _compose(config_dir, [o for o in overrides if not o.startswith("hydra")])
     except Exception:  # Hydra will say what is wrong when it runs
         return None
 
@@ -236,3 +238,135 @@ def _sweep_hint(multirun: Path, sweep: str | None) -> str:
         f"add hydra.sweep.dir={newest} (the newest {preset.rstrip('_') or 'sweep'} "
         f"under {multirun})"
     )
+
+
+#: This process's run-directory suffix: runs started in the same second (a shell loop, a
+#: scheduler array) get directories of their own.
+RUN_ID = f"{os.getpid() % 0x10000:04x}{secrets.token_hex(2)}"
+
+
+def register_resolvers() -> None:
+    """``${posenc_uid:}`` and ``${posenc_preset:...}`` in ``conf/config.yaml``'s run and
+    sweep directories; ``${posenc_problem:<key>}`` in ``conf/task/algo.yaml``: the chosen
+    ``task.problem``'s own default of a key, so ``task.problem=count`` alone brings
+    counting's sizes (a value given on the command line or in a preset replaces it);
+    and the schema ``conf/`` extends (:func:`posenc.schema.register`)."""
+    schema.register()
+    if not OmegaConf.has_resolver("posenc_problem"):
+        OmegaConf.register_new_resolver(
+            "posenc_problem",
+            lambda key, _root_: problem_default(_root_.task.get("problem"), key),
+        )
+    if not OmegaConf.has_resolver("posenc_uid"):
+        OmegaConf.register_new_resolver("posenc_uid", lambda: RUN_ID, use_cache=True)
+    if not OmegaConf.has_resolver("posenc_preset"):
+        # A preset's name and "_" (experiment=baby_gpt: baby_gpt_2026-...); "" for none.
+        OmegaConf.register_new_resolver(
+            "posenc_preset", lambda name=None: f"{name}_" if name not in (None, "None") else ""
+        )
+
+
+def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
+    """Overrides that set a key the composed config lacks, each with the nearest existing
+    key: Hydra would refuse them with "not in struct" and no suggestion. And ``+key=value``
+    for a key the config has (Hydra refuses it over three lines).
+
+    The config is composed with the command's group choices (a sweep's first value of
+    each, then a sweep preset's own first values); anything this check cannot parse is
+    left to Hydra.
+
+    Args:
+        overrides: The command line's overrides (``model.d_modle=3``).
+        config_dir: The ``conf/`` folder.
+
+    Returns:
+        One message per misspelled key (empty if none).
+    """
+    try:
+        parsed = OverridesParser.create().parse_overrides(
+            [o for o in overrides if not o.startswith(("hydra/", "hydra."))]
+        )
+    except Exception:
+        return []
+    groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
+    choices = []
+    for o in parsed:  # a group chosen (encoder=rope) or added (+variant=fox)
+        if o.key_or_group in groups and o.type in (OverrideType.CHANGE, OverrideType.ADD):
+            try:
+                value = next(iter(o.sweep_iterator())) if o.is_sweep_override() else o.value()
+            except HydraException:  # glob(...) of a group lists it through Hydra's loader
+                continue
+            plus = "+" if o.type is OverrideType.ADD else ""
+            choices.append(f"{plus}{o.key_or_group}={value}")
+    try:
+        cfg = _compose(config_dir, choices)
+        # A sweep preset's own grid (hydra.sweeper.params, e.g. sweep=mt_length sets
+        # task=mt): its first value of each group the command line leaves open.
+        given = {c.lstrip("+").partition("=")[0] for c in choices}
+        params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+        more = [
+            f"{k}={str(v).split(',')[0].strip()}"
+            for k, v in params.items()
+            if k.lstrip("+") in groups and k.lstrip("+") not in given
+        ]
+        if more:
+            cfg = _compose(config_dir, [*choices, *more])
+    except ConfigCompositionException as err:  # a key the schema lacks, in a file
+        return composition_problems(err, config_dir, choices)
+    except Exception:
+        return []
+    found = []
+    for o in parsed:
+        key = o.key_or_group
+        if o.type is OverrideType.ADD and key not in groups:
+            if OmegaConf.select(cfg, key, default=schema.UNKNOWN) is not schema.UNKNOWN:
+                found.append(
+                    f"+{key}: {key} is already in the config; set it without the +: "
+                    f"{(o.input_line or key).lstrip('+')}"
+                )
+            continue
+        if o.type is not OverrideType.CHANGE or key in groups:
+            continue
+        if "." not in key:  # a top-level key or a config group (encoder=, task=, ...)
+            top = {str(k) for k in cfg.keys()}  # noqa: SIM118 (see below)
+            if key not in top:
+                close = difflib.get_close_matches(key, sorted(groups | top), n=1)
+                hint = f"did you mean {close[0]}?" if close else "see python run.py --help"
+                found.append(f"{key}: no such key or config group; {hint}")
+            continue
+        parent, leaf = key.rsplit(".", 1)
+        node = OmegaConf.select(cfg, parent)
+        # keys(), not `in`: a DictConfig says a `???` (MISSING) key is not in it.
+        if not OmegaConf.is_dict(node) or leaf in node.keys():  # noqa: SIM118
+            continue
+        keys = sorted(str(k) for k in node)
+        close = difflib.get_close_matches(leaf, keys, n=1)
+        hint = f"did you mean {parent}.{close[0]}?" if close else f"{parent} has {', '.join(keys)}"
+        found.append(f"{key}: no such key; {hint}")
+    return found
+
+
+def _compose(config_dir: Path, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=True)
+
+
+def composition_problems(
+    err: ConfigCompositionException, config_dir: Path, overrides: list[str]
+) -> list[str]:
+    """One line for a config file that sets a key its group's schema lacks (Hydra says
+    so over several lines, without the fix); nothing for another error (Hydra says it)."""
+    # Hydra keeps the error's words only: "In '<file>': ConfigKeyError ... full_key: <key>"
+    found = re.match(r"In '([^']+)': ConfigKeyError", str(err))
+    full_key = re.search(r"full_key: (\S+)", str(err))
+    if not found or not full_key:
+        return []
+    key = full_key.group(1)
+    source = config_dir / f"{found.group(1)}.yaml"
+    loaded = OmegaConf.load(source) if source.is_file() else OmegaConf.create()
+    value = OmegaConf.select(loaded, key, default=schema.UNKNOWN)  # a `# @package _global_` file
+    if value is schema.UNKNOWN:
+        value = OmegaConf.select(loaded, key.partition(".")[2], default=schema.UNKNOWN)
+    # the config without that file's key names the group's keys and the task
+    cfg = _compose(config_dir, [o for o in overrides if o.startswith("task=")])
+    return [f"{schema.unknown_key(cfg, key, value)} (in conf/{found.group(1)}.yaml)"]

@@ -32,15 +32,20 @@ from typing import Any, ClassVar, Generic, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from posenc.data.algo import GRIDS, PROBLEMS, SHAPES, Options, longest_sequence
-from posenc.data.algo_problems import DEFAULTS, problem_default
+from posenc.choices import LOGIT_SCALES, SCALINGS, layers_problem
+from posenc.data.algo_problems import (
+    DEFAULTS,
+    GRIDS,
+    PROBLEMS,
+    SHAPES,
+    Options,
+    longest_sequence,
+    problem_default,
+)
 from posenc.data.algo_retrieval import HAYSTACKS
 from posenc.data.buckets import check_edges
 from posenc.data.tokenizers import TOKENIZER_KINDS
-from posenc.encoders.rope import SCALINGS
 from posenc.errors import suggest
-from posenc.model.modifiers import LOGIT_SCALES
-from posenc.model.window import layers_problem
 
 # --- rules: a field's spec says what its value must be, and the message if it is not ---
 
@@ -609,6 +614,24 @@ def unknown(prefix: str, given: list[str], allowed: list[str]) -> list[str]:
         for k in given
         if k not in allowed
     ]
+
+
+#: A value not known (a key named by an error that does not give it).
+UNKNOWN = object()
+
+
+def unknown_key(cfg: Any, key: str, value: Any = UNKNOWN) -> str:
+    """The line that refuses ``key`` (dotted, with its ``value`` where known), which the
+    composed ``cfg`` has no place for: a translation option under ``task=lm`` says so,
+    any other key gets its group's keys and the nearest one."""
+    parent, _, leaf = key.rpartition(".")
+    given = "" if value is UNKNOWN else f"={value!r}"
+    mt_only = {f"task.{k}" for k in MT_TASK_KEYS} | {f"model.{k}" for k in MT_MODEL_KEYS}
+    if key in mt_only and cfg.task.name == "lm":
+        return f"{key}{given}: a translation option, but task.name=lm; remove it or run task=mt"
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    allowed = [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []  # noqa: SIM118
+    return unknown(f"{parent}." if parent else "", [leaf], allowed)[0]
 
 
 def keys(cls: type[Group]) -> list[str]:

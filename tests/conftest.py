@@ -16,9 +16,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from posenc.cli import register_resolvers
 from posenc.encoders.base import AttentionContext, AttnKind, PositionalEncoder
 from posenc.model.attention import Attention
+from posenc.preflight import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 ENCODER_YAMLS = sorted(p.stem for p in (ROOT / "conf" / "encoder").glob("*.yaml"))

@@ -12,7 +12,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from posenc.cli import register_resolvers
+from posenc.preflight import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

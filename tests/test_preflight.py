@@ -65,21 +65,31 @@ def test_run_py_says_an_unknown_option_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "outputs").exists()
 
 
-def test_an_unknown_option_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
-    """The commonest typo costs a second, not the ten that importing torch and Lightning
-    takes on a laptop: run.py checks group options and launchers before those imports."""
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("encoder=rpoe", "error: encoder=rpoe: no such option; did you mean encoder=rope?"),
+        ("model.d_modle=64", "error: model.d_modle: no such key; did you mean model.d_model?"),
+    ],
+)
+def test_a_typo_is_refused_before_torch_is_imported(
+    tmp_path: Path, override: str, line: str
+) -> None:
+    """The commonest typos cost a second, not the ten that importing torch and Lightning
+    takes on a laptop: run.py checks group options, launchers and keys before those
+    imports (the schema and its allowed values do not need torch)."""
     code = (
         f"import atexit, runpy, sys; sys.path.insert(0, {str(ROOT)!r}); "
         "heavy = {'torch', 'pytorch_lightning'}; "
         "atexit.register(lambda: print(sorted(heavy & set(sys.modules)))); "
-        f"sys.argv = ['run.py', 'encoder=rpoe']; runpy.run_path({str(ROOT / 'run.py')!r}, "
+        f"sys.argv = ['run.py', {override!r}]; runpy.run_path({str(ROOT / 'run.py')!r}, "
         "run_name='__main__')"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("error: encoder=rpoe: no such option")
+    assert proc.stderr.startswith(line), proc.stderr
     assert proc.stdout == "[]\n"
 
 

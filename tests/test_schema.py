@@ -14,9 +14,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from posenc import schema
-from posenc.cli import misspelled_keys
 from posenc.config import ConfigError, validate
 from posenc.data.algo_problems import problem_default
+from posenc.preflight import misspelled_keys
 from tests import presets
 from tests.conftest import ENCODER_YAMLS, ROOT, compose_config, compose_run, encoder_class
 

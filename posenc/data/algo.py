@@ -40,6 +40,7 @@ from posenc.data.algo_problems import (
     PAD,
     PROBLEMS,
     SEP,
+    SHAPES,
     SPECIALS,
     AlgoVocab,
     Options,
@@ -55,10 +56,6 @@ from posenc.data.algo_problems import (
 from posenc.data.lm import physical_memory
 from posenc.data.mt import MTCollator
 from posenc.data.samplers import ENDLESS, BatchIndexSampler, ShardSampler, trainer_progress
-
-#: Layouts of an instance: decoder-only (BOS prompt SEP answer EOS, loss on the answer)
-#: or encoder-decoder (prompt -> answer).
-SHAPES = ("decoder", "encdec")
 
 __all__ = [
     "BOS",

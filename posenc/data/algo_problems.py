@@ -155,6 +155,9 @@ DEFAULTS: dict[str, Any] = {
 #: Test grids (``task.test_sizes``): every valid size from the smallest up to the largest
 #: test size, or the largest training size and its doublings (``hi, 2 hi, 4 hi, ...``).
 GRIDS = ("every", "doubling")
+#: Layouts of an instance (``task.shape``): decoder-only (BOS prompt SEP answer EOS, loss on
+#: the answer) or encoder-decoder (prompt -> answer).
+SHAPES = ("decoder", "encdec")
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from posenc.choices import SCALINGS, TRAINED_SCALINGS
 from posenc.encoders.base import (
     AttentionContext,
     AttentionPositional,
@@ -93,11 +94,6 @@ from posenc.encoders.registry import register
 from posenc.errors import unknown_value
 
 LAYOUTS = ("interleaved", "half")
-#: Context-extension methods (``scaling``); see the module docstring.
-SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
-#: Context-extension methods set at build time only: their settings come from a search
-#: for a trained model, not from the evaluation length (module docstring).
-TRAINED_SCALINGS = ("longrope",)
 #: Methods that need the original (training) length L.
 NEEDS_LENGTH = ("dynamic_ntk", "yarn", "llama3", "longrope")
 #: Methods whose frequencies follow the length of the pass.

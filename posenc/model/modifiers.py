@@ -39,11 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posenc.choices import LOGIT_SCALES
 from posenc.encoders.base import AttentionPositional, ScoreMod, ScoreParts
 from posenc.model.window import layer_window, window_problem
 
-#: The values of ``model.logit_scale``.
-LOGIT_SCALES = ("none", "log_length", "ssmax")
 #: SSMax's initial ``s``: the value the paper illustrates SSMax with (its Figure 1),
 #: which at n = 256 keys gives a factor of about 2.4 on the logits.
 SSMAX_INIT = 0.43

@@ -29,28 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posenc.choices import layers_problem
 from posenc.encoders.base import AttentionContext
-
-#: The entries of ``model.window_layers``.
-LAYER_KINDS = ("local", "global")
-
-
-def layers_problem(layers: Any) -> str | None:
-    """Why ``model.window_layers`` is not a pattern of layers, or None (null passes)."""
-    if layers is None:
-        return None
-    if isinstance(layers, str) or not isinstance(layers, Sequence) or not layers:
-        bad = True
-    else:
-        bad = any(k not in LAYER_KINDS for k in layers)
-    if not bad:
-        return None
-    shown = list(layers) if isinstance(layers, Sequence) and not isinstance(layers, str) else layers
-    return (
-        f"model.window_layers={shown!r}: must be a non-empty list of local and global "
-        f"(cycled over the layers), e.g. [local,local,local,local,local,global], or null "
-        f"(every layer local)"
-    )
 
 
 def window_problem(window: Any, layers: Any) -> str | None:

@@ -125,7 +125,7 @@ def test_a_directory_with_another_runs_files_is_refused_unless_resuming(
 
 
 def test_a_misspelled_key_gets_the_nearest_key(tmp_path: Path) -> None:
-    from posenc.cli import misspelled_keys
+    from posenc.preflight import misspelled_keys
 
     conf = ROOT / "conf"
     assert misspelled_keys(["model.d_modle=64", "task=mt", "task.optim.lrr=1"], conf) == [
@@ -164,7 +164,7 @@ def test_a_misspelled_key_gets_the_nearest_key(tmp_path: Path) -> None:
 def test_keys_that_must_be_set_are_known_keys() -> None:
     """``???`` keys (a DictConfig says they are not "in" it) are the ones a user must set:
     the README's own-data commands were refused as misspelled (#38)."""
-    from posenc.cli import misspelled_keys
+    from posenc.preflight import misspelled_keys
 
     conf = ROOT / "conf"
     assert (
