@@ -1,10 +1,12 @@
-"""``run.py``'s command line checked before Hydra starts, where Hydra would answer with a
-traceback or a multi-line message without the fix, or would silently do something else:
-a config group option that does not exist (:func:`unknown_options`), a launcher whose
-plugin is not installed (:func:`missing_launcher`), and ``resume=true`` without the
-folder to resume (:func:`resume_without_folder`). Each returns its problems as lines for
-``run.py`` to print (one line each, exit status 2); anything it cannot parse is left to
-Hydra.
+"""``run.py``'s command line checked before Hydra starts and before torch is imported
+(a typo is answered in a second), where Hydra would answer with a traceback or a
+multi-line message without the fix, or would silently do something else: a config group
+option that does not exist (:func:`unknown_options`), a launcher whose plugin is not
+installed (:func:`missing_launcher`), ``resume=true`` without the folder to resume
+(:func:`resume_without_folder`) and a key the composed config lacks
+(:func:`misspelled_keys`). Each returns its problems as lines for ``run.py`` to print (one
+line each, exit status 2); anything it cannot parse is left to Hydra. Also the resolvers
+and the schema every composition needs (:func:`register_resolvers`).
 """
 
 from __future__ import annotations
