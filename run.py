@@ -13,6 +13,7 @@ from posenc.preflight import (
     resume_without_folder,
     unknown_options,
 )
+from posenc.tuned import check_argument
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -28,7 +29,7 @@ if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("-")]
     # Each one line, before torch and Lightning are imported (a second, not ten): an
     # unknown group option, a launcher not installed, resume=true without its folder, a
-    # key the config does not have.
+    # key the config does not have, a +tuned file that is missing or malformed.
     register_resolvers()  # the schema the composed config is checked against
     problems = unknown_options(args, conf) + missing_launcher(args)
     problems = problems or resume_without_folder(sys.argv[1:], conf)
@@ -41,8 +42,6 @@ if __name__ == "__main__":
         print("error: " + "\n  ".join(head), file=sys.stderr)
         sys.exit(2)
     # +tuned=<report dir>: a missing or malformed file fails once, before a sweep starts.
-    from posenc.tuned import check_argument
-
     problem = check_argument(sys.argv[1:])
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -616,6 +616,25 @@ def unknown(prefix: str, given: list[str], allowed: list[str]) -> list[str]:
     ]
 
 
+def group_choice(cfg: Any, group: str) -> str:
+    """The Hydra group choice (``rope``); outside a Hydra run (a config composed by
+    hand), the registered name of the configured class."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_class
+
+    if HydraConfig.initialized():
+        return HydraConfig.get().runtime.choices[group]
+    cls = get_class(getattr(cfg, group)._target_)
+    return getattr(cls, "name", cls.__name__)
+
+
+def encoder_label(cfg: Any) -> str:
+    """The scheme's name in results: ``label`` when the run sets one (a sweep arm such as
+    ``+variant=rope_qknorm``), else the encoder choice (:func:`group_choice`)."""
+    label = cfg.get("label") if isinstance(cfg, DictConfig) else getattr(cfg, "label", None)
+    return str(label) if label else group_choice(cfg, "encoder")
+
+
 #: A value not known (a key named by an error that does not give it).
 UNKNOWN = object()
 

@@ -32,9 +32,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from posenc.config import ConfigError
+from posenc.errors import ConfigError
 from posenc.results import task_key
-from posenc.training.trainer import encoder_label
+from posenc.schema import encoder_label
 
 log = logging.getLogger(__name__)
 

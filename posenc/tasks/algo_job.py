@@ -20,12 +20,11 @@ from posenc import schema
 from posenc.data.algo import AlgoDataModule, bucket_name
 from posenc.plots import accuracy_vs_size
 from posenc.results import AlgoRecord, BySize, MetricName, names
-from posenc.schema import Run
+from posenc.schema import Run, encoder_label
 from posenc.tasks.algo import AlgoTask
 from posenc.training import job
 from posenc.training.callbacks import Throughput
 from posenc.training.trainer import (
-    encoder_label,
     init_from_checkpoint,
     load_for_eval,
     log_hparams,

@@ -24,13 +24,12 @@ from posenc.eval.lengths import PROTOCOLS, metric_name
 from posenc.model.streaming import refusal
 from posenc.plots import loss_by_position_figure, ppl_vs_length_figure
 from posenc.results import LMRecord, MetricName, Passkey, names
-from posenc.schema import Run
+from posenc.schema import Run, encoder_label
 from posenc.tasks import lm_passkey
 from posenc.tasks.lm import EvalExtension, Extension, LMTask, StreamingExtension
 from posenc.training import checkpoints, gate, job
 from posenc.training.callbacks import Throughput
 from posenc.training.trainer import (
-    encoder_label,
     init_from_checkpoint,
     load_for_eval,
     log_hparams,

@@ -21,12 +21,11 @@ from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.plots import bleu_by_length_figure, close
 from posenc.results import MetricName, MTRecord, names
-from posenc.schema import Run
+from posenc.schema import Run, encoder_label
 from posenc.tasks.mt import MTTask
 from posenc.training import job
 from posenc.training.callbacks import Throughput
 from posenc.training.trainer import (
-    encoder_label,
     init_from_checkpoint,
     load_for_eval,
     log_hparams,

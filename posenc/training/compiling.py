@@ -80,7 +80,7 @@ class AutoCompile(pl.Callback):
     when :func:`auto_compile` says so, and log one line either way.
 
     Args:
-        scheme: The scheme's name in results (:func:`posenc.training.trainer.encoder_label`).
+        scheme: The scheme's name in results (:func:`posenc.schema.encoder_label`).
     """
 
     def __init__(self, scheme: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any, TypeVar, cast
 
 import pytorch_lightning as pl
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from lightning_fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
@@ -24,7 +24,7 @@ from torch import nn
 from posenc import stop
 from posenc.errors import CheckpointError
 from posenc.results import MetricName
-from posenc.schema import Group, Run, untyped
+from posenc.schema import Group, Run, encoder_label, untyped
 from posenc.training import checkpoints, compiling, gate
 from posenc.training.callbacks import PlainProgress, StepProgressBar, Throughput
 
@@ -300,24 +300,6 @@ def save_last(trainer: pl.Trainer, run_dir: Path) -> None:
     """``last.ckpt`` at the end of training (after the final validation), so a run killed
     during its final evaluation resumes straight to it with every metric."""
     trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
-
-
-def group_choice(cfg: Any, group: str) -> str:
-    """The Hydra group choice (``rope``); outside a Hydra run (a config composed by
-    hand), the registered name of the configured class."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        return HydraConfig.get().runtime.choices[group]
-    cls = get_class(getattr(cfg, group)._target_)
-    return getattr(cls, "name", cls.__name__)
-
-
-def encoder_label(cfg: Any) -> str:
-    """The scheme's name in results: ``label`` when the run sets one (a sweep arm such as
-    ``+variant=rope_qknorm``), else the encoder choice (:func:`group_choice`)."""
-    label = cfg.get("label") if isinstance(cfg, DictConfig) else getattr(cfg, "label", None)
-    return str(label) if label else group_choice(cfg, "encoder")
 
 
 def command_line_keys(cfg: Any) -> set[str] | None:
