@@ -70,14 +70,15 @@ def test_run_py_says_an_unknown_option_in_one_line(tmp_path: Path) -> None:
     [
         ("encoder=rpoe", "error: encoder=rpoe: no such option; did you mean encoder=rope?"),
         ("model.d_modle=64", "error: model.d_modle: no such key; did you mean model.d_model?"),
+        ("+tuned=nowhere", "error: tuned=nowhere: no such file or directory"),
     ],
 )
 def test_a_typo_is_refused_before_torch_is_imported(
     tmp_path: Path, override: str, line: str
 ) -> None:
     """The commonest typos cost a second, not the ten that importing torch and Lightning
-    takes on a laptop: run.py checks group options, launchers and keys before those
-    imports (the schema and its allowed values do not need torch)."""
+    takes on a laptop: run.py checks group options, launchers, keys and the +tuned file
+    before those imports (the schema and its allowed values do not need torch)."""
     code = (
         f"import atexit, runpy, sys; sys.path.insert(0, {str(ROOT)!r}); "
         "heavy = {'torch', 'pytorch_lightning'}; "
