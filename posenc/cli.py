@@ -183,7 +183,15 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     stop.request_stop("SIGINT")
     handler = signal.getsignal(signal.SIGTERM)
     if callable(handler):
-        handler(signal.SIGTERM, frame)
+        # Lightning's handler logs a line; when this signal interrupted a log line's own
+        # write, that nested write fails and logging would print "--- Logging error ---"
+        # with a traceback. Such a line is dropped instead; the run's own lines follow.
+        shown = logging.raiseExceptions
+        logging.raiseExceptions = False
+        try:
+            handler(signal.SIGTERM, frame)
+        finally:
+            logging.raiseExceptions = shown
 
 
 def _handle_stop_signals() -> None:

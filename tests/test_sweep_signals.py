@@ -3,7 +3,9 @@ and Ctrl-C to the sweep, each saving what it can and saying how to continue."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from posenc import cli, stop
 from posenc.report import build_report
 from tests.conftest import ROOT
 
@@ -239,3 +242,31 @@ def test_a_sweep_smaller_than_its_pool_starts_no_idle_worker_that_ctrl_c_would_e
     assert "Joblib.Parallel(n_jobs=1," in said, said[-3000:]
     assert err.count("stopped by SIGINT; progress is saved in") == 1, err[-3000:]
     assert not list(out.glob("*/.error.json*"))
+
+
+def test_a_ctrl_c_that_interrupts_a_log_line_prints_no_logging_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C passes on to the SIGTERM handler (Lightning's, which logs a line). When the
+    signal arrived while a log line was being written, that nested write fails ("reentrant
+    call"), and logging printed "--- Logging error ---" and a traceback: the line is
+    dropped instead, and logging's setting is as it was."""
+
+    class Busy(io.StringIO):
+        def write(self, s: str) -> int:
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stdout>'>")
+
+    log = logging.getLogger("tests.sigint")
+    monkeypatch.setattr(log, "handlers", [logging.StreamHandler(Busy())])
+    monkeypatch.setattr(log, "propagate", False)
+    monkeypatch.setattr(log, "level", logging.INFO)
+    called = []
+    monkeypatch.setattr(
+        signal, "getsignal", lambda s: lambda *_: called.append(s) or log.info("Received SIGTERM")
+    )
+    monkeypatch.setattr(stop, "request_stop", lambda *_: None)
+    assert logging.raiseExceptions
+    cli._on_sigint(signal.SIGINT, None)
+    assert called == [signal.SIGTERM]
+    assert "Logging error" not in capsys.readouterr().err
+    assert logging.raiseExceptions
