@@ -35,6 +35,7 @@ from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 from pytorch_lightning.accelerators import CUDAAccelerator
 from pytorch_lightning.utilities.exceptions import SIGTERMException
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from posenc import stop, tuned
 from posenc.config import ConfigError, validate
@@ -242,7 +243,8 @@ def _terminated(cfg: DictConfig) -> None:
     or 130 (SIGINT)."""
     for signum in STOP_SIGNALS:  # a second Ctrl-C while this is said: no traceback
         signal.signal(signum, signal.SIG_IGN)
-    _say_stopped()
+    if getattr(rank_zero_only, "rank", 0) == 0:  # the first of several processes says it
+        _say_stopped()
     sys.exit(exit_status())
 
 
@@ -354,6 +356,17 @@ class SweepCheck(Callback):
     """
 
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        launcher = config.hydra.launcher
+        n_jobs = launcher.get("n_jobs")
+        if "joblib" in str(launcher.get("_target_", "")) and not (
+            isinstance(n_jobs, int) and not isinstance(n_jobs, bool) and n_jobs != 0
+        ):
+            print(
+                f"error: hydra.launcher.n_jobs={n_jobs!r}: must be the number of jobs to run "
+                "at a time (a positive integer), or -1 for one per core",
+                file=sys.stderr,
+            )
+            sys.exit(2)
         if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
             return
         tic = time.perf_counter()

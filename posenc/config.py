@@ -517,8 +517,15 @@ def _max_len(max_len: Any, m: schema.Model, t: Task | None) -> list[str]:
 
 #: Lightning's knobs whose rule is the value's own (null: Lightning's default). Its
 #: positive-integer knobs at 0 fail deep inside it (ZeroDivisionError).
+#: Lightning's ``precision`` values (an int is read as its string: 16, 32, 64).
+PRECISIONS = (
+    "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "32", "16", "bf16",
+    "64", "transformer-engine", "transformer-engine-float16",
+)  # fmt: skip
+
 TRAINER: dict[str, schema.Check] = {
     "gradient_clip_val": schema.rule("finite>=0", ", or null for no clipping", optional=True),
+    "precision": lambda key, v: schema.rule(PRECISIONS)(key, str(v)) if v is not None else [],
     **dict.fromkeys(
         ("accumulate_grad_batches", "log_every_n_steps", "num_nodes"),
         schema.rule("int>0", optional=True),

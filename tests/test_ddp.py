@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +157,52 @@ def test_translation_on_two_ranks_decodes_each_sentence_once_as_one_process_does
     assert one["buckets"] == two["buckets"]
     for key in ("test/bleu", "test/chrf", "test/loss"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
+
+
+def _ranks(pid: int) -> list[int]:
+    """The rank processes the first process (``pid``) started."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_sigterm_to_every_rank_stops_them_together_and_saves(tmp_path: Path) -> None:
+    """SIGTERM to every process of a 2-rank run, as SLURM sends it at a time limit or a
+    preemption: both ranks stop after the same batch, ``last.ckpt`` is saved, the run
+    exits 143 and says once how to continue. (Lightning's handler exchanged a tensor
+    between the ranks inside the signal handler and each rank then stopped where its own
+    flag said: the ranks waited in different collectives and the run hung with nothing
+    saved, here in 3 runs of 3.)"""
+    run_dir = tmp_path / "run"
+    tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check"))]
+    proc = subprocess.Popen(
+        [
+            sys.executable, "run.py", *tiny, *DDP, "trainer.max_steps=3000",
+            "trainer.val_check_interval=20", f"hydra.run.dir={run_dir}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not (run_dir / "checkpoints" / "best.ckpt").exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    ranks = _ranks(proc.pid)
+    assert ranks, "the second rank's process was not found"
+    time.sleep(0.5)  # both ranks training
+    for pid in (proc.pid, *ranks):
+        os.kill(pid, signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        for pid in (proc.pid, *ranks):
+            os.kill(pid, signal.SIGKILL)
+        pytest.fail("the run hung after SIGTERM")
+    assert proc.returncode == 143, err[-3000:]
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert not (run_dir / "metrics.json").exists()
+    assert err.count("stopped by SIGTERM; progress is saved in") == 1, err[-3000:]
+    assert (run_dir / "run.log").read_text().count("SIGTERM at step") == 1

@@ -550,3 +550,22 @@ def test_the_sweep_check_composes_each_job_as_its_launcher_does() -> None:
             assert mine.label == encoder.removesuffix("_rand"), job
         declined = [c for _, c in run.job_configs(cfg, jobs, lambda i: i % 2 == 0)]
         assert [c is None for c in declined] == [i % 2 == 1 for i in range(16)]
+
+
+def test_a_pool_of_no_workers_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hydra.launcher.n_jobs=0`` (joblib's ValueError with a traceback, after the sweep
+    had started) is refused before any job, saying what the value means."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    overrides = ("encoder=rope,alibi", "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=0")
+    with (
+        multirun_config(*overrides, f"hydra.sweep.dir={tmp_path}") as cfg,
+        pytest.raises(SystemExit) as stopped,
+    ):
+        run.SweepCheck().on_multirun_start(cfg)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: hydra.launcher.n_jobs=0: must be the number of jobs to run at a time (a "
+        "positive integer), or -1 for one per core\n"
+    )

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from posenc.errors import CacheError
+from posenc.errors import CacheError, DataError
 
 __all__ = [
     "BOS_ID",
@@ -302,9 +302,16 @@ class SentencePieceTokenizer:
                     minloglevel=2,
                 )
             except RuntimeError as err:
-                raise ValueError(
-                    f"SentencePiece training ({model_type}, vocab_size={vocab_size}) on "
-                    f"{n_lines} lines failed: {err}. Lower vocab_size or supply more text."
+                # its reason without the source location: "... [check] Vocabulary size is ..."
+                reason = str(err).rpartition("] ")[2].split(". Increase")[0].strip().rstrip(".")
+                fix = (
+                    "raise vocab_size"
+                    if "smaller" in reason
+                    else "lower vocab_size, or supply more text"
+                )
+                raise DataError(
+                    f"vocab_size={vocab_size}: SentencePiece cannot train a {model_type} "
+                    f"vocabulary of that size on these {n_lines} lines ({reason}); {fix}"
                 ) from err
             # Rename from the same folder tree: readers never see a partially written model.
             os.replace(prefix.with_suffix(".model"), model_file)

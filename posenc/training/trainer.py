@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar, cast
 
 import pytorch_lightning as pl
@@ -92,8 +94,9 @@ class RunState(pl.Callback):
         # Lightning stops between two steps; keep the progress up to here for resume=true.
         if isinstance(exception, SIGTERMException) and trainer.training:
             path = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
-            trainer.save_checkpoint(path, weights_only=False)
-            log.warning("%s at step %d: saved %s", stop.stopped_by(), trainer.global_step, path)
+            trainer.save_checkpoint(path, weights_only=False)  # (every rank takes part)
+            if trainer.is_global_zero:
+                log.warning("%s at step %d: saved %s", stop.stopped_by(), trainer.global_step, path)
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -121,6 +124,55 @@ class RunState(pl.Callback):
         if self._rng is not None and trainer.fit_loop.epoch_loop.batch_progress.current.ready:
             _set_rng(self._rng)
         self._rng = None
+
+
+class RanksStopTogether(pl.Callback):
+    """SIGTERM (or Ctrl-C, passed on as one) to a run of several processes (DDP): every
+    rank stops after the same batch and saves ``last.ckpt`` with the others.
+
+    Lightning's handler exchanges a tensor between the ranks inside the signal handler,
+    wherever each rank happens to be when its signal lands, and each rank then stops where
+    its own flag says. Ranks signalled at different moments (SLURM signals every rank; a
+    ``kill`` or ``timeout`` signals the first process, which passes it on) then wait in
+    different collectives and hang, with nothing saved. Here the handler only records the
+    request (:func:`posenc.stop.request_stop`; the first process also passes the signal on
+    to the ranks it started), and after each training batch the ranks agree whether any
+    was asked to stop: then Lightning's stop flag is set on all of them at once, and they
+    stop at that batch's end, where a single process stops.
+    """
+
+    def __init__(self) -> None:
+        self._passed_on = False
+
+    def _take_the_signal(self, trainer: pl.Trainer) -> None:
+        if trainer.world_size < 2:
+            return
+        launcher = trainer.strategy.launcher
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            stop.request_stop()
+            if launcher is not None and not self._passed_on:  # (the other ranks' own: none)
+                self._passed_on = True
+                launcher.kill(signum)
+
+        signal.signal(signal.SIGTERM, handler)
+
+    # Lightning sets its handler as training (or its sanity check) begins, and restores
+    # the one from before when training ends.
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_the_signal(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_the_signal(trainer)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:  # fmt: skip
+        if trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(
+            stop.stop_requested(), all=False
+        ):
+            trainer._signal_connector.received_sigterm = True
 
 
 def _set_rng(state: dict[str, Any] | None) -> None:
@@ -225,6 +277,7 @@ def build_trainer(
             ),
             tokenizer,
         ),
+        RanksStopTogether(),
         throughput,
         *extra,
     ]

@@ -18,7 +18,7 @@ from posenc.data.tokenizers import (
     fingerprint,
     fingerprints,
 )
-from posenc.errors import CacheError
+from posenc.errors import CacheError, DataError
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +171,16 @@ def test_a_changed_sentencepiece_cache_is_refused_then_rebuilt(
     assert rebuilt.vocab_size == 400 and rebuilt.encode(small_heldout) == reference
 
 
-def test_sentencepiece_too_large_vocab_is_explained(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="vocab_size=5000.*Lower vocab_size"):
-        build_tokenizer("bpe", ["a tiny corpus\nwith two lines"], tmp_path, vocab_size=5000)
+def test_a_vocabulary_sentencepiece_cannot_train_is_one_line_saying_which_way(
+    tmp_path: Path,
+) -> None:
+    """Too large for the text, or too small for its characters: a DataError (one line, no
+    traceback at the terminal) with SentencePiece's reason and which way to move."""
+    text = ["a tiny corpus\nwith two lines"]
+    with pytest.raises(DataError, match=r"vocab_size=5000: .*too high.*; lower vocab_size"):
+        build_tokenizer("bpe", text, tmp_path, vocab_size=5000)
+    with pytest.raises(DataError, match=r"vocab_size=8: .*smaller than required_chars[^;]*; raise"):
+        build_tokenizer("bpe", text, tmp_path, vocab_size=8)
     assert list(tmp_path.glob("*.model")) == []
 
 
