@@ -193,6 +193,14 @@ def compose_config(tmp_path: Path, *overrides: str) -> DictConfig:
         )
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started that still run (from Linux's ``/proc``)."""
+    try:
+        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def run_py(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``python run.py <args>`` from ``cwd`` (a check before any training: quick)."""
     return subprocess.run(

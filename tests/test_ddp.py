@@ -21,7 +21,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from posenc.train import train
-from tests.conftest import MT_SMALL, ROOT
+from tests.conftest import MT_SMALL, ROOT, children
 
 pytestmark = pytest.mark.ddp
 
@@ -159,14 +159,6 @@ def test_translation_on_two_ranks_decodes_each_sentence_once_as_one_process_does
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
 
 
-def _ranks(pid: int) -> list[int]:
-    """The rank processes the first process (``pid``) started."""
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 def test_sigterm_to_every_rank_stops_them_together_and_saves(tmp_path: Path) -> None:
     """SIGTERM to every process of a 2-rank run, as SLURM sends it at a time limit or a
@@ -190,7 +182,7 @@ def test_sigterm_to_every_rank_stops_them_together_and_saves(tmp_path: Path) -> 
     while not (run_dir / "checkpoints" / "best.ckpt").exists() and time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.05)
-    ranks = _ranks(proc.pid)
+    ranks = children(proc.pid)  # the other rank's process
     assert ranks, "the second rank's process was not found"
     time.sleep(0.5)  # both ranks training
     for pid in (proc.pid, *ranks):

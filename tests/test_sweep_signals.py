@@ -18,13 +18,7 @@ import pytest
 from posenc import cli, stop
 from posenc.report import build_report
 from tests.conftest import ROOT
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+from tests.conftest import children as _children
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
