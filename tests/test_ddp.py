@@ -166,7 +166,7 @@ def test_sigterm_to_every_rank_stops_them_together_and_saves(tmp_path: Path) -> 
     exits 143 and says once how to continue. (Lightning's handler exchanged a tensor
     between the ranks inside the signal handler and each rank then stopped where its own
     flag said: the ranks waited in different collectives and the run hung with nothing
-    saved, here in 3 runs of 3.)"""
+    saved, here in 5 runs of 5.)"""
     run_dir = tmp_path / "run"
     tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check"))]
     proc = subprocess.Popen(
