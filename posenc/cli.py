@@ -40,6 +40,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from posenc import stop, tuned
 from posenc.config import ConfigError, validate
 from posenc.errors import RunDirError, UserError
+from posenc.schema import integer
 from posenc.train import train
 from posenc.training.rundir import (
     forget_refused_run,
@@ -358,9 +359,7 @@ class SweepCheck(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
         launcher = config.hydra.launcher
         n_jobs = launcher.get("n_jobs")
-        if "joblib" in str(launcher.get("_target_", "")) and not (
-            isinstance(n_jobs, int) and not isinstance(n_jobs, bool) and n_jobs != 0
-        ):
+        if "joblib" in str(launcher.get("_target_", "")) and not (integer(n_jobs) and n_jobs):
             print(
                 f"error: hydra.launcher.n_jobs={n_jobs!r}: must be the number of jobs to run "
                 "at a time (a positive integer), or -1 for one per core",

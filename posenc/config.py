@@ -515,14 +515,14 @@ def _max_len(max_len: Any, m: schema.Model, t: Task | None) -> list[str]:
     return out
 
 
-#: Lightning's knobs whose rule is the value's own (null: Lightning's default). Its
-#: positive-integer knobs at 0 fail deep inside it (ZeroDivisionError).
 #: Lightning's ``precision`` values (an int is read as its string: 16, 32, 64).
 PRECISIONS = (
     "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "32", "16", "bf16",
     "64", "transformer-engine", "transformer-engine-float16",
 )  # fmt: skip
 
+#: Lightning's knobs whose rule is the value's own (null: Lightning's default). Its
+#: positive-integer knobs at 0 fail deep inside it (ZeroDivisionError).
 TRAINER: dict[str, schema.Check] = {
     "gradient_clip_val": schema.rule("finite>=0", ", or null for no clipping", optional=True),
     "precision": lambda key, v: schema.rule(PRECISIONS)(key, str(v)) if v is not None else [],
