@@ -247,7 +247,18 @@ def _model_keys(cfg: DictConfig) -> list[str]:
 
 
 def _tokenizer(cfg: DictConfig) -> list[str]:
-    return schema.problems(cfg.tokenizer, schema.Tokenizer, "tokenizer.")
+    """The tokenizer's keys; a SentencePiece setting under ``kind=char`` is refused."""
+    t = cfg.tokenizer
+    out = schema.problems(t, schema.Tokenizer, "tokenizer.")
+    given = [
+        k for k in schema.keys(schema.Tokenizer)[2:] if t.get(k) is not None
+    ]  # after vocab_size
+    if out or t.kind != "char" or not given:
+        return out
+    return [
+        f"tokenizer.{given[0]}={t[given[0]]!r}: a SentencePiece setting, but tokenizer.kind="
+        "char takes none; drop it, or choose tokenizer=bpe or tokenizer=unigram"
+    ]
 
 
 def _task_keys(cfg: DictConfig) -> list[str]:

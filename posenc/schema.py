@@ -71,6 +71,7 @@ def finite(value: Any) -> bool:
 SPECS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "int>0": (lambda v: integer(v) and v > 0, "must be a positive integer"),
     "int>=0": (lambda v: integer(v) and v >= 0, "must be an integer >= 0"),
+    "int>=8": (lambda v: integer(v) and v >= 8, "must be an integer >= 8"),
     "num>=0": (lambda v: number(v) and v >= 0, "must be a number >= 0"),
     "num>0": (lambda v: number(v) and v > 0, "must be a number > 0"),
     "finite>0": (lambda v: finite(v) and v > 0, "must be a positive number"),
@@ -80,6 +81,7 @@ SPECS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "[0,1)": (lambda v: number(v) and 0 <= v < 1, "must be a number in [0, 1)"),
     "[0,1]": (lambda v: number(v) and 0 <= v <= 1, "must be a number in [0, 1]"),
     "finite[0,1]": (lambda v: finite(v) and 0 <= v <= 1, "must be a number in [0, 1]"),
+    "(0,1]": (lambda v: number(v) and 0 < v <= 1, "must be a number in (0, 1]"),
     "bool": (lambda v: isinstance(v, bool), "must be true or false"),
     "betas": (
         lambda v: (
@@ -223,8 +225,6 @@ class Group:
 
     #: Fields that are not keys of the config (set by :func:`build`).
     internal: tuple[str, ...] = ()
-    #: True: keys the fields do not name are kept, not refused (options of a library).
-    open: bool = False
     #: Keys whose default is the chosen problem's own (``${posenc_problem:task.<key>}``;
     #: a nested group's dotted, ``optim.lr``).
     per_problem: tuple[str, ...] = ()
@@ -560,11 +560,16 @@ class Model(Group):
 
 @dataclass(frozen=True)
 class Tokenizer(Group):
-    """``tokenizer``: its kind and vocabulary; further keys go to the tokenizer."""
+    """``tokenizer``: its kind and, for SentencePiece (``bpe``, ``unigram``), its training
+    settings (null: :mod:`posenc.data.tokenizers`' defaults). ``kind=char`` ignores
+    ``vocab_size`` (its vocabulary is the text's characters; a task's preset sets one for
+    SentencePiece) and takes no other setting."""
 
-    open = True
     kind: str = key("char", TOKENIZER_KINDS)
-    vocab_size: int | None = key(None, "int>0", optional=True)
+    vocab_size: int | None = key(None, "int>=8", optional=True)
+    character_coverage: float | None = key(None, "(0,1]", optional=True)
+    input_sentence_size: int | None = key(None, "int>=0", " (0: every sentence)", optional=True)
+    num_threads: int | None = key(None, "int>0", optional=True)
 
 
 T = TypeVar("T", bound=Group)
@@ -685,14 +690,12 @@ def problems(
     skip: tuple[str, ...] = (),
     refuse: tuple[str, ...] = (),
 ) -> list[str]:
-    """Every problem of ``node`` (a mapping) against ``cls``: unknown keys first (unless
-    ``cls.open``), then each field's rule in field order, nested groups walked in turn.
-    Keys in ``skip`` are neither refused nor checked (their caller reports them); keys in
-    ``refuse`` are unknown here (fields of the group another task reads)."""
-    out: list[str] = []
-    if not cls.open:
-        allowed = [k for k in keys(cls) if k not in refuse]
-        out += unknown(prefix, [str(k) for k in node if k not in skip], allowed)
+    """Every problem of ``node`` (a mapping) against ``cls``: unknown keys first, then
+    each field's rule in field order, nested groups walked in turn. Keys in ``skip`` are
+    neither refused nor checked (their caller reports them); keys in ``refuse`` are
+    unknown here (fields of the group another task reads)."""
+    allowed = [k for k in keys(cls) if k not in refuse]
+    out = unknown(prefix, [str(k) for k in node if k not in skip], allowed)
     for f in dataclasses.fields(cast(Any, cls)):
         if f.name not in node or f.name in skip:
             continue

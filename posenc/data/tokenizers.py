@@ -398,10 +398,11 @@ _SP_DEFAULTS: dict[str, Any] = {
 def tokenizer_settings(kind: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The settings a tokenizer of ``kind`` is built with from a config's: a character
     tokenizer's vocabulary is its text's characters, so the ``vocab_size`` that a task's
-    preset sets for SentencePiece (``task=mt``) is dropped for ``kind=char``."""
-    if kind == "char":
-        return {k: v for k, v in settings.items() if k != "vocab_size"}
-    return dict(settings)
+    preset sets for SentencePiece (``task=mt``) is dropped for ``kind=char``. A null
+    setting is the tokenizer's default."""
+    return {
+        k: v for k, v in settings.items() if v is not None and (kind != "char" or k != "vocab_size")
+    }
 
 
 def build_tokenizer(

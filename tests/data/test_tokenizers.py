@@ -214,3 +214,11 @@ def test_a_char_tokenizer_drops_the_vocab_size_a_task_preset_sets() -> None:
 
     assert tokenizer_settings("char", {"vocab_size": 8000}) == {}
     assert tokenizer_settings("bpe", {"vocab_size": 8000}) == {"vocab_size": 8000}
+
+
+def test_a_null_tokenizer_setting_is_the_tokenizers_default() -> None:
+    """``tokenizer.vocab_size=null`` (the config's way to say "the default") reached
+    SentencePiece as None and raised a traceback; it is left out, so the default holds."""
+    from posenc.data.tokenizers import tokenizer_settings
+
+    assert tokenizer_settings("bpe", {"vocab_size": None, "num_threads": 1}) == {"num_threads": 1}

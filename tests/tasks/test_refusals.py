@@ -82,7 +82,18 @@ REFUSED = [
     ("model.d_ff=abc", r"model.d_ff='abc': must be a positive integer"),
     ("model.embed_scale=abc", r"model.embed_scale='abc': must be true or false"),
     ("task.eval.skip_unsupported=abc", r"task.eval.skip_unsupported='abc': must be true or"),
-    ("tokenizer=bpe tokenizer.vocab_size=abc", r"tokenizer.vocab_size='abc': must be a positive"),
+    ("tokenizer=bpe tokenizer.vocab_size=abc", r"tokenizer.vocab_size='abc': must be an integer"),
+    # the tokenizer's settings, refused before the text is read (not by SentencePiece after)
+    ("tokenizer=bpe tokenizer.vocab_size=4", r"tokenizer.vocab_size=4: must be an integer >= 8"),
+    ("+tokenizer.foo=2", r"tokenizer.foo: unknown key; allowed: character_coverage, input_"),
+    (
+        "+tokenizer.num_threads=2",
+        r"tokenizer.num_threads=2: a SentencePiece setting, but tokenizer.kind=char takes none",
+    ),
+    (
+        "tokenizer=unigram +tokenizer.character_coverage=0",
+        r"tokenizer.character_coverage=0: must be a number in \(0, 1\]",
+    ),
     # the same optimiser rules for translation, and its own list-valued key
     ("task=mt task.optim.min_lr_ratio=-5", r"task.optim.min_lr_ratio=-5: must be a number in"),
     ("task=mt task.optim.lr=nan", r"task.optim.lr=nan: must be a positive number"),
@@ -155,6 +166,7 @@ ACCEPTED = [
     "data=text_files data.source.train=a.txt data.source.val=b.txt data.source.test=c.txt",
     f"{PARALLEL} task.eval_split=val",
     "experiment=baby_gpt",
+    "tokenizer=bpe tokenizer.vocab_size=null +tokenizer.num_threads=1",
 ]
 
 
