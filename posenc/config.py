@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from copy import deepcopy
 from functools import partial
@@ -42,7 +44,7 @@ from posenc.model.window import window_problem
 from posenc.schema import MT_MODEL_KEYS, MT_TASK_KEYS, integer
 from posenc.training.gate import PASSKEY, PERCENT, metrics
 from posenc.training.rundir import missing_checkpoint
-from posenc.training.trainer import on_cpu
+from posenc.training.trainer import on_cpu, validation_in_batches
 
 #: Lightning's time-based ``val_check_interval``, ``DD:HH:MM:SS``.
 _DURATION = re.compile(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}")
@@ -93,6 +95,8 @@ def validate(cfg: DictConfig, machine: bool = True, copy: bool = True) -> None:
         guarded(problems, section, check)
     if not problems and model is not None and task is not None:
         guarded(problems, "encoder", lambda: _try_encoder(cfg, model, task))
+    if not problems and machine:
+        guarded(problems, "trainer", lambda: _try_trainer(cfg))
     if problems:
         raise ConfigError(problem_message(problems), problems)
 
@@ -480,6 +484,25 @@ def _try_encoder(cfg: DictConfig, m: schema.Model, t: Task) -> list[str]:
     # the model options that cannot change a scheme's attention (one line for them all)
     refusals = [*map(mods.refusal, hooks), *map(Modifiers(window=m.window).refusal, causal)]
     return [refusal for refusal in refusals if refusal][:1]
+
+
+def _try_trainer(cfg: DictConfig) -> list[str]:
+    """Build Lightning's Trainer once and drop it: its own checks of ``trainer.*`` on this
+    machine (an accelerator it lacks, an unknown strategy, ``devices=0``) run here, not
+    when the job builds it, after the run folder exists."""
+    t, quiet = cfg.trainer, {"logger": False, "callbacks": [], "enable_checkpointing": False}
+    logging.disable(logging.INFO)  # its lines and warnings: the job's Trainer says them
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            instantiate(t, **quiet, enable_progress_bar=False, **validation_in_batches(t))
+    except Exception as err:  # Lightning's, through Hydra's instantiate
+        said = str(err.__cause__ or err).splitlines()[0]
+        given = ", ".join(f"{k}={t.get(k)}" for k in ("accelerator", "devices", "strategy"))
+        return [f"trainer: {said} (Lightning, on this machine, with {given})"]
+    finally:
+        logging.disable(logging.NOTSET)
+    return []
 
 
 def _max_len(max_len: Any, m: schema.Model, t: Task | None) -> list[str]:

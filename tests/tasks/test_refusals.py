@@ -83,6 +83,9 @@ REFUSED = [
     ("model.embed_scale=abc", r"model.embed_scale='abc': must be true or false"),
     ("task.eval.skip_unsupported=abc", r"task.eval.skip_unsupported='abc': must be true or"),
     ("tokenizer=bpe tokenizer.vocab_size=abc", r"tokenizer.vocab_size='abc': must be an integer"),
+    # Lightning's own checks of the trainer, made before the run folder exists
+    ("trainer.strategy=foo", r"trainer: You selected an invalid strategy name: `strategy='foo'`"),
+    ("trainer.devices=0", r"trainer: `Trainer\(devices=0\)` value is not a valid input using"),
     # the tokenizer's settings, refused before the text is read (not by SentencePiece after)
     ("tokenizer=bpe tokenizer.vocab_size=4", r"tokenizer.vocab_size=4: must be an integer >= 8"),
     ("+tokenizer.foo=2", r"tokenizer.foo: unknown key; allowed: character_coverage, input_"),
@@ -215,6 +218,22 @@ def test_refused_before_any_data_with_the_key_named(
     _refusal(err, pattern)
     assert not no_data.exists()
     assert not (tmp_path / "run").exists()  # nothing written either
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refused only where there is no GPU")
+def test_a_gpu_run_on_a_machine_without_one_is_refused_in_one_line(
+    tmp_path: Path, no_data: Path
+) -> None:
+    """A GPU command copied to a laptop: Lightning refused it when the job built its
+    Trainer, in Hydra's lines, after the run folder existed."""
+    with pytest.raises(ConfigError) as err:
+        train(_compose(tmp_path, "trainer.accelerator=gpu"))
+    _refusal(
+        err,
+        r"trainer: No supported gpu backend found! \(Lightning, on this machine, with "
+        r"accelerator=gpu, devices=1, strategy=auto\)",
+    )
+    assert not no_data.exists() and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("overrides", ACCEPTED)
