@@ -48,6 +48,7 @@ def generate(
     pad: Tensor | None = None,
     streaming: Streaming | None = None,
     graphs: bool | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> Tensor:
     """Continue each prompt by ``new_tokens`` tokens.
 
@@ -72,6 +73,8 @@ def generate(
             (:mod:`posenc.decoding.graphs`; the same tokens, one launch per token).
             None: on a CUDA device with the cache. A scheme whose step cannot be
             replayed decodes eagerly.
+        progress: Called with the number of tokens generated so far after each step (a
+            host-side count: it reads no tensor).
 
     Returns:
         ``(B, P + N)``: the prompts and their continuations.
@@ -107,10 +110,11 @@ def generate(
             "streaming=... takes prompts of one length (no pad=...): the sinks are the first "
             "tokens of every row; decode rows of different lengths one at a time"
         )
+    args = (model, prompt, new_tokens, temperature, top_k, gen, use_cache, pad, graphs, progress)
     if streaming is None:  # any model that decodes (a test's stand-in too)
-        return _continue(model, prompt, new_tokens, temperature, top_k, gen, use_cache, pad, graphs)
+        return _continue(*args)
     with model.streaming(streaming):
-        return _continue(model, prompt, new_tokens, temperature, top_k, gen, use_cache, pad, graphs)
+        return _continue(*args)
 
 
 def _continue(
@@ -123,6 +127,7 @@ def _continue(
     use_cache: bool,
     pad: Tensor | None,
     graphs: bool,
+    progress: Callable[[int], None] | None,
 ) -> Tensor:
     """:func:`generate`'s loop, its arguments checked."""
     out = prompt
@@ -146,4 +151,6 @@ def _continue(
         tok = next_token(logits, temperature=temperature, top_k=top_k, generator=gen)[:, None]
         out = torch.cat((out, tok), dim=1)
         step_in = tok
+        if progress is not None:
+            progress(n + 1)
     return out

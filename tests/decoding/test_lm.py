@@ -62,6 +62,32 @@ def test_streaming_generation_refuses_padding_and_schemes_it_cannot_reindex() ->
         generate(learned, prompt, 3, streaming=setting)
 
 
+def test_a_long_generation_reports_its_progress_and_gives_the_same_tokens(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``progress`` hears each token's count, and changes nothing generated; the command
+    turns it into a line on stderr every few seconds (here every call: a clock that jumps
+    a minute at each read) with the count, the time and the time left."""
+    import posenc.generate as command
+
+    model = DecoderLM(vocab_size=23, encoder="rope", **SIZES).eval()
+    prompt, counts = torch.randint(0, 23, (2, 5)), []
+    ran = generate(model, prompt, 6, temperature=1.0, seed=3, progress=counts.append)
+    assert counts == [1, 2, 3, 4, 5, 6]
+    assert torch.equal(ran, generate(model, prompt, 6, temperature=1.0, seed=3))
+    ticks = iter(range(0, 3600, 60))
+    monkeypatch.setattr(command.time, "perf_counter", lambda: float(next(ticks)))
+    report = command._progress(4)
+    for done in (1, 2, 3, 4):
+        report(done)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [  # none for the last token: the text follows at once
+        "posenc.generate: 1/4 tokens, elapsed 0:01:00, ETA 0:03:00",
+        "posenc.generate: 2/4 tokens, elapsed 0:02:00, ETA 0:02:00",
+        "posenc.generate: 3/4 tokens, elapsed 0:03:00, ETA 0:01:00",
+    ]
+
+
 def test_next_token_greedy_and_top_k() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     assert next_token(logits, temperature=0, top_k=None).tolist() == [1]
