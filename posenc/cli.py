@@ -34,7 +34,7 @@ from hydra.types import RunMode
 from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 from pytorch_lightning.accelerators import CUDAAccelerator
-from pytorch_lightning.utilities.exceptions import SIGTERMException
+from pytorch_lightning.utilities.exceptions import MisconfigurationException, SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from posenc import stop, tuned
@@ -120,7 +120,10 @@ def local_processes(devices: object, accelerator: object = "auto") -> int:
         if str(devices).strip() == "auto":
             return CUDAAccelerator.auto_device_count()
         # Lightning's parser also takes a ListConfig (any sequence of ints)
-        return len(CUDAAccelerator.parse_devices(cast("int | str | list[int]", devices)) or [])
+        try:
+            return len(CUDAAccelerator.parse_devices(cast("int | str | list[int]", devices)) or [])
+        except MisconfigurationException:  # GPUs this machine lacks: the job's checks say so
+            return 0
     if isinstance(devices, list | ListConfig):
         return len(devices)
     text = str(devices).strip()

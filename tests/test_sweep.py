@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 from torch import Tensor
@@ -170,6 +171,14 @@ def test_ddp_guard_counts_gpus_with_lightnings_parser(monkeypatch: pytest.Monkey
     cfg = OmegaConf.create({"trainer": {"devices": "auto", "accelerator": "auto"}})
     with pytest.raises(ValueError, match="trainer.devices=auto in a local multirun"):
         run.check_ddp_in_multirun(cfg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_a_gpu_sweep_on_a_machine_without_one_leaves_the_refusal_to_each_job() -> None:
+    """Lightning's device parser raised, in the sweep job, before the job's checks could
+    say in one line that there is no GPU here (a traceback in every error.json)."""
+    assert run.local_processes(1, "gpu") == 0
+    run.check_ddp_in_multirun(OmegaConf.create({"trainer": {"devices": 2, "accelerator": "gpu"}}))
 
 
 def test_local_parallel_launcher_config() -> None:
