@@ -336,9 +336,19 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
                 hint = f"did you mean {close[0]}?" if close else "see python run.py --help"
                 found.append(f"{key}: no such key or config group; {hint}")
             continue
-        parent, leaf = key.rsplit(".", 1)
+        # the deepest group of the key the config has (task.eval.multipliers under task=mt:
+        # task); keys(), not `in`: a DictConfig says a `???` (MISSING) key is not in it.
+        parts, depth = key.split("."), 1
+        while depth < len(parts) - 1 and parts[depth] in _keys(cfg, parts[:depth]):
+            depth += 1
+        parent, leaf = ".".join(parts[:depth]), parts[depth]
         node = OmegaConf.select(cfg, parent)
-        # keys(), not `in`: a DictConfig says a `???` (MISSING) key is not in it.
+        if node is None and parts[depth - 1] in _keys(cfg, parts[: depth - 1]):
+            value = (o.input_line or "").partition("=")[2]
+            found.append(
+                f"{key}: {parent} is null here (off), so it has no {leaf}; give the whole "
+                f"group, e.g. {parent}={{{leaf}: {value}, ...}} with each of its keys"
+            )
         if not OmegaConf.is_dict(node) or leaf in node.keys():  # noqa: SIM118
             continue
         keys = sorted(str(k) for k in node)
@@ -346,6 +356,12 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
         hint = f"did you mean {parent}.{close[0]}?" if close else f"{parent} has {', '.join(keys)}"
         found.append(f"{key}: no such key; {hint}")
     return found
+
+
+def _keys(cfg: DictConfig, path: list[str]) -> list[str]:
+    """The keys of the group at ``path`` (none if it is not a group)."""
+    node = OmegaConf.select(cfg, ".".join(path))
+    return [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []  # noqa: SIM118
 
 
 def _compose(config_dir: Path, overrides: list[str]) -> DictConfig:

@@ -195,6 +195,21 @@ def test_keys_that_must_be_set_are_known_keys() -> None:
     assert misspelled_keys(["sweep=mt_length", "task.max_lne=64"], conf) == [
         "task.max_lne: no such key; did you mean task.max_len?"
     ]
+    # A key below a group the task lacks, or below a group that is null (off): Hydra's
+    # "Could not override" over several lines.
+    assert misspelled_keys(
+        ["task=mt", "task.eval.multipliers=[1]", "task.decod.beam_size=2"], conf
+    ) == [
+        "task.eval.multipliers: no such key; task has decode, eval_max_sentences, eval_split, "
+        "label_smoothing, learned, length_buckets, max_len, max_tokens, max_train_src_len, "
+        "monitor, monitor_mode, name, optim, samples, share_embeddings, val_bleu_sentences",
+        "task.decod.beam_size: no such key; did you mean task.decode?",
+    ]
+    assert misspelled_keys(["task.learned.threshold=3"], conf) == [
+        "task.learned.threshold: task.learned is null here (off), so it has no threshold; give "
+        "the whole group, e.g. task.learned={threshold: 3, ...} with each of its keys"
+    ]
+    assert misspelled_keys(["task=algo", "task.learned.threshold=3"], conf) == []
     # A misspelled group or top-level key: Hydra's "not in struct" named no alternative.
     assert misspelled_keys(["encodr=rope", "seeed=1", "seed=2"], conf) == [
         "encodr: no such key or config group; did you mean encoder?",
