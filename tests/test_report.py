@@ -422,7 +422,7 @@ def test_a_metric_that_is_not_a_number_is_a_failure_not_a_skip(
         {"test/ppl@16": [5.0, 6.0], "test/ppl@64": float("nan")},
     )
     assert main([str(tmp_path), "--no-tensorboard"]) == 0
-    assert "{'unreadable': 1}" in capsys.readouterr().out
+    assert "2 runs: 1 with results, 1 unreadable; wrote" in capsys.readouterr().out
     rep = build_report(tmp_path, tensorboard=False)
     (bad,) = rep.failures
     assert bad.dir.name == "1_lm_rope" and bad.status == "unreadable"

@@ -752,8 +752,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     status = Counter(f.status for f in rep.failures)
+    others = "".join(f", {n} {what}" for what, n in sorted(status.items()))
     print(
-        f"{len(rep.runs)} runs, {dict(status) or 'no failures'}; wrote "
-        + ", ".join(str(p) for p in rep.files)
+        f"{len(rep.runs) + len(rep.failures)} runs: {len(rep.runs)} with results{others}; "
+        f"wrote " + ", ".join(str(p) for p in rep.files)
     )
     return 0
