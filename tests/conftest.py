@@ -69,8 +69,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _seed() -> None:
+def _seed() -> Iterator[None]:
     torch.manual_seed(0)
+    yield
+    # figures a test drew and did not save stay open in the worker (matplotlib warns at 20)
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        pyplot.close("all")
 
 
 def identity_attention(enc: PositionalEncoder, kind: AttnKind, layer: int = 0) -> Attention:
