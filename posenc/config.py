@@ -33,7 +33,7 @@ from posenc import schema
 from posenc.data.algo import PROBLEMS, memory_problem
 from posenc.data.algo_problems import check as check_problem
 from posenc.data.sources import missing_splits, missing_test
-from posenc.data.tokenizers import cache_problems
+from posenc.data.tokenizers import SP_DEFAULTS, cache_problems
 from posenc.encoders import registry
 from posenc.encoders.base import AttnKind
 from posenc.errors import ConfigError, problem_message
@@ -254,9 +254,7 @@ def _tokenizer(cfg: DictConfig) -> list[str]:
     """The tokenizer's keys; a SentencePiece setting under ``kind=char`` is refused."""
     t = cfg.tokenizer
     out = schema.problems(t, schema.Tokenizer, "tokenizer.")
-    given = [
-        k for k in schema.keys(schema.Tokenizer)[2:] if t.get(k) is not None
-    ]  # after vocab_size
+    given = [k for k in SP_DEFAULTS if k != "vocab_size" and t.get(k) is not None]
     if out or t.kind != "char" or not given:
         return out
     return [
@@ -490,12 +488,14 @@ def _try_trainer(cfg: DictConfig) -> list[str]:
     """Build Lightning's Trainer once and drop it: its own checks of ``trainer.*`` on this
     machine (an accelerator it lacks, an unknown strategy, ``devices=0``) run here, not
     when the job builds it, after the run folder exists."""
-    t, quiet = cfg.trainer, {"logger": False, "callbacks": [], "enable_checkpointing": False}
+    t = cfg.trainer
+    quiet = {"logger": False, "callbacks": [], "enable_checkpointing": False}
+    quiet |= {"enable_progress_bar": False, **validation_in_batches(t)}
     logging.disable(logging.INFO)  # its lines and warnings: the job's Trainer says them
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            instantiate(t, **quiet, enable_progress_bar=False, **validation_in_batches(t))
+            instantiate(t, **quiet)
     except Exception as err:  # Lightning's, through Hydra's instantiate
         said = str(err.__cause__ or err).splitlines()[0]
         given = ", ".join(f"{k}={t.get(k)}" for k in ("accelerator", "devices", "strategy"))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -27,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from posenc.data.tokenizers import fingerprints, from_payload
 from posenc.decoding.lm import generate
 from posenc.errors import UserError
-from posenc.progress import clock
+from posenc.progress import ticker
 from posenc.schema import typed
 from posenc.tasks.lm import LMTask
 from posenc.tasks.lm_job import lm_datamodule
@@ -155,24 +154,12 @@ def run(args: argparse.Namespace) -> str:
     return tokenizer.decode(out[0].tolist())
 
 
-def _progress(total: int, every: float = 10.0) -> Callable[[int], None]:
-    """A line on stderr every ``every`` seconds of a long generation (the text itself is
-    printed whole at the end): tokens done, elapsed, ETA."""
-    t0 = last = time.perf_counter()
-
-    def report(done: int) -> None:
-        nonlocal last
-        now = time.perf_counter()
-        if now - last >= every and done < total:
-            last = now
-            eta = (now - t0) / done * (total - done)
-            print(
-                f"posenc.generate: {done}/{total} tokens, elapsed {clock(now - t0)}, "
-                f"ETA {clock(eta)}",
-                file=sys.stderr,
-            )
-
-    return report
+def _progress(total: int) -> Callable[[int], None]:
+    """A line on stderr every 10 s of a long generation (the text itself is printed
+    whole at the end): tokens done, elapsed, ETA."""
+    return ticker(
+        total, "tokens", lambda line: print(f"posenc.generate: {line}", file=sys.stderr), last=False
+    )
 
 
 if __name__ == "__main__":

@@ -349,6 +349,7 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
                 f"{key}: {parent} is null here (off), so it has no {leaf}; give the whole "
                 f"group, e.g. {parent}={{{leaf}: {value}, ...}} with each of its keys"
             )
+            continue
         if not OmegaConf.is_dict(node) or leaf in node.keys():  # noqa: SIM118
             continue
         keys = sorted(str(k) for k in node)

@@ -69,10 +69,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _seed() -> Iterator[None]:
+def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _close_figures() -> Iterator[None]:
+    """Figures a test drew and did not save stay open in the worker (matplotlib warns at
+    20): closed after each test."""
     yield
-    # figures a test drew and did not save stay open in the worker (matplotlib warns at 20)
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
         pyplot.close("all")

@@ -17,8 +17,7 @@ import pytest
 
 from posenc import cli, stop
 from posenc.report import build_report
-from tests.conftest import ROOT
-from tests.conftest import children as _children
+from tests.conftest import ROOT, children
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
@@ -53,7 +52,7 @@ def test_a_killed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     # process of its own (a grandchild): kill one once training has begun.
     victim, deadline = None, time.monotonic() + 240
     while victim is None and proc.poll() is None and time.monotonic() < deadline:
-        jobs = [g for c in _children(proc.pid) for g in _children(c)]
+        jobs = [g for c in children(proc.pid) for g in children(c)]
         if jobs and list(out.glob("*/tb")):
             victim = jobs[0]
         time.sleep(0.05)
@@ -124,8 +123,8 @@ def _start_sweep_and_wait(
 
 def _family(pid: int) -> list[int]:
     """``pid``'s children and grandchildren (a sweep's workers and their jobs)."""
-    family = list(_children(pid))
-    return family + [g for c in family for g in _children(c)]
+    family = list(children(pid))
+    return family + [g for c in family for g in children(c)]
 
 
 def _none_outlives(family: list[int]) -> None:

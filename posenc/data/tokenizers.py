@@ -387,7 +387,8 @@ def _cache_key(kind: str, texts: Sequence[str], settings: dict[str, Any]) -> str
     return h.hexdigest()
 
 
-_SP_DEFAULTS: dict[str, Any] = {
+#: SentencePiece's settings and their defaults (the config's ``tokenizer.*`` keys besides ``kind``).
+SP_DEFAULTS: dict[str, Any] = {
     "vocab_size": 8000,
     "character_coverage": 1.0,
     "input_sentence_size": 200_000,
@@ -440,7 +441,7 @@ def build_tokenizer(
     if not any(texts):
         raise ValueError(f"cannot build a {kind!r} tokenizer from empty training texts.")
     cache_dir = Path(cache_dir).expanduser()
-    allowed = {} if kind == "char" else _SP_DEFAULTS
+    allowed = {} if kind == "char" else SP_DEFAULTS
     unknown = sorted(set(settings) - set(allowed))
     if unknown:
         raise ValueError(

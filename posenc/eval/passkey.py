@@ -5,7 +5,6 @@ the key, accuracy by length and depth.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -14,7 +13,7 @@ from torch import Tensor
 
 from posenc.data.passkey import DOC, Passkey, PasskeyFormat
 from posenc.decoding.lm import generate
-from posenc.progress import clock
+from posenc.progress import ticker
 
 if TYPE_CHECKING:
     from posenc.model import DecoderLM
@@ -102,18 +101,11 @@ def evaluate_length(
     """
     grid = fmt.grid(stream, length, depths, samples, seed)
     flat = [inst for row in grid for inst in row]
-    t0 = last = time.perf_counter()
-
-    def progress(done: int) -> None:
-        nonlocal last
-        now = time.perf_counter()
-        if log is not None and (now - last >= 10 or done == len(flat)):
-            last = now
-            eta = (now - t0) / done * (len(flat) - done)
-            log(
-                f"passkey L={length}: {done}/{len(flat)} instances, elapsed {clock(now - t0)}, "
-                f"ETA {clock(eta)}"
-            )
+    progress = (
+        ticker(len(flat), "instances", lambda line: log(f"passkey L={length}: {line}"))
+        if log is not None
+        else None
+    )
 
     hits = correct(decode, flat, batch_size=batch_size, device=device, progress=progress)
     per_key = [hits[i * len(depths) : (i + 1) * len(depths)] for i in range(samples)]

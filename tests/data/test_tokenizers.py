@@ -222,3 +222,12 @@ def test_a_null_tokenizer_setting_is_the_tokenizers_default() -> None:
     from posenc.data.tokenizers import tokenizer_settings
 
     assert tokenizer_settings("bpe", {"vocab_size": None, "num_threads": 1}) == {"num_threads": 1}
+
+
+def test_the_configs_tokenizer_keys_are_the_settings_the_tokenizer_takes() -> None:
+    """``tokenizer.*`` (the schema) and SentencePiece's settings (this module) name the
+    same keys, so a key the config accepts reaches the tokenizer and none is refused late."""
+    from posenc.data.tokenizers import SP_DEFAULTS
+    from posenc.schema import Tokenizer, keys
+
+    assert keys(Tokenizer) == ["kind", *SP_DEFAULTS]

@@ -69,6 +69,7 @@ def test_a_long_generation_reports_its_progress_and_gives_the_same_tokens(
     turns it into a line on stderr every few seconds (here every call: a clock that jumps
     a minute at each read) with the count, the time and the time left."""
     import posenc.generate as command
+    from posenc import progress
 
     model = DecoderLM(vocab_size=23, encoder="rope", **SIZES).eval()
     prompt, counts = torch.randint(0, 23, (2, 5)), []
@@ -76,7 +77,7 @@ def test_a_long_generation_reports_its_progress_and_gives_the_same_tokens(
     assert counts == [1, 2, 3, 4, 5, 6]
     assert torch.equal(ran, generate(model, prompt, 6, temperature=1.0, seed=3))
     ticks = iter(range(0, 3600, 60))
-    monkeypatch.setattr(command.time, "perf_counter", lambda: float(next(ticks)))
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: float(next(ticks)))
     report = command._progress(4)
     for done in (1, 2, 3, 4):
         report(done)
