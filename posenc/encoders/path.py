@@ -42,10 +42,11 @@ triangular solve, ``A = (I + G)^-1 M(W K^T)`` with ``G_ts = beta_s w_t . w_s`` (
 the chunk as ``K - A^T diag(beta) W``, the keys the next chunk starts from. This is the
 UT form of a product of Householder matrices, computed with matmuls and
 ``torch.linalg.solve_triangular``, not the authors' fused kernel: O(T S (D + c)) per layer.
-With one thread on a shared 2-core CPU, ``python run.py encoder=path task=lm
-trainer.max_steps=60 threads=1`` trains at about 4,400 tokens/s, against 11,600 for
-``none`` and 8,200 for ``stickbreak`` in the same conditions (about 700 when the keys
-were rewritten one token at a time). Decoding
+In a full pass a chunk reads only the keys up to its last token's own (a later key is
+neither seen nor rewritten yet), half the work of reading all S. With one thread on a
+shared 2-core CPU, ``python experiments/bench.py --sections steps --encoders
+none,stickbreak,path --modes eager --lengths 256 --threads 1`` measures a training step
+at 8x256 at 0.29x ``none``'s tokens/s (stick-breaking 0.44x). Decoding
 keeps the rewritten keys in the layer's cache (``path_keys``, ``(B, H, S, D)``) with the
 convolution's inputs (``path_u``), so a step rewrites the S cached keys once and
 equals a full pass over the prefix; beam search reorders both with the cache.
@@ -127,7 +128,12 @@ def _chunk(
 
 
 def path_scores(
-    q: Tensor, keys: Tensor, w: Tensor, beta: Tensor, before: Tensor
+    q: Tensor,
+    keys: Tensor,
+    w: Tensor,
+    beta: Tensor,
+    before: Tensor,
+    shift: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``q_t^T H_t ... H_{j+1} k_j`` for every new token t and key j, by rewriting keys
     :data:`CHUNK` new tokens at a time (module docstring's "Computation").
@@ -141,17 +147,27 @@ def path_scores(
         before: ``(T, S)`` bool, key j before new token t (token t rewrites it); a
             key before a token is before every later one (the chunk's solve relies on
             it), as ``key_offsets() < 0`` gives.
+        shift: When ``before`` is ``j < t + shift`` with a Python int ``shift`` (a full
+            pass), a chunk of new tokens reads only the keys up to its last token's own
+            and leaves the later ones as they are (half the work of a causal pass); None
+            (a cached step, whose shift is a tensor): every key.
 
     Returns:
         ``((B, H, T, S) scores, (B, H, S, D) keys rewritten by every new token)``;
-        unscaled, of ``q``'s dtype.
+        unscaled, of ``q``'s dtype. With ``shift``, the scores past the keys a chunk
+        reads are 0 (past every query's own key: the causal mask hides them).
     """
-    parts = []
+    s, parts = keys.shape[-2], []
+    src, read = keys, 0  # keys[:read]: as rewritten so far; src[read:]: as given
     for a in range(0, q.shape[-2], CHUNK):
         part = slice(a, a + CHUNK)
-        z, keys = _chunk(q[:, :, part], keys, w[:, :, part], beta[:, :, part], before[part])
-        parts.append(z)
-    return torch.cat(parts, -2), keys
+        e = s if shift is None else max(1, min(s, a + CHUNK + shift))  # keys this chunk reads
+        if e > read:
+            keys = src[..., :e, :] if read == 0 else torch.cat((keys, src[..., read:e, :]), -2)
+            read = e
+        z, keys = _chunk(q[:, :, part], keys, w[:, :, part], beta[:, :, part], before[part, :e])
+        parts.append(z if e == s else F.pad(z, (0, s - e)))
+    return torch.cat(parts, -2), keys if read == s else torch.cat((keys, src[..., read:, :]), -2)
 
 
 class _PaTH(AttentionPositional):
@@ -256,14 +272,16 @@ class _PaTH(AttentionPositional):
                 cache.put(KEYS_BUF, buf)
             keys = buf.index_copy(2, cache.at, keys.index_select(2, cache.at))
         before = ctx.key_offsets() < 0  # (T, S)
-        z, rewritten = path_scores(q.to(acc), keys, ctx[W], ctx[BETA], before)
+        shift = k.shape[-2] - q.shape[-2] if ctx.shift is None else ctx.shift
+        known = shift if isinstance(shift, int) and cache is None else None
+        z, rewritten = path_scores(q.to(acc), keys, ctx[W], ctx[BETA], before, known)
         if buf is not None:
             buf.copy_(rewritten)  # in place: a compiled step stays one graph
+        # z is this call's own: scaled and masked in place, no (B, H, T, S) copy
         if self.gate_proj is not None:  # inside the scale, as the authors' kernels
-            z = z + ctx[GATE_Q][..., :, None] - ctx[GATE_K][..., None, :]
-        visible = ctx.visible()  # (B|1, 1, T, S)
-        logits = z * self.scale(q.shape[-1])
-        out, _, _ = softmax_values(logits, v, visible=visible, dtype=acc, dropout=p_drop)
+            z = z.add_(ctx[GATE_Q][..., :, None]).sub_(ctx[GATE_K][..., None, :])
+        logits = z.mul_(self.scale(q.shape[-1])).masked_fill_(~ctx.visible(), float("-inf"))
+        out, _, _ = softmax_values(logits, v, dtype=acc, dropout=p_drop)
         return out
 
 

@@ -8,6 +8,7 @@ encoder in tests/model/test_cache.py, compilation in tests/model/test_compile.py
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -239,12 +240,15 @@ def rewrite_one_token_at_a_time(q, keys, w, beta, before) -> tuple[Tensor, Tenso
 
 @pytest.mark.parametrize("chunk", [4, 64])
 @pytest.mark.parametrize("cached", [0, 6])
+@pytest.mark.parametrize("full_pass", [False, True])
 def test_chunks_give_the_values_and_gradients_of_one_token_at_a_time(
-    monkeypatch: pytest.MonkeyPatch, chunk: int, cached: int
+    monkeypatch: pytest.MonkeyPatch, chunk: int, cached: int, full_pass: bool
 ) -> None:
     """Chunks of new tokens (the triangular solve) against the token-by-token rewrite,
-    float64: scores, rewritten keys and every gradient, with T not a multiple of the
-    chunk and with ``cached`` keys before the new tokens (a decoding step)."""
+    float64: every score a query sees, rewritten keys and every gradient, with T not a
+    multiple of the chunk and with ``cached`` keys before the new tokens (a decoding
+    step). ``full_pass``: the shift given as an int, so each chunk reads only the keys
+    up to its last token's own (the scores past a query's own key are 0 there)."""
     monkeypatch.setattr(path, "CHUNK", chunk)
     gen = torch.Generator().manual_seed(7)
     b, h, t, d = 2, 2, 11, 3
@@ -253,10 +257,13 @@ def test_chunks_give_the_values_and_gradients_of_one_token_at_a_time(
     w = w / w.norm(dim=-1, keepdim=True)
     beta = 2 * torch.rand(b, h, t, generator=gen, dtype=torch.float64)
     before = torch.arange(cached + t)[None, :] < torch.arange(cached, cached + t)[:, None]
+    seen = torch.arange(cached + t)[None, :] <= torch.arange(cached, cached + t)[:, None]
+    chunked = partial(path.path_scores, shift=cached if full_pass else None)
     grads = []
-    for fn in (rewrite_one_token_at_a_time, path.path_scores):
+    for fn in (rewrite_one_token_at_a_time, chunked):
         leaves = [x.clone().requires_grad_() for x in (q, k, w, beta)]
         z, keys = fn(*leaves, before)
+        z = z.masked_fill(~seen, 0.0)
         (z.sin().sum() + keys.cos().sum()).backward()
         grads.append((z.detach(), keys.detach(), *(x.grad for x in leaves)))
     for plain, chunked in zip(*grads, strict=True):
