@@ -277,16 +277,20 @@ class AttentionContext:
             raise ValueError("distance_range needs ctx.starts or ctx.bound")
         return -(self.bound - 1), self.bound - 1
 
+    def own_key(self) -> int | Tensor:
+        """The index among the keys of query 0's own token: :attr:`shift`, or ``S - T``
+        without a causal shift (a 0-d tensor in a cached step; an int in a full pass)."""
+        return self.k_pos.shape[-1] - self.q_pos.shape[-1] if self.shift is None else self.shift
+
     def key_offsets(self) -> Tensor:
         """``(T, S)`` int64: key index minus the index of the query's own token among the
-        keys (``i + shift``; ``S - T`` without a causal shift): 0 at its own token,
-        negative for earlier keys. ``shift`` may be a 0-d tensor: no host read."""
+        keys (``i +`` :meth:`own_key`): 0 at its own token, negative for earlier keys. No
+        host read."""
         t, s = self.q_pos.shape[-1], self.k_pos.shape[-1]
         device = self.q_pos.device
-        shift = s - t if self.shift is None else self.shift
         i = torch.arange(t, device=device)[:, None]
         j = torch.arange(s, device=device)[None, :]
-        return j - (i + shift)
+        return j - (i + self.own_key())
 
     def visible(self) -> Tensor:
         """``(B|1, 1, T, S)`` bool: the keys each query may see in this call, by index

@@ -272,7 +272,7 @@ class _PaTH(AttentionPositional):
                 cache.put(KEYS_BUF, buf)
             keys = buf.index_copy(2, cache.at, keys.index_select(2, cache.at))
         before = ctx.key_offsets() < 0  # (T, S)
-        shift = k.shape[-2] - q.shape[-2] if ctx.shift is None else ctx.shift
+        shift = ctx.own_key()  # an int in a full pass: each chunk reads keys up to its own
         known = shift if isinstance(shift, int) and cache is None else None
         z, rewritten = path_scores(q.to(acc), keys, ctx[W], ctx[BETA], before, known)
         if buf is not None:

@@ -248,7 +248,8 @@ def test_chunks_give_the_values_and_gradients_of_one_token_at_a_time(
     float64: every score a query sees, rewritten keys and every gradient, with T not a
     multiple of the chunk and with ``cached`` keys before the new tokens (a decoding
     step). ``full_pass``: the shift given as an int, so each chunk reads only the keys
-    up to its last token's own (the scores past a query's own key are 0 there)."""
+    up to its last token's own; only the scores a query sees are compared (past its own
+    key the causal mask hides them)."""
     monkeypatch.setattr(path, "CHUNK", chunk)
     gen = torch.Generator().manual_seed(7)
     b, h, t, d = 2, 2, 11, 3
