@@ -3,7 +3,8 @@
 They live here, on the lowest floor and without torch, so that ``run.py`` can check a
 command line against the schema before it imports torch and Lightning (a typo is
 answered in a second): the schema reads them from here, and so do RoPE's scalings, the
-logit modifiers and the sliding window.
+logit modifiers, the sliding window and the optimiser's schedules (the GPU benchmarks
+import those without Hydra or OmegaConf).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ TRAINED_SCALINGS = ("longrope",)
 LOGIT_SCALES = ("none", "log_length", "ssmax")
 #: The entries of ``model.window_layers`` (:mod:`posenc.model.window`).
 LAYER_KINDS = ("local", "global")
+#: Learning-rate schedules (``task.optim.schedule``;
+#: :func:`posenc.training.optim.configure_adamw`).
+SCHEDULES = ("cosine", "inverse_sqrt")
 
 
 def layers_problem(layers: Any) -> str | None:

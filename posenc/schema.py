@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Generic, TypeVar, cast, get_args
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from posenc.choices import LOGIT_SCALES, SCALINGS, layers_problem
+from posenc.choices import LOGIT_SCALES, SCALINGS, SCHEDULES, layers_problem
 from posenc.data.algo_problems import (
     DEFAULTS,
     GRIDS,
@@ -212,10 +212,6 @@ def preset(cls: type[G], name: str, **defaults: Any) -> type[G]:
 
 
 # --- the groups ---
-
-#: Learning-rate schedules (:func:`posenc.training.optim.configure_adamw`).
-SCHEDULES = ("cosine", "inverse_sqrt")
-
 
 G = TypeVar("G", bound="Group")
 

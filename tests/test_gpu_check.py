@@ -308,3 +308,26 @@ def test_performance_md_holds_the_tables_of_every_gpu_record() -> None:
         "docs/performance.md is out of date: run "
         "`python experiments/gpu_records.py --write docs/performance.md`"
     )
+
+
+#: Stops an import of Hydra or OmegaConf, which the lent GPU machines lack.
+_NO_HYDRA = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("hydra", "omegaconf"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_the_gpu_sections_import_without_hydra_or_omegaconf() -> None:
+    """The modules of gpu_check.sh's sections (steps, flex, decode, the training step and
+    its memory) import with torch alone: on 2026-11-30 every section failed on the H200
+    at ``import omegaconf``, through the optimiser's schedule names in the schema."""
+    code = _NO_HYDRA + "import bench_steps, bench_decode, bench_train, bench_memory\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "experiments"), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

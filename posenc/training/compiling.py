@@ -27,8 +27,8 @@ FORCE, EAGER = "model.compile=true compiles", "model.compile=false trains eager"
 #: Speed of each scheme's compiled bf16 training step over its eager one, on a GPU: the
 #: column "compiled / eager" of docs/performance.md's "Fourth run, NVIDIA H200" table
 #: (2026-11-27; a 4-layer, d_model 256 model at 4x4096, ``experiments/bench.py
-#: --sections steps``). Above 1, ``auto`` compiles the scheme on a GPU; a scheme that is
-#: not here was not measured and trains eager.
+#: --sections steps``), FIRE's from a later run (its comment). Above 1, ``auto`` compiles
+#: the scheme on a GPU; a scheme that is not here was not measured and trains eager.
 COMPILED_OVER_EAGER: dict[str, float] = {
     "none": 1.26,  # 1.2 M tokens/s compiled, 0.95 M eager
     "learned": 1.23,
@@ -40,10 +40,10 @@ COMPILED_OVER_EAGER: dict[str, float] = {
     "xl": 1.69,
     "shaw": 2.98,
     "deberta": 3.26,
-    # FIRE's 85 was against an eager step that gathered per pair (3.7 s); with that
-    # fixed, eager ran at 0.36x `none` on 2026-11-28 against compiled 0.20x here: to be
-    # measured again in one run before this entry is trusted.
-    "fire": 85.0,
+    # FIRE: measured again in one run on 2026-11-30 (docs/gpu/2026-11-30-h200-2.json):
+    # eager 0.38x `none`, compiled 0.66x its eager step (the 85 of the fourth run was
+    # against an eager step that gathered per pair, 3.7 s, since fixed): auto trains eager.
+    "fire": 0.66,
     "fox": 1.99,
     "cope": 0.14,
 }

@@ -9,8 +9,8 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from posenc.choices import SCHEDULES
 from posenc.errors import TrainingDiverged
-from posenc.schema import SCHEDULES
 
 
 def check_finite(loss: torch.Tensor, step: int) -> None:

@@ -3,6 +3,7 @@ there, eager on a CPU and for every scheme not measured; ``true`` and ``false`` 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -39,7 +40,7 @@ def _task(encoder: str) -> LMTask:
     ("scheme", "compiled", "reason"),
     [
         ("rope", True, f"compiled (rope trains 1.26x faster compiled on an H200; {EAGER})"),
-        ("fire", True, f"compiled (fire trains 85x faster compiled on an H200; {EAGER})"),
+        ("fire", False, "eager (fire trains at 0.66x its eager speed compiled on an H200)"),
         ("t5", True, "compiled (t5 trains 1.03x faster compiled on an H200; "),
         ("cope", False, "eager (cope trains at 0.14x its eager speed compiled on an H200)"),
         ("path", False, "eager (path: not measured compiled on a GPU; model.compile=true"),
@@ -61,9 +62,14 @@ def test_auto_off_a_gpu_is_eager(scheme: str) -> None:
     assert auto_compile(scheme, "mps") == (False, "eager (mps: compiling not measured there)")
 
 
+#: Schemes measured again after the fourth H200 run: the record their entry comes from.
+REMEASURED = {"fire": "2026-11-30-h200-2.json"}
+
+
 def test_the_table_is_the_measured_one() -> None:
     """:data:`COMPILED_OVER_EAGER` is the "compiled / eager" column of the H200 run that
-    docs/performance.md reports, scheme by scheme (``none``'s from its tokens/s)."""
+    docs/performance.md reports, scheme by scheme (``none``'s from its tokens/s), except
+    the schemes measured again since, whose entry is their newer record's."""
     text = (ROOT / "docs" / "performance.md").read_text()
     run = text[text.index("**Fourth run, NVIDIA H200**") :]
     rows = re.findall(r"^\| (\w+)[^|]* \| \d \|.*\| ([\d.]+) \|$", run.split("\n\n")[1], re.M)
@@ -71,6 +77,9 @@ def test_the_table_is_the_measured_one() -> None:
     assert none is not None
     table = {name: float(ratio) for name, ratio in rows}
     table["none"] = round(float(none[2]) / float(none[1]), 2)
+    for scheme, record in REMEASURED.items():
+        measured = json.loads((ROOT / "docs" / "gpu" / record).read_text())["table"][scheme]
+        table[scheme] = round(measured["compiled/eager T=4096"], 2)
     assert table == COMPILED_OVER_EAGER
 
 
