@@ -28,6 +28,7 @@ FlexAttention on a GPU too, to debug a ``score_mod`` (prints and breakpoints wor
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -170,11 +171,10 @@ def use_flex(backend: str, q: Tensor, pos: AttentionPositional, p_drop: float) -
 #: Devices whose FlexAttention runs compiled (a fused kernel). On a CPU FlexAttention
 #: only runs when forced (it has no backward there in torch 2.13), eagerly.
 COMPILED_FLEX_DEVICES = {"cuda"}
-#: Compiled graphs the compiled FlexAttention may keep: one per score_mod, mask_mod and
-#: shape class of a process's calls (a translator's two kinds of self-attention and its
-#: cross-attention, training, evaluation and decoding shapes; a benchmark's encoders).
-#: Past dynamo's default of 8 for one function it would fall back to the unfused eager
-#: kernel with a warning, so its calls raise the limit.
+#: Compiled graphs one compiled FlexAttention kernel may keep (one per shape class of its
+#: calls: static, then dynamic lengths; a decoding step; with and without the
+#: log-sum-exp). Past dynamo's default of 8 for one function it would fall back to the
+#: unfused eager kernel with a warning, so its calls raise the limit.
 FLEX_RECOMPILE_LIMIT = 64
 #: Tiles of the compiled FlexAttention's forward kernel on a GPU (``kernel_options``:
 #: ``BLOCK_M`` queries by ``BLOCK_N`` keys); empty: torch's choice. Without any score
@@ -183,49 +183,96 @@ FLEX_RECOMPILE_LIMIT = 64
 #: 2026-11-28); whole training steps have not been measured with them, so the default
 #: stays torch's. ``experiments/bench.py --flex-tiles 64,128`` sets them.
 FLEX_KERNEL_OPTIONS: dict[str, int] = {}
-_compiled_flex: Callable[..., Tensor] | None = None
+#: The compiled kernels built so far, one per :func:`_specialization` (see
+#: :func:`compiled_flex_attention`).
+_compiled_flex: dict[tuple[Any, ...], Callable[..., Tensor]] = {}
+#: Constants of a closure read into a kernel's key (ints, floats, strings...).
+_CONSTANTS = (bool, int, float, str, type(None))
 
 
-def compiled_flex_attention() -> Callable[..., Tensor]:
-    """``flex_attention`` through ``torch.compile``, built once at first use: the fused
-    kernel that never writes the ``(B, H, T, S)`` scores. Inside a model that is being
-    compiled (``model.compile=true``) it is ``flex_attention`` itself, which dynamo
-    traces into the model's own graph (a compiled function called from a compiled
-    region would be traced through anyway).
+def _closure_constants(fn: Any, found: list[Any], depth: int = 0) -> None:
+    """``fn``'s code and the constants its closure captures, and those of the functions
+    it captures, in order (a ``score_mod`` or ``mask_mod`` and its helpers)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 4:
+        found.append(type(fn).__name__)
+        return
+    found.append(code)
+    for cell in fn.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            found.append(None)
+            continue
+        if isinstance(value, _CONSTANTS) or (
+            isinstance(value, tuple) and all(isinstance(v, _CONSTANTS) for v in value)
+        ):
+            found.append(value)
+        elif callable(value) and hasattr(value, "__code__"):
+            _closure_constants(value, found, depth + 1)
+        else:
+            found.append(type(value).__name__)
 
-    Shapes are static at first and become dynamic where they change (torch's
-    default): training's one shape and a cached decoding step each get one static
-    kernel, while evaluation at several lengths or uncached generation (a new length
-    each step) compile a couple of kernels, not one per length (``dynamic=False``, as
-    torchtune sets for its packed batches of one length, would)."""
-    global _compiled_flex
+
+def _specialization(score_mod: ScoreMod | None, mask: BlockMask | None) -> tuple[Any, ...]:
+    """What one compiled kernel is for: the code of the ``score_mod`` and of the mask's
+    ``mask_mod``, and every constant their closures capture (a scheme's clip distance or
+    bucket count, a window). A kernel only ever sees one value of each, so dynamo never
+    turns such an int into a symbol (Inductor's FlexAttention lowering cannot take one
+    among a ``score_mod``'s captured values: torch 2.11 to 2.13 fail to compile it)."""
+    found: list[Any] = []
+    _closure_constants(score_mod, found)
+    if mask is not None:
+        found.append(mask.BLOCK_SIZE)
+        _closure_constants(mask.mask_mod, found)
+    return tuple(found)
+
+
+def compiled_flex_attention(
+    score_mod: ScoreMod | None = None, mask: BlockMask | None = None
+) -> Callable[..., Tensor]:
+    """``flex_attention`` through ``torch.compile``: the fused kernel that never writes
+    the ``(B, H, T, S)`` scores, compiled once per :func:`_specialization` at its first
+    use. Inside a model that is being compiled (``model.compile=true``) it is
+    ``flex_attention`` itself, which dynamo traces into the model's own graph (a
+    compiled function called from a compiled region would be traced through anyway).
+
+    Each specialization is a function of its own name, so dynamo keeps its shapes apart
+    from the others': they are static at first and become dynamic where they change
+    (torch's default). Training's one shape and a cached decoding step each get one
+    static kernel, while evaluation at several lengths or uncached generation (a new
+    length each step) compile two kernels, not one per length. (One kernel for every
+    scheme, as before, needed Python ints specialized, the block mask's lengths among
+    them, and so recompiled at every new length: uncached generation on a GPU did not
+    finish 512 tokens in 280 s.)"""
     if torch.compiler.is_compiling():
         return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
+    key = _specialization(score_mod, mask)
+    kernel = _compiled_flex.get(key)
+    if kernel is None:
+        name = f"posenc_flex_attention_{len(_compiled_flex)}"
+        code = _flex_call.__code__.replace(co_name=name)
+        function = types.FunctionType(code, _flex_call.__globals__, name)
+        kernel = _compiled_flex[key] = torch.compile(function)
+    return kernel
+
+
+def _flex_call(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
+    """``flex_attention(q, k, v, **kwargs)``: the body of every compiled kernel."""
+    return flex_attention(q, k, v, **kwargs)
 
 
 def _compiled_call_config() -> AbstractContextManager[Any]:
-    """Dynamo's settings for one eager call of the compiled kernel; nothing inside a
-    compiled model, whose own settings count.
-
-    * The per-function recompile limit raised to :data:`FLEX_RECOMPILE_LIMIT` (the
-      option is ``cache_size_limit`` before torch 2.7).
-    * Python ints specialized (``specialize_int``): every scheme's ``score_mod`` passes
-      through the one compiled function, so by default the second scheme's different
-      int in the same closure slot (T5's M after Shaw's K) turns the int into a symbol,
-      and Inductor's FlexAttention lowering cannot take a symbol among a score_mod's
-      captured values (torch 2.11 to 2.13: "'ShapeAsConstantBuffer' object has no
-      attribute 'dtype'"). Shapes stay dynamic: tensor sizes are not ints here."""
+    """Dynamo's settings for one eager call of a compiled kernel, nothing inside a
+    compiled model, whose own settings count: the per-function recompile limit raised to
+    :data:`FLEX_RECOMPILE_LIMIT` (the option is ``cache_size_limit`` before torch 2.7)."""
     if torch.compiler.is_compiling():
         return nullcontext()
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    changes: dict[str, Any] = {"specialize_int": True}
-    if getattr(config, name) < FLEX_RECOMPILE_LIMIT:
-        changes[name] = FLEX_RECOMPILE_LIMIT
-    return config.patch(changes)
+    if getattr(config, name) >= FLEX_RECOMPILE_LIMIT:
+        return nullcontext()
+    return config.patch({name: FLEX_RECOMPILE_LIMIT})
 
 
 def block_mask(
@@ -311,7 +358,7 @@ def flex_attend(
     kernel: Callable[..., Any] = flex_attention
     limit: AbstractContextManager[Any] = nullcontext()
     if not eager:
-        kernel, limit = compiled_flex_attention(), _compiled_call_config()
+        kernel, limit = compiled_flex_attention(score_mod, mask), _compiled_call_config()
     sink = mods is not None and mods.sink is not None
     tiles = (
         {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS and q.is_cuda else {}

@@ -6,13 +6,14 @@ compared here, forward only; gradients are compared on a GPU (tests marked ``cud
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
 
-from posenc.encoders import build
+from posenc.encoders import build, registry
 from posenc.encoders.base import AttnKind
 from posenc.model import DecoderLM, EncoderDecoder, backends
 from posenc.model.attention import Attention
@@ -238,13 +239,13 @@ def test_flex_runs_compiled_on_the_devices_that_compile_it(monkeypatch: pytest.M
     and the compiled kernel (no "unfused" warning) gives the explicit path's values.
     ``flex_eager`` keeps the unfused reference kernel for debugging."""
     monkeypatch.setattr(backends, "COMPILED_FLEX_DEVICES", {"cpu"})
-    monkeypatch.setattr(backends, "_compiled_flex", None)
+    monkeypatch.setattr(backends, "_compiled_flex", {})
     compiles, calls = [], []
     real_compile = torch.compile
 
     def spy_compile(fn, *args, **kwargs):
         compiled = real_compile(fn, *args, **kwargs)
-        if fn is not flex_module.flex_attention:  # (eager flex compiles a wrapper of its own)
+        if not fn.__name__.startswith("posenc_flex_attention"):  # (eager flex compiles its own)
             return compiled
         compiles.append(fn)
         return lambda *a, **k: calls.append(1) or compiled(*a, **k)
@@ -272,6 +273,36 @@ def test_flex_runs_compiled_on_the_devices_that_compile_it(monkeypatch: pytest.M
     assert len(compiles) == 1  # built once
     for backend in ("flex", "flex_eager"):
         torch.testing.assert_close(outs[backend], outs["explicit"], atol=2e-5, rtol=2e-5)
+
+
+def test_compiled_flex_compiles_per_scheme_not_per_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One compiled kernel per scheme (its ``score_mod``'s code and captured constants),
+    whose lengths turn dynamic at the second length: passes at four lengths compile
+    nothing after the second, as uncached generation (a new length each step) needs.
+    Shaw's clip distance and then T5's bucket count, each captured as an int, compile
+    (one kernel for both made dynamo turn the second int into a symbol, which
+    Inductor's FlexAttention lowering cannot compile), and both equal the explicit path."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(backends, "COMPILED_FLEX_DEVICES", {"cpu"})
+    monkeypatch.setattr(backends, "_compiled_flex", {})
+    for name in ("shaw", "t5"):
+        factory = functools.partial(registry.get(name), **SCORED[name])
+        lm = DecoderLM(vocab_size=11, encoder=factory, d_model=H * D, n_heads=H, n_layers=1)
+        lm.eval()
+        new_graphs = []
+        for t in (20, 23, 26, 29):
+            ids = torch.randint(0, 11, (1, t))
+            outs = {}
+            for backend in ("explicit", "flex"):
+                _flex_everywhere(lm, backend)
+                before = counters["stats"]["unique_graphs"]
+                with torch.no_grad():
+                    outs[backend] = lm(ids)
+            new_graphs.append(counters["stats"]["unique_graphs"] - before)
+            torch.testing.assert_close(outs["flex"], outs["explicit"], atol=2e-5, rtol=2e-5)
+        assert new_graphs[0] > 0 and new_graphs[2:] == [0, 0], (name, new_graphs)
+    assert len(backends._compiled_flex) == 2
 
 
 def test_flex_inside_a_compiled_model_is_one_graph() -> None:
