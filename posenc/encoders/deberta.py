@@ -320,10 +320,15 @@ class _DebertaAttention(AttentionPositional):
         if self.w_qr is not None:
             qr = self._shifted(self.w_qr, ctx, k.dtype, P2C_END)
             p2c = (k * scale) @ qr.transpose(-1, -2)  # (B, H, S, P)
-        last = rows.shape[0] - 1
+        if ctx.kind is AttnKind.CAUSAL and lo < 0:
+            # Distances below 0 (masked keys) have distance 0's rows (prepare): index the
+            # rows from distance 0 and clamp there, so that no int the kernel captures
+            # changes with the length (each value would compile a kernel of its own).
+            rows, p2c_rows, lo = rows[-lo:], p2c_rows[-lo:], 0
 
         def mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            e = (dist(b, i, j) - lo).clamp(0, last)  # lookup entry of the distance
+            # lookup entry of the distance; the rows hold every distance present
+            e = (dist(b, i, j) - lo).clamp(min=0)
             if c2p is not None:
                 score = score + c2p[b, h, i, rows[e]]
             if p2c is not None:

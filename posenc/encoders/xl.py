@@ -126,11 +126,13 @@ class _XLAttention(_XLLayer):
         r = r.unflatten(-1, (self.n_heads, -1)).transpose(0, 1)  # (H, L, D)
         qv = (q + ctx[V][:, None].to(q.dtype)) * self.scale(q.shape[-1])
         per_dist = qv @ r.transpose(-1, -2)  # (B, H, T, L): distances lo, lo + 1, ...
-        lo, last, dist = ctx[LO], r.shape[1] - 1, pair_distance(ctx)
+        lo, dist = ctx[LO], pair_distance(ctx)
 
         def mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            # clamped: masked pairs (causal keys after the query) may fall off the table
-            return score + per_dist[b, h, i, (dist(b, i, j) - lo).clamp(0, last)]
+            # The table holds every distance present but, in causal attention, none below
+            # -1: masked pairs (keys after the query) are clamped onto it. No upper bound
+            # (one that changes with the length would compile a kernel per length).
+            return score + per_dist[b, h, i, (dist(b, i, j) - lo).clamp(min=0)]
 
         return mod
 

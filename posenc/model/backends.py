@@ -186,6 +186,9 @@ FLEX_KERNEL_OPTIONS: dict[str, int] = {}
 #: The compiled kernels built so far, one per :func:`_specialization` (see
 #: :func:`compiled_flex_attention`).
 _compiled_flex: dict[tuple[Any, ...], Callable[..., Tensor]] = {}
+#: Kernels one ``score_mod`` and ``mask_mod`` code may have, one per value of the constants
+#: they capture; past it, one more for all other values (:func:`compiled_flex_attention`).
+FLEX_SPECIALIZATIONS = 8
 #: Constants of a closure read into a kernel's key (ints, floats, strings...).
 _CONSTANTS = (bool, int, float, str, type(None))
 
@@ -220,12 +223,13 @@ def _specialization(score_mod: ScoreMod | None, mask: BlockMask | None) -> tuple
     bucket count, a window). A kernel only ever sees one value of each, so dynamo never
     turns such an int into a symbol (Inductor's FlexAttention lowering cannot take one
     among a ``score_mod``'s captured values: torch 2.11 to 2.13 fail to compile it)."""
-    found: list[Any] = []
-    _closure_constants(score_mod, found)
+    score: list[Any] = []
+    _closure_constants(score_mod, score)
+    masking: list[Any] = []
     if mask is not None:
-        found.append(mask.BLOCK_SIZE)
-        _closure_constants(mask.mask_mod, found)
-    return tuple(found)
+        masking.append(mask.BLOCK_SIZE)
+        _closure_constants(mask.mask_mod, masking)
+    return tuple(score), tuple(masking)
 
 
 def compiled_flex_attention(
@@ -244,17 +248,48 @@ def compiled_flex_attention(
     length each step) compile two kernels, not one per length. (One kernel for every
     scheme, as before, needed Python ints specialized, the block mask's lengths among
     them, and so recompiled at every new length: uncached generation on a GPU did not
-    finish 512 tokens in 280 s.)"""
+    finish 512 tokens in 280 s.) A code whose constants change from call to call
+    (bidirectional XL's and DeBERTa's smallest distance, with the length) gets
+    :data:`FLEX_SPECIALIZATIONS` kernels, then one more for all its other values, with
+    ints specialized (each value compiled again, up to the recompile limit)."""
     if torch.compiler.is_compiling():
         return flex_attention
     key = _specialization(score_mod, mask)
     kernel = _compiled_flex.get(key)
-    if kernel is None:
-        name = f"posenc_flex_attention_{len(_compiled_flex)}"
-        code = _flex_call.__code__.replace(co_name=name)
-        function = types.FunctionType(code, _flex_call.__globals__, name)
-        kernel = _compiled_flex[key] = torch.compile(function)
+    if kernel is not None:
+        return kernel
+    codes = key[0][:1], key[1][:2]  # the score_mod's code; the block size, the mask's code
+    if sum(k[0][:1] == codes[0] and k[1][:2] == codes[1] for k in _compiled_flex) >= (
+        FLEX_SPECIALIZATIONS
+    ):
+        key = (*codes, "ints specialized")
+        kernel = _compiled_flex.get(key)
+        if kernel is None:
+            kernel = _compiled_flex[key] = _ints_specialized(_new_kernel())
+        return kernel
+    kernel = _compiled_flex[key] = _new_kernel()
     return kernel
+
+
+def _new_kernel() -> Callable[..., Tensor]:
+    """A compiled :func:`_flex_call` under a name of its own (dynamo keeps what it learns
+    of a function's shapes per name)."""
+    name = f"posenc_flex_attention_{len(_compiled_flex)}"
+    code = _flex_call.__code__.replace(co_name=name)
+    return cast(
+        Callable[..., Tensor],
+        torch.compile(types.FunctionType(code, _flex_call.__globals__, name)),
+    )
+
+
+def _ints_specialized(kernel: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``kernel`` called with dynamo's ``specialize_int``: every Python int a constant."""
+
+    def call(*args: Any, **kwargs: Any) -> Tensor:
+        with torch._dynamo.config.patch(specialize_int=True):
+            return kernel(*args, **kwargs)
+
+    return call
 
 
 def _flex_call(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:

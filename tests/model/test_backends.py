@@ -286,7 +286,7 @@ def test_compiled_flex_compiles_per_scheme_not_per_length(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(backends, "COMPILED_FLEX_DEVICES", {"cpu"})
     monkeypatch.setattr(backends, "_compiled_flex", {})
-    for name in ("shaw", "t5"):
+    for name in ("shaw", "t5", "xl"):
         factory = functools.partial(registry.get(name), **SCORED[name])
         lm = DecoderLM(vocab_size=11, encoder=factory, d_model=H * D, n_heads=H, n_layers=1)
         lm.eval()
@@ -302,7 +302,28 @@ def test_compiled_flex_compiles_per_scheme_not_per_length(monkeypatch: pytest.Mo
             new_graphs.append(counters["stats"]["unique_graphs"] - before)
             torch.testing.assert_close(outs["flex"], outs["explicit"], atol=2e-5, rtol=2e-5)
         assert new_graphs[0] > 0 and new_graphs[2:] == [0, 0], (name, new_graphs)
-    assert len(backends._compiled_flex) == 2
+    assert len(backends._compiled_flex) == 3
+
+
+def test_a_constant_that_keeps_changing_gets_a_bounded_number_of_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``score_mod`` whose captured int changes at every call (bidirectional XL's smallest
+    distance changes with the length) gets ``FLEX_SPECIALIZATIONS`` kernels of its own, then
+    one shared kernel for every other value, which specializes ints as it is called; another
+    ``score_mod`` still gets its own. (Kernels compile at their first call: none runs here.)"""
+    monkeypatch.setattr(backends, "_compiled_flex", {})
+
+    def shifted(n: int):
+        return lambda score, b, h, i, j: score + (i - j + n)
+
+    kernels = [backends.compiled_flex_attention(shifted(n)) for n in range(12)]
+    limit = backends.FLEX_SPECIALIZATIONS
+    assert len({id(k) for k in kernels[:limit]}) == limit
+    assert len({id(k) for k in kernels[limit:]}) == 1 and kernels[limit] not in kernels[:limit]
+    assert backends.compiled_flex_attention(shifted(3)) is kernels[3]  # a value seen: its own
+    other = backends.compiled_flex_attention(lambda score, b, h, i, j: score * 2)
+    assert other not in kernels
 
 
 def test_flex_inside_a_compiled_model_is_one_graph() -> None:
