@@ -272,14 +272,19 @@ def compiled_flex_attention(
 
 
 def _new_kernel() -> Callable[..., Tensor]:
-    """A compiled :func:`_flex_call` under a name of its own (dynamo keeps what it learns
-    of a function's shapes per name)."""
+    """``torch.compile`` of ``flex_attention`` under a name of its own: a copy of the
+    function whose code is renamed (dynamo keeps what it learns of a function's shapes
+    per code name), with the same globals and defaults."""
     name = f"posenc_flex_attention_{len(_compiled_flex)}"
-    code = _flex_call.__code__.replace(co_name=name)
-    return cast(
-        Callable[..., Tensor],
-        torch.compile(types.FunctionType(code, _flex_call.__globals__, name)),
+    copy = types.FunctionType(
+        flex_attention.__code__.replace(co_name=name),
+        flex_attention.__globals__,
+        name,
+        flex_attention.__defaults__,
+        flex_attention.__closure__,
     )
+    copy.__kwdefaults__ = flex_attention.__kwdefaults__
+    return cast(Callable[..., Tensor], torch.compile(copy))
 
 
 def _ints_specialized(kernel: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -290,11 +295,6 @@ def _ints_specialized(kernel: Callable[..., Tensor]) -> Callable[..., Tensor]:
             return kernel(*args, **kwargs)
 
     return call
-
-
-def _flex_call(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
-    """``flex_attention(q, k, v, **kwargs)``: the body of every compiled kernel."""
-    return flex_attention(q, k, v, **kwargs)
 
 
 def _compiled_call_config() -> AbstractContextManager[Any]:
