@@ -3,6 +3,9 @@
 - ``lm_<split>_ppl_vs_length.png``: perplexity against evaluation length per encoder,
   log-log, mean with std error bars, one panel per protocol, training length marked; a RoPE
   context-extension method is one more (dashed) curve, ``rope+yarn``, in its protocol's panel.
+- ``lm_<split>_variants_vs_parents.png``: the same perplexity (non-overlapping windows),
+  one panel per scheme that has variants in the report (runs with a ``label``, e.g.
+  ``+variant=rope_qknorm``), the scheme beside its variants (:func:`variant_parents`).
 - ``lm_<split>_loss_by_position.png``: mean loss by position in the window (over log-spaced
   bands of positions) at the longest length each encoder (and each of its context-extension
   methods) was evaluated at.
@@ -254,7 +257,10 @@ def _panel_points(panels: Mapping[str, Mapping[str, Mapping[int, Point]]]) -> It
 
 
 def ppl_vs_length(
-    panels: Mapping[str, Mapping[str, Mapping[int, Point]]], train_len: int | None, title: str
+    panels: Mapping[str, Mapping[str, Mapping[int, Point]]],
+    train_len: int | None,
+    title: str,
+    ylabel: str = "",
 ) -> Figure:
     """Log-log perplexity against length, one line per encoder, one panel per protocol.
 
@@ -262,6 +268,7 @@ def ppl_vs_length(
         panels: Panel title (metric kind) -> encoder -> length -> (mean, std).
         train_len: Training length, drawn as a vertical line (None: not drawn).
         title: Figure title.
+        ylabel: What the y axes show (default: each panel's title, its metric kind).
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4), squeeze=False)
     names = [e for curves in panels.values() for e in curves]
@@ -290,7 +297,7 @@ def ppl_vs_length(
         ax.xaxis.set_minor_formatter(NullFormatter())
         label_log_axis(ax)
         ax.set_xlabel("evaluation length (tokens)")
-        ax.set_ylabel(f"{kind} ({drawn})")
+        ax.set_ylabel(f"{ylabel or kind} ({drawn})")
         ax.set_title(kind, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
     # One legend, beside the panels (inside them it hides the curves), naming the curves
@@ -476,6 +483,34 @@ def _labels(by_group: Mapping[tuple[str, str], Sequence[Run]], task: str) -> dic
     return {e: learned_label(e, rs) for (t, e), rs in by_group.items() if t == task}
 
 
+def variant_parents(by_group: Mapping[tuple[str, str], Sequence[Run]], task: str) -> dict[str, str]:
+    """Variant -> the scheme it modifies, for each of ``task``'s runs labelled as a
+    variant (a ``label`` in its config, e.g. ``+variant=rope_qknorm``) whose scheme the
+    report has too: a mix's most common scheme among its layers' or heads' entries (the
+    first on a tie), DAPE's base, else its encoder's (the name the report's unlabelled
+    runs of the same encoder class have)."""
+    records = {e: rs[0].record for (t, e), rs in by_group.items() if t == task}
+    names = {r.encoder_class: e for e, r in records.items() if not r.config.get("label")}
+    out = {}
+    for label, r in records.items():
+        if not r.config.get("label"):
+            continue
+        encoder = r.config.get("encoder") or {}
+        entries = (
+            (encoder.get("layers") or encoder.get("heads")) if r.encoder_class == "Mix" else []
+        )
+        if entries:
+            schemes = [e if isinstance(e, str) else e.get("name") for e in entries]
+            parent = Counter(schemes).most_common(1)[0][0]  # ties: the first entry's
+        elif r.encoder_class == "Dape":
+            parent = encoder.get("base")
+        else:
+            parent = names.get(r.encoder_class)
+        if parent in records and parent != label:
+            out[label] = parent
+    return out
+
+
 def _relabel(curves: Mapping[str, Any], labels: Mapping[str, str]) -> dict[str, Any]:
     """``encoder`` and ``encoder+method`` keys renamed with their encoder's label."""
     out = {}
@@ -578,6 +613,22 @@ def _lm_task_figures(
         if panels:
             figs[f"{task}_{split}_ppl_vs_length"] = ppl_vs_length(
                 panels, train_len, f"LM {split} perplexity by evaluation length"
+            )
+        plain = _length_curves(rows, split, "ppl", [], task)
+        families: dict[str, list[str]] = {}
+        for variant, parent in variant_parents(by_group, task).items():
+            families.setdefault(parent, [parent]).append(variant)
+        if plain and families:
+            beside = {
+                parent: _relabel({n: plain[n] for n in names if n in plain}, labels)
+                for parent, names in families.items()
+            }
+            figs[f"{task}_{split}_variants_vs_parents"] = ppl_vs_length(
+                beside,
+                train_len,
+                f"LM {split} perplexity (non-overlapping windows): each variant beside "
+                "the scheme it modifies",
+                ylabel=f"{split}/ppl",
             )
         by_position: dict[str, list[float]] = {}
         for (t, encoder), rs in by_group.items():

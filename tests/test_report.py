@@ -1094,3 +1094,63 @@ def test_runs_without_pairs_have_no_heat_map(tmp_path: Path) -> None:
     report = build_report(root, tensorboard=False)
     assert report.runs[0].record.variant_pairs == {}  # type: ignore[attr-defined]
     assert not list((root / "report").glob("*pairs*"))
+
+
+def test_each_variant_is_drawn_beside_the_scheme_it_modifies(tmp_path: Path) -> None:
+    """A labelled run's parent: its encoder's scheme (``rope_qknorm``: RoPE's class), a
+    mix's most common entry (the first on a tie), DAPE's base; a parent the report lacks
+    (kerple) gives no panel, a scheme without variants (sandwich) none either. Each panel
+    draws the parent and its variants, at the values the runs recorded."""
+    from posenc.plots import figures, variant_parents
+    from posenc.report import groups
+
+    runs: list[tuple[str, str, dict[str, Any]]] = [
+        ("rope", "RoPE", {}),
+        ("none", "NoPE", {}),
+        ("alibi", "ALiBi", {}),
+        ("sandwich", "Sandwich", {}),
+        ("rope_qknorm", "RoPE", {"model": {"qk_norm": True}}),
+        ("rope_nope4", "Mix", {"encoder": {"layers": ["rope", "rope", "rope", "none"]}}),
+        ("nope_rope4", "Mix", {"encoder": {"layers": ["none", {"name": "none"}, "rope"]}}),
+        ("rope_none_heads", "Mix", {"encoder": {"heads": ["rope", "none"]}}),
+        ("alibi_dape", "Dape", {"encoder": {"base": "alibi"}}),
+        ("kerple_dape", "Dape", {"encoder": {"base": "kerple"}}),
+    ]
+    for i, (name, cls, config) in enumerate(runs):
+        label = {"label": name} if "_" in name else {}
+        write_run(
+            tmp_path / f"{i}_lm_{name}",
+            "lm",
+            name,
+            0,
+            {"test/ppl@16": 5.0 + i, "test/ppl@32": 6.0 + i},
+            encoder_class=cls,
+            config={"seed": 0, **label, **config},
+            **LM_EXTRA,
+        )
+    report = build_report(tmp_path, tensorboard=False)
+    assert variant_parents(groups(report.runs), "lm") == {
+        "rope_qknorm": "rope",
+        "rope_nope4": "rope",
+        "nope_rope4": "none",
+        "rope_none_heads": "rope",
+        "alibi_dape": "alibi",
+    }
+    fig = figures(report.runs, groups(report.runs), report.rows)["lm_test_variants_vs_parents"]
+    drawn = {
+        ax.get_title(): {c.get_label(): list(c[0].get_ydata()) for c in ax.containers}
+        for ax in fig.axes
+    }
+    want = {
+        "rope": ["rope", "rope_qknorm", "rope_nope4", "rope_none_heads"],
+        "none": ["none", "nope_rope4"],
+        "alibi": ["alibi", "alibi_dape"],
+    }
+    index = {name: i for i, (name, _, _) in enumerate(runs)}
+    assert {t: sorted(curves) for t, curves in drawn.items()} == {
+        t: sorted(names) for t, names in want.items()
+    }
+    for panel, curves in drawn.items():
+        for name, ys in curves.items():
+            assert ys == [5.0 + index[name], 6.0 + index[name]], (panel, name)
+    assert (tmp_path / "report" / "lm_test_variants_vs_parents.png").is_file()
