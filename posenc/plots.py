@@ -485,29 +485,17 @@ def _labels(by_group: Mapping[tuple[str, str], Sequence[Run]], task: str) -> dic
 
 def variant_parents(by_group: Mapping[tuple[str, str], Sequence[Run]], task: str) -> dict[str, str]:
     """Variant -> the scheme it modifies, for each of ``task``'s runs labelled as a
-    variant (a ``label`` in its config, e.g. ``+variant=rope_qknorm``) whose scheme the
-    report has too: a mix's most common scheme among its layers' or heads' entries (the
-    first on a tie), DAPE's base, else its encoder's (the name the report's unlabelled
-    runs of the same encoder class have)."""
+    variant (a ``label``, e.g. ``+variant=rope_qknorm``) whose scheme the report has too:
+    the scheme its encoder options build on (a mix's most common, DAPE's base:
+    :attr:`~posenc.results.Record.builds_on`), else its encoder's (the name the report's
+    unlabelled runs of the same encoder class have)."""
     records = {e: rs[0].record for (t, e), rs in by_group.items() if t == task}
-    names = {r.encoder_class: e for e, r in records.items() if not r.config.get("label")}
+    names = {r.encoder_class: e for e, r in records.items() if not r.label}
     out = {}
-    for label, r in records.items():
-        if not r.config.get("label"):
-            continue
-        encoder = r.config.get("encoder") or {}
-        entries = (
-            (encoder.get("layers") or encoder.get("heads")) if r.encoder_class == "Mix" else []
-        )
-        if entries:
-            schemes = [e if isinstance(e, str) else e.get("name") for e in entries]
-            parent = Counter(schemes).most_common(1)[0][0]  # ties: the first entry's
-        elif r.encoder_class == "Dape":
-            parent = encoder.get("base")
-        else:
-            parent = names.get(r.encoder_class)
-        if parent in records and parent != label:
-            out[label] = parent
+    for variant, r in records.items():
+        parent = (r.builds_on or names.get(r.encoder_class)) if r.label else None
+        if parent in records and parent != variant:
+            out[variant] = parent
     return out
 
 

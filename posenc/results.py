@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -265,6 +266,27 @@ class Record:
         """Where its learning rate came from when tuned (``+tuned=...``), else None."""
         tuned = self.config.get("tuned")
         return tuned if isinstance(tuned, dict) else None
+
+    @property
+    def label(self) -> str | None:
+        """The run's ``label`` (a sweep arm that changes the model, ``+variant=...``,
+        named apart from its encoder), else None."""
+        label = self.config.get("label")
+        return str(label) if label else None
+
+    @property
+    def builds_on(self) -> str | None:
+        """The scheme the run's encoder options name as its base, where they name one: a
+        mix's most common scheme among its layers' or heads' entries (the first on a
+        tie), DAPE's ``base``; else None."""
+        encoder = self.config.get("encoder") or {}
+        if self.encoder_class == "Dape":
+            return encoder.get("base")
+        entries = (
+            (encoder.get("layers") or encoder.get("heads")) if self.encoder_class == "Mix" else []
+        )
+        schemes = [e if isinstance(e, str) else e.get("name") for e in entries or []]
+        return Counter(schemes).most_common(1)[0][0] if schemes else None
 
     def costs(self) -> dict[str, float | None]:
         """What the run cost, by :data:`COST_KEYS` (the report averages them per group)."""
