@@ -591,6 +591,9 @@ def _lm_task_figures(
     labels = _labels(by_group, task)
     figs: dict[str, Figure] = {}
     splits = sorted({m.split_name for r in lm for m in r.record.metrics if m.where})
+    families: dict[str, list[str]] = {}  # parent -> it and its variants, in every split
+    for variant, parent in variant_parents(by_group, task).items():
+        families.setdefault(parent, [parent]).append(variant)
     for split in splits:
         panels = {}
         extensions = _extensions(rows, split, task)
@@ -602,11 +605,8 @@ def _lm_task_figures(
             figs[f"{task}_{split}_ppl_vs_length"] = ppl_vs_length(
                 panels, train_len, f"LM {split} perplexity by evaluation length"
             )
-        plain = _length_curves(rows, split, "ppl", [], task)
-        families: dict[str, list[str]] = {}
-        for variant, parent in variant_parents(by_group, task).items():
-            families.setdefault(parent, [parent]).append(variant)
-        if plain and families:
+        plain = _length_curves(rows, split, "ppl", [], task) if families else {}
+        if plain:
             beside = {
                 parent: _relabel({n: plain[n] for n in names if n in plain}, labels)
                 for parent, names in families.items()
