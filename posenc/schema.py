@@ -636,6 +636,14 @@ def encoder_label(cfg: Any) -> str:
     return str(label) if label else group_choice(cfg, "encoder")
 
 
+def result_name(cfg: Any) -> str:
+    """The scheme's row in results, reports and tuned-rate files: :func:`encoder_label`,
+    plus ``_rand`` when the run trains on randomized positions (``model.random_positions``),
+    so such runs never share a row with the scheme trained on plain positions."""
+    random = getattr(cfg.model, "random_positions", None)
+    return encoder_label(cfg) + ("_rand" if random else "")
+
+
 #: A value not known (a key named by an error that does not give it).
 UNKNOWN = object()
 

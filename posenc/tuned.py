@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posenc.errors import ConfigError
 from posenc.results import task_key
-from posenc.schema import encoder_label
+from posenc.schema import result_name
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +158,7 @@ def write(path: Path, tasks: dict[str, dict[str, Any]], sweep: Path | Sequence[P
 def run_key(cfg: DictConfig) -> tuple[str, str]:
     """The task and encoder names a run has in reports (and in the tuned-lr file)."""
     t = cfg.task
-    encoder = encoder_label(cfg)
-    if t.name == "algo" and cfg.model.get("random_positions"):
-        encoder += "_rand"  # as posenc.tasks.algo_job.label names it
-    return task_key(str(t.name), t.get("problem"), t.get("shape")), encoder
+    return task_key(str(t.name), t.get("problem"), t.get("shape")), result_name(cfg)
 
 
 def apply(cfg: DictConfig) -> None:

@@ -487,10 +487,11 @@ class RoPE(PositionalEncoder):
         layout: ``interleaved`` (RoFormer) or ``half`` (GPT-NeoX / rotate_half).
         fraction: Share of each head's dims that is rotated (GPT-NeoX's
             ``rotary_pct``); the first ``head_dim * fraction`` dims rotate.
-        scaling: Context extension: ``none``, ``linear``, ``ntk``, ``dynamic_ntk`` or
-            ``yarn`` (module docstring).
+        scaling: Context extension: ``none``, ``linear``, ``ntk``, ``dynamic_ntk``,
+            ``yarn``, ``llama3`` or ``longrope`` (module docstring).
         scaling_factor: s >= 1 (the alpha of ``dynamic_ntk``).
-        original_length: Training length L; required by ``dynamic_ntk`` and ``yarn``.
+        original_length: Training length L; required by the methods of
+            :data:`NEEDS_LENGTH`.
         yarn_alpha: ``yarn`` ramp start (beta_slow in the authors' code).
         yarn_beta: ``yarn`` ramp end (beta_fast there).
         yarn_ramp: ``code`` (default: the authors' code, linear in the pair index) or

@@ -192,8 +192,8 @@ def failure_point(failure: Failure) -> tuple[str, str, float] | None:
     if name is None or isinstance(lr, bool) or not isinstance(lr, int | float):
         return None
     encoder = failure.encoder
-    if name == "algo" and (cfg.get("model") or {}).get("random_positions"):
-        encoder += "_rand"  # as posenc.tasks.algo_job.label names it
+    if (cfg.get("model") or {}).get("random_positions"):
+        encoder += "_rand"  # as posenc.schema.result_name names it
     return task_key(str(name), task.get("problem"), task.get("shape")), encoder, float(lr)
 
 

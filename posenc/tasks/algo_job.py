@@ -20,7 +20,7 @@ from posenc import schema
 from posenc.data.algo import AlgoDataModule, bucket_name
 from posenc.plots import accuracy_vs_size
 from posenc.results import AlgoRecord, BySize, MetricName, names
-from posenc.schema import Run, encoder_label
+from posenc.schema import Run, result_name
 from posenc.tasks.algo import AlgoTask
 from posenc.training import job
 from posenc.training.callbacks import Throughput
@@ -69,13 +69,6 @@ def metric_name(kind: str, variant: str) -> str:
 def top_size(cfg: Run[schema.AlgoTask]) -> int:
     """The largest test size: ``test_multiple * hi``."""
     return int(math.floor(cfg.task.test_multiple * cfg.task.train_lengths[1]))
-
-
-def label(cfg: Run[schema.AlgoTask]) -> str:
-    """The encoder's name in results: ``rope``, or ``rope_rand`` when trained on
-    randomized positions (``model.random_positions``)."""
-    name = encoder_label(cfg)
-    return f"{name}_rand" if cfg.model.random_positions else name
 
 
 def datamodule(cfg: Run[schema.AlgoTask]) -> AlgoDataModule:
@@ -199,7 +192,7 @@ def finish(
     fields = AlgoRecord(
         problem=t.problem,
         shape=t.shape,
-        encoder=label(cfg),
+        encoder=result_name(cfg),
         encoder_class=cfg.encoder._target_.rsplit(".", 1)[-1],
         seed=cfg.seed,
         train_lengths=[lo, hi],

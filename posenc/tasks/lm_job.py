@@ -24,7 +24,7 @@ from posenc.eval.lengths import PROTOCOLS, metric_name
 from posenc.model.streaming import refusal
 from posenc.plots import loss_by_position_figure, ppl_vs_length_figure
 from posenc.results import LMRecord, MetricName, Passkey, names
-from posenc.schema import Run, encoder_label
+from posenc.schema import Run, result_name
 from posenc.tasks import lm_passkey
 from posenc.tasks.lm import EvalExtension, Extension, LMTask, StreamingExtension
 from posenc.training import checkpoints, gate, job
@@ -280,7 +280,7 @@ def finish_lm(
     metrics = dict(sorted(metrics.items(), key=_metric_order)) | names(fitted.val)
     encoder = cfg.encoder._target_.rsplit(".", 1)[-1]
     fields = LMRecord(
-        encoder=encoder_label(cfg),
+        encoder=result_name(cfg),
         encoder_class=encoder,
         seed=cfg.seed,
         seq_len=cfg.task.seq_len,

@@ -21,7 +21,7 @@ from posenc.data.tokenizers import fingerprints, to_payload
 from posenc.eval.bleu import corpus_scores, scores_by_bucket, signature
 from posenc.plots import bleu_by_length_figure, close
 from posenc.results import MetricName, MTRecord, names
-from posenc.schema import Run, encoder_label
+from posenc.schema import Run, result_name
 from posenc.tasks.mt import MTTask
 from posenc.training import job
 from posenc.training.callbacks import Throughput
@@ -148,7 +148,7 @@ def finish_mt(
     metrics |= names(dict(sorted((fitted.val | loss).items())))
     d = cfg.task.decode
     fields = MTRecord(
-        encoder=encoder_label(cfg),
+        encoder=result_name(cfg),
         encoder_class=cfg.encoder._target_.rsplit(".", 1)[-1],
         seed=cfg.seed,
         data=cfg.data.name,

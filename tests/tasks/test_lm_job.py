@@ -129,6 +129,23 @@ def test_a_variant_with_a_label_is_recorded_under_it_beside_its_parent(tmp_path:
     assert m["config"]["model"]["qk_norm"] is True and m["config"]["label"] == "rope_qknorm"
 
 
+def test_a_run_on_randomized_positions_gets_a_row_of_its_own(tmp_path: Path) -> None:
+    """rope trained on randomized positions is recorded (and keyed for tuned rates) as
+    rope_rand, so a report over it and a plain rope run shows two rows, not one average
+    of both trainings."""
+    from posenc.report import collect, groups
+    from posenc.tuned import run_key
+
+    for name, extra in (("plain", []), ("rand", ["model.random_positions=256"])):
+        cfg = compose_run(tmp_path / name, "encoder=rope", "task.eval.multipliers=[1]", *extra)
+        assert run_key(cfg) == ("lm", f"rope_{name}" if extra else "rope")
+        train(cfg)
+    m = json.loads((tmp_path / "rand" / "run" / "metrics.json").read_text())
+    assert (m["encoder"], m["encoder_class"]) == ("rope_rand", "RoPE")
+    runs, failures = collect(tmp_path)
+    assert not failures and [enc for _, enc in groups(runs)] == ["rope", "rope_rand"]
+
+
 def test_the_lm_gpu_preset_trains_end_to_end_on_a_tiny_text(tmp_path: Path) -> None:
     """experiment=lm_gpu with its data swapped for a small text and its sizes shrunk
     (its BPE tokenizer, bf16 mixed precision and 1x..16x evaluation kept): a finite
