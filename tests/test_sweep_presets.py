@@ -48,6 +48,7 @@ OPTION_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any], str | None
     "prope75": ("rope", {"p": 0.75}, {}, "prope75"),
     "rope_qknorm": ("rope", {}, {"qk_norm": True}, "rope_qknorm"),
     "none_ssmax": ("none", {}, {"logit_scale": "ssmax"}, "none_ssmax"),
+    "rope_ssmax": ("rope", {}, {"logit_scale": "ssmax"}, "rope_ssmax"),
     "rope_sinks": ("rope", {}, {"sinks": True}, "rope_sinks"),
     "alibi_dape": ("dape", {"base": "alibi"}, {}, "alibi_dape"),
     "kerple_dape": ("dape", {"base": "kerple"}, {}, "kerple_dape"),
