@@ -69,6 +69,12 @@ class RunState(pl.Callback):
     - the last validation metrics, so ``metrics.json`` keeps them when a finished run is
       resumed only to redo its final evaluation.
 
+    It also keeps a stop (SIGTERM, or Ctrl-C passed on as one) that lands during a
+    validation inside training waiting until that validation ends: Lightning's validation
+    loop would stop at its next batch, outside the training step where ``last.ckpt`` is
+    saved, so the run would end with the progress since its last ``best.ckpt`` lost. Held,
+    the stop is taken where training goes on after the validation, and saved there.
+
     Args:
         record: :func:`posenc.training.checkpoints.record` of this run.
         tokenizer: The fingerprints a resumed checkpoint's tokenizer may have (see
@@ -80,8 +86,20 @@ class RunState(pl.Callback):
         self.tokenizer = tokenizer
         self.val: dict[str, float] = {}
         self._rng: dict[str, Any] | None = None  # a resumed run's, until training starts
+        self._held = False  # a stop asked for during this validation
+
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int, dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        if trainer.received_sigterm and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            trainer._signal_connector.received_sigterm = False
+            self._held = True
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._held:  # training stops after this validation, saving last.ckpt
+            trainer._signal_connector.received_sigterm = True
+            self._held = False
         if not trainer.sanity_checking:
             self.val = {
                 k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")

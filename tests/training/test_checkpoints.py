@@ -473,6 +473,47 @@ def test_sigterm_saves_last_ckpt_exits_143_and_resumes_exactly(tmp_path: Path) -
     assert names == ["best.ckpt", "checksums.json", "last.ckpt"], names
 
 
+@pytest.mark.skipif(
+    signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None),
+    reason="SIGTERM has a handler here that the in-process run would call",
+)
+def test_sigterm_during_a_validation_waits_for_its_end_and_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM that lands during a validation inside training: the validation finishes,
+    training stops after it with ``last.ckpt`` saved at that step, and resuming gives the
+    uninterrupted run's metrics. (Lightning's validation loop stopped at its next batch,
+    where nothing is saved: the steps since the last ``best.ckpt`` were lost.)"""
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    from posenc.tasks.lm import LMTask
+
+    args = ("encoder=rope", "model.dropout=0.1", "trainer.max_steps=12")
+    whole = train(compose_run(tmp_path / "whole", *args, "trainer.val_check_interval=3"))
+    validate = LMTask.validation_step
+    seen: list[int] = []
+
+    def validation_step(self: LMTask, batch: object, batch_idx: int) -> None:
+        if self.trainer.global_step == 6 and batch_idx == 0 and not self.trainer.sanity_checking:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.trainer.global_step == 6:
+            seen.append(batch_idx)
+        validate(self, batch, batch_idx)
+
+    monkeypatch.setattr(LMTask, "validation_step", validation_step)
+    with pytest.raises(SIGTERMException):
+        train(compose_run(tmp_path / "stopped", *args, "trainer.val_check_interval=3"))
+    assert len(seen) > 1, "the validation stopped at its first batch"
+    last = tmp_path / "stopped" / "run" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 6
+    monkeypatch.setattr(LMTask, "validation_step", validate)
+    resumed = train(
+        compose_run(tmp_path / "stopped", *args, "trainer.val_check_interval=3", "resume=true")
+    )
+    assert resumed["train_steps"] == 12
+    assert resumed["metrics"] == pytest.approx(whole["metrics"], rel=1e-6)
+
+
 def test_ctrl_c_saves_last_ckpt_exits_130_and_prints_the_resume_command(tmp_path: Path) -> None:
     """SIGINT to the run's process group, as Ctrl-C in a terminal sends it: handled as
     SIGTERM (``last.ckpt`` saved between two steps, the command that continues the run
