@@ -5,7 +5,7 @@
   context-extension method is one more (dashed) curve, ``rope+yarn``, in its protocol's panel.
 - ``lm_<split>_variants_vs_parents.png``: the same perplexity (non-overlapping windows),
   one panel per scheme that has variants in the report (runs with a ``label``, e.g.
-  ``+variant=rope_qknorm``), the scheme beside its variants (:func:`variant_parents`).
+  ``+variant=rope_qknorm``), the scheme (in black) beside its variants (:func:`variant_parents`).
 - ``lm_<split>_loss_by_position.png``: mean loss by position in the window (over log-spaced
   bands of positions) at the longest length each encoder (and each of its context-extension
   methods) was evaluated at.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -261,6 +261,7 @@ def ppl_vs_length(
     train_len: int | None,
     title: str,
     ylabel: str = "",
+    emphasis: Collection[str] = (),
 ) -> Figure:
     """Log-log perplexity against length, one line per encoder, one panel per protocol.
 
@@ -269,6 +270,8 @@ def ppl_vs_length(
         train_len: Training length, drawn as a vertical line (None: not drawn).
         title: Figure title.
         ylabel: What the y axes show (default: each panel's title, its metric kind).
+        emphasis: Encoders drawn in black with a thicker line, over the others (the
+            parents a panel's variants are read against).
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4), squeeze=False)
     names = [e for curves in panels.values() for e in curves]
@@ -285,7 +288,9 @@ def ppl_vs_length(
                 ms=4,
                 capsize=3,
                 ls="--" if "+" in encoder else "-",
-                color=color[encoder],
+                color="black" if encoder in emphasis else color[encoder],
+                lw=2.4 if encoder in emphasis else 1.5,
+                zorder=3 if encoder in emphasis else 2,
                 label=encoder,
             )
         if train_len:
@@ -615,8 +620,9 @@ def _lm_task_figures(
                 beside,
                 train_len,
                 f"LM {split} perplexity (non-overlapping windows): each variant beside "
-                "the scheme it modifies",
+                "the scheme it modifies (black)",
                 ylabel=f"{split}/ppl",
+                emphasis={labels.get(parent, parent) for parent in families},
             )
         by_position: dict[str, list[float]] = {}
         for (t, encoder), rs in by_group.items():

@@ -1153,4 +1153,10 @@ def test_each_variant_is_drawn_beside_the_scheme_it_modifies(tmp_path: Path) -> 
     for panel, curves in drawn.items():
         for name, ys in curves.items():
             assert ys == [5.0 + index[name], 6.0 + index[name]], (panel, name)
+    for ax in fig.axes:  # the parent in black, over its variants in colour
+        lines = {c.get_label(): c[0] for c in ax.containers}
+        parent = lines.pop(ax.get_title())
+        assert parent.get_color() == "black" and parent.get_zorder() > 2
+        assert all(c.get_color() != "black" for c in lines.values())
+        assert all(c.get_linewidth() < parent.get_linewidth() for c in lines.values())
     assert (tmp_path / "report" / "lm_test_variants_vs_parents.png").is_file()
