@@ -273,11 +273,19 @@ def ppl_vs_length(
         emphasis: Encoders drawn in black with a thicker line, over the others (the
             parents a panel's variants are read against).
     """
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.6, 4), squeeze=False)
+    # Up to three panels in a row; more in rows of half of them (four as 2 x 2), so that
+    # a figure of many panels is not a strip too wide to read.
+    cols = len(panels) if len(panels) <= 3 else math.ceil(len(panels) / 2)
+    rows = math.ceil(len(panels) / cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(4.6 * cols + 1.6, 4 * rows), squeeze=False)
+    axes = list(grid.flat)
+    for spare in axes[len(panels) :]:
+        spare.set_visible(False)
+    axes = axes[: len(panels)]
     names = [e for curves in panels.values() for e in curves]
     color, marker = colours(names), markers(names)
     drawn = seeds_label(_panel_points(panels))
-    for ax, (kind, curves) in zip(axes[0], panels.items(), strict=True):
+    for ax, (kind, curves) in zip(axes, panels.items(), strict=True):
         for encoder, points in curves.items():
             xs = sorted(points)
             ax.errorbar(
@@ -308,10 +316,10 @@ def ppl_vs_length(
     # One legend, beside the panels (inside them it hides the curves), naming the curves
     # of every panel: a run may have one protocol only.
     named: dict[str, Any] = {}
-    for ax in axes[0]:
+    for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             named.setdefault(label, handle)
-    axes[0][-1].legend(
+    grid[0][-1].legend(
         list(named.values()), list(named), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0)
     )
     titled(fig, title, fontsize=10)

@@ -45,3 +45,21 @@ def test_a_grid_of_heat_maps_keeps_its_title_above_every_panel() -> None:
     tops = [ax.title.get_window_extent(renderer).y1 for ax in fig.axes if ax.get_title()]
     close(fig)
     assert len(tops) >= 16 and title.y0 >= max(tops), (title.y0, max(tops))
+
+
+@pytest.mark.parametrize(("n", "shape"), [(2, (1, 2)), (3, (1, 3)), (4, (2, 2)), (5, (2, 3))])
+def test_many_panels_wrap_into_rows_each_with_its_curves(n: int, shape: tuple[int, int]) -> None:
+    """Up to three panels side by side, more in rows (four as 2 x 2); every panel drawn
+    with its own curves, spare grid cells hidden."""
+    from posenc.plots import ppl_vs_length
+
+    panels = {f"p{i}": {f"e{i}": {16: (5.0 + i, 0.1), 32: (6.0 + i, 0.1)}} for i in range(n)}
+    fig = ppl_vs_length(panels, 16, "t")
+    shown = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
+    assert [ax.get_title() for ax in shown] == list(panels)
+    rows = sorted({round(ax.get_position().y0, 3) for ax in shown})
+    cols = sorted({round(ax.get_position().x0, 3) for ax in shown})
+    assert (len(rows), len(cols)) == shape
+    for i, ax in enumerate(shown):
+        assert [c.get_label() for c in ax.containers] == [f"e{i}"]
+        assert list(ax.containers[0][0].get_ydata()) == [5.0 + i, 6.0 + i]
