@@ -20,6 +20,7 @@ from lightning_fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
 
@@ -92,7 +93,11 @@ class RunState(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
         batch_idx: int, dataloader_idx: int = 0,
     ) -> None:  # fmt: skip
-        if trainer.received_sigterm and trainer.state.fn == "fit" and not trainer.sanity_checking:
+        if (
+            trainer.received_sigterm
+            and trainer.state.fn == TrainerFn.FITTING
+            and not trainer.sanity_checking
+        ):
             trainer._signal_connector.received_sigterm = False
             self._held = True
 
