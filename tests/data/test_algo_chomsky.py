@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from posenc.data.algo import PROBLEMS, AlgoVocab, Options, instance
-from posenc.data.algo_problems import CHOMSKY, CLASSIC, check
+from posenc.data.algo_problems import CHOMSKY, CLASSIC, check, problem_default
 from tests.data.test_algo import _reference as classic_reference
 
 
@@ -172,7 +172,20 @@ def test_aliases_are_posencs_problems_in_the_authors_alphabet() -> None:
             own[name].lengths,
         )
         assert p.defaults.get("task.symbols", 16) == symbols
-    assert PROBLEMS["odds_first"].defaults == {"task.symbols": 2}
+    assert PROBLEMS["odds_first"].defaults == {"task.symbols": 2, "trainer.max_steps": 3000}
+
+
+def test_the_chomsky_tasks_train_up_to_3000_steps_and_the_originals_keep_theirs() -> None:
+    """At the CPU sizes every Chomsky-hierarchy task, aliases included, trains up to 3000
+    steps (the budget in which rope met the gate on 10 of the 15), while posenc's own
+    problems they alias keep the generic 500."""
+    names = [p.name for p in CHOMSKY]
+    assert len(names) == 15
+    assert {n: problem_default(n, "trainer.max_steps") for n in names} == dict.fromkeys(names, 3000)
+    originals = ("reverse", "duplicate", "sort", "parity")
+    assert {n: problem_default(n, "trainer.max_steps") for n in originals} == dict.fromkeys(
+        originals, 500
+    )
 
 
 def test_every_length_of_the_authors_protocol_is_valid() -> None:
