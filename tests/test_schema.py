@@ -140,6 +140,37 @@ def test_a_file_setting_a_key_the_schema_lacks_is_one_line() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["experiment=algo_mqar,algo_copy", "task.train_lengths=[4,8]"],
+            "task.train_lengths: Hydra sets it on the config the sweep's jobs share, before "
+            "the swept experiment=algo_mqar,algo_copy chooses task=algo; there task is lm, "
+            "which has no train_lengths; add task=algo to the command",
+        ),
+        (
+            ["encoder=t5,fire", "encoder.max_distance=64"],
+            "encoder.max_distance: Hydra sets it on the config the sweep's jobs share, before "
+            "the swept encoder=t5,fire chooses encoder=t5; there encoder is rope, which has no "
+            "max_distance; sweep encoder only over choices that all have it, or run "
+            "encoder=t5 alone",
+        ),
+        (["task=algo", "experiment=algo_mqar,algo_copy", "task.train_lengths=[4,8]"], None),
+        (["encoder=rope,alibi", "task.seq_len=64"], None),
+        (["experiment=algo_mqar", "task.train_lengths=[4,8]"], None),
+    ],
+)
+def test_a_key_only_the_swept_choice_brings_is_one_line(
+    overrides: list[str], message: str | None
+) -> None:
+    """Hydra composes a sweep's shared config without its swept groups and sets every other
+    override there first: a key only the swept choice brings fails before any job, with
+    Hydra's "Could not override" and a "+" it suggests that does not help. run.py says why
+    in one line, and how to fix it; a sweep whose shared config has the key passes."""
+    assert misspelled_keys(overrides, ROOT / "conf") == ([message] if message else [])
+
+
 def test_the_job_receives_the_typed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from posenc.train import JOBS, Job, train
 
