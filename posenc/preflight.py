@@ -291,7 +291,8 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
     except Exception:
         return []
     groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
-    choices, swept = [], []
+    choices: list[str] = []
+    swept: dict[str, str] = {}  # group -> its sweep as written: experiment=algo_mqar,algo_copy
     for o in parsed:  # a group chosen (encoder=rope) or added (+variant=fox)
         if o.key_or_group in groups and o.type in (OverrideType.CHANGE, OverrideType.ADD):
             try:
@@ -300,7 +301,8 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
                 continue
             plus = "+" if o.type is OverrideType.ADD else ""
             choices.append(f"{plus}{o.key_or_group}={value}")
-            swept += [o.input_line or o.key_or_group] if o.is_sweep_override() else []
+            if o.is_sweep_override():
+                swept[o.key_or_group] = o.input_line or o.key_or_group
     try:
         cfg = _compose(config_dir, choices)
         # A sweep preset's own grid (hydra.sweeper.params, e.g. sweep=mt_length sets
@@ -363,17 +365,16 @@ def misspelled_keys(overrides: list[str], config_dir: Path) -> list[str]:
 
 
 def _outside_the_shared_config(
-    parsed: list[Any], config_dir: Path, choices: list[str], swept: list[str], cfg: DictConfig
+    parsed: list[Any], config_dir: Path, choices: list[str], swept: dict[str, str], cfg: DictConfig
 ) -> list[str]:
     """Keys a sweep's jobs have but its shared config lacks. Hydra composes a multirun's
     shared config without its swept groups (``experiment=algo_mqar,algo_copy``) and
     applies every other override there first, so a key that only the swept choice brings
     (``task.train_lengths``, which ``experiment=algo_*`` brings by choosing ``task=algo``)
     fails before any job, with Hydra's "Could not override" and a wrong fix."""
-    names = {s.lstrip("+").partition("=")[0] for s in swept}
     try:
         shared = _compose(
-            config_dir, [c for c in choices if c.lstrip("+").partition("=")[0] not in names]
+            config_dir, [c for c in choices if c.lstrip("+").partition("=")[0] not in swept]
         )
     except Exception:
         return []
@@ -390,12 +391,12 @@ def _outside_the_shared_config(
             continue
         fix = (
             f"sweep {group} only over choices that all have it, or run {group}={chosen} alone"
-            if group in names
+            if group in swept
             else f"add {group}={chosen} to the command"
         )
         found.append(
             f"{o.key_or_group}: Hydra sets it on the config the sweep's jobs share, before "
-            f"the swept {' '.join(swept)} chooses {group}={chosen}; there {group} is {was}, "
+            f"the swept {' '.join(swept.values())} chooses {group}={chosen}; there {group} is {was}, "
             f"which has no {parts[-1]}; {fix}"
         )
     return found
