@@ -394,9 +394,10 @@ def _outside_the_shared_config(
             if group in swept
             else f"add {group}={chosen} to the command"
         )
+        sweeps = " ".join(swept.values())
         found.append(
             f"{o.key_or_group}: Hydra sets it on the config the sweep's jobs share, before "
-            f"the swept {' '.join(swept.values())} chooses {group}={chosen}; there {group} is {was}, "
+            f"the swept {sweeps} chooses {group}={chosen}; there {group} is {was}, "
             f"which has no {parts[-1]}; {fix}"
         )
     return found
