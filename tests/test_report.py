@@ -1010,6 +1010,86 @@ def test_tasks_without_sizes_have_no_effective_length_table(sweep: Path) -> None
     assert not (sweep / "report" / "effective_length.csv").exists()
 
 
+# ----------------------------------------------------------------------------- across the tasks
+def _suite_run(
+    root: Path,
+    name: str,
+    problem: str,
+    enc: str,
+    seed: int,
+    past: tuple[float, float],
+    learned: bool = True,
+) -> None:
+    """Trained on sizes 1..2 (scored 0 there, which must not count), tested at 3 and 4."""
+    acc = {1: 0.0, 2: 0.0, 3: past[0], 4: past[1]}
+    _run(
+        root,
+        name,
+        enc,
+        seed,
+        {},
+        learned,
+        problem=problem,
+        train_lengths=(1, 2),
+        by_size=_by_size(acc),
+    )
+
+
+def test_across_the_tasks_scores_past_training_by_hand(tmp_path: Path) -> None:
+    """The suite's score: the mean accuracy over the sizes past training, per task the mean
+    over the seeds that learned; not-learned cells have no score; the means compare the
+    schemes over the tasks all learned; X_rand - X over the tasks both learned, with its
+    interval over those tasks."""
+    root = tmp_path / "sweep"
+    for name, problem, enc, seed, past, learned in [
+        ("a0", "parity", "rope", 0, (60.0, 80.0), True),  # 70
+        ("a1", "parity", "rope", 1, (80.0, 100.0), True),  # 90: rope on parity 80
+        ("a2", "parity", "rope", 2, (100.0, 100.0), False),  # left out: (2/3)
+        ("a3", "parity", "rope_rand", 0, (90.0, 90.0), True),  # 90: +10
+        ("a4", "parity", "none", 0, (99.0, 99.0), False),  # not learned, however high
+        ("b0", "sort", "rope", 0, (50.0, 30.0), True),  # 40
+        ("b1", "sort", "rope_rand", 0, (70.0, 50.0), True),  # 60: +20
+        ("b2", "sort", "none", 0, (20.0, 40.0), True),  # 30
+        ("c0", "copy", "rope", 0, (10.0, 20.0), True),  # 15
+        ("c1", "copy", "rope_rand", 0, (10.0, 20.0), False),
+        ("c2", "copy", "none", 0, (40.0, 40.0), True),  # 40
+    ]:
+        _suite_run(root, name, problem, enc, seed, past, learned)
+    report = build_report(root, tensorboard=False)
+    md = (root / "report" / "report.md").read_text()
+    across = md[md.index("## Across the tasks") :]
+    assert "| task | none | rope | rope_rand |" in across
+    assert "| algo_copy | 40.0 | 15.0 | not learned |" in across
+    assert "| algo_parity | not learned | 80.0 (2/3) | 90.0 |" in across
+    assert "| algo_sort | 30.0 | 40.0 | 60.0 |" in across
+    # only sort is learned by all three
+    assert "mean score over the 1 tasks every scheme here learned (algo_sort)" in across
+    assert "| none | 2 | 30.0 |" in across and "| rope | 3 | 40.0 |" in across
+    assert "| rope_rand | 2 | 60.0 |" in across
+    # +10 and +20 over parity and sort: mean 15, t(0.975, 1) 12.706 * 7.071 / sqrt 2 = 63.5
+    assert "| rope | 2 | +15.0 ± 63.5 | 2 | 0 |" in across
+    assert root / "report" / "suite.csv" in report.files
+    with (root / "report" / "suite.csv").open() as f:
+        cells = {(r["task"], r["encoder"]): r for r in csv.DictReader(f)}
+    assert cells["algo_parity", "rope"] == {
+        "task": "algo_parity",
+        "encoder": "rope",
+        "score_past_training": "80",
+        "runs_counted": "2",
+        "runs": "3",
+    }
+    assert cells["algo_copy", "rope_rand"]["score_past_training"] == ""
+
+
+def test_one_task_has_no_across_the_tasks_section(tmp_path: Path) -> None:
+    _suite_run(tmp_path, "a", "parity", "rope", 0, (50.0, 50.0))
+    _suite_run(tmp_path, "b", "parity", "none", 0, (50.0, 50.0))
+    report = build_report(tmp_path, tensorboard=False)
+    assert "Across the tasks" not in (tmp_path / "report" / "report.md").read_text()
+    assert not (tmp_path / "report" / "suite.csv").exists()
+    assert all(p.name != "suite.csv" for p in report.files)
+
+
 # ----------------------------------------------------------------------------- mqar heat map
 MQAR_PAIRS = {"": 4, "pairs_half": 2, "pairs_x2": 8, "pairs_x4": 16}
 

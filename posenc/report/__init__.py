@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from posenc import plots, results
-from posenc.report import effective
+from posenc.report import effective, suite
 from posenc.report.stats import BEST, TIE, ci95, lower_is_better, rank
 from posenc.report.tune import Grid, arm_note, assign_arms, grid_table, grids, write_tuned
 from posenc.results import COST_KEYS, LMRecord, MetricName, MTRecord
@@ -177,6 +177,14 @@ def groups(runs: Sequence[Run]) -> dict[tuple[str, str], list[Run]]:
     for r in runs:
         out[(r.task, r.encoder)].append(r)
     return dict(sorted(out.items(), key=lambda kv: (kv[0][0], encoder_key(kv[0][1]))))
+
+
+def tables(by_group: dict[tuple[str, str], list[Run]]) -> dict[str, dict[str, list[Run]]]:
+    """:func:`groups` as task -> encoder -> runs, in the same order."""
+    out: dict[str, dict[str, list[Run]]] = defaultdict(dict)
+    for (task, encoder), rs in by_group.items():
+        out[task][encoder] = rs
+    return dict(out)
 
 
 def aggregate(runs: Sequence[Run]) -> list[Row]:
@@ -462,6 +470,7 @@ def markdown(
         out += ["", "</details>", ""]
         out += [f"![{p.stem}]({p.name})" for p in figures if _figure_task(p, tasks) == task]
         out += [""]
+    out += suite.section(suite.grid(tables(by_group)))
     loose = [p for p in figures if _figure_task(p, tasks) is None]
     if loose:
         out += ["## Overview", "", *[f"![{p.stem}]({p.name})" for p in loose], ""]
@@ -687,15 +696,15 @@ def build_report(
     text = markdown(roots, runs, failures, rows, pngs, lr_grids, tuned, threshold)
     (out / "report.md").write_text(text)
     write_csv(rows, out / "report.csv", {k: learned_cell(rs) for k, rs in by_group.items()})
-    tables: dict[str, dict[str, list[Run]]] = defaultdict(dict)
-    for (task, encoder), rs in by_group.items():
-        tables[task][encoder] = rs
-    lengths = out / "effective_length.csv"
-    wrote_lengths = effective.write_csv(lengths, tables, threshold)
+    by_table = tables(by_group)
+    lengths, across = out / "effective_length.csv", out / "suite.csv"
+    wrote_lengths = effective.write_csv(lengths, by_table, threshold)
+    wrote_suite = suite.write_csv(across, suite.grid(by_table))
     if writer is not None:
         writer.add_text("report/summary", text, 0)  # TensorBoard renders the markdown
         writer.close()
     files = [out / "report.md", out / "report.csv", *([lengths] if wrote_lengths else [])]
+    files += [across] if wrote_suite else []
     files += [*([tuned] if tuned else []), *pngs]
     return Report(runs, failures, rows, files)
 

@@ -1,0 +1,215 @@
+"""The algorithmic tasks of one report side by side: a suite's score per task and scheme,
+and what training on randomized positions changes.
+
+A run's *score past training* is the mean, over the tested sizes above its largest
+training size, of its accuracy at each size (``acc`` of ``by_size``: the % of answer tokens
+right), every size weighted alike: the score of Delétang et al. 2023 (mean accuracy over
+test lengths 41..500 after training on 1..40), at whatever sizes the runs were trained and
+tested. Per task and scheme it is the mean over the seeds that learned the task at their
+training sizes (:mod:`posenc.training.gate`); a scheme none of whose runs learned a task
+has no score there ("not learned"), never a low one.
+
+Means over tasks compare schemes only over the same tasks: the summary gives each
+scheme's mean over the tasks *every* scheme of the table learned. For each scheme ``X``
+whose runs ``X_rand`` trained on randomized positions (Ruoss et al. 2023) are in the
+report too, the change is ``X_rand - X`` over the tasks both learned, with its 95%
+interval over those tasks (Student's t): the quantity behind Ruoss et al.'s "+12.0% on
+average over the 15 tasks".
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from posenc.report.effective import accuracy_by_length
+from posenc.report.stats import ci95
+from posenc.results import AlgoRecord
+from posenc.runs import NOT_LEARNED, Run
+
+#: The label suffix of runs trained on randomized positions (:func:`posenc.schema.result_name`).
+RAND = "_rand"
+#: A report gets the section when it holds at least this many algorithmic tasks.
+MIN_TASKS = 2
+
+
+def score(record: AlgoRecord) -> float | None:
+    """The run's mean accuracy over its tested sizes above the largest training size
+    (each size alike); None when it was tested at none."""
+    hi = record.train_lengths[-1] if record.train_lengths else None
+    past = [v for n, v in accuracy_by_length(record).items() if hi is not None and n > hi]
+    return statistics.fmean(past) if past else None
+
+
+@dataclass
+class Cell:
+    """One task x scheme: the scores of the runs that count (learned, or no verdict) and
+    how many runs there were."""
+
+    scores: list[float]
+    runs: int
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.scores) if self.scores else None
+
+
+def _learned(c: Cell | None) -> bool:
+    return c is not None and bool(c.scores)
+
+
+def _mean(c: Cell | None) -> float:
+    """The mean of a cell known to have scores."""
+    assert c is not None and c.mean is not None
+    return c.mean
+
+
+#: Task -> scheme -> its cell.
+Grid = dict[str, dict[str, Cell]]
+
+
+def grid(tables: Mapping[str, Mapping[str, Sequence[Run]]]) -> Grid:
+    """The cells of every algorithmic task with runs tested past training. Empty when the
+    report holds fewer than :data:`MIN_TASKS` of them."""
+    out: Grid = {}
+    for task, by_encoder in tables.items():
+        row = {}
+        for encoder, rs in by_encoder.items():
+            records = [(r, r.record) for r in rs if isinstance(r.record, AlgoRecord)]
+            if not records:
+                continue
+            found = (score(rec) for r, rec in records if r.learned != NOT_LEARNED)
+            row[encoder] = Cell([s for s in found if s is not None], len(records))
+        if row and _tested_past(tables[task]):
+            out[task] = row
+    return out if len(out) >= MIN_TASKS else {}
+
+
+def _tested_past(by_encoder: Mapping[str, Sequence[Run]]) -> bool:
+    return any(
+        isinstance(r.record, AlgoRecord) and score(r.record) is not None
+        for rs in by_encoder.values()
+        for r in rs
+    )
+
+
+def encoders(g: Grid) -> list[str]:
+    """The schemes of the grid, in the order the report's tables give them."""
+    seen: dict[str, None] = {}
+    for row in g.values():
+        seen.update(dict.fromkeys(row))
+    return list(seen)
+
+
+@dataclass
+class Change:
+    """``X_rand - X`` over the tasks both learned."""
+
+    encoder: str
+    diffs: list[float]
+    tasks: list[str]
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.diffs) if self.diffs else None
+
+
+def changes(g: Grid) -> list[Change]:
+    """Each scheme with a randomized partner in the grid, and its change."""
+    names = encoders(g)
+    out = []
+    for plain in [e for e in names if e + RAND in names]:
+        both = [t for t, row in g.items() if _learned(row.get(plain)) and _learned(row.get(plain + RAND))]
+        diffs = [_mean(g[t][plain + RAND]) - _mean(g[t][plain]) for t in both]
+        out.append(Change(plain, diffs, both))
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:.1f}"
+
+
+def _cell(c: Cell | None) -> str:
+    """A task x scheme cell: the score, with ``(k/n)`` when only k of its n runs learned."""
+    if c is None:
+        return ""
+    if not c.scores:
+        return "not learned"
+    return _pct(c.mean) + ("" if len(c.scores) == c.runs else f" ({len(c.scores)}/{c.runs})")
+
+
+def _pm(values: Sequence[float]) -> str:
+    if not values:
+        return "no task"
+    half = ci95(values)
+    mean = statistics.fmean(values)
+    return f"{mean:+.1f}" + ("" if half is None else f" ± {half:.1f}")
+
+
+def section(g: Grid) -> list[str]:
+    """The markdown of the section (empty for an empty grid)."""
+    if not g:
+        return []
+    names = encoders(g)
+    learned = {e: [t for t, row in g.items() if _learned(row.get(e))] for e in names}
+    common = [t for t in g if all(t in learned[e] for e in names)]
+    out = [
+        "## Across the tasks",
+        "",
+        "Score past training: a run's mean accuracy (`acc`, % of answer tokens) over the "
+        "tested sizes above its largest training size, every size alike (Delétang et al. "
+        "2023's score); per task and scheme the mean over the seeds that learned the task "
+        "(`not learned`: none did; never a score).",
+        "",
+        "| task | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for task, row in g.items():
+        out.append(f"| {task} | " + " | ".join(_cell(row.get(e)) for e in names) + " |")
+    out += [
+        "",
+        f"Per scheme: the tasks it learned (of {len(g)}), and its mean score over the "
+        f"{len(common)} tasks every scheme here learned"
+        + (f" ({', '.join(common)})" if common else "")
+        + ".",
+        "",
+        "| scheme | tasks learned | mean over the common tasks |",
+        "|---|---|---|",
+    ]
+    for e in names:
+        mean = statistics.fmean(_mean(g[t][e]) for t in common) if common else None
+        out.append(f"| {e} | {len(learned[e])} | {_pct(mean) or 'no common task'} |")
+    moved = changes(g)
+    if moved:
+        out += [
+            "",
+            "Randomized positions (Ruoss et al. 2023): `X_rand - X`, score points, mean "
+            "over the tasks both learned with its 95% interval over those tasks; better "
+            "and worse count the tasks.",
+            "",
+            "| scheme | tasks both learned | change | better | worse |",
+            "|---|---|---|---|---|",
+        ]
+        for c in moved:
+            out.append(
+                f"| {c.encoder} | {len(c.tasks)} | {_pm(c.diffs)} | "
+                f"{sum(d > 0 for d in c.diffs)} | {sum(d < 0 for d in c.diffs)} |"
+            )
+    return [*out, ""]
+
+
+def write_csv(path: Path, g: Grid) -> bool:
+    """``suite.csv``: one row per task x scheme (score mean, the seeds counted, the runs);
+    False (nothing written) for an empty grid."""
+    if not g:
+        return False
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["task", "encoder", "score_past_training", "runs_counted", "runs"])
+        for task, row in g.items():
+            for e, c in row.items():
+                w.writerow([task, e, "" if c.mean is None else f"{c.mean:.4g}", len(c.scores), c.runs])
+    return True
