@@ -272,6 +272,7 @@ READERS: dict[str, set[str] | None] = {
     "posenc/report/tune.py": None,
     "posenc/report/stats.py": None,
     "posenc/report/effective.py": None,
+    "posenc/report/suite.py": None,
     "posenc/runs.py": None,
     "posenc/plots.py": None,
     "posenc/training/summary.py": None,

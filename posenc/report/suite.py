@@ -122,7 +122,11 @@ def changes(g: Grid) -> list[Change]:
     names = encoders(g)
     out = []
     for plain in [e for e in names if e + RAND in names]:
-        both = [t for t, row in g.items() if _learned(row.get(plain)) and _learned(row.get(plain + RAND))]
+        both = [
+            t
+            for t, row in g.items()
+            if _learned(row.get(plain)) and _learned(row.get(plain + RAND))
+        ]
         diffs = [_mean(g[t][plain + RAND]) - _mean(g[t][plain]) for t in both]
         out.append(Change(plain, diffs, both))
     return out
@@ -211,5 +215,7 @@ def write_csv(path: Path, g: Grid) -> bool:
         w.writerow(["task", "encoder", "score_past_training", "runs_counted", "runs"])
         for task, row in g.items():
             for e, c in row.items():
-                w.writerow([task, e, "" if c.mean is None else f"{c.mean:.4g}", len(c.scores), c.runs])
+                w.writerow(
+                    [task, e, "" if c.mean is None else f"{c.mean:.4g}", len(c.scores), c.runs]
+                )
     return True
