@@ -122,12 +122,9 @@ def changes(g: Grid) -> list[Change]:
     names = encoders(g)
     out = []
     for plain in [e for e in names if e + RAND in names]:
-        both = [
-            t
-            for t, row in g.items()
-            if _learned(row.get(plain)) and _learned(row.get(plain + RAND))
-        ]
-        diffs = [_mean(g[t][plain + RAND]) - _mean(g[t][plain]) for t in both]
+        rand = plain + RAND
+        both = [t for t, row in g.items() if _learned(row.get(plain)) and _learned(row.get(rand))]
+        diffs = [_mean(g[t][rand]) - _mean(g[t][plain]) for t in both]
         out.append(Change(plain, diffs, both))
     return out
 
