@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from posenc.data.algo_problems import PROBLEMS, problem_default
 from tests.conftest import ROOT
@@ -202,11 +203,29 @@ def skip_reason(c: Command) -> str | None:
     return None
 
 
+def _sweep_task(name: str) -> str | None:
+    """The task a sweep preset chooses: its ``override /task`` default, or its grid's
+    ``task`` (None: it chooses none)."""
+    path = ROOT / "conf" / "sweep" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    cfg = OmegaConf.load(path)
+    for entry in cfg.get("defaults") or []:
+        if OmegaConf.is_dict(entry) and "override /task" in entry:
+            return str(entry["override /task"])
+    task = OmegaConf.select(cfg, "hydra.sweeper.params.task")
+    return None if task is None else str(task)
+
+
 def task_kinds(c: Command) -> list[str]:
     """The task (or, for a sweep over several, each task) the command runs."""
     for w in c.words:
         if w.startswith("task="):
             return w.removeprefix("task=").split(",")
+    sweep = next((w.removeprefix("sweep=") for w in c.words if w.startswith("sweep=")), None)
+    chosen = _sweep_task(sweep) if sweep else None
+    if chosen:
+        return chosen.split(",")
     words = " ".join(c.words)
     for kind, marks in (
         ("mt", ("experiment=mt_", "sweep=mt_")),
