@@ -112,10 +112,6 @@ class Change:
     diffs: list[float]
     tasks: list[str]
 
-    @property
-    def mean(self) -> float | None:
-        return statistics.fmean(self.diffs) if self.diffs else None
-
 
 def changes(g: Grid) -> list[Change]:
     """Each scheme with a randomized partner in the grid, and its change."""
