@@ -391,8 +391,12 @@ def markdown(
     lr_grids: Sequence[Grid] = (),
     tuned: Path | None = None,
     threshold: float = effective.THRESHOLD,
+    by_group: dict[tuple[str, str], list[Run]] | None = None,
+    across: suite.Grid | None = None,
 ) -> str:
-    """The text of ``report.md`` (``threshold``: of the effective lengths, percent)."""
+    """The text of ``report.md`` (``threshold``: of the effective lengths, percent;
+    ``by_group`` and ``across``: the runs' :func:`groups` and their :func:`suite.grid`,
+    computed here when not given)."""
     out = [
         f"# Sweep report: {', '.join(f'`{r}`' for r in roots)}",
         "",
@@ -404,7 +408,7 @@ def markdown(
         f"Generated {datetime.now():%Y-%m-%d %H:%M}.",
         "",
     ]
-    by_group = groups(runs)
+    by_group = groups(runs) if by_group is None else by_group
     tasks = sorted({t for t, _ in by_group})
     for task in tasks:
         task_groups = {e: rs for (t, e), rs in by_group.items() if t == task}
@@ -470,7 +474,7 @@ def markdown(
         out += ["", "</details>", ""]
         out += [f"![{p.stem}]({p.name})" for p in figures if _figure_task(p, tasks) == task]
         out += [""]
-    out += suite.section(suite.grid(tables(by_group)))
+    out += suite.section(suite.grid(tables(by_group)) if across is None else across)
     loose = [p for p in figures if _figure_task(p, tasks) is None]
     if loose:
         out += ["## Overview", "", *[f"![{p.stem}]({p.name})" for p in loose], ""]
@@ -693,13 +697,16 @@ def build_report(
     figures = plots.figures(runs, by_group, rows)
     writer = plots.summary_writer(out / "tb") if tensorboard else None
     pngs = plots.save(figures, out, writer)
-    text = markdown(roots, runs, failures, rows, pngs, lr_grids, tuned, threshold)
+    by_table = tables(by_group)
+    across_grid = suite.grid(by_table)
+    text = markdown(
+        roots, runs, failures, rows, pngs, lr_grids, tuned, threshold, by_group, across_grid
+    )
     (out / "report.md").write_text(text)
     write_csv(rows, out / "report.csv", {k: learned_cell(rs) for k, rs in by_group.items()})
-    by_table = tables(by_group)
     lengths, across = out / "effective_length.csv", out / "suite.csv"
     wrote_lengths = effective.write_csv(lengths, by_table, threshold)
-    wrote_suite = suite.write_csv(across, suite.grid(by_table))
+    wrote_suite = suite.write_csv(across, across_grid)
     if writer is not None:
         writer.add_text("report/summary", text, 0)  # TensorBoard renders the markdown
         writer.close()

@@ -76,24 +76,17 @@ def grid(tables: Mapping[str, Mapping[str, Sequence[Run]]]) -> Grid:
     report holds fewer than :data:`MIN_TASKS` of them."""
     out: Grid = {}
     for task, by_encoder in tables.items():
-        row = {}
+        row, tested = {}, False
         for encoder, rs in by_encoder.items():
-            records = [(r, r.record) for r in rs if isinstance(r.record, AlgoRecord)]
-            if not records:
+            scored = [(r, score(r.record)) for r in rs if isinstance(r.record, AlgoRecord)]
+            if not scored:
                 continue
-            found = (score(rec) for r, rec in records if r.learned != NOT_LEARNED)
-            row[encoder] = Cell([s for s in found if s is not None], len(records))
-        if row and _tested_past(tables[task]):
+            tested |= any(s is not None for _, s in scored)
+            counted = [s for r, s in scored if s is not None and r.learned != NOT_LEARNED]
+            row[encoder] = Cell(counted, len(scored))
+        if tested:
             out[task] = row
     return out if len(out) >= MIN_TASKS else {}
-
-
-def _tested_past(by_encoder: Mapping[str, Sequence[Run]]) -> bool:
-    return any(
-        isinstance(r.record, AlgoRecord) and score(r.record) is not None
-        for rs in by_encoder.values()
-        for r in rs
-    )
 
 
 def encoders(g: Grid) -> list[str]:
