@@ -1060,7 +1060,8 @@ def test_across_the_tasks_scores_past_training_by_hand(tmp_path: Path) -> None:
     across = md[md.index("## Across the tasks") :]
     assert "| task | none | rope | rope_rand |" in across
     assert "| algo_copy | 40.0 | 15.0 | not learned |" in across
-    assert "| algo_parity | not learned | 80.0 (2/3) | 90.0 |" in across
+    # 70 and 90 counted: t(0.975, 1) 12.706 * 14.142 / sqrt 2 = 127.1; the third left out
+    assert "| algo_parity | not learned | 80.0 ± 127.1 (2/3) | 90.0 |" in across
     assert "| algo_sort | 30.0 | 40.0 | 60.0 |" in across
     # only sort is learned by all three
     assert "mean score over the 1 tasks every scheme here learned (algo_sort)" in across
@@ -1075,10 +1076,12 @@ def test_across_the_tasks_scores_past_training_by_hand(tmp_path: Path) -> None:
         "task": "algo_parity",
         "encoder": "rope",
         "score_past_training": "80",
+        "ci95": "127.1",
         "runs_counted": "2",
         "runs": "3",
     }
     assert cells["algo_copy", "rope_rand"]["score_past_training"] == ""
+    assert cells["algo_sort", "rope"]["ci95"] == ""  # one seed: no interval
 
 
 def test_one_task_has_no_across_the_tasks_section(tmp_path: Path) -> None:

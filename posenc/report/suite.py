@@ -56,6 +56,11 @@ class Cell:
     def mean(self) -> float | None:
         return statistics.fmean(self.scores) if self.scores else None
 
+    @property
+    def half(self) -> float | None:
+        """The 95% interval's half-width over the seeds counted (None below two)."""
+        return ci95(self.scores)
+
 
 def _learned(c: Cell | None) -> bool:
     return c is not None and bool(c.scores)
@@ -123,12 +128,15 @@ def _pct(x: float | None) -> str:
 
 
 def _cell(c: Cell | None) -> str:
-    """A task x scheme cell: the score, with ``(k/n)`` when only k of its n runs learned."""
+    """A task x scheme cell: the score, ``± half`` its 95% interval over two or more seeds,
+    and ``(k/n)`` when only k of its n runs learned."""
     if c is None:
         return ""
     if not c.scores:
         return "not learned"
-    return _pct(c.mean) + ("" if len(c.scores) == c.runs else f" ({len(c.scores)}/{c.runs})")
+    half = "" if c.half is None else f" ± {c.half:.1f}"
+    counted = "" if len(c.scores) == c.runs else f" ({len(c.scores)}/{c.runs})"
+    return _pct(c.mean) + half + counted
 
 
 def _pm(values: Sequence[float]) -> str:
@@ -151,8 +159,9 @@ def section(g: Grid) -> list[str]:
         "",
         "Score past training: a run's mean accuracy (`acc`, % of answer tokens) over the "
         "tested sizes above its largest training size, every size alike (Delétang et al. "
-        "2023's score); per task and scheme the mean over the seeds that learned the task "
-        "(`not learned`: none did; never a score).",
+        "2023's score); per task and scheme the mean over the seeds that learned the task, "
+        "± its 95% interval over them where two or more did, and `(k/n)` where k of n "
+        "did (`not learned`: none did; never a score).",
         "",
         "| task | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),
@@ -192,16 +201,16 @@ def section(g: Grid) -> list[str]:
 
 
 def write_csv(path: Path, g: Grid) -> bool:
-    """``suite.csv``: one row per task x scheme (score mean, the seeds counted, the runs);
-    False (nothing written) for an empty grid."""
+    """``suite.csv``: one row per task x scheme (score mean, its 95% interval's half-width
+    over the seeds counted, the seeds counted, the runs); False (nothing written) for an
+    empty grid."""
     if not g:
         return False
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["task", "encoder", "score_past_training", "runs_counted", "runs"])
+        w.writerow(["task", "encoder", "score_past_training", "ci95", "runs_counted", "runs"])
         for task, row in g.items():
             for e, c in row.items():
-                w.writerow(
-                    [task, e, "" if c.mean is None else f"{c.mean:.4g}", len(c.scores), c.runs]
-                )
+                mean, half = ("" if x is None else f"{x:.4g}" for x in (c.mean, c.half))
+                w.writerow([task, e, mean, half, len(c.scores), c.runs])
     return True
