@@ -391,12 +391,13 @@ def markdown(
     lr_grids: Sequence[Grid] = (),
     tuned: Path | None = None,
     threshold: float = effective.THRESHOLD,
-    by_group: dict[tuple[str, str], list[Run]] | None = None,
-    across: suite.Grid | None = None,
+    *,
+    by_group: dict[tuple[str, str], list[Run]],
+    across: suite.Grid,
 ) -> str:
     """The text of ``report.md`` (``threshold``: of the effective lengths, percent;
-    ``by_group`` and ``across``: the runs' :func:`groups` and their :func:`suite.grid`,
-    computed here when not given)."""
+    ``by_group`` and ``across``: the runs' :func:`groups` and the grid of
+    :func:`suite.grid` over them)."""
     out = [
         f"# Sweep report: {', '.join(f'`{r}`' for r in roots)}",
         "",
@@ -408,7 +409,6 @@ def markdown(
         f"Generated {datetime.now():%Y-%m-%d %H:%M}.",
         "",
     ]
-    by_group = groups(runs) if by_group is None else by_group
     tasks = sorted({t for t, _ in by_group})
     for task in tasks:
         task_groups = {e: rs for (t, e), rs in by_group.items() if t == task}
@@ -474,7 +474,7 @@ def markdown(
         out += ["", "</details>", ""]
         out += [f"![{p.stem}]({p.name})" for p in figures if _figure_task(p, tasks) == task]
         out += [""]
-    out += suite.section(suite.grid(tables(by_group)) if across is None else across)
+    out += suite.section(across)
     loose = [p for p in figures if _figure_task(p, tasks) is None]
     if loose:
         out += ["## Overview", "", *[f"![{p.stem}]({p.name})" for p in loose], ""]
@@ -700,7 +700,16 @@ def build_report(
     by_table = tables(by_group)
     across_grid = suite.grid(by_table)
     text = markdown(
-        roots, runs, failures, rows, pngs, lr_grids, tuned, threshold, by_group, across_grid
+        roots,
+        runs,
+        failures,
+        rows,
+        pngs,
+        lr_grids,
+        tuned,
+        threshold,
+        by_group=by_group,
+        across=across_grid,
     )
     (out / "report.md").write_text(text)
     write_csv(rows, out / "report.csv", {k: learned_cell(rs) for k, rs in by_group.items()})
