@@ -541,6 +541,21 @@ def _run(
     )
 
 
+def test_at_step_lists_each_seeds_gate_step_in_seed_order(tmp_path: Path) -> None:
+    """The folders' order is not the seeds': the column follows the seeds."""
+    gate = {"metric": "val/seq_acc", "threshold": 95.0, "stop": True}
+    for name, seed, step in [("a", 2, 750), ("b", 0, None), ("c", 1, 1500)]:
+        write_run(
+            tmp_path / name, "algo", "rope", seed, {"test/seq_acc@len1-4": 90.0},
+            problem="copy", shape="decoder", train_lengths=[1, 4],
+            gate=gate, learned=step is not None, learned_step=step,
+        )  # fmt: skip
+    build_report(tmp_path, tensorboard=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| encoder | learned | at step | n |" in md
+    assert "| rope | 2/3 | -, 1500, 750 | 3 |" in md
+
+
 def test_runs_that_did_not_learn_are_left_out_past_the_trained_sizes(tmp_path: Path) -> None:
     """'k of n learned' per encoder; past the trained sizes only learned runs count (a
     dash where none did); inside them every run counts; old results: unknown."""
@@ -581,10 +596,11 @@ def test_runs_that_did_not_learn_are_left_out_past_the_trained_sizes(tmp_path: P
     rows = read_csv(root / "report" / "report.csv")
     # rope: 3 runs inside (mean 79.33, CI 4.303 * 34.08 / sqrt 3), the 2 that learned past
     # (60, 70: 65, CI 12.71 * 7.071 / sqrt 2 = 63.5).
-    assert "| rope | 2/3 | 3 | 79.33 ± 85 | **65 ± 64** (n=2) |" in md
+    # at step: by seed, 250 where a run learned (the helper's step), - where not, ? unknown
+    assert "| rope | 2/3 | 250, -, 250 | 3 | 79.33 ± 85 | **65 ± 64** (n=2) |" in md
     # sinusoidal learned nothing: its 90% past the trained sizes is in no table.
-    assert "| sinusoidal | 0/2 | 2 | 10.5 ± 6.4 | not learned (2 left out) |" in md
-    assert "| alibi | unknown | 1 | **99** (n=1, no CI) | 50 (n=1, no CI) |" in md
+    assert "| sinusoidal | 0/2 | -, - | 2 | 10.5 ± 6.4 | not learned (2 left out) |" in md
+    assert "| alibi | unknown |  | 1 | **99** (n=1, no CI) | 50 (n=1, no CI) |" in md
     assert "Columns past the training length count only runs that learned" in md
     r = rows["algo_copy", "rope", "test/seq_acc@len5-6"]
     assert (r["mean"], r["n"], r["dropped_not_learned"], r["learned"]) == ("65.0", "2", "1", "2/3")

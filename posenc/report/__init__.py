@@ -37,6 +37,7 @@ from posenc.results import COST_KEYS, LMRecord, MetricName, MTRecord
 from posenc.runs import (
     LEARNED,
     NO_GATE,
+    NOT_LEARNED,
     UNKNOWN,
     Failure,
     Row,
@@ -253,6 +254,16 @@ def learned_cell(rs: Sequence[Run]) -> str:
     return text + (f" ({c[UNKNOWN]} unknown)" if c[UNKNOWN] else "")
 
 
+def steps_cell(rs: Sequence[Run]) -> str:
+    """Where each run met its gate, in seed order: its step, ``-`` where it did not, ``?``
+    where its standing is unknown; "" when no run's standing is known."""
+    if all(r.learned in (UNKNOWN, NO_GATE) for r in rs):
+        return ""
+    ordered = sorted(rs, key=lambda r: (r.record.seed is None, r.record.seed or 0))
+    marks = {NOT_LEARNED: "-", UNKNOWN: "?", NO_GATE: "?"}
+    return ", ".join(marks.get(r.learned, str(r.record.learned_step)) for r in ordered)
+
+
 def config_differences(runs: Sequence[Run]) -> list[str]:
     """Config keys (other than seed and paths) whose values differ within a group: such
     runs are averaged together, so the report says so."""
@@ -349,7 +360,8 @@ STATS_NOTE = (
 )
 LEARNED_NOTE = (
     "> **learned**: runs (of n) that met the task's learnability gate (`task.learned`) at "
-    "their last validation; unknown: results from before the gate. Columns past the "
+    "their last validation; unknown: results from before the gate. **at step**: the step at "
+    "which each run met it, by seed (`-`: it did not; `?`: unknown). Columns past the "
     "training length count only runs that learned: runs that did not are left out, so no "
     "table ranks a model that never learned the task (`not learned (k left out)`: no run "
     "that learned has a value there)."
@@ -577,7 +589,8 @@ def _test_table(
 ) -> list[str]:
     """Encoders as rows, test metrics as columns; each context-extension method of an
     encoder is a row of its own (``rope+yarn``) under the plain metric's column. With a
-    learnability gate, a ``learned`` column (k of n runs)."""
+    learnability gate, a ``learned`` column (k of n runs) and, where a run's standing is
+    known, an ``at step`` column (where each met it, by seed)."""
     cells: dict[tuple[str, MetricName], Row] = {}
     extensions: dict[str, set[str]] = {}
     for r in task_rows:
@@ -589,11 +602,17 @@ def _test_table(
             extensions.setdefault(r.encoder, set()).add(ext)
     metrics = sorted({m for _, m in cells}, key=MetricName.sort_key)
     single = all(len(rs) == 1 for rs in task_groups.values())
+    steps = gated and any(steps_cell(rs) for rs in task_groups.values())
     body = []
     for e, rs in task_groups.items():
         for ext in sorted(extensions.get(e, {""})):
             label = f"{e}+{ext}" if ext else e
-            head = [label, *([learned_cell(rs)] if gated else []), len(rs)]
+            head = [
+                label,
+                *([learned_cell(rs)] if gated else []),
+                *([steps_cell(rs)] if steps else []),
+                len(rs),
+            ]
             body.append(
                 [
                     *head,
@@ -603,7 +622,8 @@ def _test_table(
                     ),
                 ]
             )
-    table = _table(["encoder", *(["learned"] if gated else []), "n", *metrics], body)
+    names = ["encoder", *(["learned"] if gated else []), *(["at step"] if steps else []), "n"]
+    table = _table([*names, *metrics], body)
     return [_test_caption([str(row[0]) for row in body], single), "", *table]
 
 
