@@ -176,6 +176,7 @@ def test_markdown_tables_and_protocols(sweep: Path) -> None:
     # learned's single run is the best of ppl@16 (bold) but has no CI and is not tested.
     assert "| rope | unknown | 3 | 12 ± 5 | **23 ± 38** (n=2) |" in md
     assert "| learned | unknown | 1 | **9** (n=1, no CI) | skipped (1) |" in md
+    assert "at step" not in md  # no run's standing is known: no column, no note of one
     assert "> **nonoverlap**: ppl@L: non-overlapping windows" in md
     assert "> **bleu_signature**: BLEU: nrefs:1" in md
 
@@ -554,6 +555,7 @@ def test_at_step_lists_each_seeds_gate_step_in_seed_order(tmp_path: Path) -> Non
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| encoder | learned | at step | n |" in md
     assert "| rope | 2/3 | -, 1500, 750 | 3 |" in md
+    assert "**at step**: the step at which each run met it, by seed" in md
 
 
 def test_runs_that_did_not_learn_are_left_out_past_the_trained_sizes(tmp_path: Path) -> None:

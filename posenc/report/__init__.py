@@ -264,6 +264,12 @@ def steps_cell(rs: Sequence[Run]) -> str:
     return ", ".join(marks.get(r.learned, str(r.record.learned_step)) for r in ordered)
 
 
+def _learned_note(groups_: Iterable[Sequence[Run]]) -> str:
+    """:data:`LEARNED_NOTE`, saying what ``at step`` holds where the table has it."""
+    stepped = any(steps_cell(rs) for rs in groups_)
+    return LEARNED_NOTE.format(steps=STEPS_NOTE if stepped else "")
+
+
 def config_differences(runs: Sequence[Run]) -> list[str]:
     """Config keys (other than seed and paths) whose values differ within a group: such
     runs are averaged together, so the report says so."""
@@ -358,10 +364,12 @@ STATS_NOTE = (
     "the column's best mean and every scheme not significantly different from it (Welch's "
     "t-test, two-sided, Holm-corrected over the column, p ≥ 0.05): ties, not a ranking."
 )
+STEPS_NOTE = (
+    " **at step**: the step at which each run met it, by seed (`-`: it did not; `?`: unknown)."
+)
 LEARNED_NOTE = (
     "> **learned**: runs (of n) that met the task's learnability gate (`task.learned`) at "
-    "their last validation; unknown: results from before the gate. **at step**: the step at "
-    "which each run met it, by seed (`-`: it did not; `?`: unknown). Columns past the "
+    "their last validation; unknown: results from before the gate.{steps} Columns past the "
     "training length count only runs that learned: runs that did not are left out, so no "
     "table ranks a model that never learned the task (`not learned (k left out)`: no run "
     "that learned has a value there)."
@@ -442,7 +450,7 @@ def markdown(
         out += [
             "",
             STATS_NOTE + "  ",
-            *([LEARNED_NOTE + "  "] if gated else []),
+            *([_learned_note(task_groups.values()) + "  "] if gated else []),
             *_notes(task_runs),
             "",
         ]
