@@ -176,7 +176,7 @@ def test_markdown_tables_and_protocols(sweep: Path) -> None:
     # learned's single run is the best of ppl@16 (bold) but has no CI and is not tested.
     assert "| rope | unknown | 3 | 12 ± 5 | **23 ± 38** (n=2) |" in md
     assert "| learned | unknown | 1 | **9** (n=1, no CI) | skipped (1) |" in md
-    assert "at step" not in md  # no run's standing is known: no column, no note of one
+    assert "| at step |" not in md and "**at step**" not in md  # no standing known: neither
     assert "> **nonoverlap**: ppl@L: non-overlapping windows" in md
     assert "> **bleu_signature**: BLEU: nrefs:1" in md
 
