@@ -264,12 +264,6 @@ def steps_cell(rs: Sequence[Run]) -> str:
     return ", ".join(marks.get(r.learned, str(r.record.learned_step)) for r in ordered)
 
 
-def _learned_note(groups_: Iterable[Sequence[Run]]) -> str:
-    """:data:`LEARNED_NOTE`, saying what ``at step`` holds where the table has it."""
-    stepped = any(steps_cell(rs) for rs in groups_)
-    return LEARNED_NOTE.format(steps=STEPS_NOTE if stepped else "")
-
-
 def config_differences(runs: Sequence[Run]) -> list[str]:
     """Config keys (other than seed and paths) whose values differ within a group: such
     runs are averaged together, so the report says so."""
@@ -446,11 +440,12 @@ def markdown(
             ),
         )
         gated = any(learned_cell(rs) for rs in task_groups.values())
-        out += ["", *_test_table(task_groups, task_rows, gated)]
+        stepped = gated and any(steps_cell(rs) for rs in task_groups.values())
+        out += ["", *_test_table(task_groups, task_rows, gated, stepped)]
         out += [
             "",
             STATS_NOTE + "  ",
-            *([_learned_note(task_groups.values()) + "  "] if gated else []),
+            *([LEARNED_NOTE.format(steps=STEPS_NOTE * stepped) + "  "] if gated else []),
             *_notes(task_runs),
             "",
         ]
@@ -593,12 +588,15 @@ def _figure_task(path: Path, tasks: Sequence[str]) -> str | None:
 
 
 def _test_table(
-    task_groups: dict[str, list[Run]], task_rows: Sequence[Row], gated: bool = False
+    task_groups: dict[str, list[Run]],
+    task_rows: Sequence[Row],
+    gated: bool = False,
+    steps: bool = False,
 ) -> list[str]:
     """Encoders as rows, test metrics as columns; each context-extension method of an
     encoder is a row of its own (``rope+yarn``) under the plain metric's column. With a
-    learnability gate, a ``learned`` column (k of n runs) and, where a run's standing is
-    known, an ``at step`` column (where each met it, by seed)."""
+    learnability gate (``gated``), a ``learned`` column (k of n runs); with ``steps`` (a
+    run's standing is known), an ``at step`` column (where each met it, by seed)."""
     cells: dict[tuple[str, MetricName], Row] = {}
     extensions: dict[str, set[str]] = {}
     for r in task_rows:
@@ -610,7 +608,6 @@ def _test_table(
             extensions.setdefault(r.encoder, set()).add(ext)
     metrics = sorted({m for _, m in cells}, key=MetricName.sort_key)
     single = all(len(rs) == 1 for rs in task_groups.values())
-    steps = gated and any(steps_cell(rs) for rs in task_groups.values())
     body = []
     for e, rs in task_groups.items():
         for ext in sorted(extensions.get(e, {""})):
