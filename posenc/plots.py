@@ -19,6 +19,9 @@
 - ``algo_mqar_acc_by_length_and_pairs.png``: per-query accuracy by length (size bucket) and
   number of key-value pairs, one heatmap per encoder, mean over seeds (runs that record
   their test variants' pairs).
+- ``suite_score.png``: with two or more algorithmic tasks, each task x scheme's score past
+  training as a heat map (:mod:`posenc.report.suite` draws it with
+  :func:`score_grid_figure`).
 """
 
 from __future__ import annotations
@@ -223,6 +226,44 @@ def heatmap_figure(
     ax.set_ylabel("length (tokens)")
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="accuracy")
+    return fig
+
+
+def score_grid_figure(
+    rows: Sequence[str],
+    columns: Sequence[str],
+    scores: Sequence[Sequence[float | None]],
+    notes: Sequence[Sequence[str]],
+    title: str,
+    label: str = "score (%)",
+) -> Figure:
+    """Scores in percent as a rows x columns heat map, each cell written with its score
+    and its note under it (e.g. ``2/3``); a None score is a grey cell marked ``-``.
+
+    Args:
+        rows: Row labels (tasks).
+        columns: Column labels (schemes).
+        scores: ``[row][column]`` in [0, 100], or None (no score).
+        notes: ``[row][column]`` text under the score ("" for none).
+        title: Figure title.
+        label: The colour bar's label.
+    """
+    fig, ax = plt.subplots(figsize=(2.4 + 0.62 * len(columns), 1.4 + 0.36 * len(rows)))
+    data = [[math.nan if v is None else v for v in row] for row in scores]
+    cmap = plt.get_cmap("viridis").with_extremes(bad="0.88")
+    im = ax.imshow(data, vmin=0.0, vmax=100.0, cmap=cmap, aspect="auto")
+    for i, row in enumerate(data):
+        for j, v in enumerate(row):
+            if math.isfinite(v):
+                text = f"{v:.0f}" + (f"\n{notes[i][j]}" if notes[i][j] else "")
+                color = "black" if v > 60 else "white"
+                ax.text(j, i, text, ha="center", va="center", fontsize=6.5, color=color)
+            else:
+                ax.text(j, i, "-", ha="center", va="center", fontsize=8, color="0.45")
+    ax.set_xticks(range(len(columns)), list(columns), rotation=40, ha="right", fontsize=8)
+    ax.set_yticks(range(len(rows)), list(rows), fontsize=8)
+    fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02, label=label)
+    titled(fig, title, fontsize=9)
     return fig
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from posenc import encoders
-from posenc.report import build_report, main, metric_key, summarize
+from posenc.report import build_report, main, metric_key, suite, summarize
 from posenc.runs import encoder_key, encoder_order
 
 
@@ -1100,6 +1100,34 @@ def test_across_the_tasks_scores_past_training_by_hand(tmp_path: Path) -> None:
     }
     assert cells["algo_copy", "rope_rand"]["score_past_training"] == ""
     assert cells["algo_sort", "rope"]["ci95"] == ""  # one seed: no interval
+    # the same cells drawn: the figure under the table, not in the overview
+    assert root / "report" / "suite_score.png" in report.files
+    assert across.index("![suite_score](suite_score.png)") < across.index("Per scheme")
+    assert md.count("suite_score.png") == 1
+
+
+def test_across_the_tasks_figure_draws_the_cells() -> None:
+    """The heat map holds each learned cell's mean (k/n under it where only k of n runs
+    learned), no colour where none did; X_rand follows the plain schemes in their order."""
+    g = {
+        "algo_parity": {
+            "rope_rand": suite.Cell([90.0], 1),
+            "rope": suite.Cell([70.0, 90.0], 3),
+            "none": suite.Cell([], 1),
+        },
+        "algo_sort": {"none": suite.Cell([30.0], 1), "rope": suite.Cell([40.0], 1)},
+    }
+    assert suite.encoders(g) == ["rope", "none", "rope_rand"]
+    fig = suite.figures(g)[suite.FIGURE]
+    ax = fig.axes[0]
+    drawn = ax.images[0].get_array()
+    assert drawn[0][0] == 80.0 and drawn[0][2] == 90.0 and drawn[1][0] == 40.0
+    assert drawn[1][1] == 30.0 and math.isnan(drawn[0][1]) and math.isnan(drawn[1][2])
+    texts = [t.get_text() for t in ax.texts]
+    assert texts == ["80\n2/3", "-", "90", "40", "30", "-"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["parity", "sort"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["rope", "none", "rope_rand"]
+    assert suite.figures({}) == {}
 
 
 def test_one_task_has_no_across_the_tasks_section(tmp_path: Path) -> None:

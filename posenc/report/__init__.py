@@ -489,8 +489,9 @@ def markdown(
         out += ["", "</details>", ""]
         out += [f"![{p.stem}]({p.name})" for p in figures if _figure_task(p, tasks) == task]
         out += [""]
-    out += suite.section(across)
-    loose = [p for p in figures if _figure_task(p, tasks) is None]
+    drawn = [p for p in figures if p.stem == suite.FIGURE]
+    out += suite.section(across, drawn[0] if drawn else None)
+    loose = [p for p in figures if _figure_task(p, tasks) is None and p not in drawn]
     if loose:
         out += ["## Overview", "", *[f"![{p.stem}]({p.name})" for p in loose], ""]
     if lr_grids:
@@ -719,11 +720,11 @@ def build_report(
     lr_grids = grids(runs, failures)
     tuned = write_tuned(lr_grids, out, roots)
     by_group = groups(runs)
-    figures = plots.figures(runs, by_group, rows)
-    writer = plots.summary_writer(out / "tb") if tensorboard else None
-    pngs = plots.save(figures, out, writer)
     by_table = tables(by_group)
     across_grid = suite.grid(by_table)
+    figures = plots.figures(runs, by_group, rows) | suite.figures(across_grid)
+    writer = plots.summary_writer(out / "tb") if tensorboard else None
+    pngs = plots.save(figures, out, writer)
     text = markdown(
         roots,
         runs,

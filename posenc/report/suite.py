@@ -25,6 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
+from posenc.plots import score_grid_figure
 from posenc.report.effective import accuracy_by_length
 from posenc.report.stats import ci95
 from posenc.results import AlgoRecord
@@ -34,6 +37,8 @@ from posenc.runs import NOT_LEARNED, Run
 RAND = "_rand"
 #: A report gets the section when it holds at least this many algorithmic tasks.
 MIN_TASKS = 2
+#: The file stem of the section's figure.
+FIGURE = "suite_score"
 
 
 def score(record: AlgoRecord) -> float | None:
@@ -95,11 +100,13 @@ def grid(tables: Mapping[str, Mapping[str, Sequence[Run]]]) -> Grid:
 
 
 def encoders(g: Grid) -> list[str]:
-    """The schemes of the grid, in the order the report's tables give them."""
+    """The schemes of the grid in the order the report's tables give them, each
+    randomized-positions scheme ``X_rand`` moved to the order of its ``X``, after them all."""
     seen: dict[str, None] = {}
     for row in g.values():
         seen.update(dict.fromkeys(row))
-    return list(seen)
+    paired = [e + RAND for e in seen if e + RAND in seen]
+    return [e for e in seen if e not in paired] + paired
 
 
 @dataclass
@@ -123,6 +130,34 @@ def changes(g: Grid) -> list[Change]:
     return out
 
 
+def _counted(c: Cell | None) -> str:
+    """``k/n`` when only k (one or more) of the cell's n runs count, else ""."""
+    if c is None or not c.scores or len(c.scores) == c.runs:
+        return ""
+    return f"{len(c.scores)}/{c.runs}"
+
+
+def figures(g: Grid) -> dict[str, Figure]:
+    """The section's figure by file stem (:data:`FIGURE`; none for an empty grid): the
+    table's cells as a heat map, tasks by schemes, each cell its mean score and ``k/n``
+    where only k of n runs learned; a task no run of a scheme learned is grey."""
+    if not g:
+        return {}
+    names = encoders(g)
+    cells = [[row.get(e) for e in names] for row in g.values()]
+    scores = [[_mean(c) if _learned(c) else None for c in row] for row in cells]
+    notes = [[_counted(c) for c in row] for row in cells]
+    fig = score_grid_figure(
+        [t.removeprefix("algo_") for t in g],
+        names,
+        scores,
+        notes,
+        "Score past training (% of answer tokens): mean over the seeds that learned; "
+        "k/n: k of n learned; grey: none did",
+    )
+    return {FIGURE: fig}
+
+
 def _pct(x: float | None) -> str:
     return "" if x is None else f"{x:.1f}"
 
@@ -135,8 +170,8 @@ def _cell(c: Cell | None) -> str:
     if not c.scores:
         return "not learned"
     half = "" if c.half is None else f" ± {c.half:.1f}"
-    counted = "" if len(c.scores) == c.runs else f" ({len(c.scores)}/{c.runs})"
-    return _pct(c.mean) + half + counted
+    counted = _counted(c)
+    return _pct(c.mean) + half + (f" ({counted})" if counted else "")
 
 
 def _pm(values: Sequence[float]) -> str:
@@ -147,8 +182,9 @@ def _pm(values: Sequence[float]) -> str:
     return f"{mean:+.1f}" + ("" if half is None else f" ± {half:.1f}")
 
 
-def section(g: Grid) -> list[str]:
-    """The markdown of the section (empty for an empty grid)."""
+def section(g: Grid, figure: Path | None = None) -> list[str]:
+    """The markdown of the section (empty for an empty grid), with ``figure`` (the
+    written :func:`figures`) under its table."""
     if not g:
         return []
     names = encoders(g)
@@ -168,6 +204,8 @@ def section(g: Grid) -> list[str]:
     ]
     for task, row in g.items():
         out.append(f"| {task} | " + " | ".join(_cell(row.get(e)) for e in names) + " |")
+    if figure is not None:
+        out += ["", f"![{figure.stem}]({figure.name})"]
     out += [
         "",
         f"Per scheme: the tasks it learned (of {len(g)}), and its mean score over the "
