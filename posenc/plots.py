@@ -248,7 +248,8 @@ def score_grid_figure(
         title: Figure title.
         label: The colour bar's label.
     """
-    fig, ax = plt.subplots(figsize=(2.4 + 0.62 * len(columns), 1.4 + 0.36 * len(rows)))
+    size = (2.4 + 0.62 * len(columns), 1.4 + 0.36 * len(rows))
+    fig, ax = plt.subplots(figsize=size, layout="constrained")  # room for the colour bar
     data = [[math.nan if v is None else v for v in row] for row in scores]
     cmap = plt.get_cmap("viridis").with_extremes(bad="0.88")
     im = ax.imshow(data, vmin=0.0, vmax=100.0, cmap=cmap, aspect="auto")
@@ -263,7 +264,7 @@ def score_grid_figure(
     ax.set_xticks(range(len(columns)), list(columns), rotation=40, ha="right", fontsize=8)
     ax.set_yticks(range(len(rows)), list(rows), fontsize=8)
     fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02, label=label)
-    titled(fig, title, fontsize=9)
+    fig.suptitle(title, fontsize=9)
     return fig
 
 
