@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from posenc import encoders
+from posenc import encoders, plots
 from posenc.report import build_report, main, metric_key, suite, summarize
 from posenc.runs import encoder_key, encoder_order
 
@@ -1127,6 +1127,7 @@ def test_across_the_tasks_figure_draws_the_cells() -> None:
     assert texts == ["80\n2/3", "-", "90", "40", "30", "-"]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["parity", "sort"]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["rope", "none", "rope_rand"]
+    plots.close(fig)
     assert suite.figures({}) == {}
 
 

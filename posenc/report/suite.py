@@ -100,8 +100,9 @@ def grid(tables: Mapping[str, Mapping[str, Sequence[Run]]]) -> Grid:
 
 
 def encoders(g: Grid) -> list[str]:
-    """The schemes of the grid in the order the report's tables give them, each
-    randomized-positions scheme ``X_rand`` moved to the order of its ``X``, after them all."""
+    """The schemes of the grid in the order the report's tables give them, except that
+    each randomized-positions scheme ``X_rand`` whose ``X`` is there comes last, in the
+    order of the ``X``s."""
     seen: dict[str, None] = {}
     for row in g.values():
         seen.update(dict.fromkeys(row))
