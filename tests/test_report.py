@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from posenc import encoders, plots
-from posenc.report import build_report, main, metric_key, suite, summarize
+from posenc.report import build_report, main, metric_key, suite, summarize, wrote
 from posenc.runs import encoder_key, encoder_order
 
 
@@ -409,6 +409,20 @@ def test_ppl_figure_labels_what_it_draws_one_run_or_mean_over_seeds() -> None:
     )
 
 
+def test_the_last_line_says_where_the_report_is_and_what_is_beside_it() -> None:
+    """``report.md`` by its path, the other files by name, the figures counted."""
+    out = Path("/r")
+    files = [out / "report.md", out / "report.csv", out / "a.png", out / "b.png"]
+    assert wrote(files, tensorboard=True) == (
+        "/r/report.md, and beside it report.csv and 2 figures (PNG), also in tb/ for TensorBoard"
+    )
+    assert wrote([*files[:2], out / "suite.csv", out / "a.png"], tensorboard=False) == (
+        "/r/report.md, and beside it report.csv, suite.csv and 1 figure (PNG)"
+    )
+    assert wrote(files[:2], tensorboard=True) == "/r/report.md, and beside it report.csv"
+    assert wrote(files[:1], tensorboard=True) == "/r/report.md"
+
+
 def test_a_metric_that_is_not_a_number_is_a_failure_not_a_skip(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -423,7 +437,8 @@ def test_a_metric_that_is_not_a_number_is_a_failure_not_a_skip(
         {"test/ppl@16": [5.0, 6.0], "test/ppl@64": float("nan")},
     )
     assert main([str(tmp_path), "--no-tensorboard"]) == 0
-    assert "2 runs: 1 with results, 1 unreadable; wrote" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"2 runs: 1 with results, 1 unreadable; wrote {tmp_path}/report/report.md, and " in said
     rep = build_report(tmp_path, tensorboard=False)
     (bad,) = rep.failures
     assert bad.dir.name == "1_lm_rope" and bad.status == "unreadable"

@@ -806,6 +806,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     others = "".join(f", {n} {what}" for what, n in sorted(status.items()))
     print(
         f"{len(rep.runs) + len(rep.failures)} runs: {len(rep.runs)} with results{others}; "
-        f"wrote " + ", ".join(str(p) for p in rep.files)
+        f"wrote {wrote(rep.files, not args.no_tensorboard)}"
     )
     return 0
+
+
+def wrote(files: Sequence[Path], tensorboard: bool) -> str:
+    """Where the report went, in one line: ``report.md`` (the first of ``files``) by its
+    path, the other files beside it by name, the figures counted."""
+    tables = [p.name for p in files[1:] if p.suffix != ".png"]
+    figures = sum(p.suffix == ".png" for p in files)
+    beside = tables + ([f"{figures} figure{'s' * (figures != 1)} (PNG)"] if figures else [])
+    if tensorboard and figures:
+        beside[-1] += ", also in tb/ for TensorBoard"
+    if not beside:
+        return str(files[0])
+    listed = ", ".join(beside[:-1]) + (" and " if len(beside) > 1 else "") + beside[-1]
+    return f"{files[0]}, and beside it {listed}"
