@@ -177,8 +177,20 @@ def run(cfg: Run[schema.LMTask], run_dir: Path) -> dict[str, Any]:
     verdict = gate.result(trainer, fitted.val)
     held = verdict.gate
     retrieves = verdict.learned if held is not None and held.metric == gate.PASSKEY else None
-    grid = lm_passkey.evaluate(passkey, dm, task.model, trainer.strategy.root_device, retrieves)
-    return finish_lm(cfg, run_dir, task, fitted, throughput, skipped, grid)
+    progress = run_dir / lm_passkey.PROGRESS
+    grid = lm_passkey.evaluate(
+        passkey,
+        dm,
+        task.model,
+        trainer.strategy.root_device,
+        retrieves,
+        progress,
+        trainer.is_global_zero,
+    )
+    result = finish_lm(cfg, run_dir, task, fitted, throughput, skipped, grid)
+    if trainer.is_global_zero:  # the rows are in metrics.json now
+        progress.unlink(missing_ok=True)
+    return result
 
 
 def extension_setting(

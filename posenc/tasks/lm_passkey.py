@@ -3,14 +3,22 @@ accuracy by length and depth per evaluated split, ``<split>/passkey@L`` scalars 
 over depths), and their TensorBoard scalars and heatmap; and, for a run trained on the
 passkey mix, ``val/passkey`` (at the training length) at every validation
 (:class:`PasskeyValidation`), the metric of the passkey learnability gate
-(:mod:`posenc.training.gate`)."""
+(:mod:`posenc.training.gate`).
+
+The grid is the longest part of a run evaluated at 16x on a CPU: each length it finishes
+is kept in the run folder (:data:`PROGRESS`, removed once ``metrics.json`` is written),
+so a run stopped during it and resumed (``resume=true``) scores only the lengths left."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import logging
 import math
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -20,9 +28,11 @@ from posenc.data.lm import LMDataModule
 from posenc.data.passkey import DOC, PasskeyFormat
 from posenc.data.tokenizers import Tokenizer
 from posenc.eval.passkey import evaluate_length, greedy
+from posenc.files import write_text_atomic
 from posenc.model import DecoderLM
 from posenc.plots import heatmap_figure
 from posenc.results import MetricName, Metrics, Passkey
+from posenc.training.digests import weights
 from posenc.training.gate import PASSKEY
 
 log = logging.getLogger(__name__)
@@ -66,12 +76,53 @@ class Settings:
         return PasskeyFormat(tokenizer, self.key_len)
 
 
+#: The file in a run folder that keeps the passkey lengths scored so far (:class:`Finished`).
+PROGRESS = "passkey_progress.json"
+
+
+class Finished:
+    """The passkey rows (accuracy by depth, by metric name) a run has scored so far, kept in
+    ``path`` after each length and read back only for the same weights and settings.
+
+    Args:
+        path: The file (None: nothing is kept).
+        model: The evaluated model (its weights' digest keys the file).
+        settings: The grid's settings (they key the file too).
+        write: Whether this process writes the file (rank zero; every rank reads it).
+    """
+
+    def __init__(
+        self, path: Path | None, model: DecoderLM, settings: Settings, write: bool
+    ) -> None:
+        self.path, self.write = path, write
+        self.rows: dict[str, list[float]] = {}
+        if path is None:
+            return
+        self.key = {"weights": weights(model), "settings": dataclasses.asdict(settings)}
+        with contextlib.suppress(OSError, ValueError):  # none yet, or cut short: start over
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(data, dict) and data.get("key") == self.key:
+                self.rows = dict(data["rows"])
+
+    def add(self, name: str, row: list[float]) -> None:
+        """Keep ``row``; a file that cannot be written costs only the resumption."""
+        self.rows[name] = row
+        if self.path is None or not self.write:
+            return
+        try:
+            write_text_atomic(self.path, json.dumps({"key": self.key, "rows": self.rows}))
+        except OSError as err:
+            log.warning("%s not written (%s): a resumed run would score it again", name, err)
+
+
 def evaluate(
     settings: Settings,
     dm: LMDataModule,
     model: DecoderLM,
     device: torch.device,
     learned: bool | None = None,
+    progress: Path | None = None,
+    write: bool = True,
 ) -> tuple[dict[str, Any], dict[str, float], dict[str, str]]:
     """Run the passkey grid of every evaluated split.
 
@@ -90,6 +141,9 @@ def evaluate(
         learned: Whether the run met its passkey gate (``task.learned.metric`` =
             ``val/passkey``) at its last validation; None: no such gate, or not
             validated (``eval_only``).
+        progress: Where the lengths scored so far are kept (:class:`Finished`): those it
+            holds for these weights and settings are not scored again.
+        write: Whether this process writes ``progress`` (rank zero).
 
     Returns:
         ``(block, metrics, skipped)``: the ``passkey`` entry of ``metrics.json`` (empty when
@@ -104,6 +158,7 @@ def evaluate(
     model = model.to(device).eval()
     limit, enc_name = model.encoder.max_length, type(model.encoder).__name__
     unlearned = learned is False and not s.measure_unlearned
+    finished = Finished(progress, model, s, write)
     metrics: dict[str, float] = {}
     skipped: dict[str, str] = {}
     grids: dict[str, list[list[float]]] = {}
@@ -130,22 +185,30 @@ def evaluate(
                 rows.append([math.nan] * len(depths))
                 metrics[name] = math.nan
                 continue
-            acc = evaluate_length(
-                greedy(model),
-                fmt,
-                stream,
-                length,
-                depths,
-                samples=s.samples,
-                seed=s.seed,
-                batch_size=s.batch_size,
-                device=device,
-                log=partial(log.info, "%s %s", split),  # log(line): "<split> <line>"
-            )
+            acc = finished.rows.get(name)
+            kept = acc is not None
+            if acc is None:
+                acc = evaluate_length(
+                    greedy(model),
+                    fmt,
+                    stream,
+                    length,
+                    depths,
+                    samples=s.samples,
+                    seed=s.seed,
+                    batch_size=s.batch_size,
+                    device=device,
+                    log=partial(log.info, "%s %s", split),  # log(line): "<split> <line>"
+                )
+                finished.add(name, acc)
             rows.append(acc)
             metrics[name] = sum(acc) / len(acc)
             log.info(
-                "%s = %.3f (by depth %s)", name, metrics[name], " ".join(f"{a:.2f}" for a in acc)
+                "%s = %.3f (by depth %s)%s",
+                name,
+                metrics[name],
+                " ".join(f"{a:.2f}" for a in acc),
+                f", kept from the stopped evaluation ({PROGRESS})" if kept else "",
             )
         grids[split] = rows
     block = {

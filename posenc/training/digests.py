@@ -78,6 +78,14 @@ def digests(checkpoint: Mapping[str, Any]) -> dict[str, str]:
     return {name: hexed for (name, _), hexed in zip(named, hexes, strict=True)}
 
 
+def weights(module: torch.nn.Module) -> str:
+    """One digest of a module's weights: every tensor of its state dict, by name."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, hexed in sorted(digests({"state_dict": module.state_dict()}).items()):
+        h.update(f"{name} {hexed}\n".encode())
+    return h.hexdigest()
+
+
 def seal(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     """``checkpoint`` with the digests of its tensors added under :data:`KEY`."""
     return {**checkpoint, KEY: {"algorithm": ALGORITHM, "tensors": digests(checkpoint)}}

@@ -176,3 +176,61 @@ def test_a_run_that_missed_its_passkey_gate_is_tested_up_to_1x(
     reason = result["skipped"].get("test/passkey@128", "")
     assert ("missed its passkey gate" in reason) == skips
     assert math.isfinite(result["metrics"]["test/ppl@128"])  # perplexity is measured still
+
+
+def test_a_run_stopped_during_the_grid_scores_only_the_lengths_left_when_resumed(
+    rope: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grid keeps each finished length in the run folder: a run stopped at its second
+    length and resumed scores that length alone, and its metrics are the uninterrupted
+    run's (the ``rope`` fixture, same settings); the file is gone once metrics.json is."""
+    from posenc.tasks import lm_passkey
+
+    real = lm_passkey.evaluate_length
+    scored: list[int] = []
+
+    def stopped_at_128(*args: object, **kw: object) -> list[float]:
+        if kw.get("log") is not None:  # the test grid (validation passes no log)
+            scored.append(int(args[3]))  # type: ignore[call-overload]
+            if args[3] == 128 and len(scored) == 2:
+                raise KeyboardInterrupt  # as a stop lands mid-length
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lm_passkey, "evaluate_length", stopped_at_128)
+    gate = "task.learned={metric:val/passkey,threshold:0.0,stop:false}"
+    args = ("encoder=rope", *PASSKEY, gate)
+    with pytest.raises(KeyboardInterrupt):
+        train(compose_run(tmp_path, *args))
+    run = tmp_path / "run"
+    kept = json.loads((run / lm_passkey.PROGRESS).read_text())
+    assert list(kept["rows"]) == ["test/passkey@64"] and not (run / "metrics.json").exists()
+    resumed = train(compose_run(tmp_path, *args, "resume=true"))
+    assert scored == [64, 128, 128]
+    whole = json.loads((rope / "metrics.json").read_text())
+    assert resumed["passkey"] == whole["passkey"]
+    assert resumed["metrics"] == pytest.approx(whole["metrics"], rel=1e-6)
+    assert not (run / lm_passkey.PROGRESS).exists()
+
+
+def test_kept_lengths_are_read_back_for_the_same_weights_and_settings_only(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    from posenc.tasks.lm_passkey import Finished, Settings
+
+    path = tmp_path / "passkey_progress.json"
+    settings = Settings(2, [64, 128], [0.0, 1.0], 4, 0, False, ["test"], 64, 8)
+    model = torch.nn.Linear(3, 2)
+    Finished(path, model, settings, write=True).add("test/passkey@64", [0.25, 1.0])
+    assert Finished(path, model, settings, write=True).rows == {"test/passkey@64": [0.25, 1.0]}
+    Finished(path, model, settings, write=False).add("test/passkey@128", [0.0, 0.0])
+    assert list(json.loads(path.read_text())["rows"]) == ["test/passkey@64"]  # not rank zero
+    other = torch.nn.Linear(3, 2)
+    assert Finished(path, other, settings, write=True).rows == {}  # other weights
+    other.load_state_dict(model.state_dict())  # the same weights in another module
+    assert list(Finished(path, other, settings, write=True).rows) == ["test/passkey@64"]
+    more = Settings(2, [64, 128], [0.0, 1.0], 8, 0, False, ["test"], 64, 8)
+    assert Finished(path, model, more, write=True).rows == {}  # other settings (samples)
+    path.write_text(path.read_text()[:20])  # cut short
+    assert Finished(path, model, settings, write=True).rows == {}
