@@ -111,6 +111,13 @@ class LearnedGate(pl.Callback):
         if reached and self.stop:
             trainer.should_stop = True
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Resumed from the checkpoint saved as the gate stopped the run (a stop during its
+        # test): the run has learned and trains no further, so the test scores the weights
+        # that met the gate (training on, it would stop only at the next validation).
+        if self.stop and self.learned_step is not None and self.learned_step == trainer.global_step:
+            trainer.should_stop = True
+
     def state_dict(self) -> dict[str, Any]:
         return {"learned_step": self.learned_step}
 

@@ -234,3 +234,33 @@ def test_kept_lengths_are_read_back_for_the_same_weights_and_settings_only(
     assert Finished(path, model, more, write=True).rows == {}  # other settings (samples)
     path.write_text(path.read_text()[:20])  # cut short
     assert Finished(path, model, settings, write=True).rows == {}
+
+
+def test_a_run_the_gate_stopped_and_resumed_during_its_test_trains_no_further(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gate stops a run at step 3 of 6; stopped again during its passkey grid and
+    resumed, the run trains no step further and scores the weights that met the gate, as
+    the uninterrupted run does. (It trained on to the next validation, step 6, and tested
+    that later model under the gate's step.)"""
+    from posenc.tasks import lm_passkey
+
+    gate = "task.learned={metric:val/passkey,threshold:0.0,stop:true}"
+    args = ("encoder=rope", *PASSKEY, gate, "trainer.max_steps=6")
+    whole = train(compose_run(tmp_path / "whole", *args))
+    assert whole["learned_step"] == whole["train_steps"] == 3
+    real = lm_passkey.evaluate_length
+
+    def stop(*args: object, **kw: object) -> list[float]:
+        if kw.get("log") is not None:  # the test grid (validation passes no log)
+            raise KeyboardInterrupt
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lm_passkey, "evaluate_length", stop)
+    with pytest.raises(KeyboardInterrupt):
+        train(compose_run(tmp_path / "stopped", *args))
+    monkeypatch.setattr(lm_passkey, "evaluate_length", real)
+    resumed = train(compose_run(tmp_path / "stopped", *args, "resume=true"))
+    assert (resumed["learned_step"], resumed["train_steps"]) == (3, 3)
+    assert resumed["passkey"] == whole["passkey"]
+    assert resumed["metrics"] == pytest.approx(whole["metrics"], rel=1e-6)
