@@ -99,7 +99,7 @@ class Finished:
         if path is None:
             return
         self.key = {"weights": weights(model), "settings": dataclasses.asdict(settings)}
-        with contextlib.suppress(OSError, ValueError):  # none yet, or cut short: start over
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none, or cut short
             data = json.loads(path.read_text(encoding="utf-8"))
             if isinstance(data, dict) and data.get("key") == self.key:
                 self.rows = dict(data["rows"])
