@@ -115,8 +115,12 @@ class LearnedGate(pl.Callback):
         # Resumed from the checkpoint saved as the gate stopped the run (a stop during its
         # test): the run has learned and trains no further, so the test scores the weights
         # that met the gate (training on, it would stop only at the next validation).
-        if self.stop and self.learned_step is not None and self.learned_step == trainer.global_step:
+        if self.stops_at(trainer.global_step):
             trainer.should_stop = True
+
+    def stops_at(self, step: int) -> bool:
+        """Whether the gate ends training at ``step``: ``stop``, and first met there."""
+        return self.stop and self.learned_step == step
 
     def state_dict(self) -> dict[str, Any]:
         return {"learned_step": self.learned_step}
@@ -134,7 +138,7 @@ def stopped(trainer: pl.Trainer) -> bool:
     scores them, not an earlier checkpoint with a lower validation loss: a run's
     ``learned`` and its test columns describe the same model."""
     found = [c for c in trainer.callbacks if isinstance(c, LearnedGate)]  # type: ignore[attr-defined]
-    return bool(found) and found[0].stop and found[0].learned_step == trainer.global_step
+    return bool(found) and found[0].stops_at(trainer.global_step)
 
 
 def result(trainer: pl.Trainer, val: dict[str, float]) -> Standing:
