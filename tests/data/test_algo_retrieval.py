@@ -6,11 +6,15 @@ the filler from the haystack asked for, determinism by key."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
+from posenc.config import validate
 from posenc.data.algo_problems import PROBLEMS, AlgoVocab, Options, check, instance
 from posenc.data.algo_retrieval import shakespeare
+from posenc.schema import typed
+from tests.conftest import compose_config
 
 NIAH = ("niah_multikey", "niah_multivalue", "niah_multiquery")
 RETRIEVAL = (*NIAH, "variable_tracking")
@@ -172,3 +176,38 @@ def test_options_that_cannot_make_an_instance_are_config_errors() -> None:
     assert msg.startswith("task.haystack=shakespeare: copy has no haystack")
     with pytest.raises(ValueError, match="must be at least 20"):
         instance(vt, 19, "k")
+
+
+#: RULER's settings (Hsieh et al. 2024, its synthetic tasks): the answer's tokens and the
+#: needles (key-value pairs; assignments for variable tracking) in each prompt.
+RULER = {
+    "niah_multikey": (1, 4),
+    "niah_multivalue": (4, 4),
+    "niah_multiquery": (4, 4),
+    "variable_tracking": (5, 5),  # one chain: a value and 4 hops
+}
+
+
+@pytest.mark.parametrize("name", RETRIEVAL)
+def test_gpu_presets_draw_rulers_instances_within_the_learned_table_they_name(
+    name: str, tmp_path: Path
+) -> None:
+    """``experiment=algo_<name>_gpu``: RULER's needle counts and answers at its shortest
+    length (4096), the filler of its haystack, and every test sequence within the
+    ``encoder.max_len=4200`` its docs give ``learned``."""
+    cfg = compose_config(tmp_path, "task=algo", f"experiment=algo_{name}_gpu")
+    validate(cfg)
+    t = typed(cfg).task
+    p, o = PROBLEMS[name], t.options()
+    assert t.problem == name and t.train_lengths == [256, 1024] and t.test_multiple == 4
+    answers, needles = RULER[name]
+    for i in range(3):
+        prompt, answer = instance(p, 4096, f"g{i}", o)
+        assert len(prompt) == 4096 and len(answer) == answers
+        tracking = name == "variable_tracking"
+        assert answer == (_read_tracking(prompt) if tracking else _read_niah(name, prompt))
+        body, _ = _split(prompt)
+        assert (body.count(":=") if tracking else len(_needles(body))) == needles
+        filler = "".join(_filler(prompt)).replace(":=", "")
+        assert (filler in shakespeare()) != tracking  # RULER's essays; noise for tracking
+    assert t.longest(4096) <= 4200
