@@ -121,9 +121,10 @@ def run(cfg: Run[schema.AlgoTask], run_dir: Path) -> dict[str, Any]:
     fitted = job.fit(cfg, run_dir, task, throughput, dm, vocab_fingerprints(dm))
     sizes = dm.test_sizes()
     log.info(
-        "testing sizes %s (%d instances each%s), %s",
+        "testing sizes %s (%d instance%s each%s), %s",
         f"{sizes[0]}..{sizes[-1]}" if dm.grid == "every" else ", ".join(map(str, sizes)),
         cfg.task.test_per_size,
+        "" if cfg.task.test_per_size == 1 else "s",
         f" of {len(dm.problem.variants)} variants" if len(dm.problem.variants) > 1 else "",
         "teacher-forced" if dm.problem.tagged else "greedy decoding",
     )
