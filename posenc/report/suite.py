@@ -241,8 +241,9 @@ def section(g: Grid, figure: Path | None = None) -> list[str]:
 
 def write_csv(path: Path, g: Grid) -> bool:
     """``suite.csv``: one row per task x scheme (score mean, its 95% interval's half-width
-    over the seeds counted, the seeds counted, the runs); False (nothing written) for an
-    empty grid."""
+    over the seeds counted, the seeds counted, the runs), in full precision as
+    ``report.csv`` (a rounded ``44.5`` could be the figure's 44 or 45); False (nothing
+    written) for an empty grid."""
     if not g:
         return False
     with path.open("w", newline="") as f:
@@ -250,6 +251,6 @@ def write_csv(path: Path, g: Grid) -> bool:
         w.writerow(["task", "encoder", "score_past_training", "ci95", "runs_counted", "runs"])
         for task, row in g.items():
             for e, c in row.items():
-                mean, half = ("" if x is None else f"{x:.4g}" for x in (c.mean, c.half))
+                mean, half = ("" if x is None else repr(x) for x in (c.mean, c.half))
                 w.writerow([task, e, mean, half, len(c.scores), c.runs])
     return True
