@@ -28,18 +28,49 @@ def peak_memory_mb(device: torch.device) -> tuple[float, str]:
 
 
 class Throughput(pl.Callback):
-    """Logs ``train/tokens_per_s`` (all ranks together) and keeps the run's average.
+    """Logs ``train/tokens_per_s`` (all ranks together) and keeps the run's average, and
+    the training time before this process: a checkpoint holds both, so a run resumed from
+    it (``resume=true``, ``ckpt_path``) reports the time and throughput of all its
+    training, not of its last part alone. Testing a checkpoint leaves them as they are.
 
     Args:
         key: Batch entry whose ``numel()`` counts the tokens of a step.
     """
 
+    #: The checkpoint's entry.
+    STATE = "posenc_throughput"
+
     def __init__(self, key: str = "input") -> None:
         self.key = key
         self.tokens = 0
         self.seconds = 0.0
+        #: Seconds of ``fit`` before this process's (read from the checkpoint resumed).
+        self.fit_before = 0.0
+        self._fit_t0: float | None = None
         self._t0: float | None = None
         self._window: list[tuple[int, float]] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_t0 = time.perf_counter()
+
+    def fit_seconds(self) -> float:
+        """Seconds of ``fit`` so far, those before a resume included."""
+        now = 0.0 if self._fit_t0 is None else time.perf_counter() - self._fit_t0
+        return self.fit_before + now
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        state = {"tokens": self.tokens, "seconds": self.seconds, "fit": self.fit_seconds()}
+        checkpoint[self.STATE] = state
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        state = checkpoint.get(self.STATE)  # older checkpoints hold none
+        if state is None or trainer.state.fn != "fit":
+            return
+        self.tokens, self.seconds, self.fit_before = state["tokens"], state["seconds"], state["fit"]
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

@@ -38,7 +38,8 @@ class Fitted:
 
     Attributes:
         trainer: The trainer (its callbacks: throughput, the gate, checkpoints).
-        train_time: Seconds of ``trainer.fit`` (0 with ``eval_only``).
+        train_time: Seconds of ``trainer.fit``, those of the run's training before it was
+            resumed included (0 with ``eval_only``).
         val: The last validation's metrics, read before the test (testing a checkpoint
             restores its callbacks' state).
         best: The checkpoint to test: ``best.ckpt`` (lowest validation loss), or ""
@@ -70,7 +71,8 @@ def fit(
     if not cfg.eval_only:
         trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         save_last(trainer, run_dir)
-    train_time = time.perf_counter() - t0
+    # with the training before a resume (kept in the checkpoint)
+    train_time = throughput.fit_before + time.perf_counter() - t0
     val = dict(run_state(trainer).val)
     # the best checkpoint by validation loss, or the weights that met the gate
     best = best_checkpoint(trainer) if not (cfg.eval_only or gate.stopped(trainer)) else ""

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from posenc.train import train
+from posenc.training.callbacks import Throughput
 from tests.conftest import MT_SMALL, TINY, compose_config
 
 SIZES = {
@@ -135,3 +136,48 @@ def test_a_checkpoints_batch_counts_are_set_where_the_samplers_go_on() -> None:
     # At a step, or saved by Lightning at a batch's end (completed one behind): unchanged.
     assert aligned(_loops(6, 6, last=False, epochs_done=0), 3)["current"]["ready"] == 6
     assert aligned(_loops(7, 6, last=False, epochs_done=0), 3)["current"]["ready"] == 7
+
+
+def test_a_resumed_run_reports_the_time_and_throughput_of_all_its_training(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint keeps the training's time and tokens: a run resumed from it counts
+    the tokens of an uninterrupted run, and the time before the stop (set here to 1000 s
+    in the stopped run's checkpoint, to tell it from this process's seconds)."""
+
+    def run(name: str, steps: int, *extra: str) -> dict:
+        return train(
+            compose_config(
+                tmp_path / name,
+                *SIZES["algo"],
+                *SHARP,
+                f"trainer.max_steps={steps}",
+                f"paths.cache_dir={tmp_path / 'cache'}",
+                *extra,
+            )
+        )
+
+    def kept(name: str) -> dict:
+        last = tmp_path / name / "run" / "checkpoints" / "last.ckpt"
+        return torch.load(last, weights_only=False)[Throughput.STATE]
+
+    whole = run("whole", 8)
+    stopped = run("stopped", 3)
+    before = kept("stopped")
+    assert 0 < before["fit"] <= stopped["train_time_s"]
+    assert 0 < before["tokens"] < kept("whole")["tokens"]
+    ckpt = torch.load(
+        tmp_path / "stopped" / "run" / "checkpoints" / "last.ckpt", weights_only=False
+    )
+    ckpt[Throughput.STATE]["fit"] = 1000.0
+    edited = tmp_path / "edited.ckpt"  # outside the run folder, whose checksums it fails
+    torch.save(ckpt, edited)
+    resumed = run("resumed", 8, f"ckpt_path={edited}")
+    after = kept("resumed")
+    assert after["tokens"] == kept("whole")["tokens"]  # the batches of all 8 steps
+    assert 1000 < resumed["train_time_s"] < 1000 + 10 * whole["train_time_s"] + 60
+    # the whole run's average, not the tested checkpoint's (testing restores no state)
+    assert resumed["tokens_per_s"] == round(after["tokens"] / after["seconds"], 1)
+    del ckpt[Throughput.STATE]  # a checkpoint from before it was kept resumes as before
+    torch.save(ckpt, edited)
+    assert run("older", 8, f"ckpt_path={edited}")["train_time_s"] < 1000
