@@ -53,6 +53,20 @@ SHARP = [
 ]
 
 
+def _train(tmp_path: Path, task: str, name: str, steps: int, *extra: str) -> dict:
+    """A ``task`` run of ``steps`` at the sizes above, in ``tmp_path / name``."""
+    return train(
+        compose_config(
+            tmp_path / name,
+            *SIZES[task],
+            *SHARP,
+            f"trainer.max_steps={steps}",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+            *extra,
+        )
+    )
+
+
 def _weights(run: Path) -> dict[str, torch.Tensor]:
     return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
 
@@ -62,17 +76,8 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(
     task: str, tmp_path: Path
 ) -> None:
     def run(name: str, steps: int, *extra: str) -> dict:
-        return train(
-            compose_config(
-                tmp_path / name,
-                *SIZES[task],
-                *SHARP,
-                f"trainer.accumulate_grad_batches={ACCUMULATE[task]}",
-                f"trainer.max_steps={steps}",
-                f"paths.cache_dir={tmp_path / 'cache'}",
-                *extra,
-            )
-        )
+        accumulate = f"trainer.accumulate_grad_batches={ACCUMULATE[task]}"
+        return _train(tmp_path, task, name, steps, accumulate, *extra)
 
     whole = run("whole", 8)
     run("stopped", 3)  # inside an epoch (mt: 12 batches, epochs of 8), dropout on
@@ -146,16 +151,7 @@ def test_a_resumed_run_reports_the_time_and_throughput_of_all_its_training(
     in the stopped run's checkpoint, to tell it from this process's seconds)."""
 
     def run(name: str, steps: int, *extra: str) -> dict:
-        return train(
-            compose_config(
-                tmp_path / name,
-                *SIZES["algo"],
-                *SHARP,
-                f"trainer.max_steps={steps}",
-                f"paths.cache_dir={tmp_path / 'cache'}",
-                *extra,
-            )
-        )
+        return _train(tmp_path, "algo", name, steps, *extra)
 
     def kept(name: str) -> dict:
         last = tmp_path / name / "run" / "checkpoints" / "last.ckpt"
