@@ -6,9 +6,12 @@ epochs. What makes it so: each training sampler starts where the trainer's step 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
+from pytorch_lightning.trainer.states import TrainerFn
 
 from posenc.train import train
 from posenc.training.callbacks import Throughput
@@ -160,7 +163,7 @@ def test_a_resumed_run_reports_the_time_and_throughput_of_all_its_training(
     whole = run("whole", 8)
     stopped = run("stopped", 3)
     before = kept("stopped")
-    assert 0 < before["fit"] <= stopped["train_time_s"]
+    assert 0 < before["fit"] <= stopped["train_time_s"] + 0.01  # train_time_s is rounded
     assert 0 < before["tokens"] < kept("whole")["tokens"]
     ckpt = torch.load(
         tmp_path / "stopped" / "run" / "checkpoints" / "last.ckpt", weights_only=False
@@ -172,8 +175,20 @@ def test_a_resumed_run_reports_the_time_and_throughput_of_all_its_training(
     after = kept("resumed")
     assert after["tokens"] == kept("whole")["tokens"]  # the batches of all 8 steps
     assert 1000 < resumed["train_time_s"] < 1000 + 10 * whole["train_time_s"] + 60
-    # the whole run's average, not the tested checkpoint's (testing restores no state)
     assert resumed["tokens_per_s"] == round(after["tokens"] / after["seconds"], 1)
     del ckpt[Throughput.STATE]  # a checkpoint from before it was kept resumes as before
     torch.save(ckpt, edited)
     assert run("older", 8, f"ckpt_path={edited}")["train_time_s"] < 1000
+
+
+@pytest.mark.parametrize("fn", [TrainerFn.FITTING, TrainerFn.TESTING, TrainerFn.VALIDATING])
+def test_only_fitting_restores_the_kept_time_and_tokens(fn: TrainerFn) -> None:
+    """Fitting from a checkpoint takes up its training's time and tokens; testing or
+    validating one (which restores callbacks' state too) leaves the run's own."""
+    t = Throughput()
+    t.tokens, t.seconds, t.fit_before = 5, 2.0, 0.0
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=fn))
+    kept = {Throughput.STATE: {"tokens": 100, "seconds": 9.0, "fit": 30.0}}
+    t.on_load_checkpoint(cast(Any, trainer), cast(Any, None), kept)
+    restored = (100, 9.0, 30.0) if fn == TrainerFn.FITTING else (5, 2.0, 0.0)
+    assert (t.tokens, t.seconds, t.fit_before) == restored
