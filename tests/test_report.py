@@ -205,6 +205,26 @@ def test_report_dir_is_not_read_back(sweep: Path) -> None:
     assert read_csv(sweep / "report" / "report.csv") == rows
 
 
+def test_a_folder_of_links_to_chosen_runs_reports_on_those_runs(tmp_path: Path) -> None:
+    """Links to run folders are followed (and to folders of runs), each run read once
+    however many links reach it, and a link back up the tree ends the walk there."""
+    for seed in range(3):
+        metrics = {"test/ppl@16": 10.0 + seed}
+        write_run(tmp_path / "sweep" / f"{seed}_lm_rope", "lm", "rope", seed, metrics)
+    write_run(tmp_path / "other" / "a" / "run", "lm", "alibi", 0, {"test/ppl@16": 7.0})
+    chosen = tmp_path / "chosen"
+    chosen.mkdir()
+    for seed in (0, 2):
+        (chosen / f"rope{seed}").symlink_to(tmp_path / "sweep" / f"{seed}_lm_rope")
+    (chosen / "again").symlink_to(tmp_path / "sweep" / "0_lm_rope")
+    (chosen / "others").symlink_to(tmp_path / "other")
+    (chosen / "loop").symlink_to(chosen)
+    rep = build_report(chosen)
+    found = sorted((r.record.encoder, r.record.seed) for r in rep.runs)
+    assert found == [("alibi", 0), ("rope", 0), ("rope", 2)]
+    assert not rep.failures
+
+
 def test_rerun_that_succeeded_counts_as_finished(tmp_path: Path) -> None:
     d = tmp_path / "run"
     write_run(d, "lm", "rope", 0, {"test/ppl@16": 5.0})

@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 import tempfile
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -69,10 +70,27 @@ CSV_FIELDS = (
 
 
 # ----------------------------------------------------------------------------- collecting
+def _files(root: Path, names: tuple[str, ...]) -> Iterator[Path]:
+    """The files called one of ``names`` under ``root``, linked folders followed (a
+    folder of links to chosen runs reports on those runs), each real folder read once."""
+    seen: set[str] = set()
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree, or a second link to one folder
+            subfolders.clear()
+            continue
+        seen.add(real)
+        yield from (Path(folder) / f for f in files if f in names)
+
+
 def _job_dirs(root: Path, exclude: Path | None) -> list[Path]:
     """Directories holding a result file, or a Hydra job record (``.hydra/``)."""
-    found = {p.parent for name in ("metrics.json", "error.json") for p in root.rglob(name)}
-    found |= {p.parent.parent for p in root.rglob("overrides.yaml") if p.parent.name == ".hydra"}
+    found: set[Path] = set()
+    for p in _files(root, ("metrics.json", "error.json", "overrides.yaml")):
+        if p.name != "overrides.yaml":
+            found.add(p.parent)
+        elif p.parent.name == ".hydra":
+            found.add(p.parent.parent)
 
     def keep(d: Path) -> bool:
         if exclude is not None and d.is_relative_to(exclude):
