@@ -50,11 +50,13 @@ class Throughput(pl.Callback):
         self._t0: float | None = None
         self._window: list[tuple[int, float]] = []
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fit_t0 = time.perf_counter()
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # fit's first hook: the clock of the run's training time
+            self._fit_t0 = time.perf_counter()
 
     def fit_seconds(self) -> float:
-        """Seconds of ``fit`` so far, those before a resume included."""
+        """Seconds of ``fit`` so far, those before a resume included (0 without a fit):
+        the run's ``train_time_s``."""
         now = 0.0 if self._fit_t0 is None else time.perf_counter() - self._fit_t0
         return self.fit_before + now
 

@@ -10,7 +10,6 @@ writes ``metrics.json``, the task's TensorBoard entries and the closing summary)
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -67,12 +66,10 @@ def fit(
     fingerprints and payload go into the checkpoints, ``callbacks`` join posenc's) and
     fit, unless ``eval_only``; ``last.ckpt`` is saved at the end."""
     trainer = build_trainer(cfg, run_dir, throughput, tokenizer, tokenizer_payload, callbacks)
-    t0 = time.perf_counter()
     if not cfg.eval_only:
         trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         save_last(trainer, run_dir)
-    # with the training before a resume (kept in the checkpoint)
-    train_time = throughput.fit_before + time.perf_counter() - t0
+    train_time = throughput.fit_seconds()  # with the training before a resume
     val = dict(run_state(trainer).val)
     # the best checkpoint by validation loss, or the weights that met the gate
     best = best_checkpoint(trainer) if not (cfg.eval_only or gate.stopped(trainer)) else ""
