@@ -564,32 +564,21 @@ class EncoderDecoder(nn.Module):
             pos.match_token_embeddings(scaled=embed_scale)
             return pos
 
-        self.encoder_stack = Stack(
-            encoder=positional(n_enc),
-            n_layers=n_enc,
+        shared: dict[str, Any] = dict(
             d_model=d_model,
             n_heads=n_heads,
             d_ff=d_ff,
             dropout=dropout,
-            causal=False,
             random_positions=random_positions,
             score_budget=_budget(score_budget_mib),
             qkv_bias=qkv_bias,
             modifiers=modifiers,
         )
+        self.encoder_stack = Stack(
+            encoder=positional(n_enc), n_layers=n_enc, causal=False, **shared
+        )
         self.decoder_stack = Stack(
-            encoder=positional(n_dec),
-            n_layers=n_dec,
-            d_model=d_model,
-            n_heads=n_heads,
-            d_ff=d_ff,
-            dropout=dropout,
-            causal=True,
-            cross=True,
-            random_positions=random_positions,
-            score_budget=_budget(score_budget_mib),
-            qkv_bias=qkv_bias,
-            modifiers=modifiers,
+            encoder=positional(n_dec), n_layers=n_dec, causal=True, cross=True, **shared
         )
         _init_weights(self.encoder_stack, n_enc)
         _init_weights(self.decoder_stack, n_dec)
