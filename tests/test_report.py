@@ -803,6 +803,41 @@ def test_a_grid_with_failed_runs_records_them_and_says_the_choice_is_partial(
     assert "> Chosen from an incomplete grid (runs failed: rope at 0.003; alibi at 0.0003)" in md
 
 
+@pytest.mark.parametrize("stop", [True, False])
+def test_a_grid_whose_runs_the_gate_stopped_at_different_steps_says_they_do_not_compare(
+    tmp_path: Path, stop: bool
+) -> None:
+    """A grid of gated runs (``task.learned.stop=true``) compares validation losses taken
+    at different steps: the report says so, with the steps and how many the gate stopped;
+    a grid trained to one cap gets no such line."""
+    root = tmp_path / "grid"
+    for i, (lr, learned_at) in enumerate([(1e-3, 250), (1e-3, None), (1e-2, 750)]):
+        steps = learned_at if stop and learned_at else 3000
+        write_run(
+            root / f"{i}_run",
+            "lm",
+            "rope",
+            0,
+            {"val/loss": 1.0 + i},
+            config={"seed": 0, "task": {"optim": {"lr": lr}}},
+            gate={"metric": "val/loss", "threshold": 2.0, "stop": stop},
+            learned=learned_at is not None,
+            learned_step=learned_at,
+            train_steps=steps,
+            **LM_EXTRA,
+        )
+    build_report(root, tensorboard=False)
+    md = (root / "report" / "report.md").read_text()
+    note = (
+        "> Its runs trained for different numbers of steps (250 to 3000; the learnability "
+        "gate stopped 2 of the 3 once they learned): val/loss was not taken at one point of "
+        "training, so the choice compares unlike runs. For a rate choice, train every run of "
+        "the grid to the same cap (`task.learned.stop=false`)."
+    )
+    assert (note in md) is stop
+    assert "different numbers of steps" not in md or stop
+
+
 @pytest.mark.parametrize(
     ("rates", "beyond"),
     [

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,10 @@ class Grid:
     rates: list[float]
     cells: dict[str, dict[float, GridCell]]
     chosen: dict[str, float]
+    #: The training steps of its runs (where recorded), and how many of them the
+    #: learnability gate ended early (``task.learned.stop``, once they learned).
+    steps: list[int] = field(default_factory=list)
+    stopped: int = 0
 
     def failed(self, encoder: str) -> list[float]:
         """The rates at which some run of ``encoder`` failed."""
@@ -170,8 +174,18 @@ def grids(runs: Sequence[Run], failures: Sequence[Failure] = ()) -> list[Grid]:
                 chosen[encoder] = min(scored, key=lambda m: (sign * m[0], m[1]))[1]
         cells = dict(sorted(cells.items(), key=lambda kv: encoder_key(kv[0])))
         rates = sorted({lr for by_rate in cells.values() for lr in by_rate})
-        out.append(Grid(task, metric, lower, rates, cells, chosen))
+        steps = [r.record.train_steps for r in rs if r.record.train_steps is not None]
+        stopped = sum(_gate_stopped(r, max(steps, default=0)) for r in rs)
+        out.append(Grid(task, metric, lower, rates, cells, chosen, steps, stopped))
     return out
+
+
+def _gate_stopped(run: Run, longest: int) -> bool:
+    """Whether the learnability gate ended ``run`` before ``longest`` steps (the most any
+    run of its grid trained)."""
+    rec = run.record
+    gate, steps = rec.gate, rec.train_steps
+    return bool(gate and gate.stop and rec.learned_step is not None and steps and steps < longest)
 
 
 def failure_point(failure: Failure) -> tuple[str, str, float] | None:
@@ -252,7 +266,7 @@ def grid_table(grid: Grid) -> list[str]:
         partial = " (incomplete grid)" if encoder in grid.chosen and grid.failed(encoder) else ""
         row.append(lr_text(grid.chosen.get(encoder)) + partial)
         lines.append("| " + " | ".join(row) + " |")
-    lines += _incomplete_note(grid)
+    lines += _incomplete_note(grid) + _steps_note(grid)
     edge = grid.at_edge()
     if edge:
         lines += [
@@ -282,6 +296,24 @@ def _incomplete_note(grid: Grid) -> list[str]:
         f"> Chosen from an incomplete grid (runs failed: {each}): the best rate may be "
         f"among those. `+tuned` refuses these choices unless `+tuned_allow_partial=true`; "
         f"rerun the failed jobs, then one report over both sweep directories.",
+    ]
+
+
+def _steps_note(grid: Grid) -> list[str]:
+    """A line saying the grid's runs trained for different numbers of steps, so their
+    criterion was not taken at one point of training."""
+    if len(set(grid.steps)) < 2:
+        return []
+    why = (
+        f"; the learnability gate stopped {grid.stopped} of the {len(grid.steps)} once they learned"
+    )
+    why *= bool(grid.stopped)
+    return [
+        "",
+        f"> Its runs trained for different numbers of steps ({min(grid.steps)} to "
+        f"{max(grid.steps)}{why}): {grid.metric} was not taken at one point of training, so "
+        f"the choice compares unlike runs. For a rate choice, train every run of the grid to "
+        f"the same cap (`task.learned.stop=false`).",
     ]
 
 
