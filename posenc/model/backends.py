@@ -28,6 +28,7 @@ FlexAttention on a GPU too, to debug a ``score_mod`` (prints and breakpoints wor
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -310,6 +311,13 @@ def _compiled_call_config() -> AbstractContextManager[Any]:
     return config.patch({name: FLEX_RECOMPILE_LIMIT})
 
 
+@functools.cache
+def _compiled_create_block_mask() -> Callable[..., BlockMask]:
+    """``create_block_mask`` compiled, once per process: torch's advice in place of its
+    ``_compile=True`` flag, deprecated and to be removed."""
+    return cast(Callable[..., BlockMask], torch.compile(create_block_mask))
+
+
 def block_mask(
     ctx: AttentionContext,
     *,
@@ -359,7 +367,8 @@ def block_mask(
         # indices (about 170 MB above the model at T = 4096 on an H200, torch 2.11):
         # compiled, block by block. Inside a compiled model it is traced anyway.
         compiled = device.type in COMPILED_FLEX_DEVICES and not torch.compiler.is_compiling()
-        return create_block_mask(mask_mod, b, None, t, s, device=device, _compile=compiled)
+        build = _compiled_create_block_mask() if compiled else create_block_mask
+        return build(mask_mod, b, None, t, s, device=device)
 
     return cast(BlockMask, ctx.shared(key, make))
 
