@@ -50,7 +50,9 @@ def quiet_third_party() -> None:
     start where the trainer's step says: :class:`posenc.data.samplers.TrainingSampler`),
     and, when training goes on from a checkpoint in a new folder (``ckpt_path=``), that
     the old folder's best score is not carried over: the new folder's ``best.ckpt`` is the
-    best of its own validations, as intended."""
+    best of its own validations, as intended; and, on every resumed run, that its
+    checkpoint folder is not empty (it holds the checkpoint the run continues from; a new
+    run never writes into a folder with results, :mod:`posenc.training.rundir`)."""
     for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
@@ -58,6 +60,7 @@ def quiet_third_party() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended")
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
 class RunState(pl.Callback):
