@@ -51,8 +51,9 @@ def quiet_third_party() -> None:
     and, when training goes on from a checkpoint in a new folder (``ckpt_path=``), that
     the old folder's best score is not carried over: the new folder's ``best.ckpt`` is the
     best of its own validations, as intended; and, on every resumed run, that its
-    checkpoint folder is not empty (it holds the checkpoint the run continues from; a new
-    run never writes into a folder with results, :mod:`posenc.training.rundir`)."""
+    checkpoint folder is not empty (it holds the checkpoint the run continues from; a run
+    that does not resume is refused a folder with checkpoints,
+    :func:`posenc.training.rundir.guard_run_dir`)."""
     for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
