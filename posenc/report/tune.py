@@ -304,9 +304,11 @@ def _steps_note(grid: Grid) -> list[str]:
     criterion was not taken at one point of training."""
     if len(set(grid.steps)) < 2:
         return []
-    n = len(grid.steps)
-    why = f"; the learnability gate stopped {grid.stopped} of the {n} once they learned"
-    why = why if grid.stopped else ""
+    why = (
+        f"; the learnability gate stopped {grid.stopped} of the {len(grid.steps)} once they learned"
+        if grid.stopped
+        else ""
+    )
     return [
         "",
         f"> Its runs trained for different numbers of steps ({min(grid.steps)} to "
