@@ -1198,13 +1198,24 @@ def test_across_the_tasks_figure_draws_the_cells() -> None:
     assert suite.figures({}) == {}
 
 
-def test_one_task_has_no_across_the_tasks_section(tmp_path: Path) -> None:
-    _suite_run(tmp_path, "a", "parity", "rope", 0, (50.0, 50.0))
-    _suite_run(tmp_path, "b", "parity", "none", 0, (50.0, 50.0))
+def test_one_task_gets_its_score_past_training_without_the_side_by_side_parts(
+    tmp_path: Path,
+) -> None:
+    """A report over one algorithmic task (a sweep of one Chomsky task) still gives each
+    scheme's score past training, in the table and suite.csv; the parts that compare tasks
+    (the means over the common tasks, the heat map) need two."""
+    _suite_run(tmp_path, "a", "parity", "rope", 0, (50.0, 70.0))
+    _suite_run(tmp_path, "b", "parity", "rope", 1, (70.0, 90.0))
+    _suite_run(tmp_path, "c", "parity", "none", 0, (99.0, 99.0), learned=False)
     report = build_report(tmp_path, tensorboard=False)
-    assert "Across the tasks" not in (tmp_path / "report" / "report.md").read_text()
-    assert not (tmp_path / "report" / "suite.csv").exists()
-    assert all(p.name != "suite.csv" for p in report.files)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "Across the tasks" not in md and "Per scheme" not in md
+    section = md[md.index("## Score past training") :]
+    # 60 and 80: t(0.975, 1) 12.706 * 14.142 / sqrt 2 = 127.1
+    assert "| task | none | rope |" in section
+    assert "| algo_parity | not learned | 70.0 ± 127.1 |" in section
+    assert (tmp_path / "report" / "suite.csv") in report.files
+    assert not (tmp_path / "report" / "suite_score.png").exists()
 
 
 # ----------------------------------------------------------------------------- mqar heat map

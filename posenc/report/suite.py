@@ -35,7 +35,9 @@ from posenc.runs import NOT_LEARNED, Run
 
 #: The label suffix of runs trained on randomized positions (:func:`posenc.schema.result_name`).
 RAND = "_rand"
-#: A report gets the section when it holds at least this many algorithmic tasks.
+#: With at least this many algorithmic tasks the section sets them side by side (the
+#: per-scheme means over the common tasks and the heat map); with one it gives that task's
+#: scores alone.
 MIN_TASKS = 2
 #: The file stem of the section's figure.
 FIGURE = "suite_score"
@@ -82,8 +84,8 @@ Grid = dict[str, dict[str, Cell]]
 
 
 def grid(tables: Mapping[str, Mapping[str, Sequence[Run]]]) -> Grid:
-    """The cells of every algorithmic task with runs tested past training. Empty when the
-    report holds fewer than :data:`MIN_TASKS` of them."""
+    """The cells of every algorithmic task with runs tested past training (empty when there
+    is none)."""
     out: Grid = {}
     for task, by_encoder in tables.items():
         row, tested = {}, False
@@ -96,7 +98,7 @@ def grid(tables: Mapping[str, Mapping[str, Sequence[Run]]]) -> Grid:
             row[encoder] = Cell(counted, len(scored))
         if tested:
             out[task] = row
-    return out if len(out) >= MIN_TASKS else {}
+    return out
 
 
 def encoders(g: Grid) -> list[str]:
@@ -141,8 +143,9 @@ def _counted(c: Cell | None) -> str:
 def figures(g: Grid) -> dict[str, Figure]:
     """The section's figure by file stem (:data:`FIGURE`; none for an empty grid): the
     table's cells as a heat map, tasks by schemes, each cell its mean score and ``k/n``
-    where only k of n runs learned; a task no run of a scheme learned is grey."""
-    if not g:
+    where only k of n runs learned; a task no run of a scheme learned is grey. None for
+    fewer than :data:`MIN_TASKS` tasks (one task's cells are its table's one row)."""
+    if len(g) < MIN_TASKS:
         return {}
     names = encoders(g)
     cells = [[row.get(e) for e in names] for row in g.values()]
@@ -192,7 +195,7 @@ def section(g: Grid, figure: Path | None = None) -> list[str]:
     learned = {e: [t for t, row in g.items() if _learned(row.get(e))] for e in names}
     common = [t for t in g if all(t in learned[e] for e in names)]
     out = [
-        "## Across the tasks",
+        "## Across the tasks" if len(g) >= MIN_TASKS else "## Score past training",
         "",
         "Score past training: a run's mean accuracy (`acc`, % of answer tokens) over the "
         "tested sizes above its largest training size, every size alike (Delétang et al. "
@@ -207,19 +210,20 @@ def section(g: Grid, figure: Path | None = None) -> list[str]:
         out.append(f"| {task} | " + " | ".join(_cell(row.get(e)) for e in names) + " |")
     if figure is not None:
         out += ["", f"![{figure.stem}]({figure.name})"]
-    out += [
-        "",
-        f"Per scheme: the tasks it learned (of {len(g)}), and its mean score over the "
-        f"{len(common)} tasks every scheme here learned"
-        + (f" ({', '.join(common)})" if common else "")
-        + ".",
-        "",
-        "| scheme | tasks learned | mean over the common tasks |",
-        "|---|---|---|",
-    ]
-    for e in names:
-        mean = statistics.fmean(_mean(g[t][e]) for t in common) if common else None
-        out.append(f"| {e} | {len(learned[e])} | {_pct(mean) or 'no common task'} |")
+    if len(g) >= MIN_TASKS:
+        out += [
+            "",
+            f"Per scheme: the tasks it learned (of {len(g)}), and its mean score over the "
+            f"{len(common)} tasks every scheme here learned"
+            + (f" ({', '.join(common)})" if common else "")
+            + ".",
+            "",
+            "| scheme | tasks learned | mean over the common tasks |",
+            "|---|---|---|",
+        ]
+        for e in names:
+            mean = statistics.fmean(_mean(g[t][e]) for t in common) if common else None
+            out.append(f"| {e} | {len(learned[e])} | {_pct(mean) or 'no common task'} |")
     moved = changes(g)
     if moved:
         out += [
