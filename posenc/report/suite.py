@@ -192,10 +192,9 @@ def section(g: Grid, figure: Path | None = None) -> list[str]:
     if not g:
         return []
     names = encoders(g)
-    learned = {e: [t for t, row in g.items() if _learned(row.get(e))] for e in names}
-    common = [t for t in g if all(t in learned[e] for e in names)]
+    side_by_side = len(g) >= MIN_TASKS
     out = [
-        "## Across the tasks" if len(g) >= MIN_TASKS else "## Score past training",
+        "## Across the tasks" if side_by_side else "## Score past training",
         "",
         "Score past training: a run's mean accuracy (`acc`, % of answer tokens) over the "
         "tested sizes above its largest training size, every size alike (Delétang et al. "
@@ -210,7 +209,9 @@ def section(g: Grid, figure: Path | None = None) -> list[str]:
         out.append(f"| {task} | " + " | ".join(_cell(row.get(e)) for e in names) + " |")
     if figure is not None:
         out += ["", f"![{figure.stem}]({figure.name})"]
-    if len(g) >= MIN_TASKS:
+    if side_by_side:
+        learned = {e: [t for t, row in g.items() if _learned(row.get(e))] for e in names}
+        common = [t for t in g if all(t in learned[e] for e in names)]
         out += [
             "",
             f"Per scheme: the tasks it learned (of {len(g)}), and its mean score over the "
