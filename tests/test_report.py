@@ -517,6 +517,18 @@ def test_welch_p_values_by_hand() -> None:
         assert welch_p([128.0, 128.0, 128.0000000000001], [128, 128, 128]) == 1.0
 
 
+def test_paired_p_values_by_hand() -> None:
+    """With 2 degrees of freedom Student's t has a closed form: the two-sided p of t is
+    1 - |t| / sqrt(t^2 + 2)."""
+    from posenc.report.stats import paired_p
+
+    # 20, 20, 30: mean 70/3, sample std 10/sqrt(3), standard error 10/3, t = 7
+    assert paired_p([20.0, 20.0, 30.0]) == pytest.approx(1 - 7 / math.sqrt(51), rel=1e-9)
+    assert paired_p([5.0]) is None  # one pair: no test
+    assert paired_p([0.0, 0.0, 0.0]) == 1.0  # no spread, no difference: a tie
+    assert paired_p([5.0, 5.0]) == 0.0  # no spread, a difference: sure
+
+
 def test_holm_and_marks_by_hand() -> None:
     from posenc.report.stats import BEST, TIE, UNTESTED, WORSE, holm, lower_is_better, rank
 
@@ -1151,10 +1163,13 @@ def test_across_the_tasks_scores_past_training_by_hand(tmp_path: Path) -> None:
     # 70 and 90 counted: t(0.975, 1) 12.706 * 14.142 / sqrt 2 = 127.1; the third left out
     assert "| algo_parity | not learned | 80.0 ± 127.1 (2/3) | 90.0 |" in across
     assert "| algo_sort | 30.0 | 40.0 | 60.0 |" in across
-    # only sort is learned by all three
+    # only sort is learned by all three; rope_rand has the highest mean there, and one
+    # task leaves its leads without a test
     assert "mean score over the 1 tasks every scheme here learned (algo_sort)" in across
-    assert "| none | 2 | 30.0 |" in across and "| rope | 3 | 40.0 |" in across
-    assert "| rope_rand | 2 | 60.0 |" in across
+    assert "| scheme | tasks learned | runs learned | mean over the common tasks | " in across
+    assert "| none | 2 | 2/3 | 30.0 | +30.0 | untested |" in across
+    assert "| rope | 3 | 4/5 | 40.0 | +20.0 | untested |" in across
+    assert "| rope_rand | 2 | 2/3 | 60.0 | best | |" in across
     # +10 and +20 over parity and sort: mean 15, t(0.975, 1) 12.706 * 7.071 / sqrt 2 = 63.5
     assert "| rope | 2 | +15.0 ± 63.5 | 2 | 0 |" in across
     assert root / "report" / "suite.csv" in report.files
@@ -1171,6 +1186,35 @@ def test_across_the_tasks_scores_past_training_by_hand(tmp_path: Path) -> None:
     assert root / "report" / "suite_score.png" in report.files
     assert across.index("![suite_score](suite_score.png)") < across.index("Per scheme")
     assert md.count("suite_score.png") == 1
+
+
+def test_the_best_schemes_lead_over_the_common_tasks_by_hand(tmp_path: Path) -> None:
+    """Over two or more common tasks the scheme with the highest mean leads each other by
+    the mean per-task difference, with its 95% interval over the tasks and the paired
+    t-test's p, Holm-corrected over the schemes; a task one scheme did not learn is no
+    common task."""
+    scores = {  # one seed each: a run's score is its cell
+        "parity": {"a": 80.0, "b": 60.0, "c": 70.0},
+        "sort": {"a": 70.0, "b": 50.0, "c": 70.0},
+        "copy": {"a": 90.0, "b": 60.0, "c": 75.0},
+        "reverse": {"a": 10.0, "b": 90.0},  # c does not learn it
+    }
+    for task, row in scores.items():
+        for enc, x in row.items():
+            _suite_run(tmp_path, f"{task}_{enc}", task, enc, 0, (x, x))
+    _suite_run(tmp_path, "reverse_c", "reverse", "c", 0, (99.0, 99.0), learned=False)
+    build_report(tmp_path, tensorboard=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    across = md[md.index("## Across the tasks") :]
+    assert "over the 3 tasks every scheme here learned" in across
+    assert "`a` has the highest mean" in across and "| a minus the scheme | p |" in across
+    # a - b: 20, 20, 30: mean 23.3, standard error 10/3, t = 7 with 2 degrees of freedom,
+    # p = 1 - 7/sqrt(51) = 0.0198; interval t(0.975, 2) 4.3027 * 10/3 = 14.3
+    # a - c: 10, 0, 15: mean 8.3, standard error 4.4096, t = 1.8898, p = 0.1994
+    # Holm: 2 x 0.0198 = 0.040 for b; max(0.040, 1 x 0.1994) = 0.199 for c
+    assert "| a | 4 | 4/4 | 80.0 | best | |" in across
+    assert "| b | 4 | 4/4 | 56.7 | +23.3 ± 14.3 | 0.040 |" in across
+    assert "| c | 3 | 3/4 | 71.7 | +8.3 ± 19.0 | 0.199 |" in across
 
 
 def test_across_the_tasks_figure_draws_the_cells() -> None:

@@ -1,6 +1,7 @@
 """Statistics of the sweep report over seeds: 95% confidence intervals of a mean (Student's
-t) and which schemes differ significantly from a column's best (Welch's t-test, Holm's
-correction over the column), from :mod:`scipy.stats`.
+t), which schemes differ significantly from a column's best (Welch's t-test, Holm's
+correction over the column) and, across tasks, from the best scheme (a paired t-test over
+the tasks), from :mod:`scipy.stats`.
 
 Seeds are few (often 3), so intervals are wide and most differences are ties; the report
 says which, instead of ranking rows whose runs overlap.
@@ -52,6 +53,18 @@ def welch_p(a: Sequence[float], b: Sequence[float]) -> float | None:
         sample, value = (b, statistics.fmean(a)) if flat_a else (a, statistics.fmean(b))
         return float(stats.ttest_1samp(sample, value).pvalue)
     return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def paired_p(differences: Sequence[float]) -> float | None:
+    """Two-sided p-value of the paired t-test that the mean of ``differences`` (one per
+    pair, e.g. per task) is 0; None for fewer than two. Differences without spread make
+    the test undefined: all 0 is a tie (p = 1), any other value a sure difference (p = 0),
+    as :func:`welch_p` treats two samples without spread."""
+    if len(differences) < 2:
+        return None
+    if _no_spread(differences):
+        return 1.0 if math.isclose(statistics.fmean(differences), 0.0, abs_tol=1e-9) else 0.0
+    return float(stats.ttest_1samp(differences, 0.0).pvalue)
 
 
 def _no_spread(values: Sequence[float]) -> bool:

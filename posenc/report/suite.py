@@ -10,7 +10,9 @@ training sizes (:mod:`posenc.training.gate`); a scheme none of whose runs learne
 has no score there ("not learned"), never a low one.
 
 Means over tasks compare schemes only over the same tasks: the summary gives each
-scheme's mean over the tasks *every* scheme of the table learned. For each scheme ``X``
+scheme's mean over the tasks *every* scheme of the table learned, and the lead of the
+scheme with the highest mean over each other one there, with its 95% interval over those
+tasks and a paired t-test, Holm-corrected over the schemes. For each scheme ``X``
 whose runs ``X_rand`` trained on randomized positions (Ruoss et al. 2023) are in the
 report too, the change is ``X_rand - X`` over the tasks both learned, with its 95%
 interval over those tasks (Student's t): the quantity behind Ruoss et al.'s "+12.0% on
@@ -29,7 +31,7 @@ from matplotlib.figure import Figure
 
 from posenc.plots import score_grid_figure
 from posenc.report.effective import accuracy_by_length
-from posenc.report.stats import ci95
+from posenc.report.stats import ALPHA, ci95, holm, paired_p
 from posenc.results import AlgoRecord
 from posenc.runs import NOT_LEARNED, Run
 
@@ -186,6 +188,81 @@ def _pm(values: Sequence[float]) -> str:
     return f"{mean:+.1f}" + ("" if half is None else f" ± {half:.1f}")
 
 
+def common_tasks(g: Grid, names: Sequence[str]) -> list[str]:
+    """The tasks every scheme of ``names`` learned (in at least one seed)."""
+    return [t for t, row in g.items() if all(_learned(row.get(e)) for e in names)]
+
+
+@dataclass
+class Lead:
+    """The best scheme's lead over another over the common tasks: the per-task differences
+    of their scores (best minus the other) and the Holm-adjusted p of the paired t-test
+    (None below two tasks)."""
+
+    diffs: list[float]
+    p: float | None
+
+
+def leads(g: Grid, names: Sequence[str]) -> tuple[str | None, dict[str, Lead]]:
+    """The scheme with the highest mean over the common tasks (the first of ``names`` on a
+    tie; None without a common task) and its :class:`Lead` over each other scheme, Holm's
+    correction taken over those schemes."""
+    common = common_tasks(g, names)
+    if not common:
+        return None, {}
+    means = {e: statistics.fmean(_mean(g[t][e]) for t in common) for e in names}
+    best = max(names, key=lambda e: means[e])
+    diffs = {e: [_mean(g[t][best]) - _mean(g[t][e]) for t in common] for e in names if e != best}
+    raw = {e: paired_p(d) for e, d in diffs.items()}
+    adjusted = holm({e: p for e, p in raw.items() if p is not None})
+    return best, {e: Lead(d, adjusted.get(e)) for e, d in diffs.items()}
+
+
+def _per_scheme(g: Grid, names: Sequence[str]) -> list[str]:
+    """The per-scheme table under the cells: the tasks and runs each scheme learned, its
+    mean over the common tasks, and the best scheme's lead over it there."""
+    common = common_tasks(g, names)
+    best, lead = leads(g, names)
+    out = [
+        "",
+        f"Per scheme: the tasks it learned (of {len(g)}), the runs that learned (of its "
+        f"runs), and its mean score over the {len(common)} tasks every scheme here learned"
+        + (f" ({', '.join(common)})" if common else "")
+        + ".",
+    ]
+    if best is not None:
+        out[-1] += (
+            f" `{best}` has the highest mean; its lead over each scheme is the mean of the "
+            "per-task differences over those tasks, ± its 95% interval over the tasks, and "
+            "p the paired t-test's, Holm-corrected over the schemes: the lead is "
+            f"significant where p < {ALPHA} (a tie otherwise), untested below two tasks."
+        )
+    head = f"{best} minus the scheme" if best else "lead"
+    out += [
+        "",
+        f"| scheme | tasks learned | runs learned | mean over the common tasks | {head} | p |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in names:
+        cells = [c for row in g.values() if (c := row.get(e)) is not None]
+        runs = f"{sum(len(c.scores) for c in cells)}/{sum(c.runs for c in cells)}"
+        tasks = sum(_learned(c) for c in cells)
+        if best is None:
+            out.append(f"| {e} | {tasks} | {runs} | no common task | | |")
+            continue
+        mean = _pct(statistics.fmean(_mean(g[t][e]) for t in common))
+        if e == best:
+            out.append(f"| {e} | {tasks} | {runs} | {mean} | best | |")
+            continue
+        p = lead[e].p
+        out.append(
+            f"| {e} | {tasks} | {runs} | {mean} | {_pm(lead[e].diffs)} | "
+            + ("untested" if p is None else f"{p:.3f}")
+            + " |"
+        )
+    return out
+
+
 def section(g: Grid, figure: Path | None = None) -> list[str]:
     """The markdown of the section (empty for an empty grid), with ``figure`` (the
     written :func:`figures`) under its table."""
@@ -210,21 +287,7 @@ def section(g: Grid, figure: Path | None = None) -> list[str]:
     if figure is not None:
         out += ["", f"![{figure.stem}]({figure.name})"]
     if side_by_side:
-        learned = {e: [t for t, row in g.items() if _learned(row.get(e))] for e in names}
-        common = [t for t in g if all(t in learned[e] for e in names)]
-        out += [
-            "",
-            f"Per scheme: the tasks it learned (of {len(g)}), and its mean score over the "
-            f"{len(common)} tasks every scheme here learned"
-            + (f" ({', '.join(common)})" if common else "")
-            + ".",
-            "",
-            "| scheme | tasks learned | mean over the common tasks |",
-            "|---|---|---|",
-        ]
-        for e in names:
-            mean = statistics.fmean(_mean(g[t][e]) for t in common) if common else None
-            out.append(f"| {e} | {len(learned[e])} | {_pct(mean) or 'no common task'} |")
+        out += _per_scheme(g, names)
     moved = changes(g)
     if moved:
         out += [
