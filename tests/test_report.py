@@ -1165,8 +1165,12 @@ def test_across_the_tasks_scores_past_training_by_hand(tmp_path: Path) -> None:
     assert "| algo_sort | 30.0 | 40.0 | 60.0 |" in across
     # only sort is learned by all three; rope_rand has the highest mean there, and one
     # task leaves its leads without a test
-    assert "mean score over the 1 tasks every scheme here learned (algo_sort)" in across
-    assert "| scheme | tasks learned | runs learned | mean over the common tasks | " in across
+    assert "mean score over the 1 task every scheme here learned (algo_sort)." in across
+    assert "Not common: algo_copy (rope_rand: not learned), algo_parity (none: not" in across
+    assert (
+        "| scheme | tasks learned | runs counted | mean over the common tasks | "
+        "lead of `rope_rand` (points) | p (paired t, Holm) |"
+    ) in across
     assert "| none | 2 | 2/3 | 30.0 | +30.0 | untested |" in across
     assert "| rope | 3 | 4/5 | 40.0 | +20.0 | untested |" in across
     assert "| rope_rand | 2 | 2/3 | 60.0 | best | |" in across
@@ -1198,6 +1202,7 @@ def test_the_best_schemes_lead_over_the_common_tasks_by_hand(tmp_path: Path) -> 
         "sort": {"a": 70.0, "b": 50.0, "c": 70.0},
         "copy": {"a": 90.0, "b": 60.0, "c": 75.0},
         "reverse": {"a": 10.0, "b": 90.0},  # c does not learn it
+        "sum": {"a": 10.0, "b": 90.0},  # nor run it
     }
     for task, row in scores.items():
         for enc, x in row.items():
@@ -1207,14 +1212,38 @@ def test_the_best_schemes_lead_over_the_common_tasks_by_hand(tmp_path: Path) -> 
     md = (tmp_path / "report" / "report.md").read_text()
     across = md[md.index("## Across the tasks") :]
     assert "over the 3 tasks every scheme here learned" in across
-    assert "`a` has the highest mean" in across and "| a minus the scheme | p |" in across
+    assert "Not common: algo_reverse (c: not learned), algo_sum (c: not run)." in across
+    assert "`a` has the highest mean there" in across and "| lead of `a` (points) |" in across
     # a - b: 20, 20, 30: mean 23.3, standard error 10/3, t = 7 with 2 degrees of freedom,
     # p = 1 - 7/sqrt(51) = 0.0198; interval t(0.975, 2) 4.3027 * 10/3 = 14.3
     # a - c: 10, 0, 15: mean 8.3, standard error 4.4096, t = 1.8898, p = 0.1994
     # Holm: 2 x 0.0198 = 0.040 for b; max(0.040, 1 x 0.1994) = 0.199 for c
-    assert "| a | 4 | 4/4 | 80.0 | best | |" in across
-    assert "| b | 4 | 4/4 | 56.7 | +23.3 ± 14.3 | 0.040 |" in across
-    assert "| c | 3 | 3/4 | 71.7 | +8.3 ± 19.0 | 0.199 |" in across
+    assert "| a | 5 | 5/5 | 80.0 | best | |" in across
+    assert "| b | 5 | 5/5 | 56.7 | +23.3 ± 14.3 | 0.040 (lead) |" in across
+    assert "| c | 3 | 3/4 | 71.7 | +8.3 ± 19.0 | 0.199 (tie) |" in across
+
+
+def test_holm_can_make_a_lead_whose_interval_excludes_zero_a_tie(tmp_path: Path) -> None:
+    """The interval of each lead stands alone; p is corrected over the schemes, so two
+    leads whose intervals both exclude zero can both be ties."""
+    scores = {"a": (50.0, 50.0, 50.0, 50.0), "b": (40.0, 48.0, 42.0, 35.0)}
+    scores["c"] = (38.0, 48.0, 40.0, 44.0)
+    for i, task in enumerate(["t1", "t2", "t3", "t4"]):
+        for enc, xs in scores.items():
+            _suite_run(tmp_path, f"{task}_{enc}", task, enc, 0, (xs[i], xs[i]))
+    build_report(tmp_path, tensorboard=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+
+    def p3(t: float) -> float:  # two-sided p of Student's t with 3 degrees of freedom
+        x = t / math.sqrt(3)
+        return 1 - 2 / math.pi * (x / (1 + x * x) + math.atan(x))
+
+    # a - b: 10, 2, 8, 15 (mean 8.75, standard error 2.6887); a - c: 12, 2, 10, 6 (7.5, 2.2174)
+    p_b, p_c = p3(8.75 / 2.688711), p3(7.5 / 2.217356)
+    assert (round(p_b, 4), round(p_c, 4)) == (0.0473, 0.0430)  # each below 0.05 alone
+    # Holm: c first, 2 x 0.0430 = 0.086; b 1 x 0.0473, but never below the step before
+    # intervals t(0.975, 3) 3.1824 x the standard errors: 8.6 and 7.1, both excluding zero
+    assert "| +8.8 ± 8.6 | 0.086 (tie) |" in md and "| +7.5 ± 7.1 | 0.086 (tie) |" in md
 
 
 def test_across_the_tasks_figure_draws_the_cells() -> None:

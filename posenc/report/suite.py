@@ -114,6 +114,11 @@ def encoders(g: Grid) -> list[str]:
     return [e for e in seen if e not in paired] + paired
 
 
+def common_tasks(g: Grid, names: Sequence[str]) -> list[str]:
+    """The tasks every scheme of ``names`` learned (in at least one seed)."""
+    return [t for t, row in g.items() if all(_learned(row.get(e)) for e in names)]
+
+
 @dataclass
 class Change:
     """``X_rand - X`` over the tasks both learned."""
@@ -129,7 +134,7 @@ def changes(g: Grid) -> list[Change]:
     out = []
     for plain in [e for e in names if e + RAND in names]:
         rand = plain + RAND
-        both = [t for t, row in g.items() if _learned(row.get(plain)) and _learned(row.get(rand))]
+        both = common_tasks(g, [plain, rand])
         diffs = [_mean(g[t][rand]) - _mean(g[t][plain]) for t in both]
         out.append(Change(plain, diffs, both))
     return out
@@ -188,78 +193,100 @@ def _pm(values: Sequence[float]) -> str:
     return f"{mean:+.1f}" + ("" if half is None else f" ± {half:.1f}")
 
 
-def common_tasks(g: Grid, names: Sequence[str]) -> list[str]:
-    """The tasks every scheme of ``names`` learned (in at least one seed)."""
-    return [t for t, row in g.items() if all(_learned(row.get(e)) for e in names)]
+def _why_not_common(row: Mapping[str, Cell], names: Sequence[str]) -> str:
+    """``selective: not learned; fox: not run``: the schemes that keep a task out of the
+    common tasks."""
+    return "; ".join(
+        f"{e}: {'not run' if row.get(e) is None else 'not learned'}"
+        for e in names
+        if not _learned(row.get(e))
+    )
 
 
 @dataclass
-class Lead:
-    """The best scheme's lead over another over the common tasks: the per-task differences
-    of their scores (best minus the other) and the Holm-adjusted p of the paired t-test
-    (None below two tasks)."""
+class Leads:
+    """The schemes over their common tasks: each one's mean there, the scheme with the
+    highest (``best``: the first in order on a tie; None without a common task or with one
+    scheme), and, for each other scheme, the per-task differences (best minus it) and the
+    Holm-adjusted p of their paired t-test (None below two tasks)."""
 
-    diffs: list[float]
-    p: float | None
+    common: list[str]
+    means: dict[str, float]
+    best: str | None
+    diffs: dict[str, list[float]]
+    p: dict[str, float | None]
 
 
-def leads(g: Grid, names: Sequence[str]) -> tuple[str | None, dict[str, Lead]]:
-    """The scheme with the highest mean over the common tasks (the first of ``names`` on a
-    tie; None without a common task) and its :class:`Lead` over each other scheme, Holm's
-    correction taken over those schemes."""
+def leads(g: Grid, names: Sequence[str]) -> Leads:
+    """:class:`Leads` of ``names`` over the tasks all of them learned; Holm's correction is
+    taken over every scheme the best is tested against."""
     common = common_tasks(g, names)
     if not common:
-        return None, {}
+        return Leads(common, {}, None, {}, {})
     means = {e: statistics.fmean(_mean(g[t][e]) for t in common) for e in names}
+    if len(names) < 2:
+        return Leads(common, means, None, {}, {})
     best = max(names, key=lambda e: means[e])
     diffs = {e: [_mean(g[t][best]) - _mean(g[t][e]) for t in common] for e in names if e != best}
     raw = {e: paired_p(d) for e, d in diffs.items()}
     adjusted = holm({e: p for e, p in raw.items() if p is not None})
-    return best, {e: Lead(d, adjusted.get(e)) for e, d in diffs.items()}
+    return Leads(common, means, best, diffs, {e: adjusted.get(e) for e in diffs})
+
+
+def _p_text(p: float | None) -> str:
+    """``0.043 (lead)``, ``0.052 (tie)``: the verdict beside the rounded p, which can read
+    0.050 for a p just under the threshold; ``untested`` for None."""
+    if p is None:
+        return "untested"
+    return f"{p:.3f} ({'lead' if p < ALPHA else 'tie'})"
 
 
 def _per_scheme(g: Grid, names: Sequence[str]) -> list[str]:
-    """The per-scheme table under the cells: the tasks and runs each scheme learned, its
-    mean over the common tasks, and the best scheme's lead over it there."""
-    common = common_tasks(g, names)
-    best, lead = leads(g, names)
-    out = [
-        "",
-        f"Per scheme: the tasks it learned (of {len(g)}), the runs that learned (of its "
-        f"runs), and its mean score over the {len(common)} tasks every scheme here learned"
+    """The per-scheme table of the section: the tasks each scheme learned and its runs
+    counted, its mean over the common tasks, and the best scheme's lead over it there."""
+    found = leads(g, names)
+    common, best = found.common, found.best
+    n = len(common)
+    text = (
+        f"Per scheme: the tasks it learned (of {len(g)}), its runs counted (those that "
+        f"learned, of its runs), and its mean score over the {n} "
+        f"{'task' if n == 1 else 'tasks'} every scheme here learned"
         + (f" ({', '.join(common)})" if common else "")
-        + ".",
-    ]
+        + "."
+    )
+    left_out = {t: _why_not_common(row, names) for t, row in g.items() if t not in common}
+    if left_out:
+        text += " Not common: " + ", ".join(f"{t} ({why})" for t, why in left_out.items()) + "."
     if best is not None:
-        out[-1] += (
-            f" `{best}` has the highest mean; its lead over each scheme is the mean of the "
-            "per-task differences over those tasks, ± its 95% interval over the tasks, and "
-            "p the paired t-test's, Holm-corrected over the schemes: the lead is "
-            f"significant where p < {ALPHA} (a tie otherwise), untested below two tasks."
+        text += (
+            f" `{best}` has the highest mean there. Its lead over a scheme is the mean of the "
+            "per-task differences of their scores, with its 95% interval over those tasks "
+            "(not corrected for the number of schemes). p is the paired t-test's p-value, "
+            "Holm-corrected over the schemes: a lead where p < "
+            f"{ALPHA}, a tie otherwise, untested below two tasks. The best is picked from the "
+            "same scores, so the tests favour it a little."
         )
-    head = f"{best} minus the scheme" if best else "lead"
-    out += [
-        "",
-        f"| scheme | tasks learned | runs learned | mean over the common tasks | {head} | p |",
-        "|---|---|---|---|---|---|",
-    ]
+    out = ["", text, ""]
+    if best is None:
+        out += ["| scheme | tasks learned | runs counted | mean over the common tasks |"]
+        out += ["|---|---|---|---|"]
+    else:
+        out += [
+            "| scheme | tasks learned | runs counted | mean over the common tasks | "
+            f"lead of `{best}` (points) | p (paired t, Holm) |",
+            "|---|---|---|---|---|---|",
+        ]
     for e in names:
         cells = [c for row in g.values() if (c := row.get(e)) is not None]
         runs = f"{sum(len(c.scores) for c in cells)}/{sum(c.runs for c in cells)}"
-        tasks = sum(_learned(c) for c in cells)
+        head = f"| {e} | {sum(_learned(c) for c in cells)} | {runs} | "
+        mean = _pct(found.means[e]) if common else "no common task"
         if best is None:
-            out.append(f"| {e} | {tasks} | {runs} | no common task | | |")
-            continue
-        mean = _pct(statistics.fmean(_mean(g[t][e]) for t in common))
-        if e == best:
-            out.append(f"| {e} | {tasks} | {runs} | {mean} | best | |")
-            continue
-        p = lead[e].p
-        out.append(
-            f"| {e} | {tasks} | {runs} | {mean} | {_pm(lead[e].diffs)} | "
-            + ("untested" if p is None else f"{p:.3f}")
-            + " |"
-        )
+            out.append(f"{head}{mean} |")
+        elif e == best:
+            out.append(f"{head}{mean} | best | |")
+        else:
+            out.append(f"{head}{mean} | {_pm(found.diffs[e])} | {_p_text(found.p[e])} |")
     return out
 
 
