@@ -18,7 +18,7 @@ size ``n`` and test variant:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.aggregation import SumMetric
 
-from posenc.data.algo import BOS, EOS, PAD, PROBLEMS, SHAPES
+from posenc.data.algo import BOS, EOS, PAD, PROBLEMS, SEP, SHAPES
 from posenc.decoding.encdec import greedy
 from posenc.decoding.lm import generate
 from posenc.model import DecoderLM, EncoderDecoder
@@ -37,6 +37,17 @@ Batch = dict[str, Tensor]
 #: Validation sums (over ranks): loss, trained tokens, right scored tokens, scored tokens,
 #: exact instances, instances.
 VAL_SUMS = ("loss", "trained", "right", "tokens", "exact", "count")
+#: Test instances of each size whose greedy output a run keeps (``examples.md``).
+EXAMPLES = 3
+
+
+class Example(NamedTuple):
+    """One greedy-decoded test instance: its input ids (padding and BOS left out), its
+    answer ids and the output ids before EOS."""
+
+    prompt: list[int]
+    answer: list[int]
+    output: list[int]
 
 
 def exact_rows(hit: Tensor, mask: Tensor) -> Tensor:
@@ -173,6 +184,9 @@ class AlgoTask(TaskModule[DecoderLM | EncoderDecoder]):
         self.by_size = LengthAccuracy(top_size, len(self.problem.variants))
         #: After testing: the sums of :class:`LengthAccuracy` by variant name.
         self.results: dict[str, dict[str, Tensor]] = {}
+        #: After testing (greedy-decoded problems): the first :data:`EXAMPLES` instances of
+        #: each size this process tested, by size.
+        self.examples: dict[int, list[Example]] = {}
 
     def _logits(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """Teacher-forced logits ``(B, T, V)``, targets ``(B, T)`` and the loss mask."""
@@ -261,14 +275,32 @@ class AlgoTask(TaskModule[DecoderLM | EncoderDecoder]):
             row[:n]
             for row, n in zip(batch["answer"].tolist(), batch["answer_len"].tolist(), strict=True)
         ]
+        self._keep(batch, outputs, answers)
         scored = [score(o, a) for o, a in zip(outputs, answers, strict=True)]
         exact = torch.tensor([float(e) for e, _ in scored], device=self.device)
         right = torch.tensor([float(r) for _, r in scored], device=self.device)
         return exact, right, batch["answer_len"]
 
+    def _keep(self, batch: Batch, outputs: list[list[int]], answers: list[list[int]]) -> None:
+        """Keep the first :data:`EXAMPLES` instances of each size (inputs without padding,
+        BOS or the decoder's closing SEP)."""
+        inputs = batch["prompt" if self.shape == "decoder" else "src"].tolist()
+        for size, ids, answer, output in zip(
+            batch["size"].tolist(), inputs, answers, outputs, strict=True
+        ):
+            kept = self.examples.setdefault(int(size), [])
+            if len(kept) < EXAMPLES:
+                prompt = [i for i in ids if i not in (PAD, BOS)]
+                if self.shape == "decoder" and prompt and prompt[-1] == SEP:
+                    prompt = prompt[:-1]
+                kept.append(Example(prompt, list(answer), list(output)))
+
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         exact, right, tokens = self.forced(batch) if self.problem.tagged else self.decoded(batch)
         self.by_size.update(batch["size"], exact, tokens, right, batch.get("variant"))
+
+    def on_test_epoch_start(self) -> None:
+        self.examples = {}
 
     def on_test_epoch_end(self) -> None:
         sums = {k: v.detach().cpu() for k, v in self.by_size.compute().items()}

@@ -21,9 +21,10 @@ from posenc.data.algo import AlgoDataModule, bucket_name
 from posenc.plots import accuracy_vs_size
 from posenc.results import AlgoRecord, BySize, MetricName, names
 from posenc.schema import Run, result_name
-from posenc.tasks.algo import AlgoTask
+from posenc.tasks.algo import EXAMPLES, AlgoTask, score
 from posenc.training import job
 from posenc.training.callbacks import Throughput
+from posenc.training.summary import EXAMPLES_FILE
 from posenc.training.trainer import (
     init_from_checkpoint,
     load_for_eval,
@@ -209,9 +210,43 @@ def finish(
         variant_pairs=variant_pairs(dm),
     )
     result = job.record(cfg, task, fitted, throughput, fields)
-    return job.write(
-        run_dir, fitted.trainer, result, lambda: _tensorboard(fitted.trainer, cfg, result)
-    )
+
+    def files() -> None:
+        _tensorboard(fitted.trainer, cfg, result)
+        if task.examples:
+            text = examples_text(result, task, dm, fitted.trainer.world_size)
+            (run_dir / EXAMPLES_FILE).write_text(text)
+
+    return job.write(run_dir, fitted.trainer, result, files)
+
+
+def examples_text(result: AlgoRecord, task: AlgoTask, dm: AlgoDataModule, ranks: int = 1) -> str:
+    """``examples.md``: the greedy outputs of the first test instances of each size beside
+    their answers, to see how a run fails past training (an answer cut short, one token
+    too many, right digits in the wrong place), not only how often."""
+    lo, hi = result.train_lengths
+    share = " (of the instances the first of its processes tested)" if ranks > 1 else ""
+    lines = [
+        f"# Greedy answers: {result.problem}, `{result.encoder}`, seed {result.seed}",
+        "",
+        f"Trained on sizes {lo}..{hi}; sizes above {hi} are past training. The first "
+        f"{EXAMPLES} test instances of each size{share}: the input, the answer, the model's "
+        "greedy output (its tokens before the end token; `(empty)`: it ended at once) and "
+        "the answer tokens it has right, position by position.",
+        "",
+        "| size | input | answer | output | right |",
+        "|---|---|---|---|---|",
+    ]
+    decode = dm.vocab.decode
+    for size in sorted(task.examples):
+        for ex in task.examples[size]:
+            exact, right = score(ex.output, ex.answer)
+            output = f"`{decode(ex.output)}`" if ex.output else "(empty)"
+            lines.append(
+                f"| {size} | `{decode(ex.prompt)}` | `{decode(ex.answer)}` | {output} | "
+                f"{right}/{len(ex.answer)}{' (exact)' if exact else ''} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def _tensorboard(trainer: pl.Trainer, cfg: Run[schema.AlgoTask], result: AlgoRecord) -> None:

@@ -16,6 +16,9 @@ from posenc.results import FILE, AlgoRecord, LMRecord, MetricName, Metrics, MTRe
 from posenc.training.gate import describe
 from posenc.training.rundir import checkpoints_in
 
+#: A greedy-decoded algorithmic run's example answers, in its run directory.
+EXAMPLES_FILE = "examples.md"
+
 
 def _fmt(value: float) -> str:
     """A number for the table: "-" for NaN (a length not run), "inf" as itself (a result
@@ -142,6 +145,11 @@ def summary(record: Record, run_dir: Path) -> str:
     lines += [
         f"run directory: {run_dir}",
         f"all numbers:   {run_dir / FILE}",
+        *(
+            [f"examples:      {run_dir / EXAMPLES_FILE}"]
+            if (run_dir / EXAMPLES_FILE).exists()
+            else []
+        ),
         *checkpoint_lines(run_dir / "checkpoints"),
         f"curves:        tensorboard --logdir {run_dir / 'tb'}",
     ]

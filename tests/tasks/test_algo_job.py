@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -351,6 +352,43 @@ def test_whole_runs_of_the_content_problems(
     assert result["metrics"] == pytest.approx(saved["metrics"], nan_ok=True)
 
 
+#: A row of examples.md: size, input, answer, output (or "(empty)"), right/of, (exact).
+EXAMPLE_ROW = re.compile(
+    r"^\| (\d+) \| `([^`]*)` \| `([^`]*)` \| (?:`([^`]*)`|\(empty\)) \| "
+    r"(\d+)/(\d+)( \(exact\))? \|$"
+)
+
+
+@pytest.mark.parametrize("shape", ["decoder", "encdec"])
+def test_examples_are_the_test_instances_as_they_were_scored(tmp_path: Path, shape: str) -> None:
+    """``examples.md`` holds the first three test instances of each size: the input, its
+    answer (checked here by an independent floor square root), the greedy output and its
+    right tokens. With three instances a size they are every instance tested, so their
+    right tokens and exact answers add up to each size's ``acc`` and ``seq_acc``."""
+    result = train(_compose(tmp_path, "task.problem=compute_sqrt", f"task.shape={shape}"))
+    text = (tmp_path / "run" / "examples.md").read_text()
+    assert text.startswith(f"# Greedy answers: compute_sqrt, `{result['encoder']}`, seed 0")
+    rows = [m.groups() for line in text.splitlines() if (m := EXAMPLE_ROW.match(line))]
+    sizes = sorted({int(r[0]) for r in rows})
+    assert sizes == [int(n) for n in result["by_size"]] == list(range(1, 9))
+    for n in sizes:
+        mine = [r for r in rows if int(r[0]) == n]
+        assert len(mine) == 3, mine
+        right = total = exact = 0
+        for _, given, answer, output, k, of, whole in mine:
+            bits = given.split()
+            assert len(bits) == n and set(bits) <= {"0", "1"}
+            root = f"{math.isqrt(int(''.join(bits), 2)):b}".zfill(-(-n // 2))
+            assert answer.split() == list(root)
+            out = (output or "").split()
+            assert int(k) == sum(o == a for o, a in zip(out, root, strict=False))
+            assert int(of) == len(root) and bool(whole) == (out == list(root))
+            right, total, exact = right + int(k), total + int(of), exact + bool(whole)
+        scored = result["by_size"][str(n)]
+        assert scored["acc"] == pytest.approx(100 * right / total)
+        assert scored["seq_acc"] == pytest.approx(100 * exact / 3)
+
+
 def test_a_small_model_learns_copy(tmp_path: Path) -> None:
     """Exact match >= 99% at the training sizes after a short run (about half a minute
     on two CPU cores)."""
@@ -379,7 +417,8 @@ def test_a_small_model_learns_copy(tmp_path: Path) -> None:
 def test_a_small_model_learns_flipflop(tmp_path: Path) -> None:
     """Read error <= 1% on the in-distribution strings of the training length (T = 16)
     after 200 steps (0% measured; 12 s with one thread on this CPU); the sparse and dense
-    splits are scored too."""
+    splits are scored too; a tagged problem is scored teacher-forced, so the run shows no
+    greedy answers (``examples.md``)."""
     result = train(
         _compose(
             tmp_path,
@@ -403,6 +442,7 @@ def test_a_small_model_learns_flipflop(tmp_path: Path) -> None:
     m = result["metrics"]
     assert m["test/read_err@len16-16"] <= 1.0, m
     assert {"test/read_err_sparse@len16-16", "test/read_err_dense@len16-16"} <= set(m)
+    assert not (tmp_path / "run" / "examples.md").exists()
 
 
 @pytest.mark.parametrize(
