@@ -159,6 +159,43 @@ def test_translation_on_two_ranks_decodes_each_sentence_once_as_one_process_does
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
 
 
+ALGO_TINY = [
+    "task=algo",
+    "task.problem=compute_sqrt",
+    "encoder=rope",
+    "model.n_layers=1",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_ff=32",
+    "task.train_lengths=[1,4]",
+    "task.test_multiple=2",
+    "task.batch_size=8",
+    "task.val_per_size=2",
+    "task.test_per_size=6",
+    "task.eval_batch_size=2",  # three batches a size, dealt to the ranks in turn
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.enable_progress_bar=false",
+    "trainer.accelerator=cpu",
+]
+
+
+def test_two_ranks_show_the_examples_one_process_shows(tmp_path: Path) -> None:
+    """Each rank tests every other batch; the run's examples.md still holds the first
+    three instances of every size in test order, as one process testing them all does
+    (rank zero's alone had every other size, or two of the three)."""
+    cache = tmp_path / "cache"
+    run_py(tmp_path / "two", cache, *DDP, base=ALGO_TINY)
+    ckpt = tmp_path / "two" / "checkpoints" / "best.ckpt"
+    run_py(tmp_path / "one", cache, "eval_only=true", f"ckpt_path={ckpt}", base=ALGO_TINY)
+    assert metrics(tmp_path / "one")["by_size"] == metrics(tmp_path / "two")["by_size"]
+    two = (tmp_path / "two" / "examples.md").read_text()
+    assert two == (tmp_path / "one" / "examples.md").read_text()
+    assert [line.split(" | ")[0] for line in two.splitlines() if line[:2] == "| "][1:] == [
+        f"| {n}" for n in range(1, 9) for _ in range(3)
+    ]
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 def test_sigterm_to_every_rank_stops_them_together_and_saves(tmp_path: Path) -> None:
     """SIGTERM to every process of a 2-rank run, as SLURM sends it at a time limit or a

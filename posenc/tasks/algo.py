@@ -17,10 +17,12 @@ size ``n`` and test variant:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import Metric
@@ -42,9 +44,11 @@ EXAMPLES = 3
 
 
 class Example(NamedTuple):
-    """One greedy-decoded test instance: its input ids (padding and BOS left out), its
-    answer ids and the output ids before EOS."""
+    """One greedy-decoded test instance: its size and test variant (index), its input ids
+    (padding and BOS left out), its answer ids and the output ids before EOS."""
 
+    size: int
+    variant: int
     prompt: list[int]
     answer: list[int]
     output: list[int]
@@ -185,8 +189,12 @@ class AlgoTask(TaskModule[DecoderLM | EncoderDecoder]):
         #: After testing: the sums of :class:`LengthAccuracy` by variant name.
         self.results: dict[str, dict[str, Tensor]] = {}
         #: After testing (greedy-decoded problems): the first :data:`EXAMPLES` instances of
-        #: each size this process tested, by size.
-        self.examples: dict[int, list[Example]] = {}
+        #: each size and variant, in test order (gathered from every process), by size.
+        self.examples: list[Example] = []
+        #: The sizes whose examples a test keeps (None: every size).
+        self.example_sizes: set[int] | None = None
+        #: While testing: this process's kept instances by their place in the test order.
+        self._kept: list[tuple[tuple[int, int], Example]] = []
 
     def _logits(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """Teacher-forced logits ``(B, T, V)``, targets ``(B, T)`` and the loss mask."""
@@ -267,40 +275,70 @@ class AlgoTask(TaskModule[DecoderLM | EncoderDecoder]):
         hit = logits.argmax(-1) == target
         return exact_rows(hit, scored).double(), (hit & scored).sum(-1), scored.sum(-1)
 
-    def decoded(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+    def decoded(self, batch: Batch, place: int = 0) -> tuple[Tensor, Tensor, Tensor]:
         """An evaluation batch greedy-decoded: ``(B,)`` exact (0/1), right answer tokens
-        and answer tokens."""
+        and answer tokens; its first instances are kept as examples (``place``: the batch's
+        index in the whole test set)."""
         outputs = self.answer(batch)
         answers = [
             row[:n]
             for row, n in zip(batch["answer"].tolist(), batch["answer_len"].tolist(), strict=True)
         ]
-        self._keep(batch, outputs, answers)
+        self._keep(batch, outputs, answers, place)
         scored = [score(o, a) for o, a in zip(outputs, answers, strict=True)]
         exact = torch.tensor([float(e) for e, _ in scored], device=self.device)
         right = torch.tensor([float(r) for _, r in scored], device=self.device)
         return exact, right, batch["answer_len"]
 
-    def _keep(self, batch: Batch, outputs: list[list[int]], answers: list[list[int]]) -> None:
-        """Keep the first :data:`EXAMPLES` instances of each size (inputs without padding,
-        BOS or the decoder's closing SEP)."""
+    def _keep(
+        self, batch: Batch, outputs: list[list[int]], answers: list[list[int]], place: int
+    ) -> None:
+        """Keep the first :data:`EXAMPLES` instances of each size and variant this process
+        tests (inputs without padding, BOS or the decoder's closing SEP)."""
         inputs = batch["prompt" if self.shape == "decoder" else "src"].tolist()
-        for size, ids, answer, output in zip(
-            batch["size"].tolist(), inputs, answers, outputs, strict=True
+        sizes = batch["size"].tolist()
+        variants = batch["variant"].tolist() if "variant" in batch else [0] * len(sizes)
+        have = Counter((e.size, e.variant) for _, e in self._kept)
+        for row, (size, variant, ids, answer, output) in enumerate(
+            zip(sizes, variants, inputs, answers, outputs, strict=True)
         ):
-            kept = self.examples.setdefault(int(size), [])
-            if len(kept) < EXAMPLES:
-                prompt = [i for i in ids if i not in (PAD, BOS)]
-                if self.shape == "decoder" and prompt and prompt[-1] == SEP:
-                    prompt = prompt[:-1]
-                kept.append(Example(prompt, list(answer), list(output)))
+            wanted = self.example_sizes is None or size in self.example_sizes
+            if not wanted or have[size, variant] >= EXAMPLES:
+                continue
+            have[size, variant] += 1
+            prompt = [i for i in ids if i not in (PAD, BOS)]
+            if self.shape == "decoder" and prompt and prompt[-1] == SEP:
+                prompt = prompt[:-1]
+            example = Example(int(size), int(variant), prompt, list(answer), list(output))
+            self._kept.append(((place, row), example))
+
+    def _gather_examples(self) -> list[Example]:
+        """Every process's kept instances, the first :data:`EXAMPLES` of each size and
+        variant in test order: what one process testing everything keeps."""
+        kept = self._kept
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, kept)  # once, at the end of testing
+            kept = [k for part in parts for k in part]
+        out: list[Example] = []
+        have: Counter[tuple[int, int]] = Counter()
+        for _, e in sorted(kept, key=lambda k: k[0]):
+            if have[e.size, e.variant] < EXAMPLES:
+                have[e.size, e.variant] += 1
+                out.append(e)
+        return sorted(out, key=lambda e: (e.variant, e.size))
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:
-        exact, right, tokens = self.forced(batch) if self.problem.tagged else self.decoded(batch)
+        if self.problem.tagged:
+            exact, right, tokens = self.forced(batch)
+        else:
+            # each process tests every W-th batch from its rank on (ShardSampler)
+            world = 1 if self._trainer is None else self.trainer.world_size
+            exact, right, tokens = self.decoded(batch, batch_idx * world + self.global_rank)
         self.by_size.update(batch["size"], exact, tokens, right, batch.get("variant"))
 
     def on_test_epoch_start(self) -> None:
-        self.examples = {}
+        self.examples, self._kept = [], []
 
     def on_test_epoch_end(self) -> None:
         sums = {k: v.detach().cpu() for k, v in self.by_size.compute().items()}
@@ -308,3 +346,4 @@ class AlgoTask(TaskModule[DecoderLM | EncoderDecoder]):
             name: {k: v[j] for k, v in sums.items()} for j, name in enumerate(self.problem.variants)
         }
         self.by_size.reset()
+        self.examples = self._gather_examples()

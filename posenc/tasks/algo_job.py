@@ -18,6 +18,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 
 from posenc import schema
 from posenc.data.algo import AlgoDataModule, bucket_name
+from posenc.files import write_text_atomic
 from posenc.plots import accuracy_vs_size
 from posenc.results import AlgoRecord, BySize, MetricName, names
 from posenc.schema import Run, result_name
@@ -129,6 +130,7 @@ def run(cfg: Run[schema.AlgoTask], run_dir: Path) -> dict[str, Any]:
         f" of {len(dm.problem.variants)} variants" if len(dm.problem.variants) > 1 else "",
         "teacher-forced" if dm.problem.tagged else "greedy decoding",
     )
+    task.example_sizes = example_sizes(dm, int(cfg.task.bucket_width))
     fitted.trainer.test(task, datamodule=dm, ckpt_path=fitted.best or None, verbose=False)
     return finish(cfg, run_dir, dm, task, fitted, throughput)
 
@@ -214,38 +216,70 @@ def finish(
     def files() -> None:
         _tensorboard(fitted.trainer, cfg, result)
         if task.examples:
-            text = examples_text(result, task, dm, fitted.trainer.world_size)
-            (run_dir / EXAMPLES_FILE).write_text(text)
+            try:
+                write_text_atomic(run_dir / EXAMPLES_FILE, examples_text(result, task, dm))
+            except OSError as err:  # the results are written; the examples only show them
+                log.warning("%s not written: %s", run_dir / EXAMPLES_FILE, err)
 
     return job.write(run_dir, fitted.trainer, result, files)
 
 
-def examples_text(result: AlgoRecord, task: AlgoTask, dm: AlgoDataModule, ranks: int = 1) -> str:
+#: Sizes whose examples a run shows when it tests more (then: each size bucket's ends).
+EXAMPLE_SIZES = 48
+#: Tokens shown of a longer input, answer or output: half from each end.
+SHOWN_TOKENS = 64
+
+
+def example_sizes(dm: AlgoDataModule, width: int) -> set[int]:
+    """The test sizes ``examples.md`` shows: every one, or, past :data:`EXAMPLE_SIZES`,
+    the first and last of each size bucket (the buckets of ``metrics.json``)."""
+    sizes = dm.test_sizes()
+    if len(sizes) <= EXAMPLE_SIZES:
+        return set(sizes)
+    return {n for lo, hi in dm.buckets(width) for n in (lo, hi)} & set(sizes)
+
+
+def _shown(tokens: list[str]) -> str:
+    """A code span of ``tokens`` (``(empty)`` for none) that a markdown table keeps in
+    one cell: newline, space, ``|`` and backtick tokens drawn as other signs, and the
+    middle of a long sequence left out."""
+    if not tokens:
+        return "(empty)"
+    signs = {"\n": "⏎", " ": "␣", "|": "\\|", "`": "'"}
+    marks = [signs.get(t, t) for t in tokens]
+    if len(marks) > SHOWN_TOKENS:
+        half = SHOWN_TOKENS // 2
+        marks = [*marks[:half], f"…({len(marks) - 2 * half} more)…", *marks[-half:]]
+    return f"`{' '.join(marks)}`"
+
+
+def examples_text(result: AlgoRecord, task: AlgoTask, dm: AlgoDataModule) -> str:
     """``examples.md``: the greedy outputs of the first test instances of each size beside
     their answers, to see how a run fails past training (an answer cut short, one token
     too many, right digits in the wrong place), not only how often."""
     lo, hi = result.train_lengths
-    share = " (of the instances the first of its processes tested)" if ranks > 1 else ""
+    variants = dm.problem.variants
     lines = [
         f"# Greedy answers: {result.problem}, `{result.encoder}`, seed {result.seed}",
         "",
         f"Trained on sizes {lo}..{hi}; sizes above {hi} are past training. The first "
-        f"{EXAMPLES} test instances of each size{share}: the input, the answer, the model's "
+        f"{EXAMPLES} test instances of each size shown: the input, the answer, the model's "
         "greedy output (its tokens before the end token; `(empty)`: it ended at once) and "
-        "the answer tokens it has right, position by position.",
+        "the answer tokens it has right, position by position. Sequences longer than "
+        f"{SHOWN_TOKENS} tokens are shown by their two ends.",
         "",
         "| size | input | answer | output | right |",
         "|---|---|---|---|---|",
     ]
-    decode = dm.vocab.decode
-    for size in sorted(task.examples):
-        for ex in task.examples[size]:
-            exact, right = score(ex.output, ex.answer)
-            output = f"`{decode(ex.output)}`" if ex.output else "(empty)"
-            lines.append(
-                f"| {size} | `{decode(ex.prompt)}` | `{decode(ex.answer)}` | {output} | "
-                f"{right}/{len(ex.answer)}{' (exact)' if exact else ''} |"
-            )
+    tokens = dm.vocab.tokens
+    for ex in task.examples:
+        exact, right = score(ex.output, ex.answer)
+        size = f"{ex.size} ({variants[ex.variant]})" if variants[ex.variant] else str(ex.size)
+        cells = [_shown([tokens[i] for i in ids]) for ids in (ex.prompt, ex.answer, ex.output)]
+        lines.append(
+            f"| {size} | {' | '.join(cells)} | "
+            f"{right}/{len(ex.answer)}{' (exact)' if exact else ''} |"
+        )
     return "\n".join(lines) + "\n"
 
 

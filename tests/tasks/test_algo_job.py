@@ -18,6 +18,7 @@ from posenc.config import ConfigError, validate
 from posenc.data.algo import (
     EOS,
     PROBLEMS,
+    AlgoDataModule,
     AlgoVocab,
     Options,
     collate_eval,
@@ -25,8 +26,15 @@ from posenc.data.algo import (
     instance,
 )
 from posenc.data.algo_problems import DEFAULTS, problem_default
-from posenc.tasks.algo import AlgoTask, score, until_eos
-from posenc.tasks.algo_job import bucket_metrics, by_size
+from posenc.tasks.algo import EXAMPLES, AlgoTask, score, until_eos
+from posenc.tasks.algo_job import (
+    EXAMPLE_SIZES,
+    SHOWN_TOKENS,
+    _shown,
+    bucket_metrics,
+    by_size,
+    example_sizes,
+)
 from posenc.train import train
 from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS, ROOT, compose_config
 
@@ -352,41 +360,104 @@ def test_whole_runs_of_the_content_problems(
     assert result["metrics"] == pytest.approx(saved["metrics"], nan_ok=True)
 
 
-#: A row of examples.md: size, input, answer, output (or "(empty)"), right/of, (exact).
+#: A row of examples.md: size, input, answer, output (each a code span or "(empty)"),
+#: right/of, (exact).
 EXAMPLE_ROW = re.compile(
-    r"^\| (\d+) \| `([^`]*)` \| `([^`]*)` \| (?:`([^`]*)`|\(empty\)) \| "
-    r"(\d+)/(\d+)( \(exact\))? \|$"
+    r"^\| (\d+) \| (?:`([^`]*)`|\(empty\)) \| (?:`([^`]*)`|\(empty\)) \| "
+    r"(?:`([^`]*)`|\(empty\)) \| (\d+)/(\d+)( \(exact\))? \|$"
 )
 
 
-@pytest.mark.parametrize("shape", ["decoder", "encdec"])
-def test_examples_are_the_test_instances_as_they_were_scored(tmp_path: Path, shape: str) -> None:
-    """``examples.md`` holds the first three test instances of each size: the input, its
-    answer (checked here by an independent floor square root), the greedy output and its
-    right tokens. With three instances a size they are every instance tested, so their
-    right tokens and exact answers add up to each size's ``acc`` and ``seq_acc``."""
-    result = train(_compose(tmp_path, "task.problem=compute_sqrt", f"task.shape={shape}"))
+@pytest.mark.parametrize(
+    ("problem", "shape", "extra"),
+    [
+        ("compute_sqrt", "decoder", []),
+        ("compute_sqrt", "encdec", []),
+        # prompts of several lengths within a size: left-padded (decoder), padded (encdec)
+        ("count", "decoder", ["task.train_lengths=[1,3]", "task.test_multiple=3"]),
+        ("count", "encdec", ["task.train_lengths=[1,3]", "task.test_multiple=3"]),
+        ("stack_manipulation", "decoder", []),  # some answers are empty
+    ],
+)
+def test_examples_are_the_test_instances_as_they_were_scored(
+    tmp_path: Path, problem: str, shape: str, extra: list[str]
+) -> None:
+    """``examples.md`` holds the first test instances of each size: the input and answer
+    (the instance generator's own, for compute_sqrt checked by an independent floor square
+    root too), the greedy output and its right tokens. With as many instances a size as
+    it keeps, they are every instance tested, so their right tokens and exact answers add
+    up to each size's ``acc`` and ``seq_acc``."""
+    result = train(
+        _compose(
+            tmp_path,
+            f"task.problem={problem}",
+            f"task.shape={shape}",
+            f"task.test_per_size={EXAMPLES}",
+            *extra,
+        )
+    )
     text = (tmp_path / "run" / "examples.md").read_text()
-    assert text.startswith(f"# Greedy answers: compute_sqrt, `{result['encoder']}`, seed 0")
+    assert text.startswith(f"# Greedy answers: {problem}, `{result['encoder']}`, seed 0")
     rows = [m.groups() for line in text.splitlines() if (m := EXAMPLE_ROW.match(line))]
     sizes = sorted({int(r[0]) for r in rows})
-    assert sizes == [int(n) for n in result["by_size"]] == list(range(1, 9))
+    assert sizes == sorted(int(n) for n in result["by_size"])
+    t = result["config"]["task"]
+    options = Options(**{k: t[k] for k in Options.__dataclass_fields__ if k in t})
+    empty_answers = 0
     for n in sizes:
         mine = [r for r in rows if int(r[0]) == n]
-        assert len(mine) == 3, mine
+        assert len(mine) == EXAMPLES, mine
         right = total = exact = 0
-        for _, given, answer, output, k, of, whole in mine:
-            bits = given.split()
-            assert len(bits) == n and set(bits) <= {"0", "1"}
-            root = f"{math.isqrt(int(''.join(bits), 2)):b}".zfill(-(-n // 2))
-            assert answer.split() == list(root)
+        for i, (_, given, answer, output, k, of, whole) in enumerate(mine):
+            prompt, truth = instance(PROBLEMS[problem], n, f"test:{i}", options)
+            assert (given or "").split() == list(prompt), (n, i, given)
+            assert (answer or "").split() == list(truth), (n, i, answer)
+            if problem == "compute_sqrt":
+                assert list(truth) == list(
+                    f"{math.isqrt(int(''.join(prompt), 2)):b}".zfill(-(-n // 2))
+                )
             out = (output or "").split()
-            assert int(k) == sum(o == a for o, a in zip(out, root, strict=False))
-            assert int(of) == len(root) and bool(whole) == (out == list(root))
+            assert int(k) == sum(o == a for o, a in zip(out, truth, strict=False))
+            assert int(of) == len(truth) and bool(whole) == (out == list(truth))
             right, total, exact = right + int(k), total + int(of), exact + bool(whole)
+            empty_answers += not truth
         scored = result["by_size"][str(n)]
-        assert scored["acc"] == pytest.approx(100 * right / total)
-        assert scored["seq_acc"] == pytest.approx(100 * exact / 3)
+        if total:
+            assert scored["acc"] == pytest.approx(100 * right / total)
+        assert scored["seq_acc"] == pytest.approx(100 * exact / EXAMPLES)
+    assert (empty_answers > 0) == (problem == "stack_manipulation")
+
+
+def test_examples_keep_the_table_readable() -> None:
+    """A cell of examples.md stays one code span on one line: specials a table cannot hold
+    drawn as signs, nothing as ``(empty)``, a long sequence by its two ends; past
+    :data:`EXAMPLE_SIZES` test sizes only the ends of each size bucket are shown."""
+    assert _shown([]) == "(empty)"
+    assert _shown(["a", " ", "\n", "|", "`"]) == "`a ␣ ⏎ \\| '`"
+    long = [str(i) for i in range(SHOWN_TOKENS + 10)]
+    half = SHOWN_TOKENS // 2
+    assert _shown(long) == "`" + " ".join([*long[:half], "…(10 more)…", *long[-half:]]) + "`"
+
+    def datamodule(top: int) -> AlgoDataModule:
+        return AlgoDataModule(
+            problem="copy",
+            shape="decoder",
+            train_lengths=[1, 8],
+            top=top,
+            options=Options(),
+            batch_size=8,
+            eval_batch_size=8,
+            steps=1,
+            val_per_size=1,
+            test_per_size=1,
+            seed=0,
+        )
+
+    dm = datamodule(64)  # 64 sizes tested: more than EXAMPLE_SIZES
+    assert len(dm.test_sizes()) == 64 > EXAMPLE_SIZES
+    # buckets: 1..8 (training), then 8 sizes at a time
+    assert example_sizes(dm, 8) == {1, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64}
+    assert example_sizes(datamodule(24), 8) == set(range(1, 25))  # 24: every one
 
 
 def test_a_small_model_learns_copy(tmp_path: Path) -> None:
