@@ -157,6 +157,23 @@ MT_SMALL = [
 ]
 
 
+# An algorithmic run small enough for CI: one layer of width 16 on sizes 1..4, tested to
+# 8 with three instances a size, three steps.
+ALGO_SMALL = [
+    "model.n_layers=1",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_ff=32",
+    "task.train_lengths=[1,4]",
+    "task.test_multiple=2",
+    "task.batch_size=8",
+    "task.val_per_size=2",
+    "task.test_per_size=3",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+]
+
+
 def compose_run(tmp_path: Path, *overrides: str) -> DictConfig:
     """The real config, composed as run.py would, with a tiny model, writing into tmp_path."""
     return compose_config(tmp_path, *TINY, *overrides)

@@ -21,7 +21,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from posenc.train import train
-from tests.conftest import MT_SMALL, ROOT, children
+from tests.conftest import ALGO_SMALL, MT_SMALL, ROOT, children
 
 pytestmark = pytest.mark.ddp
 
@@ -163,18 +163,9 @@ ALGO_TINY = [
     "task=algo",
     "task.problem=compute_sqrt",
     "encoder=rope",
-    "model.n_layers=1",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.d_ff=32",
-    "task.train_lengths=[1,4]",
-    "task.test_multiple=2",
-    "task.batch_size=8",
-    "task.val_per_size=2",
+    *[o for o in ALGO_SMALL if not o.startswith("task.test_per_size=")],
     "task.test_per_size=6",
     "task.eval_batch_size=2",  # three batches a size, dealt to the ranks in turn
-    "trainer.max_steps=3",
-    "trainer.val_check_interval=3",
     "trainer.enable_progress_bar=false",
     "trainer.accelerator=cpu",
 ]

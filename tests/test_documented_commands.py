@@ -29,7 +29,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from posenc.data.algo_problems import PROBLEMS, problem_default
-from tests.conftest import ROOT
+from tests.conftest import ALGO_SMALL, ROOT
 
 DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
 
@@ -64,19 +64,7 @@ SIZES = {
         "trainer.val_check_interval=2",
         "trainer.limit_val_batches=2",
     ],
-    "algo": [
-        "model.n_layers=1",
-        "model.d_model=16",
-        "model.n_heads=2",
-        "model.d_ff=32",
-        "task.train_lengths=[1,4]",
-        "task.test_multiple=2",
-        "task.batch_size=8",
-        "task.val_per_size=2",
-        "task.test_per_size=3",
-        "trainer.max_steps=3",
-        "trainer.val_check_interval=3",
-    ],
+    "algo": ALGO_SMALL,
 }
 #: What a preset's name stands for where a document writes ``sweep=<preset>``.
 PRESET = "smoke"

@@ -36,7 +36,7 @@ from posenc.tasks.algo_job import (
     example_sizes,
 )
 from posenc.train import train
-from tests.conftest import BIDIRECTIONAL_YAMLS, ENCODER_YAMLS, ROOT, compose_config
+from tests.conftest import ALGO_SMALL, BIDIRECTIONAL_YAMLS, ENCODER_YAMLS, ROOT, compose_config
 
 OPTIM = {
     "lr": 1e-3,
@@ -223,18 +223,8 @@ def _compose(tmp_path: Path, *overrides: str) -> DictConfig:
             "config",
             overrides=[
                 "task=algo",
-                "model.n_layers=1",
-                "model.d_model=16",
-                "model.n_heads=2",
-                "model.d_ff=32",
-                "task.train_lengths=[1,4]",
-                "task.test_multiple=2",
+                *ALGO_SMALL,
                 "task.bucket_width=2",
-                "task.batch_size=8",
-                "task.val_per_size=2",
-                "task.test_per_size=3",
-                "trainer.max_steps=3",
-                "trainer.val_check_interval=3",
                 "trainer.log_every_n_steps=1",
                 "trainer.enable_progress_bar=false",
                 f"paths.output_dir={tmp_path / 'run'}",
