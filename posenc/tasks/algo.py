@@ -189,7 +189,8 @@ class AlgoTask(TaskModule[DecoderLM | EncoderDecoder]):
         #: After testing: the sums of :class:`LengthAccuracy` by variant name.
         self.results: dict[str, dict[str, Tensor]] = {}
         #: After testing (greedy-decoded problems): the first :data:`EXAMPLES` instances of
-        #: each size and variant, in test order (gathered from every process), by size.
+        #: each size and variant in test order (gathered from every process), sorted by
+        #: variant and size.
         self.examples: list[Example] = []
         #: The sizes whose examples a test keeps (None: every size).
         self.example_sizes: set[int] | None = None
