@@ -296,15 +296,20 @@ class AlgoTask(TaskModule[DecoderLM | EncoderDecoder]):
     ) -> None:
         """Keep the first :data:`EXAMPLES` instances of each size and variant this process
         tests (inputs without padding, BOS or the decoder's closing SEP)."""
-        inputs = batch["prompt" if self.shape == "decoder" else "src"].tolist()
         sizes = batch["size"].tolist()
         variants = batch["variant"].tolist() if "variant" in batch else [0] * len(sizes)
         have = Counter((e.size, e.variant) for _, e in self._kept)
+        wanted = [
+            (self.example_sizes is None or n in self.example_sizes) and have[n, v] < EXAMPLES
+            for n, v in zip(sizes, variants, strict=True)
+        ]
+        if not any(wanted):  # most batches: their sizes have their examples already
+            return
+        inputs = batch["prompt" if self.shape == "decoder" else "src"].tolist()
         for row, (size, variant, ids, answer, output) in enumerate(
             zip(sizes, variants, inputs, answers, outputs, strict=True)
         ):
-            wanted = self.example_sizes is None or size in self.example_sizes
-            if not wanted or have[size, variant] >= EXAMPLES:
+            if not wanted[row] or have[size, variant] >= EXAMPLES:
                 continue
             have[size, variant] += 1
             prompt = [i for i in ids if i not in (PAD, BOS)]

@@ -25,7 +25,6 @@ from posenc.schema import Run, result_name
 from posenc.tasks.algo import EXAMPLES, AlgoTask, score
 from posenc.training import job
 from posenc.training.callbacks import Throughput
-from posenc.training.summary import EXAMPLES_FILE
 from posenc.training.trainer import (
     init_from_checkpoint,
     load_for_eval,
@@ -213,17 +212,23 @@ def finish(
     )
     result = job.record(cfg, task, fitted, throughput, fields)
 
-    def files() -> None:
+    def files() -> dict[str, Path]:
         _tensorboard(fitted.trainer, cfg, result)
-        if task.examples:
-            try:
-                write_text_atomic(run_dir / EXAMPLES_FILE, examples_text(result, task, dm))
-            except OSError as err:  # the results are written; the examples only show them
-                log.warning("%s not written: %s", run_dir / EXAMPLES_FILE, err)
+        if not task.examples:
+            return {}
+        path = run_dir / EXAMPLES_FILE
+        try:
+            write_text_atomic(path, examples_text(result, task, dm))
+        except OSError as err:  # the results are written; the examples only show them
+            log.warning("%s not written: %s", path, err)
+            return {}
+        return {"examples": path}
 
     return job.write(run_dir, fitted.trainer, result, files)
 
 
+#: The run's example answers, beside metrics.json.
+EXAMPLES_FILE = "examples.md"
 #: Sizes whose examples a run shows when it tests more (then: each size bucket's ends).
 EXAMPLE_SIZES = 48
 #: Tokens shown of a longer input, answer or output: half from each end.

@@ -10,7 +10,7 @@ writes ``metrics.json``, the task's TensorBoard entries and the closing summary)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -113,11 +113,12 @@ def write(
     run_dir: Path,
     trainer: pl.Trainer,
     result: Record,
-    files: Callable[[], None],
+    files: Callable[[], Mapping[str, Path] | None],
     message: str = "",
 ) -> dict[str, Any]:
     """On rank zero: ``metrics.json``, then the task's other files and TensorBoard entries
-    (``files()``), a log line and the run's closing summary.
+    (``files()``, which returns the files the closing summary should name, by label), a
+    log line and the run's closing summary.
 
     Returns:
         The record as ``metrics.json`` holds it (what :func:`posenc.train.train` returns).
@@ -125,7 +126,7 @@ def write(
     if trainer.is_global_zero:
         path = run_dir / results.FILE
         results.write(path, result)
-        files()
+        shown = files()
         log.info("%smetrics written to %s", f"{message}; " if message else "", path)
-        print(summary(result, run_dir), flush=True)
+        print(summary(result, run_dir, shown), flush=True)
     return results.to_json(result)

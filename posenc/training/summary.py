@@ -7,6 +7,7 @@ import json
 import math
 import sys
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,6 @@ from hydra.experimental.callback import Callback
 from posenc.results import FILE, AlgoRecord, LMRecord, MetricName, Metrics, MTRecord, Record
 from posenc.training.gate import describe
 from posenc.training.rundir import checkpoints_in
-
-#: A greedy-decoded algorithmic run's example answers, in its run directory.
-EXAMPLES_FILE = "examples.md"
 
 
 def _fmt(value: float) -> str:
@@ -128,8 +126,9 @@ def _mt_lines(record: Record) -> list[str]:
     return lines
 
 
-def summary(record: Record, run_dir: Path) -> str:
-    """The lines a run prints when it ends (``metrics.json``'s contents, shortened)."""
+def summary(record: Record, run_dir: Path, shown: Mapping[str, Path] | None = None) -> str:
+    """The lines a run prints when it ends (``metrics.json``'s contents, shortened), with
+    the other files its task wrote that ``shown`` names (label -> path)."""
     if isinstance(record, LMRecord):
         lines = _lm_lines(record)
     elif isinstance(record, AlgoRecord):
@@ -145,11 +144,7 @@ def summary(record: Record, run_dir: Path) -> str:
     lines += [
         f"run directory: {run_dir}",
         f"all numbers:   {run_dir / FILE}",
-        *(
-            [f"examples:      {run_dir / EXAMPLES_FILE}"]
-            if (run_dir / EXAMPLES_FILE).exists()
-            else []
-        ),
+        *(f"{label + ':':<15}{path}" for label, path in (shown or {}).items()),
         *checkpoint_lines(run_dir / "checkpoints"),
         f"curves:        tensorboard --logdir {run_dir / 'tb'}",
     ]
