@@ -139,13 +139,16 @@ def write(path: Path, tasks: dict[str, dict[str, Any]], sweep: Path | Sequence[P
         path: Where (``<report dir>/tuned_lr.yaml``).
         tasks: Per task: ``criterion`` (text), ``grid`` (the rates tried), ``lr``
             (encoder -> chosen rate), ``at_edge`` (encoders whose rate is the grid's
-            smallest or largest), ``chosen_from`` and ``failed`` (encoder -> the rates
-            with a result, and those whose runs failed).
+            smallest or largest), ``tied`` (encoder -> the rates that tied with its
+            choice), ``chosen_from`` and ``failed`` (encoder -> the rates with a result,
+            and those whose runs failed).
         sweep: The directory (or directories) the runs came from.
     """
     head = (
         "# Learning rates tuned alike for every scheme: per task and encoder, the rate of\n"
         "# the grid with the best mean validation metric at the training length.\n"
+        "# tied: per scheme, rates whose metric tied (losses <= 1e-6 count as equal); the\n"
+        "# one whose runs met the learnability gate first chose, then the grid's inner one.\n"
         "# failed: per scheme, rates whose runs failed (the choice is from the rest; +tuned\n"
         "# refuses such a choice unless +tuned_allow_partial=true).\n"
         "# Written by python -m posenc.report; used by python run.py ... +tuned=<its dir>\n"

@@ -812,7 +812,60 @@ def test_a_grid_with_failed_runs_records_them_and_says_the_choice_is_partial(
     md = (root / "report" / "report.md").read_text()
     assert "| rope | 2 (n=1) | **1.5 (n=1)** | failed (2) | 0.001 (incomplete grid) |" in md
     assert "| alibi | failed (1) | 1.7 (n=1) | **1.6 (n=1)** | 0.003 (incomplete grid) |" in md
-    assert "> Chosen from an incomplete grid (runs failed: rope at 0.003; alibi at 0.0003)" in md
+    assert "> Chosen from an incomplete grid (runs failed: alibi at 0.0003; rope at 0.003)" in md
+
+
+def test_losses_under_float32_resolution_tie_and_the_gate_step_then_the_inner_rate_choose(
+    tmp_path: Path,
+) -> None:
+    """A task every rate fits perfectly at the training length leaves losses of 0 and
+    1e-10, float32's rounding and no evidence: those tie. rope's tied rates: the one whose
+    runs met the gate first (mean over two seeds: 500 at 1e-2 against 625 and 750); alibi's
+    tied rates met the gate at the same step, so the inner one (3e-3) chooses, never asking
+    for a wider grid; xl's 2e-6 is above the floor and loses to 1e-3's 1e-9 as before."""
+    from omegaconf import OmegaConf
+
+    from posenc.tuned import load
+
+    root = tmp_path / "grid"
+    values = {  # (encoder, lr): [(val/loss, step the gate was met) per seed]
+        ("rope", 1e-3): [(1e-10, 500), (3e-8, 750)],
+        ("rope", 3e-3): [(0.0, 750), (0.0, 750)],
+        ("rope", 1e-2): [(4e-7, 250), (0.0, 750)],
+        ("alibi", 1e-3): [(0.0, 1000), (0.0, 1000)],
+        ("alibi", 3e-3): [(2e-10, 1000), (0.0, 1000)],
+        ("alibi", 1e-2): [(0.04, None), (0.05, None)],
+        ("xl", 1e-3): [(1e-9, 1000), (1e-9, 1000)],
+        ("xl", 3e-3): [(2e-6, 250), (2e-6, 250)],
+        ("xl", 1e-2): [(0.3, None), (0.3, None)],
+    }
+    for i, ((encoder, lr), seeds) in enumerate(values.items()):
+        for seed, (loss, step) in enumerate(seeds):
+            write_run(
+                root / f"{i}_{seed}",
+                "lm",
+                encoder,
+                seed,
+                {"val/loss": loss},
+                config={"seed": seed, "task": {"optim": {"lr": lr}}},
+                gate={"metric": "val/seq_acc", "threshold": 95.0, "stop": False},
+                learned=step is not None,
+                learned_step=step,
+                train_steps=3000,
+                **LM_EXTRA,
+            )
+    build_report(root, tensorboard=False)
+    tuned = load(root / "report" / "tuned_lr.yaml")
+    assert tuned.rates == {"lm": {"rope": 1e-2, "alibi": 3e-3, "xl": 1e-3}}
+    md = (root / "report" / "report.md").read_text()
+    assert "| rope | 1.505e-08 ± 1.9e-07 (n=2, tie, gate at 625) | 0 ± 0 (n=2, tie, gate " in md
+    assert "| **2e-07 ± 2.5e-06 (n=2, tie, gate at 500)** | 0.01 |" in md
+    assert "| alibi | 0 ± 0 (n=2, tie, gate at 1000) | **1e-10 ± 1.3e-09 (n=2, tie, gate " in md
+    assert "| xl | **1e-09 ± 0 (n=2)** | 2e-06 ± 0 (n=2) | 0.3 ± 0 (n=2) | 0.001 |" in md
+    assert "> Tied on val/loss (losses at or below 1e-06 count as equal): alibi (0.001, " in md
+    assert "Chosen at the edge of the grid: rope, xl;" in md  # not alibi: a tie chose inside
+    written = OmegaConf.to_container(OmegaConf.load(root / "report" / "tuned_lr.yaml"))
+    assert written["tasks"]["lm"]["tied"] == {"rope": [1e-3, 3e-3, 1e-2], "alibi": [1e-3, 3e-3]}
 
 
 @pytest.mark.parametrize("stop", [True, False])

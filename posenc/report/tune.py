@@ -5,8 +5,9 @@ best with on validation at the training length (written to ``tuned_lr.yaml``,
 
 Only validation metrics at the training length choose: ``val/loss`` (the language model's
 and the algorithmic tasks' teacher-forced loss on the validation split at the training
-length or sizes); ``val/bleu`` for translation. No test metric and no length beyond the
-training one ever enters the choice.
+length or sizes); ``val/bleu`` for translation; among rates that tie, the step at which
+the runs met the learnability gate (validation at the training length too). No test metric
+and no length beyond the training one ever enters the choice.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ CRITERIA: dict[str, list[tuple[MetricName, bool]]] = {
     "algo": [(VAL_LOSS, True)],
     "mt": [(VAL_BLEU, False), (VAL_LOSS, True)],
 }
+#: Mean losses at or below this are equal: near zero, float32 resolves a token's loss only
+#: in steps of log(1 + 2**-23) ~ 1.2e-7, so under 1e-6 a loss says "every token right" and
+#: no more (a task the models fit perfectly at the training length, e.g. reversing a string).
+LOSS_FLOOR = 1e-6
 
 
 def lr_text(lr: float | None) -> str:
@@ -83,10 +88,20 @@ class GridCell:
 
     values: list[float]
     failed: int = 0
+    #: The step at which each run met the learnability gate (None: no gate, or never met).
+    learned_steps: list[int | None] = field(default_factory=list)
 
     @property
     def mean(self) -> float | None:
         return statistics.fmean(self.values) if self.values else None
+
+    @property
+    def learned_at(self) -> float:
+        """The mean step at which its runs met the gate (inf unless every run met it)."""
+        steps = self.learned_steps
+        if not steps or any(s is None for s in steps):
+            return math.inf
+        return statistics.fmean(s for s in steps if s is not None)
 
 
 @dataclass
@@ -99,6 +114,8 @@ class Grid:
     rates: list[float]
     cells: dict[str, dict[float, GridCell]]
     chosen: dict[str, float]
+    #: Per encoder, the rates that tied on the criterion with its choice (more than one).
+    tied: dict[str, list[float]] = field(default_factory=dict)
     #: The training steps of its runs (where recorded), and how many of them the
     #: learnability gate ended early (``task.learned.stop``, once they learned).
     steps: list[int] = field(default_factory=list)
@@ -139,8 +156,8 @@ class Grid:
 def grids(runs: Sequence[Run], failures: Sequence[Failure] = ()) -> list[Grid]:
     """The learning-rate grid of each task whose untuned runs of some encoder used more
     than one rate (e.g. ``sweep=lr_tune``), with each encoder's choice: the rate with the
-    best mean criterion over its runs (ties: the smaller rate). ``failures`` (jobs without
-    results) count as failed runs at their rate (:func:`failure_point`)."""
+    best mean criterion over its runs (:func:`choose`). ``failures`` (jobs without results)
+    count as failed runs at their rate (:func:`failure_point`)."""
     lost = [p for p in map(failure_point, failures) if p is not None]
     by_task: dict[str, list[Run]] = {}
     for r in runs:
@@ -163,21 +180,45 @@ def grids(runs: Sequence[Run], failures: Sequence[Failure] = ()) -> list[Grid]:
             cell = cells.setdefault(r.encoder, {}).setdefault(r.lr, GridCell([]))  # type: ignore[arg-type]
             cell.values += values
             cell.failed += not_finite
+            cell.learned_steps.append(r.record.learned_step)
         for where, encoder, lr in lost:
             if where == task:
                 cells.setdefault(encoder, {}).setdefault(lr, GridCell([])).failed += 1
-        chosen = {}
-        for encoder, by_rate in cells.items():
-            scored = [(c.mean, lr) for lr, c in by_rate.items() if c.mean is not None]
-            if scored:
-                sign = 1 if lower else -1
-                chosen[encoder] = min(scored, key=lambda m: (sign * m[0], m[1]))[1]
         cells = dict(sorted(cells.items(), key=lambda kv: encoder_key(kv[0])))
         rates = sorted({lr for by_rate in cells.values() for lr in by_rate})
+        chosen, tied = {}, {}
+        for encoder, by_rate in cells.items():
+            choice = choose(by_rate, lower, rates)
+            if choice is not None:
+                chosen[encoder], ties = choice
+                if len(ties) > 1:
+                    tied[encoder] = ties
         steps = [r.record.train_steps for r in rs if r.record.train_steps is not None]
         stopped = sum(_gate_stopped(r, max(steps, default=0)) for r in rs)
-        out.append(Grid(task, metric, lower, rates, cells, chosen, steps, stopped))
+        out.append(Grid(task, metric, lower, rates, cells, chosen, tied, steps, stopped))
     return out
+
+
+def choose(
+    by_rate: dict[float, GridCell], lower: bool, rates: Sequence[float]
+) -> tuple[float, list[float]] | None:
+    """One encoder's rate and the rates that tied with it: the best mean criterion, where
+    losses at or below :data:`LOSS_FLOOR` are equal; among tied rates, the one whose runs
+    met the learnability gate earliest (mean step), then the one farthest from the grid's
+    ends (a tie never asks for a wider grid), then the smaller. None: no rate has a result."""
+    scored = {lr: c.mean for lr, c in by_rate.items() if c.mean is not None}
+    if not scored:
+        return None
+    level = {lr: max(m, LOSS_FLOOR) if lower else -m for lr, m in scored.items()}
+    best = min(level.values())
+    ties = sorted(lr for lr, v in level.items() if v == best)
+
+    def inner(lr: float) -> int:
+        i = rates.index(lr)
+        return min(i, len(rates) - 1 - i)
+
+    pick = min(ties, key=lambda lr: (by_rate[lr].learned_at, -inner(lr), lr))
+    return pick, ties
 
 
 def _gate_stopped(run: Run, longest: int) -> bool:
@@ -261,12 +302,16 @@ def grid_table(grid: Grid) -> list[str]:
                 continue
             half = ci95(cell.values)
             text = f"{cell.mean:.4g}" + ("" if half is None else f" ± {half:.2g}")
-            text += f" (n={len(cell.values)}" + (f", {cell.failed} failed)" if cell.failed else ")")
+            text += f" (n={len(cell.values)}" + (f", {cell.failed} failed" if cell.failed else "")
+            if lr in grid.tied.get(encoder, ()):
+                at = cell.learned_at
+                text += f", tie, gate at {at:.0f}" if math.isfinite(at) else ", tie, gate not met"
+            text += ")"
             row.append(f"**{text}**" if grid.chosen.get(encoder) == lr else text)
         partial = " (incomplete grid)" if encoder in grid.chosen and grid.failed(encoder) else ""
         row.append(lr_text(grid.chosen.get(encoder)) + partial)
         lines.append("| " + " | ".join(row) + " |")
-    lines += _incomplete_note(grid) + _steps_note(grid)
+    lines += _tie_note(grid) + _incomplete_note(grid) + _steps_note(grid)
     edge = grid.at_edge()
     if edge:
         lines += [
@@ -283,6 +328,21 @@ def grid_table(grid: Grid) -> list[str]:
                     f"report over both sweep directories."
                 )
     return lines
+
+
+def _tie_note(grid: Grid) -> list[str]:
+    """A line naming the encoders whose criterion tied at several rates, and how the tie
+    was broken."""
+    if not grid.tied:
+        return []
+    each = "; ".join(f"{e} ({', '.join(map(lr_text, lrs))})" for e, lrs in grid.tied.items())
+    floor = f" (losses at or below {LOSS_FLOOR:g} count as equal)" if grid.lower else ""
+    return [
+        "",
+        f"> Tied on {grid.metric}{floor}: {each}. Among tied rates the one whose runs met "
+        f"the learnability gate at the earliest step (mean over seeds) chose, then the one "
+        f"farthest from the grid's ends, then the smaller.",
+    ]
 
 
 def _incomplete_note(grid: Grid) -> list[str]:
@@ -327,6 +387,7 @@ def tuned_file(grids_: Sequence[Grid]) -> dict[str, dict[str, object]]:
             "grid": g.rates,
             "lr": dict(g.chosen),
             "at_edge": g.at_edge(),
+            "tied": dict(g.tied),
             "chosen_from": {e: g.chosen_from(e) for e in g.chosen},
             "failed": {e: g.failed(e) for e in g.chosen},
         }
