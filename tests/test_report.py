@@ -1299,6 +1299,51 @@ def test_holm_can_make_a_lead_whose_interval_excludes_zero_a_tie(tmp_path: Path)
     assert "| +8.8 ± 8.6 | 0.086 (tie) |" in md and "| +7.5 ± 7.1 | 0.086 (tie) |" in md
 
 
+def test_a_task_at_two_rate_arms_is_one_task_and_the_tuned_change_has_its_table(
+    tmp_path: Path,
+) -> None:
+    """Three tasks at the shared rate (parity's runs also at tuned rates): the means and
+    leads are over the shared-rate tables only, never parity's two arms as two tasks (its
+    tuned table alone has no lead); each scheme's change ``tuned_lr - same_lr`` is by hand
+    from the cells, without a scheme that did not learn at both."""
+    tuned = {"file": "/x/tuned_lr.yaml", "task": "algo_parity", "lr": 1e-3}
+    scores = {  # (task, encoder): shared-rate score, tuned score (None: not learned)
+        ("parity", "a"): (60.0, 70.0),
+        ("parity", "b"): (50.0, 35.0),
+        ("parity", "c"): (40.0, None),
+        ("sort", "a"): (80.0, None),
+        ("sort", "b"): (70.0, None),
+        ("sort", "c"): (75.0, None),
+        ("copy", "a"): (90.0, None),
+        ("copy", "b"): (60.0, None),
+        ("copy", "c"): (30.0, None),
+    }
+    for (task, enc), (shared, at_tuned) in scores.items():
+        acc = {1: 0.0, 2: 0.0, 3: shared, 4: shared}
+        common = {"problem": task, "train_lengths": (1, 2), "by_size": _by_size(acc)}
+        _run(tmp_path, f"{task}_{enc}", enc, 0, {}, True, **common)
+        if task == "parity":
+            x = 99.0 if at_tuned is None else at_tuned
+            common["by_size"] = _by_size({1: 0.0, 2: 0.0, 3: x, 4: x})
+            t = tuned | {"encoder": enc}
+            learned = at_tuned is not None
+            _run(tmp_path, f"{task}_{enc}_t", enc, 0, {}, learned, lr=1e-3, tuned=t, **common)
+    build_report(tmp_path, tensorboard=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    across = md[md.index("## Across the tasks") :]
+    assert "| algo_parity_tuned_lr | 70.0 | 35.0 | not learned |" in across
+    # over parity (same_lr), sort and copy: a 76.7, b 60, c 48.3
+    head = "At one rate shared by every scheme (tables `same_lr`). Per scheme: the tasks it"
+    assert head in across and "(algo_copy, algo_parity_same_lr, algo_sort)." in across
+    assert "| a | 3 | 3/3 | 76.7 | best | |" in across
+    assert "| b | 3 | 3/3 | 60.0 | +16.7 ± " in across  # 30, 10, 10
+    assert across.count("Per scheme:") == 1  # the tuned arm has one table: no leads
+    assert "Tuned rates: `tuned_lr - same_lr`" in across
+    assert "| a | 1 | +10.0 | 1 | 0 |" in across
+    assert "| b | 1 | -15.0 | 0 | 1 |" in across
+    assert "| c | 0 | no task | 0 | 0 |" in across
+
+
 def test_across_the_tasks_figure_draws_the_cells() -> None:
     """The heat map holds each learned cell's mean (k/n under it where only k of n runs
     learned), no colour where none did; X_rand follows the plain schemes in their order."""

@@ -508,7 +508,8 @@ def markdown(
         out += [f"![{p.stem}]({p.name})" for p in figures if _figure_task(p, tasks) == task]
         out += [""]
     drawn = [p for p in figures if p.stem == suite.FIGURE]
-    out += suite.section(across, drawn[0] if drawn else None)
+    arms = {task: (rs[0].base_task, rs[0].arm) for (task, _), rs in by_group.items()}
+    out += suite.section(across, drawn[0] if drawn else None, arms)
     loose = [p for p in figures if _figure_task(p, tasks) is None and p not in drawn]
     if loose:
         out += ["## Overview", "", *[f"![{p.stem}]({p.name})" for p in loose], ""]

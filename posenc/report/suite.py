@@ -17,6 +17,11 @@ whose runs ``X_rand`` trained on randomized positions (Ruoss et al. 2023) are in
 report too, the change is ``X_rand - X`` over the tasks both learned, with its 95%
 interval over those tasks (Student's t): the quantity behind Ruoss et al.'s "+12.0% on
 average over the 15 tasks".
+
+Tables of one task at different learning-rate arms (``_same_lr``, ``_tuned_lr``, ``_lr0.001``)
+are one task, never two: the means and leads are taken within an arm (the shared-rate
+tasks together, the tuned ones together), and each scheme's change from its shared rate
+to its tuned one (``tuned_lr - same_lr``) has a table of its own.
 """
 
 from __future__ import annotations
@@ -140,6 +145,51 @@ def changes(g: Grid) -> list[Change]:
     return out
 
 
+#: The arms whose tables hold each scheme at one rate shared by all ("": a task run at
+#: one rate only) and at its own tuned rate (:func:`posenc.report.tune.assign_arms`).
+SHARED, TUNED = ("", "same_lr"), "tuned_lr"
+
+
+def arm_groups(g: Grid, arms: Mapping[str, tuple[str, str]]) -> dict[str, list[str]]:
+    """The grid's tables by learning-rate arm (``arms``: table -> (task, arm)), the
+    shared-rate ones under ``same_lr``: tables whose means and leads may be taken together."""
+    out: dict[str, list[str]] = {}
+    for t in g:
+        arm = arms.get(t, ("", ""))[1]
+        out.setdefault("same_lr" if arm in SHARED else arm, []).append(t)
+    return out
+
+
+def tuned_changes(g: Grid, arms: Mapping[str, tuple[str, str]]) -> list[Change]:
+    """Each scheme's change from the shared rate to its tuned one, ``tuned_lr - same_lr``,
+    over the tasks with both tables where it learned at both; empty without such a task."""
+    pairs: dict[str, dict[str, str]] = {}
+    for t in g:
+        task, arm = arms.get(t, ("", ""))
+        if arm in ("same_lr", TUNED):
+            pairs.setdefault(task, {})[arm] = t
+    both = [(p["same_lr"], p[TUNED]) for p in pairs.values() if len(p) == 2]
+    out = []
+    for e in encoders(g) if both else []:
+        learned = [(s, t) for s, t in both if _learned(g[s].get(e)) and _learned(g[t].get(e))]
+        diffs = [_mean(g[t][e]) - _mean(g[s][e]) for s, t in learned]
+        out.append(Change(e, diffs, [arms[t][0] for _, t in learned]))
+    return out
+
+
+def _change_table(head: str, moved: Sequence[Change]) -> list[str]:
+    """A change table: per scheme the tasks counted, the mean change with its 95% interval
+    over them, and how many tasks moved up and down."""
+    out = ["", head, "", "| scheme | tasks both learned | change | better | worse |"]
+    out.append("|---|---|---|---|---|")
+    for c in moved:
+        out.append(
+            f"| {c.encoder} | {len(c.tasks)} | {_pm(c.diffs)} | "
+            f"{sum(d > 0 for d in c.diffs)} | {sum(d < 0 for d in c.diffs)} |"
+        )
+    return out
+
+
 def _counted(c: Cell | None) -> str:
     """``k/n`` when only k (one or more) of the cell's n runs count, else ""."""
     if c is None or not c.scores or len(c.scores) == c.runs:
@@ -241,14 +291,17 @@ def _p_text(p: float | None) -> str:
     return f"{p:.3f} ({'lead' if p < ALPHA else 'tie'})"
 
 
-def _per_scheme(g: Grid, names: Sequence[str]) -> list[str]:
+def _per_scheme(g: Grid, names: Sequence[str], arm: str = "") -> list[str]:
     """The per-scheme table of the section: the tasks each scheme learned and its runs
-    counted, its mean over the common tasks, and the best scheme's lead over it there."""
+    counted, its mean over the common tasks, and the best scheme's lead over it there
+    (``arm``: the learning-rate arm its tables share, named in the text when given)."""
     found = leads(g, names)
     common, best = found.common, found.best
     n = len(common)
+    at = {"same_lr": "one rate shared by every scheme", TUNED: "each scheme's tuned rate"}
     text = (
-        f"Per scheme: the tasks it learned (of {len(g)}), its runs counted (those that "
+        (f"At {at.get(arm, arm.replace('lr', 'lr ', 1))} (tables `{arm}`). " if arm else "")
+        + f"Per scheme: the tasks it learned (of {len(g)}), its runs counted (those that "
         f"learned, of its runs), and its mean score over the {n} "
         f"{'task' if n == 1 else 'tasks'} every scheme here learned"
         + (f" ({', '.join(common)})" if common else "")
@@ -290,11 +343,15 @@ def _per_scheme(g: Grid, names: Sequence[str]) -> list[str]:
     return out
 
 
-def section(g: Grid, figure: Path | None = None) -> list[str]:
+def section(
+    g: Grid, figure: Path | None = None, arms: Mapping[str, tuple[str, str]] | None = None
+) -> list[str]:
     """The markdown of the section (empty for an empty grid), with ``figure`` (the
-    written :func:`figures`) under its table."""
+    written :func:`figures`) under its table; ``arms``: each table's (task, learning-rate
+    arm), so that means and leads stay within an arm (:func:`arm_groups`)."""
     if not g:
         return []
+    arms = arms or {}
     names = encoders(g)
     side_by_side = len(g) >= MIN_TASKS
     out = [
@@ -313,24 +370,28 @@ def section(g: Grid, figure: Path | None = None) -> list[str]:
         out.append(f"| {task} | " + " | ".join(_cell(row.get(e)) for e in names) + " |")
     if figure is not None:
         out += ["", f"![{figure.stem}]({figure.name})"]
-    if side_by_side:
-        out += _per_scheme(g, names)
+    grouped = arm_groups(g, arms)
+    for arm, tables in grouped.items():
+        if len(tables) >= MIN_TASKS:
+            label = arm if len(grouped) > 1 else ""
+            out += _per_scheme({t: g[t] for t in tables}, names, label)
     moved = changes(g)
     if moved:
-        out += [
-            "",
+        head = (
             "Randomized positions (Ruoss et al. 2023): `X_rand - X`, score points, mean "
             "over the tasks both learned with its 95% interval over those tasks; better "
-            "and worse count the tasks.",
-            "",
-            "| scheme | tasks both learned | change | better | worse |",
-            "|---|---|---|---|---|",
-        ]
-        for c in moved:
-            out.append(
-                f"| {c.encoder} | {len(c.tasks)} | {_pm(c.diffs)} | "
-                f"{sum(d > 0 for d in c.diffs)} | {sum(d < 0 for d in c.diffs)} |"
-            )
+            "and worse count the tasks."
+        )
+        out += _change_table(head, moved)
+    tuned = tuned_changes(g, arms)
+    if tuned:
+        head = (
+            "Tuned rates: `tuned_lr - same_lr`, each scheme's score at its tuned rate "
+            "minus its score at the rate shared by every scheme, score points, mean over "
+            "the tasks where it learned at both with its 95% interval over those tasks; "
+            "better and worse count the tasks."
+        )
+        out += _change_table(head, tuned)
     return [*out, ""]
 
 
