@@ -1328,20 +1328,49 @@ def test_a_task_at_two_rate_arms_is_one_task_and_the_tuned_change_has_its_table(
             t = tuned | {"encoder": enc}
             learned = at_tuned is not None
             _run(tmp_path, f"{task}_{enc}_t", enc, 0, {}, learned, lr=1e-3, tuned=t, **common)
+    for enc, x in [("a", 20.0), ("b", 40.0), ("c", 10.0)]:  # a task run only at tuned rates
+        common = {"problem": "sum", "train_lengths": (1, 2)}
+        common["by_size"] = _by_size({1: 0.0, 2: 0.0, 3: x, 4: x})
+        t = tuned | {"task": "algo_sum", "encoder": enc}
+        _run(tmp_path, f"sum_{enc}", enc, 0, {}, True, lr=1e-3, tuned=t, **common)
     build_report(tmp_path, tensorboard=False)
     md = (tmp_path / "report" / "report.md").read_text()
     across = md[md.index("## Across the tasks") :]
     assert "| algo_parity_tuned_lr | 70.0 | 35.0 | not learned |" in across
+    assert "| algo_sum | 20.0 | 40.0 | 10.0 |" in across
     # over parity (same_lr), sort and copy: a 76.7, b 60, c 48.3
     head = "At one rate shared by every scheme (tables `same_lr`). Per scheme: the tasks it"
     assert head in across and "(algo_copy, algo_parity_same_lr, algo_sort)." in across
     assert "| a | 3 | 3/3 | 76.7 | best | |" in across
     assert "| b | 3 | 3/3 | 60.0 | +16.7 ± " in across  # 30, 10, 10
-    assert across.count("Per scheme:") == 1  # the tuned arm has one table: no leads
+    # the tuned tables (parity's and sum's, a task run only at tuned rates) on their own
+    head = "At each scheme's tuned rate (tables `tuned_lr`). Per scheme: the tasks it learned"
+    assert head in across and "over the 1 task every scheme here learned (algo_sum)." in across
+    assert "| b | 2 | 2/2 | 40.0 | best | |" in across
+    assert across.count("Per scheme:") == 2
     assert "Tuned rates: `tuned_lr - same_lr`" in across
     assert "| a | 1 | +10.0 | 1 | 0 |" in across
     assert "| b | 1 | -15.0 | 0 | 1 |" in across
     assert "| c | 0 | no task | 0 | 0 |" in across
+
+
+def test_randomized_positions_change_within_each_rate_arm(tmp_path: Path) -> None:
+    """A task with runs at the shared rate and at tuned rates, each arm with X and X_rand:
+    the change X_rand - X is taken within each arm, one task each, never the task twice."""
+    for arm, (plain, rand) in [("same", (40.0, 50.0)), ("tuned", (60.0, 90.0))]:
+        for enc, x in [("rope", plain), ("rope_rand", rand)]:
+            extra = {"problem": "parity", "train_lengths": (1, 2)}
+            extra["by_size"] = _by_size({1: 0.0, 2: 0.0, 3: x, 4: x})
+            if arm == "tuned":
+                extra |= {"lr": 1e-3, "tuned": {"file": "/x/t.yaml", "encoder": enc, "lr": 1e-3}}
+            _run(tmp_path, f"{arm}_{enc}", enc, 0, {}, True, **extra)
+    build_report(tmp_path, tensorboard=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "better and worse count the tasks; at one rate shared by every scheme" in md
+    assert "| rope | 1 | +10.0 | 1 | 0 |" in md and "| rope | 1 | +30.0 | 1 | 0 |" in md
+    assert "| rope | 2 |" not in md
+    assert "| rope | 1 | +20.0 | 1 | 0 |" in md  # the tuned change: 60 - 40
+    assert "| rope_rand | 1 | +40.0 | 1 | 0 |" in md  # 90 - 50
 
 
 def test_across_the_tasks_figure_draws_the_cells() -> None:

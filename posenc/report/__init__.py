@@ -508,7 +508,12 @@ def markdown(
         out += [f"![{p.stem}]({p.name})" for p in figures if _figure_task(p, tasks) == task]
         out += [""]
     drawn = [p for p in figures if p.stem == suite.FIGURE]
-    arms = {task: (rs[0].base_task, rs[0].arm) for (task, _), rs in by_group.items()}
+    # (task, arm) per table; a task run only at tuned rates keeps its plain name (arm "")
+    # but is no shared-rate table
+    arms = {
+        task: (r.base_task, r.arm or ("tuned_lr" if r.tuned is not None else ""))
+        for (task, _), (r, *_) in by_group.items()
+    }
     out += suite.section(across, drawn[0] if drawn else None, arms)
     loose = [p for p in figures if _figure_task(p, tasks) is None and p not in drawn]
     if loose:

@@ -145,9 +145,15 @@ def changes(g: Grid) -> list[Change]:
     return out
 
 
-#: The arms whose tables hold each scheme at one rate shared by all ("": a task run at
-#: one rate only) and at its own tuned rate (:func:`posenc.report.tune.assign_arms`).
+#: The arms whose tables hold each scheme at one rate shared by all ("": a task whose runs
+#: all share one rate) and at its own tuned rate (:func:`posenc.report.tune.assign_arms`).
 SHARED, TUNED = ("", "same_lr"), "tuned_lr"
+
+
+def _arm_text(arm: str) -> str:
+    """``one rate shared by every scheme``, ``lr 0.001``: an arm as the section names it."""
+    named = {"same_lr": "one rate shared by every scheme", TUNED: "each scheme's tuned rate"}
+    return named.get(arm, arm.replace("lr", "lr ", 1))
 
 
 def arm_groups(g: Grid, arms: Mapping[str, tuple[str, str]]) -> dict[str, list[str]]:
@@ -298,9 +304,8 @@ def _per_scheme(g: Grid, names: Sequence[str], arm: str = "") -> list[str]:
     found = leads(g, names)
     common, best = found.common, found.best
     n = len(common)
-    at = {"same_lr": "one rate shared by every scheme", TUNED: "each scheme's tuned rate"}
     text = (
-        (f"At {at.get(arm, arm.replace('lr', 'lr ', 1))} (tables `{arm}`). " if arm else "")
+        (f"At {_arm_text(arm)} (tables `{arm}`). " if arm else "")
         + f"Per scheme: the tasks it learned (of {len(g)}), its runs counted (those that "
         f"learned, of its runs), and its mean score over the {n} "
         f"{'task' if n == 1 else 'tasks'} every scheme here learned"
@@ -375,14 +380,16 @@ def section(
         if len(tables) >= MIN_TASKS:
             label = arm if len(grouped) > 1 else ""
             out += _per_scheme({t: g[t] for t in tables}, names, label)
-    moved = changes(g)
-    if moved:
-        head = (
-            "Randomized positions (Ruoss et al. 2023): `X_rand - X`, score points, mean "
-            "over the tasks both learned with its 95% interval over those tasks; better "
-            "and worse count the tasks."
-        )
-        out += _change_table(head, moved)
+    for arm, tables in grouped.items():
+        moved = changes({t: g[t] for t in tables})
+        if moved:
+            head = (
+                "Randomized positions (Ruoss et al. 2023): `X_rand - X`, score points, mean "
+                "over the tasks both learned with its 95% interval over those tasks; better "
+                "and worse count the tasks"
+                + (f"; at {_arm_text(arm)} (tables `{arm}`)." if len(grouped) > 1 else ".")
+            )
+            out += _change_table(head, moved)
     tuned = tuned_changes(g, arms)
     if tuned:
         head = (

@@ -205,7 +205,8 @@ def choose(
     """One encoder's rate and the rates that tied with it: the best mean criterion, where
     losses at or below :data:`LOSS_FLOOR` are equal; among tied rates, the one whose runs
     met the learnability gate earliest (mean step), then the one farthest from the grid's
-    ends (a tie never asks for a wider grid), then the smaller. None: no rate has a result."""
+    ends (so a tie at equal steps never asks for a wider grid), then the smaller. None: no
+    rate has a result."""
     scored = {lr: c.mean for lr, c in by_rate.items() if c.mean is not None}
     if not scored:
         return None
