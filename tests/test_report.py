@@ -868,6 +868,37 @@ def test_losses_under_float32_resolution_tie_and_the_gate_step_then_the_inner_ra
     assert written["tasks"]["lm"]["tied"] == {"rope": [1e-3, 3e-3, 1e-2], "alibi": [1e-3, 3e-3]}
 
 
+def test_a_choice_at_the_end_of_its_own_grid_is_at_the_edge_when_others_ran_wider(
+    tmp_path: Path,
+) -> None:
+    """alibi ran one rate past rope's grid: rope's pick at the top of its own grid is still
+    at the edge, and the hint widens each past its own end (rope to 3e-2, alibi to 1e-1)."""
+    losses = {("rope", 1e-3): 2.0, ("rope", 3e-3): 1.5, ("rope", 1e-2): 1.2}
+    losses |= {("alibi", 1e-3): 2.0, ("alibi", 3e-3): 1.8, ("alibi", 1e-2): 1.6}
+    losses |= {("alibi", 3e-2): 1.4}
+    for i, ((encoder, lr), loss) in enumerate(losses.items()):
+        write_run(
+            tmp_path / "grid" / f"{i}_run",
+            "lm",
+            encoder,
+            0,
+            {"val/loss": loss},
+            config={"seed": 0, "task": {"optim": {"lr": lr}}},
+            **LM_EXTRA,
+        )
+    build_report(tmp_path / "grid", tensorboard=False)
+    md = (tmp_path / "grid" / "report" / "report.md").read_text()
+    assert "> Chosen at the edge of the grid: alibi, rope;" in md
+    assert (
+        "> Widen it (rope): `python run.py -m <the same sweep> encoder=rope task.optim.lr=0.03`"
+        in md
+    )
+    assert (
+        "> Widen it (alibi): `python run.py -m <the same sweep> encoder=alibi task.optim.lr=0.1`"
+        in md
+    )
+
+
 @pytest.mark.parametrize("stop", [True, False])
 def test_a_grid_whose_runs_the_gate_stopped_at_different_steps_says_they_do_not_compare(
     tmp_path: Path, stop: bool

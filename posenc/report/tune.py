@@ -133,16 +133,25 @@ class Grid:
         """Encoders with a choice made while some of their runs failed."""
         return [e for e in self.chosen if self.failed(e)]
 
-    def at_edge(self) -> list[str]:
-        """Encoders whose chosen rate is the grid's smallest or largest: a wider grid
-        might do better for them."""
-        ends = (min(self.rates), max(self.rates))
-        return [e for e, lr in self.chosen.items() if lr in ends and len(self.rates) > 1]
+    def rates_of(self, encoder: str) -> list[float]:
+        """The rates ``encoder`` ran at (with a result or failed): its own grid, which a
+        wider grid for other encoders does not widen."""
+        return sorted(self.cells.get(encoder, {}))
 
-    def beyond_edges(self) -> dict[float, float]:
-        """The next rate past each end of the grid, one grid step on (its rates are
-        geometric: 3e-4, 1e-3, 3e-3 -> 1e-4 below, 1e-2 above): ``{end: beyond}``."""
-        r = sorted(self.rates)
+    def at_edge(self) -> list[str]:
+        """Encoders whose chosen rate is the smallest or largest of their own grid: a wider
+        grid might do better for them."""
+        out = []
+        for e, lr in self.chosen.items():
+            own = self.rates_of(e)
+            if len(own) > 1 and lr in (own[0], own[-1]):
+                out.append(e)
+        return out
+
+    def beyond_edges(self, rates: Sequence[float] | None = None) -> dict[float, float]:
+        """The next rate past each end of the grid (or of ``rates``), one grid step on (its
+        rates are geometric: 3e-4, 1e-3, 3e-3 -> 1e-4 below, 1e-2 above): ``{end: beyond}``."""
+        r = sorted(self.rates if rates is None else rates)
         if len(r) < 2:
             return {}
         up, down = r[-1] ** 2 / r[-2], r[0] ** 2 / r[1]  # the last step once more
@@ -188,7 +197,7 @@ def grids(runs: Sequence[Run], failures: Sequence[Failure] = ()) -> list[Grid]:
         rates = sorted({lr for by_rate in cells.values() for lr in by_rate})
         chosen, tied = {}, {}
         for encoder, by_rate in cells.items():
-            choice = choose(by_rate, lower, rates)
+            choice = choose(by_rate, lower, sorted(by_rate))
             if choice is not None:
                 chosen[encoder], ties = choice
                 if len(ties) > 1:
@@ -204,9 +213,9 @@ def choose(
 ) -> tuple[float, list[float]] | None:
     """One encoder's rate and the rates that tied with it: the best mean criterion, where
     losses at or below :data:`LOSS_FLOOR` are equal; among tied rates, the one whose runs
-    met the learnability gate earliest (mean step), then the one farthest from the grid's
-    ends (so a tie at equal steps never asks for a wider grid), then the smaller. None: no
-    rate has a result."""
+    met the learnability gate earliest (mean step), then the one farthest from the ends of
+    ``rates`` (the encoder's own grid; so a tie at equal steps never asks for a wider
+    grid), then the smaller. None: no rate has a result."""
     scored = {lr: c.mean for lr, c in by_rate.items() if c.mean is not None}
     if not scored:
         return None
@@ -320,8 +329,11 @@ def grid_table(grid: Grid) -> list[str]:
             f"> Chosen at the edge of the grid: {', '.join(edge)}; a wider grid may suit "
             f"{'it' if len(edge) == 1 else 'them'} better.",
         ]
-        for end, beyond in grid.beyond_edges().items():
-            names = [e for e in edge if grid.chosen[e] == end]
+        wider: dict[float, list[str]] = {}
+        for e in edge:  # past the end of each one's own grid
+            beyond = grid.beyond_edges(grid.rates_of(e))[grid.chosen[e]]
+            wider.setdefault(beyond, []).append(e)
+        for beyond, names in sorted(wider.items()):
             if names:
                 lines.append(
                     f"> Widen it ({', '.join(names)}): `python run.py -m <the same sweep> "
