@@ -872,7 +872,8 @@ def test_a_choice_at_the_end_of_its_own_grid_is_at_the_edge_when_others_ran_wide
     tmp_path: Path,
 ) -> None:
     """alibi ran one rate past rope's grid: rope's pick at the top of its own grid is still
-    at the edge, and the hint widens each past its own end (rope to 3e-2, alibi to 1e-1)."""
+    at the edge, and the hint widens each past its own end (rope to 3e-2, alibi to 1e-1),
+    naming the schemes as the jobs did (``+variant=``, as the sweep presets' arms)."""
     losses = {("rope", 1e-3): 2.0, ("rope", 3e-3): 1.5, ("rope", 1e-2): 1.2}
     losses |= {("alibi", 1e-3): 2.0, ("alibi", 3e-3): 1.8, ("alibi", 1e-2): 1.6}
     losses |= {("alibi", 3e-2): 1.4}
@@ -886,15 +887,18 @@ def test_a_choice_at_the_end_of_its_own_grid_is_at_the_edge_when_others_ran_wide
             config={"seed": 0, "task": {"optim": {"lr": lr}}},
             **LM_EXTRA,
         )
+        (tmp_path / "grid" / f"{i}_run" / ".hydra").mkdir()
+        given = f"- seed=0\n- +variant={encoder}\n- task.optim.lr={lr}\n"
+        (tmp_path / "grid" / f"{i}_run" / ".hydra" / "overrides.yaml").write_text(given)
     build_report(tmp_path / "grid", tensorboard=False)
     md = (tmp_path / "grid" / "report" / "report.md").read_text()
     assert "> Chosen at the edge of the grid: alibi, rope;" in md
     assert (
-        "> Widen it (rope): `python run.py -m <the same sweep> encoder=rope task.optim.lr=0.03`"
+        "> Widen it (rope): `python run.py -m <the same sweep> +variant=rope task.optim.lr=0.03`"
         in md
     )
     assert (
-        "> Widen it (alibi): `python run.py -m <the same sweep> encoder=alibi task.optim.lr=0.1`"
+        "> Widen it (alibi): `python run.py -m <the same sweep> +variant=alibi task.optim.lr=0.1`"
         in md
     )
 

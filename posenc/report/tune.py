@@ -120,6 +120,8 @@ class Grid:
     #: learnability gate ended early (``task.learned.stop``, once they learned).
     steps: list[int] = field(default_factory=list)
     stopped: int = 0
+    #: How its jobs named their scheme (``encoder`` or ``+variant``), for the widening hint.
+    arm_key: str = "encoder"
 
     def failed(self, encoder: str) -> list[float]:
         """The rates at which some run of ``encoder`` failed."""
@@ -204,8 +206,21 @@ def grids(runs: Sequence[Run], failures: Sequence[Failure] = ()) -> list[Grid]:
                     tied[encoder] = ties
         steps = [r.record.train_steps for r in rs if r.record.train_steps is not None]
         stopped = sum(_gate_stopped(r, max(steps, default=0)) for r in rs)
-        out.append(Grid(task, metric, lower, rates, cells, chosen, tied, steps, stopped))
+        key = "+variant" if any(map(_given_variant, rs)) else "encoder"
+        out.append(Grid(task, metric, lower, rates, cells, chosen, tied, steps, stopped, key))
     return out
+
+
+def _given_variant(run: Run) -> bool:
+    """Whether the job chose its scheme with ``+variant=`` (its ``.hydra/overrides.yaml``),
+    as the sweep presets' arms do: a wider grid names the schemes the same way."""
+    try:
+        given = (run.dir / ".hydra" / "overrides.yaml").read_text()
+    except OSError:
+        return False
+    return any(
+        line.lstrip("- ").startswith(("+variant=", "variant=")) for line in given.splitlines()
+    )
 
 
 def choose(
@@ -337,7 +352,7 @@ def grid_table(grid: Grid) -> list[str]:
             if names:
                 lines.append(
                     f"> Widen it ({', '.join(names)}): `python run.py -m <the same sweep> "
-                    f"encoder={','.join(names)} task.optim.lr={lr_text(beyond)}`, then one "
+                    f"{grid.arm_key}={','.join(names)} task.optim.lr={lr_text(beyond)}`, then one "
                     f"report over both sweep directories."
                 )
     return lines
