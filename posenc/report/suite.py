@@ -18,11 +18,11 @@ report too, the change is ``X_rand - X`` over the tasks both learned, with its 9
 interval over those tasks (Student's t): the quantity behind Ruoss et al.'s "+12.0% on
 average over the 15 tasks".
 
-Tables of one task at different learning-rate arms (``_same_lr``, ``_tuned_lr``, ``_lr0.001``)
-are one task, never two: the means, leads and randomized-positions changes are taken
-within an arm (the shared-rate tasks together, the tuned ones together), and each scheme's
-change from its shared rate
-to its tuned one (``tuned_lr - same_lr``) has a table of its own.
+Tables of one task at different learning-rate arms (``_same_lr``, ``_tuned_lr``,
+``_lr0.001``) are one task, never two: the means, leads and randomized-positions changes
+are taken within an arm (the shared-rate tasks together, the tuned ones together), and
+each scheme's change from its shared rate to its tuned one (``tuned_lr - same_lr``) has a
+table of its own.
 """
 
 from __future__ import annotations

@@ -349,12 +349,11 @@ def grid_table(grid: Grid) -> list[str]:
             beyond = grid.beyond_edges(grid.rates_of(e))[grid.chosen[e]]
             wider.setdefault(beyond, []).append(e)
         for beyond, names in sorted(wider.items()):
-            if names:
-                lines.append(
-                    f"> Widen it ({', '.join(names)}): `python run.py -m <the same sweep> "
-                    f"{grid.arm_key}={','.join(names)} task.optim.lr={lr_text(beyond)}`, then one "
-                    f"report over both sweep directories."
-                )
+            lines.append(
+                f"> Widen it ({', '.join(names)}): `python run.py -m <the same sweep> "
+                f"{grid.arm_key}={','.join(names)} task.optim.lr={lr_text(beyond)}`, then one "
+                f"report over both sweep directories."
+            )
     return lines
 
 
