@@ -199,7 +199,7 @@ def grids(runs: Sequence[Run], failures: Sequence[Failure] = ()) -> list[Grid]:
         rates = sorted({lr for by_rate in cells.values() for lr in by_rate})
         chosen, tied = {}, {}
         for encoder, by_rate in cells.items():
-            choice = choose(by_rate, lower, sorted(by_rate))
+            choice = choose(by_rate, lower)
             if choice is not None:
                 chosen[encoder], ties = choice
                 if len(ties) > 1:
@@ -223,20 +223,20 @@ def _given_variant(run: Run) -> bool:
     )
 
 
-def choose(
-    by_rate: dict[float, GridCell], lower: bool, rates: Sequence[float]
-) -> tuple[float, list[float]] | None:
+def choose(by_rate: dict[float, GridCell], lower: bool) -> tuple[float, list[float]] | None:
     """One encoder's rate and the rates that tied with it: the best mean criterion, where
     losses at or below :data:`LOSS_FLOOR` are equal; among tied rates, the one whose runs
     met the learnability gate earliest (mean step), then the one farthest from the ends of
-    ``rates`` (the encoder's own grid; so a tie at equal steps never asks for a wider
-    grid), then the smaller. None: no rate has a result."""
+    the encoder's own grid (so a tie at equal steps never asks for a wider grid), then the
+    smaller. None: no rate has a result."""
     scored = {lr: c.mean for lr, c in by_rate.items() if c.mean is not None}
     if not scored:
         return None
     level = {lr: max(m, LOSS_FLOOR) if lower else -m for lr, m in scored.items()}
     best = min(level.values())
     ties = sorted(lr for lr, v in level.items() if v == best)
+
+    rates = sorted(by_rate)  # its own grid, failed rates included
 
     def inner(lr: float) -> int:
         i = rates.index(lr)
