@@ -454,7 +454,7 @@ def sweep_problems(
             unseeded, job_configs(config, jobs, lambda i: unseeded[i] not in checked), strict=True
         ):
             if cfg is not None:
-                checked[same] = _job_problems(cfg)
+                checked[same] = _job_problems(cfg, job)
             if checked[same]:
                 name = " ".join(o for o in job if o.partition("=")[0] in varying) or " ".join(job)
                 refused.append((name, checked[same]))
@@ -509,10 +509,11 @@ def job_configs(
         yield job, cfg
 
 
-def _job_problems(cfg: DictConfig) -> list[str]:
-    """The problems :func:`posenc.config.validate` finds in one job's config."""
+def _job_problems(cfg: DictConfig, job: list[str]) -> list[str]:
+    """The problems :func:`posenc.config.validate` finds in one job's config (``job``:
+    its overrides)."""
     try:
-        tuned.apply(cfg)
+        tuned.apply(cfg, {o.partition("=")[0].lstrip("+~") for o in job})
         # the jobs check their machine themselves; the config is this check's own copy
         validate(cfg, machine=False, copy=False)
     except ConfigError as err:

@@ -201,7 +201,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         The metrics dictionary written to ``<run dir>/metrics.json``.
     """
     quiet_third_party()
-    tuned.apply(cfg)  # +tuned=<report dir>: this encoder's tuned lr, before the checks
+    # +tuned=<report dir>: this encoder's tuned lr, before the checks
+    tuned.apply(cfg, command_line_keys(cfg) or ())
     take_checkpoint_model(cfg)
     validate(cfg)
     run_dir = Path(cfg.paths.output_dir)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,14 +164,17 @@ def run_key(cfg: DictConfig) -> tuple[str, str]:
     return task_key(str(t.name), t.get("problem"), t.get("shape")), result_name(cfg)
 
 
-def apply(cfg: DictConfig) -> None:
+def apply(cfg: DictConfig, given: Collection[str] = ()) -> None:
     """With ``tuned`` set to a directory or file: set ``task.optim.lr`` to this run's
     tuned rate and replace ``tuned`` by the record ``{file, task, encoder, lr}``. A
     ``tuned`` that is already such a record (a resumed run's) is checked against the lr.
+    ``given``: the keys the command line set; a learning rate among them and ``+tuned``
+    contradict each other (one of the two would be ignored), so they are refused.
 
     Raises:
-        ConfigError: One line: no file, a malformed one, no rate for this task or encoder,
-            or a rate chosen while some of its grid failed (:func:`check_complete`).
+        ConfigError: One line: both a learning rate and ``+tuned`` given, no file, a
+            malformed one, no rate for this task or encoder, or a rate chosen while some
+            of its grid failed (:func:`check_complete`).
     """
     source = cfg.get("tuned")
     if source is None:
@@ -183,6 +186,12 @@ def apply(cfg: DictConfig) -> None:
                 f"give +tuned=<report dir> (not a record) to take the tuned rate"
             )
         return
+    if "task.optim.lr" in given:
+        raise ConfigError(
+            f"tuned={source} and task.optim.lr={cfg.task.optim.lr} both set the learning "
+            f"rate; drop task.optim.lr to train each scheme at its tuned rate, or drop "
+            f"+tuned to train at {cfg.task.optim.lr}"
+        )
     path = locate(str(source))
     found = load(path)
     rates = found.rates

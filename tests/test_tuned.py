@@ -217,3 +217,41 @@ def test_run_py_refuses_a_bad_file_before_the_sweep_starts(tmp_path: Path) -> No
         f"sweep=lr_tune>)"
     )
     assert not (tmp_path / "outputs").exists()  # no job started
+
+
+def test_a_learning_rate_given_with_tuned_is_refused_as_a_contradiction(tmp_path: Path) -> None:
+    """``task.optim.lr`` on the command line and ``+tuned`` both set the rate: one of the
+    two would be ignored without a word (``+tuned`` overwrote the given rate), so the
+    pair is refused in one line naming both and how to keep either; a rate a preset sets
+    is what ``+tuned`` replaces, and a run that gives none takes its tuned rate."""
+    d = _tuned_dir(tmp_path)
+    cfg = compose_run(tmp_path, "encoder=rope", f"+tuned={d}", "task.optim.lr=0.01")
+    with pytest.raises(ConfigError) as err:
+        tuned.apply(cfg, {"encoder._target_", "tuned", "task.optim.lr"})
+    assert str(err.value) == (
+        f"tuned={d} and task.optim.lr=0.01 both set the learning rate; drop task.optim.lr "
+        f"to train each scheme at its tuned rate, or drop +tuned to train at 0.01"
+    )
+    tuned.apply(cfg, {"encoder._target_", "tuned"})  # the same value from a preset
+    assert cfg.task.optim.lr == 3e-3
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_run_py_refuses_a_learning_rate_given_with_tuned_before_training(
+    tmp_path: Path, sweep: bool
+) -> None:
+    d = _tuned_dir(tmp_path)
+    args = ["-m", "encoder=rope,alibi", "task.optim.lr=1e-3,3e-3"] if sweep else ["encoder=rope"]
+    proc = run_py(tmp_path, *args, f"+tuned={d}", *([] if sweep else ["task.optim.lr=0.01"]))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = proc.stderr.strip()
+    if sweep:  # the sweep check names each refused job before any starts
+        assert said.count("both set the learning rate") == 2, said
+        assert f"tuned={d} and task.optim.lr=0.003 both set the learning rate" in said
+    else:
+        assert said == (
+            f"error: tuned={d} and task.optim.lr=0.01 both set the learning rate; drop "
+            f"task.optim.lr to train each scheme at its tuned rate, or drop +tuned to train "
+            f"at 0.01"
+        )
+    assert not list((tmp_path / "outputs").rglob("*.ckpt"))  # nothing trained
