@@ -51,6 +51,7 @@ from posenc.training.rundir import (
     write_text_atomic,
 )
 from posenc.training.summary import sweep_resume_command
+from posenc.training.trainer import override_keys
 
 log = logging.getLogger("posenc.run")
 
@@ -513,7 +514,7 @@ def _job_problems(cfg: DictConfig, job: list[str]) -> list[str]:
     """The problems :func:`posenc.config.validate` finds in one job's config (``job``:
     its overrides)."""
     try:
-        tuned.apply(cfg, {o.partition("=")[0].lstrip("+~") for o in job})
+        tuned.apply(cfg, override_keys(job))
         # the jobs check their machine themselves; the config is this check's own copy
         validate(cfg, machine=False, copy=False)
     except ConfigError as err:

@@ -8,7 +8,7 @@ import math
 import signal
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar, cast
@@ -390,11 +390,13 @@ def command_line_keys(cfg: Any) -> set[str] | None:
 
     given = OmegaConf.select(untyped(cfg), "hydra.overrides.task")
     if HydraConfig.initialized():
-        overrides = list(HydraConfig.get().overrides.task)
-    elif given is not None:
-        overrides = list(given)
-    else:
-        return None
+        return override_keys(HydraConfig.get().overrides.task)
+    return None if given is None else override_keys(given)
+
+
+def override_keys(overrides: Iterable[str]) -> set[str]:
+    """The config keys a list of overrides sets (``model.d_model=32``, ``+encoder.x=1``)
+    and, for a group choice (``encoder=rope``), its ``_target_``."""
     keys = {o.partition("=")[0].lstrip("+~") for o in overrides}
     return {k if "." in k else f"{k}._target_" for k in keys}
 
