@@ -110,12 +110,12 @@ def checkpoint_model(cfg: DictConfig, saved: dict[str, Any], given: set[str]) ->
     return {k: v for k, v in flat.items() if k not in given and OmegaConf.select(cfg, k) != v}
 
 
-def take_checkpoint_model(cfg: DictConfig) -> None:
+def take_checkpoint_model(cfg: DictConfig, given: set[str] | None) -> None:
     """``eval_only``: the checkpoint's model sizes and encoder options
     (:func:`checkpoint_model`) replace the config's defaults, before the config is checked,
     so evaluating a small model needs no sizes retyped; so does its ``label`` where this
-    run sets none."""
-    given = command_line_keys(cfg)
+    run sets none. ``given``: the keys the command line set (:func:`command_line_keys`;
+    None when unknown, and then nothing is taken)."""
     path = cfg.get("ckpt_path")
     if not (cfg.get("eval_only") is True and path and given is not None and Path(path).is_file()):
         return
@@ -201,9 +201,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         The metrics dictionary written to ``<run dir>/metrics.json``.
     """
     quiet_third_party()
+    given = command_line_keys(cfg)
     # +tuned=<report dir>: this encoder's tuned lr, before the checks
-    tuned.apply(cfg, command_line_keys(cfg) or ())
-    take_checkpoint_model(cfg)
+    tuned.apply(cfg, given or ())
+    take_checkpoint_model(cfg, given)
     validate(cfg)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -388,9 +388,9 @@ def command_line_keys(cfg: Any) -> set[str] | None:
     config composed by hand, whose overrides are unknown)."""
     from hydra.core.hydra_config import HydraConfig
 
-    given = OmegaConf.select(untyped(cfg), "hydra.overrides.task")
     if HydraConfig.initialized():
         return override_keys(HydraConfig.get().overrides.task)
+    given = OmegaConf.select(untyped(cfg), "hydra.overrides.task")
     return None if given is None else override_keys(given)
 
 
