@@ -868,6 +868,48 @@ def test_losses_under_float32_resolution_tie_and_the_gate_step_then_the_inner_ra
     assert written["tasks"]["lm"]["tied"] == {"rope": [1e-3, 3e-3, 1e-2], "alibi": [1e-3, 3e-3]}
 
 
+def test_a_choice_at_a_rate_where_no_run_learned_is_named_with_where_they_did(
+    tmp_path: Path,
+) -> None:
+    """The lowest loss chooses even where no run met the gate: rope's 1e-3 (lower loss,
+    unlearned) over its 3e-3 (learned), and alibi, which learned at no rate. The report
+    names both (in its order of schemes), with where rope did learn; xl, learned at its
+    choice, and t5, whose runs had no gate, are not named."""
+    root = tmp_path / "grid"
+    values = {  # (encoder, lr): (val/loss, learned at the last validation; None: no gate)
+        ("rope", 1e-3): (0.02, False),
+        ("rope", 3e-3): (0.03, True),
+        ("alibi", 1e-3): (0.05, False),
+        ("alibi", 3e-3): (0.04, False),
+        ("xl", 1e-3): (0.01, True),
+        ("xl", 3e-3): (0.02, False),
+        ("t5", 1e-3): (0.01, None),
+        ("t5", 3e-3): (0.02, None),
+    }
+    for i, ((encoder, lr), (loss, learned)) in enumerate(values.items()):
+        gate = (
+            None if learned is None else {"metric": "val/seq_acc", "threshold": 95, "stop": False}
+        )
+        write_run(
+            root / str(i),
+            "lm",
+            encoder,
+            0,
+            {"val/loss": loss},
+            config={"seed": 0, "task": {"optim": {"lr": lr}}},
+            gate=gate,
+            learned=learned,
+            learned_step=1000 if learned else None,
+            train_steps=3000,
+            **LM_EXTRA,
+        )
+    build_report(root, tensorboard=False)
+    md = (root / "report" / "report.md").read_text()
+    line = next(x for x in md.splitlines() if x.startswith("> Chosen at a rate where no run"))
+    assert "alibi (at no rate); rope (its runs learned at 0.003)." in line
+    assert "xl" not in line and "t5" not in line
+
+
 def test_a_choice_at_the_end_of_its_own_grid_is_at_the_edge_when_others_ran_wider(
     tmp_path: Path,
 ) -> None:

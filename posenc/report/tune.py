@@ -90,6 +90,13 @@ class GridCell:
     failed: int = 0
     #: The step at which each run met the learnability gate (None: no gate, or never met).
     learned_steps: list[int | None] = field(default_factory=list)
+    #: Whether each run met the gate at its last validation (None: no gate, or unknown).
+    learned: list[bool | None] = field(default_factory=list)
+
+    @property
+    def none_learned(self) -> bool:
+        """Whether it has runs under a gate and not one of them learned."""
+        return bool(self.learned) and all(v is False for v in self.learned)
 
     @property
     def mean(self) -> float | None:
@@ -192,6 +199,7 @@ def grids(runs: Sequence[Run], failures: Sequence[Failure] = ()) -> list[Grid]:
             cell.values += values
             cell.failed += not_finite
             cell.learned_steps.append(r.record.learned_step)
+            cell.learned.append(r.record.learned)
         for where, encoder, lr in lost:
             if where == task:
                 cells.setdefault(encoder, {}).setdefault(lr, GridCell([])).failed += 1
@@ -336,7 +344,7 @@ def grid_table(grid: Grid) -> list[str]:
         partial = " (incomplete grid)" if encoder in grid.chosen and grid.failed(encoder) else ""
         row.append(lr_text(grid.chosen.get(encoder)) + partial)
         lines.append("| " + " | ".join(row) + " |")
-    lines += _tie_note(grid) + _incomplete_note(grid) + _steps_note(grid)
+    lines += _tie_note(grid) + _incomplete_note(grid) + _steps_note(grid) + _unlearned_note(grid)
     edge = grid.at_edge()
     if edge:
         lines += [
@@ -369,6 +377,27 @@ def _tie_note(grid: Grid) -> list[str]:
         f"> Tied on {grid.metric}{floor}: {each}. Among tied rates the one whose runs met "
         f"the learnability gate at the earliest step (mean over seeds) chose, then the one "
         f"farthest from the grid's ends, then the smaller.",
+    ]
+
+
+def _unlearned_note(grid: Grid) -> list[str]:
+    """A line naming the encoders chosen at a rate where none of their runs learned (met
+    the learnability gate at the last validation), and where they did learn if anywhere:
+    the choice stands on the criterion alone, and runs at that rate are likely to be left
+    out of the report's columns past the training length."""
+    each = []
+    for e, lr in grid.chosen.items():
+        if grid.cells[e][lr].none_learned:
+            elsewhere = [r for r, c in sorted(grid.cells[e].items()) if any(c.learned)]
+            where = ", ".join(map(lr_text, elsewhere))
+            each.append(f"{e} ({f'its runs learned at {where}' if where else 'at no rate'})")
+    if not each:
+        return []
+    return [
+        "",
+        f"> Chosen at a rate where no run learned (the learnability gate at the last "
+        f"validation): {'; '.join(each)}. The choice is the best {grid.metric} all the same; "
+        f"runs at it that do not learn are left out of the columns past the training length.",
     ]
 
 
